@@ -1,0 +1,531 @@
+"""PPO-RLHF math: pure tensor functions, no I/O, no DeepSpeed, no ZeroMQ.
+
+Every function takes and returns tensors; shapes are in each docstring with
+``B`` = batch (sequences), ``T`` = response length (right-padded), ``V`` = vocab.
+A ``response_mask`` is 1.0 (or True) at real response tokens and 0 at padding;
+every reduction is masked, so padding never reaches a loss or a statistic.
+Inputs that would silently broadcast, NaN inputs and rows without a single
+valid token are rejected with a ``ValueError`` that names the argument.
+
+How each function maps to the seed formulas (../shared/DESIGN.md, "The math"):
+
+=============================  ==============================================================
+formula                        function
+=============================  ==============================================================
+log pi(y_t | s_t)              ``logprobs_from_logits`` (logits / temperature, as sampled)
+KL estimate per token          ``kl_per_token``: k1 = log(pi/pi_ref), k2 = 0.5 log(pi/pi_ref)^2,
+                               k3 = (pi_ref/pi - 1) - log(pi_ref/pi)   (Schulman 2020)
+r_t = -beta KL_t, + r_RM at T  ``token_rewards`` (RM score at the last real token)
+rho_t = pi_theta / pi_old      ``ppo_policy_loss`` (``ratio``)
+L_clip = -E[min(rho A,         ``ppo_policy_loss``; dual clip (Ye et al. 2020) and the decoupled
+  clip(rho, 1-eps, 1+eps) A)]    off-policy form (Hilton et al. 2022) are options of it
+delta_t = r_t + gamma V_{t+1}  ``gae_advantages``
+  - V_t; A_t = sum (gamma
+  lambda)^l delta_{t+l}
+beta <- max(0, beta (1 + clip  ``learner.kl_control.adaptive_kl_coef`` (Ziegler et al. 2019)
+  ((KL-target)/target, ±0.2)
+  n/horizon))
+=============================  ==============================================================
+
+Worked checks from the seeds, both asserted in tests/test_ppo_math.py:
+logprobs -1.2 vs reference -1.6 with beta 0.05 gives a penalty of -0.02; ratio 1.3,
+eps 0.2, A = 2 gives min(2.6, 2.4) = 2.4 (a loss of -2.4).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+
+KLEstimator = Literal["k1", "k2", "k3"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+
+KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _check_finite(name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() and not torch.isfinite(tensor).all():
+        raise ValueError(f"{name} contains NaN or inf")
+
+
+def _check_shape(name: str, tensor: torch.Tensor, expected: torch.Size, expected_from: str) -> None:
+    if tensor.shape != expected:
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but {expected_from} has shape {tuple(expected)}"
+        )
+
+
+def _check_mask(mask: torch.Tensor, name: str = "response_mask") -> torch.Tensor:
+    """Validate a [B, T] mask and return it as float; every row needs one valid token."""
+    if mask.dim() != 2:
+        raise ValueError(f"{name} must be [batch, resp_len], got shape {tuple(mask.shape)}")
+    mask = mask.to(torch.float32) if not mask.is_floating_point() else mask
+    if ((mask != 0) & (mask != 1)).any():
+        raise ValueError(f"{name} must hold only 0 and 1")
+    empty_rows = (mask.sum(dim=-1) == 0).nonzero().flatten().tolist()
+    if empty_rows:
+        raise ValueError(f"{name} has no valid token in row(s) {empty_rows}")
+    return mask
+
+
+def _check_token_tensors(mask: torch.Tensor, **tensors: torch.Tensor) -> torch.Tensor:
+    """Check every [B, T] tensor against the mask's shape and for NaN; return the float mask."""
+    mask = _check_mask(mask)
+    for name, tensor in tensors.items():
+        _check_shape(name, tensor, mask.shape, "response_mask")
+        _check_finite(name, tensor)
+    return mask
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of ``values`` where ``mask`` is 1. values, mask: same shape. Returns a scalar or
+    the tensor reduced over ``dim``."""
+    _check_shape("values", values, mask.shape, "mask")
+    mask = mask.to(values.dtype)
+    product = values * mask
+    return product.sum() if dim is None else product.sum(dim=dim)
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Mean of ``values`` over positions where ``mask`` is 1.
+
+    values, mask: same shape. ``dim=None`` gives a scalar over every valid entry; ``dim=-1``
+    on [B, T] gives [B] per-row means. A reduction over no valid entry is an error.
+    """
+    count = masked_sum(torch.ones_like(values), mask, dim)
+    if (count == 0).any():
+        raise ValueError("masked_mean over a mask with no valid entry")
+    return masked_sum(values, mask, dim) / count
+
+
+def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) -> torch.Tensor:
+    """Variance of ``values`` over the mask, a scalar. values, mask: same shape.
+
+    ``unbiased`` applies Bessel's correction n / (n - 1) (needs at least two valid entries).
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask)
+    if unbiased:
+        count = mask.to(values.dtype).sum()
+        if count < 2:
+            raise ValueError("unbiased masked_var needs at least two valid entries")
+        variance = variance * count / (count - 1)
+    return variance
+
+
+def masked_whiten(
+    values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8
+) -> torch.Tensor:
+    """Normalise ``values`` to mean 0 and (unbiased) variance 1 over the mask.
+
+    values, mask: same shape; returns the same shape with padding set to 0.
+    ``shift_mean=False`` only rescales (keeps the mean): the choice of OpenAI's
+    lm-human-preferences for rewards, where the sign of the mean carries meaning.
+    """
+    mean = masked_mean(values, mask)
+    variance = masked_var(values, mask, unbiased=True)
+    whitened = (values - mean) * torch.rsqrt(variance + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * mask.to(values.dtype)
+
+
+# --------------------------------------------------------------------------- from logits
+
+
+def logprobs_from_logits(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+) -> torch.Tensor:
+    """Log-probabilities of the taken tokens.
+
+    logits: [B, T, V] (position t scores token t, i.e. already shifted); tokens: [B, T] int.
+    Returns [B, T]. Logits are divided by the sampling ``temperature`` first, so the result is
+    the log-probability under the same distribution the rollout sampled from (vLLM's logprobs
+    are of the temperature-scaled distribution).
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [batch, resp_len, vocab], got shape {tuple(logits.shape)}")
+    _check_shape("tokens", tokens, logits.shape[:2], "logits[..., 0]")
+    _check_finite("logits", logits)
+    scaled = logits.float() / temperature
+    # log_softmax then gather: numerically the same as gather minus logsumexp, one pass less.
+    log_normaliser = torch.logsumexp(scaled, dim=-1)
+    taken = torch.gather(scaled, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
+    return taken - log_normaliser
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the (temperature-scaled) next-token distribution per position.
+
+    logits: [B, T, V]. Returns [B, T] in nats: H = logsumexp(z) - sum softmax(z) z.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    _check_finite("logits", logits)
+    scaled = logits.float() / temperature
+    probs = torch.softmax(scaled, dim=-1)
+    return torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(dim=-1)
+
+
+# --------------------------------------------------------------------------- KL and rewards
+
+
+def kl_per_token(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator = "k1"
+) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi.
+
+    logprobs, ref_logprobs: [B, T] log-probabilities of the sampled tokens. Returns [B, T].
+    Estimators after Schulman, "Approximating KL divergence" (2020), with r = pi_ref / pi:
+      k1 = -log r = logprobs - ref_logprobs        (unbiased, can be negative)
+      k2 = 0.5 (log r)^2                           (biased, low variance, >= 0)
+      k3 = (r - 1) - log r                         (unbiased, >= 0)
+    The reference is detached: no gradient ever flows into the frozen SFT model.
+    """
+    _check_shape("ref_logprobs", ref_logprobs, logprobs.shape, "logprobs")
+    _check_finite("logprobs", logprobs)
+    _check_finite("ref_logprobs", ref_logprobs)
+    log_ratio = ref_logprobs.detach() - logprobs  # log r
+    if estimator == "k1":
+        return -log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio**2
+    if estimator == "k3":
+        return torch.expm1(log_ratio) - log_ratio
+    raise ValueError(f"kl estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+
+
+def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last valid token of each row. response_mask: [B, T]. Returns [B] long."""
+    mask = _check_mask(response_mask)
+    positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
+    return torch.where(mask > 0, positions, -1).max(dim=-1).values
+
+
+def token_rewards(
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    rm_scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    kl_coef: float,
+    kl_estimator: KLEstimator = "k1",
+    truncated: torch.Tensor | None = None,
+    truncation_penalty: float = 0.0,
+    score_clip: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards of InstructGPT's PPO: r_t = -beta KL_t, plus r_RM at the last token.
+
+    logprobs, ref_logprobs, response_mask: [B, T]; rm_scores: [B] (already normalised if the
+    caller normalises, see ``RunningMoments``). ``truncated``: [B] bool, True where a response
+    hit the length cap without an end-of-sequence token; ``truncation_penalty`` is added to its
+    score (use a negative number), after ``score_clip`` clips scores to [-score_clip, score_clip].
+
+    Returns (rewards [B, T], kl [B, T]), both zero at padding. The RM score lands on the last
+    real token of each row, so rows of different lengths each get theirs at their own end.
+    """
+    mask = _check_token_tensors(response_mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+    _check_shape("rm_scores", rm_scores, mask.shape[:1], "response_mask[:, 0]")
+    _check_finite("rm_scores", rm_scores)
+    if kl_coef < 0 or not math.isfinite(kl_coef):
+        raise ValueError(f"kl_coef must be a finite number >= 0, got {kl_coef}")
+    scores = rm_scores.detach().float()
+    if score_clip is not None:
+        scores = scores.clamp(-score_clip, score_clip)
+    if truncated is not None:
+        _check_shape("truncated", truncated, mask.shape[:1], "response_mask[:, 0]")
+        scores = scores + truncation_penalty * truncated.float()
+    kl = kl_per_token(logprobs.detach().float(), ref_logprobs.float(), kl_estimator) * mask
+    rewards = -kl_coef * kl
+    last = last_token_index(mask)
+    rewards = rewards.scatter_add(1, last.unsqueeze(1), scores.unsqueeze(1))
+    return rewards, kl
+
+
+class RunningMoments:
+    """Running mean and standard deviation of RM scores (Chan et al. parallel update).
+
+    Used to normalise scores across steps; its state goes into the learner checkpoint so a
+    resumed run normalises exactly as the uninterrupted one would.
+    """
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.var = 1.0
+        self.count = 0
+
+    def update(self, scores: torch.Tensor) -> None:
+        """Fold a batch of scores [N] into the running moments."""
+        _check_finite("scores", scores)
+        scores = scores.detach().double().flatten()
+        batch_count = scores.numel()
+        if batch_count == 0:
+            return
+        batch_mean = scores.mean().item()
+        batch_var = scores.var(unbiased=False).item()
+        total = self.count + batch_count
+        delta = batch_mean - self.mean
+        m2 = self.var * self.count + batch_var * batch_count + delta**2 * self.count * batch_count / total
+        self.mean += delta * batch_count / total
+        self.var = m2 / total
+        self.count = total
+
+    @property
+    def std(self) -> float:
+        return math.sqrt(self.var * self.count / (self.count - 1)) if self.count > 1 else 1.0
+
+    def normalize(self, scores: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8) -> torch.Tensor:
+        """Scores [N] scaled by the running std (and shifted by the running mean)."""
+        centred = scores - self.mean if shift_mean else scores
+        return centred / (self.std + eps)
+
+    def state_dict(self) -> dict[str, float | int]:
+        return {"mean": self.mean, "var": self.var, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, float | int]) -> None:
+        self.mean, self.var, self.count = float(state["mean"]), float(state["var"]), int(state["count"])
+
+
+# --------------------------------------------------------------------------- advantages
+
+
+def gae_advantages(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over token sequences.
+
+    rewards, values, response_mask: [B, T]. Returns (advantages [B, T], returns [B, T]),
+    zero at masked positions; returns = advantages + values (the critic's regression target).
+
+    delta_t = r_t + gamma V(s_{t+1}) - V(s_t);  A_t = delta_t + gamma lambda A_{t+1}.
+    The recursion runs over valid tokens only: a masked position (left padding of a prompt,
+    right padding after the response, a hole in the middle) is skipped, so "t+1" is the next
+    valid token and the value after the last valid token is 0 (the episode ends there).
+    Values are detached: the critic learns from ``value_loss``, not through the advantages.
+    """
+    mask = _check_token_tensors(response_mask, rewards=rewards, values=values)
+    rewards, values = rewards.detach().float(), values.detach().float()
+    batch, length = mask.shape
+    next_value = torch.zeros(batch, device=values.device)
+    next_advantage = torch.zeros(batch, device=values.device)
+    advantages = torch.zeros_like(values)
+    for t in reversed(range(length)):
+        valid = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        advantage = delta + gamma * lam * next_advantage
+        advantages[:, t] = torch.where(valid, advantage, 0.0)
+        next_value = torch.where(valid, values[:, t], next_value)
+        next_advantage = torch.where(valid, advantage, next_advantage)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def _group_scores(scores: torch.Tensor, group_size: int) -> torch.Tensor:
+    """[num_prompts * n] -> [num_prompts, n]; responses to one prompt are contiguous."""
+    if scores.dim() != 1:
+        raise ValueError(f"scores must be [batch], got shape {tuple(scores.shape)}")
+    if group_size < 2:
+        raise ValueError(f"group_size must be >= 2 for a group baseline, got {group_size}")
+    if scores.numel() % group_size:
+        raise ValueError(f"batch of {scores.numel()} scores is not a multiple of group_size {group_size}")
+    _check_finite("scores", scores)
+    return scores.detach().float().view(-1, group_size)
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    response_mask: torch.Tensor,
+    group_size: int,
+    normalize_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO outcome advantages (Shao et al. 2024, DeepSeekMath): A_i = (R_i - mean_g) / std_g.
+
+    scores: [B] with B = prompts x group_size, the responses of one prompt contiguous;
+    response_mask: [B, T]. Returns [B, T]: each response's advantage on all of its tokens.
+    ``normalize_by_std=False`` drops the division (Dr. GRPO, Liu et al. 2025). std is unbiased.
+    """
+    mask = _check_mask(response_mask)
+    grouped = _group_scores(scores, group_size)
+    centred = grouped - grouped.mean(dim=-1, keepdim=True)
+    if normalize_by_std:
+        centred = centred / (grouped.std(dim=-1, keepdim=True) + eps)
+    return centred.flatten().unsqueeze(-1) * mask
+
+
+def rloo_advantages(scores: torch.Tensor, response_mask: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO advantages (Ahmadian et al. 2024): A_i = R_i - mean of the other n-1 responses.
+
+    scores: [B] with the group_size responses of a prompt contiguous; response_mask: [B, T].
+    Returns [B, T], each response's advantage on all of its tokens.
+    """
+    mask = _check_mask(response_mask)
+    grouped = _group_scores(scores, group_size)
+    baseline = (grouped.sum(dim=-1, keepdim=True) - grouped) / (group_size - 1)
+    return (grouped - baseline).flatten().unsqueeze(-1) * mask
+
+
+def reinforce_pp_advantages(
+    rewards: torch.Tensor, response_mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025): discounted reward-to-go of the token rewards, whitened over the batch.
+
+    rewards: [B, T] token rewards from ``token_rewards`` (per-token -beta KL plus the RM score at
+    the last token); response_mask: [B, T]. Returns (advantages [B, T], returns [B, T]):
+    returns G_t = sum_{l>=0} gamma^l r_{t+l} over valid tokens, advantages = whiten(G) over
+    every valid token of the batch (the global baseline that replaces the critic).
+    """
+    zeros = torch.zeros_like(rewards)
+    # Reward-to-go is GAE with V = 0 and lambda = 1: the same masked recursion, written once.
+    returns, _ = gae_advantages(rewards, zeros, response_mask, gamma=gamma, lam=1.0)
+    return masked_whiten(returns, response_mask), returns
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, mode: LossAggregation) -> torch.Tensor:
+    """Reduce a [B, T] per-token loss to a scalar.
+
+    - ``token-mean``: sum over every valid token / number of valid tokens. Long responses weigh
+      more. DAPO (Yu et al. 2025), veRL's default, TRL's PPOTrainer (masked_mean).
+    - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean. Every
+      response weighs the same. The GRPO paper (DeepSeekMath) and OpenRLHF's PPO actor.
+    - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum. No length
+      normalisation inside a sequence; Dr. GRPO (Liu et al. 2025) and classic REINFORCE.
+    """
+    mask = _check_token_tensors(response_mask, loss_per_token=loss_per_token)
+    if mode == "token-mean":
+        return masked_mean(loss_per_token, mask)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(loss_per_token, mask, dim=-1).mean()
+    if mode == "seq-mean-token-sum":
+        return masked_sum(loss_per_token, mask, dim=-1).mean()
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+
+
+def ppo_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    clip_eps_high: float | None = None,
+    dual_clip: float | None = None,
+    behavior_logprobs: torch.Tensor | None = None,
+    behavior_weight_cap: float | None = None,
+    aggregation: LossAggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate loss with the options tether's learner uses.
+
+    logprobs: [B, T] of the policy being trained (carries the gradient);
+    old_logprobs: [B, T] of the anchor policy. On-policy this is pi_old; with stale samples it
+    is the *proximal* policy: the learner's own logprobs recomputed at the start of the step;
+    advantages, response_mask: [B, T]; behavior_logprobs: [B, T] from the rollout engine, or None.
+
+    L = -w_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps_high) A_t),  rho_t = pi_theta / pi_old
+    - ``clip_eps_high`` defaults to ``clip_eps`` (a larger one is DAPO's "clip-higher").
+    - ``dual_clip`` = c > 1 (Ye et al. 2020, "Mastering complex control in MOBA games"): for
+      A < 0 the loss is also bounded by -c A, so one very unlikely token cannot blow up a step.
+    - Decoupled off-policy PPO (Hilton et al. 2022, "Batch size-invariance for policy
+      optimization"; AReaL): with ``behavior_logprobs``, w_t = pi_old / pi_behavior (no
+      gradient), truncated at ``behavior_weight_cap`` (truncated importance sampling); without
+      them w_t = 1 and the loss is plain PPO. When behavior = old = current the two agree.
+
+    Returns (loss scalar, stats) with stats: ``clipfrac`` (share of tokens where the clipped
+    branch is taken), ``approx_kl`` (k3 estimate of KL(pi_old || pi_theta)), ``ratio_mean``,
+    ``dual_clip_frac``, ``behavior_weight_mean`` and ``behavior_truncated_frac``.
+    """
+    tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
+    if behavior_logprobs is not None:
+        tensors["behavior_logprobs"] = behavior_logprobs
+    mask = _check_token_tensors(response_mask, **tensors)
+    eps_low = clip_eps
+    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
+    if eps_low <= 0 or eps_high <= 0:
+        raise ValueError(f"clip ranges must be > 0, got clip_eps={eps_low}, clip_eps_high={eps_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+
+    old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
+    log_ratio = logprobs - old_logprobs
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    loss_per_token = torch.maximum(unclipped, clipped)
+    clipped_taken = (clipped > unclipped).float()
+
+    dual_clipped_taken = torch.zeros_like(loss_per_token)
+    if dual_clip is not None:
+        lower_bound = -advantages * dual_clip
+        negative = advantages < 0
+        dual_clipped_taken = (negative & (loss_per_token > lower_bound)).float()
+        loss_per_token = torch.where(negative, torch.minimum(loss_per_token, lower_bound), loss_per_token)
+
+    behavior_weight = torch.ones_like(loss_per_token)
+    truncated = torch.zeros_like(loss_per_token)
+    if behavior_logprobs is not None:
+        behavior_weight = torch.exp(old_logprobs - behavior_logprobs.detach())
+        if behavior_weight_cap is not None:
+            truncated = (behavior_weight > behavior_weight_cap).float()
+            behavior_weight = behavior_weight.clamp(max=behavior_weight_cap)
+        loss_per_token = loss_per_token * behavior_weight
+
+    loss = aggregate_loss(loss_per_token, mask, aggregation)
+    with torch.no_grad():
+        stats = {
+            "clipfrac": masked_mean(clipped_taken, mask),
+            "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
+            "ratio_mean": masked_mean(ratio, mask),
+            "dual_clip_frac": masked_mean(dual_clipped_taken, mask),
+            "behavior_weight_mean": masked_mean(behavior_weight, mask),
+            "behavior_truncated_frac": masked_mean(truncated, mask),
+        }
+    return loss, {name: value.detach() for name, value in stats.items()}
+
+
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    response_mask: torch.Tensor,
+    clip_range: float | None = 0.2,
+    aggregation: LossAggregation = "token-mean",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Critic loss: 0.5 (V - R)^2, or its clipped form (PPO2 baselines, "value clipping").
+
+    values: [B, T] of the critic being trained (carries the gradient); old_values: [B, T] from
+    the start of the step; returns: [B, T] targets from GAE; response_mask: [B, T].
+    Clipped: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), ``clip_range=None``
+    for unclipped. Returns (loss, stats) with ``vf_clipfrac`` (share where the clipped term wins)
+    and ``value_mean``.
+    """
+    mask = _check_token_tensors(response_mask, values=values, old_values=old_values, returns=returns)
+    old_values, returns = old_values.detach(), returns.detach()
+    squared_error = (values - returns) ** 2
+    clip_taken = torch.zeros_like(squared_error)
+    if clip_range is not None:
+        if clip_range <= 0:
+            raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
+        clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+        clipped_error = (clipped_values - returns) ** 2
+        clip_taken = (clipped_error > squared_error).float()
+        squared_error = torch.maximum(squared_error, clipped_error)
+    loss = 0.5 * aggregate_loss(squared_error, mask, aggregation)
+    with torch.no_grad():
+        stats = {"vf_clipfrac": masked_mean(clip_taken, mask), "value_mean": masked_mean(values, mask)}
+    return loss, {name: value.detach() for name, value in stats.items()}

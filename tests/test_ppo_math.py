@@ -1,0 +1,382 @@
+"""The PPO-RLHF math core against hand-computed vectors (worked by hand in the comments)."""
+
+import math
+
+import pytest
+import torch
+
+from learner import ppo
+from learner.kl_control import AdaptiveKLController, FixedKLController, adaptive_kl_coef, make_kl_controller
+
+
+def t(values, **kwargs):
+    return torch.tensor(values, dtype=torch.float32, **kwargs)
+
+
+def assert_close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(actual.detach().float(), t(expected), atol=atol, rtol=0)
+
+
+# Two rows, the second one shorter: padding sits in the middle of the batch tensor.
+MASK = t([[1, 1, 1], [1, 1, 0]])
+
+
+# --------------------------------------------------------------------------- logits
+
+
+def test_logprobs_from_logits_matches_log_softmax_by_hand():
+    logits = t([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]])
+    tokens = torch.tensor([[2, 1]])
+    expected_first = 3.0 - math.log(math.e + math.e**2 + math.e**3)
+    expected_second = -math.log(3.0)
+    got = ppo.logprobs_from_logits(logits, tokens)
+    assert got.shape == (1, 2)
+    assert_close(got, [[expected_first, expected_second]], atol=1e-6)
+
+
+def test_logprobs_divide_logits_by_the_sampling_temperature():
+    logits = t([[[1.0, 2.0, 3.0]]])
+    tokens = torch.tensor([[2]])
+    # temperature 2 -> logits 0.5, 1.0, 1.5
+    expected = 1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5))
+    assert ppo.logprobs_from_logits(logits, tokens, temperature=2.0).item() == pytest.approx(expected, abs=1e-6)
+
+
+def test_entropy_from_logits_by_hand():
+    # uniform over 4 -> ln 4; p = (0.25, 0.75) -> -(0.25 ln 0.25 + 0.75 ln 0.75)
+    logits = t([[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9]]])
+    expected = [math.log(4.0), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
+    assert ppo.entropy_from_logits(logits)[0].tolist() == pytest.approx(expected, abs=1e-5)
+
+
+def test_entropy_rises_with_temperature():
+    logits = t([[[0.0, 1.0, 2.0]]])
+    assert ppo.entropy_from_logits(logits, temperature=2.0) > ppo.entropy_from_logits(logits)
+
+
+# --------------------------------------------------------------------------- KL and rewards
+
+
+def test_kl_estimators_by_hand():
+    logprobs, ref = t([[-1.2]]), t([[-1.6]])
+    # log r = log(pi_ref / pi) = -0.4
+    assert ppo.kl_per_token(logprobs, ref, "k1").item() == pytest.approx(0.4, abs=1e-6)
+    assert ppo.kl_per_token(logprobs, ref, "k2").item() == pytest.approx(0.08, abs=1e-6)
+    assert ppo.kl_per_token(logprobs, ref, "k3").item() == pytest.approx(math.exp(-0.4) - 1 + 0.4, abs=1e-6)
+    with pytest.raises(ValueError, match="k4"):
+        ppo.kl_per_token(logprobs, ref, "k4")
+
+
+def test_kl_is_zero_when_policy_equals_reference():
+    logprobs = t([[-0.3, -2.0]])
+    for estimator in ppo.KL_ESTIMATORS:
+        assert ppo.kl_per_token(logprobs, logprobs.clone(), estimator).abs().max().item() == 0.0
+
+
+def test_token_rewards_worked_example_from_the_design_notes():
+    # logprobs -1.2 vs -1.6 with beta 0.05 gives a penalty of -0.02 on every token;
+    # the RM score lands on the last real token of each row (row 1 has length 2).
+    logprobs = t([[-1.2, -1.2, -1.2], [-1.2, -1.2, 7.0]])
+    ref = t([[-1.6, -1.6, -1.6], [-1.6, -1.6, 3.0]])
+    rewards, kl = ppo.token_rewards(logprobs, ref, t([1.0, -0.5]), MASK, kl_coef=0.05)
+    assert_close(rewards, [[-0.02, -0.02, 0.98], [-0.02, -0.52, 0.0]], atol=1e-6)
+    assert_close(kl, [[0.4, 0.4, 0.4], [0.4, 0.4, 0.0]], atol=1e-6)
+
+
+def test_token_rewards_clip_scores_and_penalise_truncation():
+    zeros = torch.zeros(2, 3)
+    rewards, _ = ppo.token_rewards(
+        zeros, zeros, t([5.0, -5.0]), MASK, kl_coef=0.1,
+        truncated=torch.tensor([True, False]), truncation_penalty=-1.0, score_clip=2.0,
+    )
+    # row 0: clip(5) = 2, truncated -> 2 - 1 = 1 at t=2; row 1: clip(-5) = -2 at t=1
+    assert_close(rewards, [[0, 0, 1.0], [0, -2.0, 0]], atol=1e-6)
+
+
+def test_token_rewards_carry_no_gradient_into_reference_or_policy():
+    logprobs = t([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], requires_grad=True)
+    ref = t([[-1.5] * 3] * 2, requires_grad=True)
+    rewards, _ = ppo.token_rewards(logprobs, ref, t([1.0, 1.0]), MASK, kl_coef=0.1)
+    assert not rewards.requires_grad
+
+
+def test_running_moments_normalise_and_round_trip_through_a_checkpoint():
+    moments = ppo.RunningMoments()
+    moments.update(t([1.0, 2.0, 3.0]))
+    moments.update(t([4.0, 5.0]))
+    # all five scores: mean 3, unbiased variance 10 / 4 = 2.5
+    assert moments.mean == pytest.approx(3.0)
+    assert moments.std == pytest.approx(math.sqrt(2.5))
+    assert ppo.RunningMoments().std == 1.0  # no data yet: identity scale
+    normalised = moments.normalize(t([3.0, 3.0 + math.sqrt(2.5)]))
+    assert normalised.tolist() == pytest.approx([0.0, 1.0], abs=1e-6)
+    restored = ppo.RunningMoments()
+    restored.load_state_dict(moments.state_dict())
+    assert restored.normalize(t([5.0])).item() == pytest.approx(moments.normalize(t([5.0])).item())
+
+
+# --------------------------------------------------------------------------- KL controllers
+
+
+def test_fixed_kl_controller_never_moves():
+    controller = FixedKLController(0.05)
+    assert controller.update(current_kl=100.0, n_steps=1000) == 0.05
+
+
+def test_adaptive_kl_controller_by_hand():
+    # error = clip((12 - 6) / 6, -0.2, 0.2) = 0.2; beta = 0.1 * (1 + 0.2 * 256 / 10000)
+    assert adaptive_kl_coef(0.1, 12.0, 6.0, 256, 10000) == pytest.approx(0.1 * (1 + 0.2 * 0.0256))
+    # error = (6.6 - 6) / 6 = 0.1 inside the clip
+    assert adaptive_kl_coef(0.1, 6.6, 6.0, 100, 1000) == pytest.approx(0.1 * (1 + 0.1 * 0.1))
+    # KL far below target: error -0.2; a huge step would go negative, beta floors at 0
+    assert adaptive_kl_coef(0.1, 0.0, 6.0, 100, 1000) == pytest.approx(0.1 * 0.98)
+    assert adaptive_kl_coef(0.1, 0.0, 6.0, 100, 10) == 0.0
+
+
+def test_adaptive_controller_state_round_trip():
+    controller = make_kl_controller("adaptive", 0.2, target=6.0, horizon=1000)
+    controller.update(12.0, 500)
+    assert controller.value == pytest.approx(0.2 * 1.1)
+    restored = AdaptiveKLController(1.0, 1.0, 1.0)
+    restored.load_state_dict(controller.state_dict())
+    assert restored.update(3.0, 100) == controller.update(3.0, 100)
+    with pytest.raises(ValueError, match="kl_target"):
+        make_kl_controller("adaptive", 0.2)
+    with pytest.raises(ValueError, match="pid"):
+        make_kl_controller("pid", 0.2)
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+def test_gae_by_hand():
+    # gamma 0.9, lambda 0.8: t=2 delta = 1 - 0.7 = 0.3
+    # t=1 delta = 0.9 * 0.7 - 0.6 = 0.03, A = 0.03 + 0.72 * 0.3 = 0.246
+    # t=0 delta = 0.9 * 0.6 - 0.5 = 0.04, A = 0.04 + 0.72 * 0.246 = 0.21712
+    rewards, values = t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]])
+    advantages, returns = ppo.gae_advantages(rewards, values, torch.ones(1, 3), gamma=0.9, lam=0.8)
+    assert_close(advantages, [[0.21712, 0.246, 0.3]], atol=1e-6)
+    assert_close(returns, [[0.71712, 0.846, 1.0]], atol=1e-6)
+
+
+def test_gae_right_and_left_padding_give_the_same_answer_as_no_padding():
+    rewards, values = t([[0.0, 0.0, 1.0]]), t([[0.5, 0.6, 0.7]])
+    reference, _ = ppo.gae_advantages(rewards, values, torch.ones(1, 3), gamma=0.9, lam=0.8)
+    # right padding with junk values/rewards after the end, in a batch with a full row
+    rewards_rp = t([[0.0, 0.0, 1.0, 9.0, 9.0], [1.0, 1.0, 1.0, 1.0, 1.0]])
+    values_rp = t([[0.5, 0.6, 0.7, 9.0, 9.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    mask_rp = t([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    adv_rp, ret_rp = ppo.gae_advantages(rewards_rp, values_rp, mask_rp, gamma=0.9, lam=0.8)
+    assert adv_rp[0, :3].tolist() == pytest.approx(reference[0].tolist(), abs=1e-6)
+    assert adv_rp[0, 3:].tolist() == [0.0, 0.0] and ret_rp[0, 3:].tolist() == [0.0, 0.0]
+    # left padding (a left-padded prompt region in front of the response)
+    rewards_lp = t([[5.0, 5.0, 0.0, 0.0, 1.0]])
+    values_lp = t([[3.0, 3.0, 0.5, 0.6, 0.7]])
+    adv_lp, _ = ppo.gae_advantages(rewards_lp, values_lp, t([[0, 0, 1, 1, 1]]), gamma=0.9, lam=0.8)
+    assert adv_lp[0, 2:].tolist() == pytest.approx(reference[0].tolist(), abs=1e-6)
+    assert adv_lp[0, :2].tolist() == [0.0, 0.0]
+
+
+def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
+    torch.manual_seed(0)
+    rewards, values = torch.randn(4, 6), torch.randn(4, 6)
+    mask = t([[1] * 6, [1, 1, 1, 0, 0, 0], [1] * 5 + [0], [1, 0, 0, 0, 0, 0]])
+    advantages, returns = ppo.gae_advantages(rewards, values, mask, gamma=1.0, lam=1.0)
+    reward_to_go = torch.flip(torch.cumsum(torch.flip(rewards * mask, [1]), 1), [1])
+    assert torch.allclose(advantages, (reward_to_go - values) * mask, atol=1e-5)
+    assert torch.allclose(returns, reward_to_go * mask, atol=1e-5)
+
+
+def test_gae_does_not_backpropagate_into_values():
+    values = torch.zeros(1, 3, requires_grad=True)
+    advantages, returns = ppo.gae_advantages(torch.ones(1, 3), values, torch.ones(1, 3))
+    assert not advantages.requires_grad and not returns.requires_grad
+
+
+# --------------------------------------------------------------------------- masked statistics
+
+
+def test_masked_mean_and_var_ignore_padding():
+    values = t([[1.0, 2.0, 3.0], [4.0, 5.0, 100.0]])
+    assert ppo.masked_mean(values, MASK).item() == pytest.approx(3.0)
+    assert ppo.masked_mean(values, MASK, dim=-1).tolist() == pytest.approx([2.0, 4.5])
+    # values 1..5: unbiased variance 2.5, population variance 2
+    assert ppo.masked_var(values, MASK).item() == pytest.approx(2.5)
+    assert ppo.masked_var(values, MASK, unbiased=False).item() == pytest.approx(2.0)
+
+
+def test_whitening_gives_mean_zero_variance_one_over_the_mask():
+    torch.manual_seed(1)
+    values = torch.randn(3, 7) * 5 + 2
+    mask = (torch.rand(3, 7) > 0.3).float()
+    mask[:, 0] = 1
+    whitened = ppo.masked_whiten(values, mask)
+    assert ppo.masked_mean(whitened, mask).item() == pytest.approx(0.0, abs=1e-5)
+    assert ppo.masked_var(whitened, mask).item() == pytest.approx(1.0, abs=1e-4)
+    assert (whitened[mask == 0] == 0).all()
+    kept = ppo.masked_whiten(values, mask, shift_mean=False)
+    assert ppo.masked_mean(kept, mask).item() == pytest.approx(ppo.masked_mean(values, mask).item(), abs=1e-4)
+
+
+# --------------------------------------------------------------------------- losses
+
+
+def test_aggregation_modes_by_hand():
+    loss = t([[1.0, 2.0, 3.0], [4.0, 50.0, 60.0]])
+    mask = t([[1, 1, 1], [1, 0, 0]])
+    assert ppo.aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(10 / 4)
+    assert ppo.aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2 + 4) / 2)
+    assert ppo.aggregate_loss(loss, mask, "seq-mean-token-sum").item() == pytest.approx((6 + 4) / 2)
+    with pytest.raises(ValueError, match="token-max"):
+        ppo.aggregate_loss(loss, mask, "token-max")
+
+
+def test_policy_loss_worked_example_from_the_design_notes():
+    # ratio 1.3, eps 0.2, A = 2: min(2.6, 2.4) = 2.4, so the loss is -2.4 and the clip is active
+    old = t([[-1.0]])
+    current = old + math.log(1.3)
+    loss, stats = ppo.ppo_policy_loss(current, old, t([[2.0]]), t([[1.0]]), clip_eps=0.2)
+    assert loss.item() == pytest.approx(-2.4, abs=1e-6)
+    assert stats["clipfrac"].item() == 1.0
+    assert stats["ratio_mean"].item() == pytest.approx(1.3, abs=1e-6)
+    # approx_kl is k3 of log r = log 1.3
+    assert stats["approx_kl"].item() == pytest.approx(0.3 - math.log(1.3), abs=1e-6)
+
+
+def test_policy_loss_negative_advantage_dual_clip_and_clip_higher():
+    old = t([[0.0, 0.0, 0.0]])
+    current = torch.log(t([[0.5, 5.0, 1.25]]))
+    advantages = t([[-1.0, -1.0, 2.0]])
+    mask = torch.ones(1, 3)
+    # ratio 0.5, A=-1: max(0.5, 0.8) = 0.8 (clipped); ratio 5, A=-1: max(5, 1.2) = 5;
+    # ratio 1.25, A=2: max(-2.5, -2.4) = -2.4 (clipped)
+    loss, stats = ppo.ppo_policy_loss(current, old, advantages, mask, clip_eps=0.2)
+    assert loss.item() == pytest.approx((0.8 + 5.0 - 2.4) / 3, abs=1e-5)
+    assert stats["clipfrac"].item() == pytest.approx(2 / 3)
+    # dual clip c = 3 bounds the ratio-5 token at 3
+    loss, stats = ppo.ppo_policy_loss(current, old, advantages, mask, clip_eps=0.2, dual_clip=3.0)
+    assert loss.item() == pytest.approx((0.8 + 3.0 - 2.4) / 3, abs=1e-5)
+    assert stats["dual_clip_frac"].item() == pytest.approx(1 / 3)
+    # clip-higher eps_high = 0.28: ratio 1.25 is inside [0.8, 1.28] -> -2.5
+    loss, _ = ppo.ppo_policy_loss(current, old, advantages, mask, clip_eps=0.2, clip_eps_high=0.28)
+    assert loss.item() == pytest.approx((0.8 + 5.0 - 2.5) / 3, abs=1e-5)
+    with pytest.raises(ValueError, match="dual_clip"):
+        ppo.ppo_policy_loss(current, old, advantages, mask, dual_clip=0.5)
+
+
+def test_off_policy_loss_equals_ppo_when_behavior_equals_proximal_equals_current():
+    torch.manual_seed(2)
+    logprobs = -torch.rand(3, 5)
+    advantages = torch.randn(3, 5)
+    mask = t([[1] * 5, [1, 1, 0, 0, 0], [1] * 4 + [0]])
+    plain, plain_stats = ppo.ppo_policy_loss(logprobs, logprobs.clone(), advantages, mask)
+    decoupled, stats = ppo.ppo_policy_loss(
+        logprobs, logprobs.clone(), advantages, mask, behavior_logprobs=logprobs.clone(), behavior_weight_cap=2.0
+    )
+    assert decoupled.item() == pytest.approx(plain.item(), abs=1e-6)
+    assert stats["behavior_weight_mean"].item() == pytest.approx(1.0)
+    assert stats["behavior_truncated_frac"].item() == 0.0
+
+
+def test_off_policy_importance_weight_is_truncated_at_the_cap():
+    # proximal -1.0, behavior -1.5: w = e^0.5 = 1.6487 -> truncated to 1.5; ratio 1, A = 1
+    old = t([[-1.0, -1.0]])
+    behavior = t([[-1.5, -1.0]])
+    loss, stats = ppo.ppo_policy_loss(
+        old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_logprobs=behavior, behavior_weight_cap=1.5
+    )
+    assert loss.item() == pytest.approx((-1.5 - 1.0) / 2, abs=1e-6)
+    assert stats["behavior_truncated_frac"].item() == 0.5
+    uncapped, _ = ppo.ppo_policy_loss(old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_logprobs=behavior)
+    assert uncapped.item() == pytest.approx((-math.exp(0.5) - 1.0) / 2, abs=1e-6)
+
+
+def test_policy_gradient_flows_into_the_policy_only():
+    current = t([[-1.0, -2.0]], requires_grad=True)
+    old = t([[-1.0, -2.0]], requires_grad=True)
+    behavior = t([[-1.1, -2.1]], requires_grad=True)
+    advantages = t([[2.0, -1.0]], requires_grad=True)
+    loss, _ = ppo.ppo_policy_loss(current, old, advantages, torch.ones(1, 2), behavior_logprobs=behavior)
+    loss.backward()
+    # at ratio 1 the unclipped branch is active: d/dlogp (-A r w) / 2 = -A w / 2, w = e^0.1
+    assert_close(current.grad, [[-2.0 * math.exp(0.1) / 2, 1.0 * math.exp(0.1) / 2]], atol=1e-5)
+    assert old.grad is None and behavior.grad is None and advantages.grad is None
+
+
+def test_value_loss_clipped_and_unclipped_by_hand():
+    values = t([[1.5, 2.1]], requires_grad=True)
+    old_values = t([[1.0, 2.0]], requires_grad=True)
+    returns = t([[2.0, 2.0]], requires_grad=True)
+    mask = torch.ones(1, 2)
+    # token 0: (1.5-2)^2 = 0.25 vs clipped value 1.2: (1.2-2)^2 = 0.64 -> 0.64
+    # token 1: (2.1-2)^2 = 0.01, clip not active (|2.1-2.0| < 0.2) -> 0.01
+    loss, stats = ppo.value_loss(values, old_values, returns, mask, clip_range=0.2)
+    assert loss.item() == pytest.approx(0.5 * (0.64 + 0.01) / 2, abs=1e-6)
+    assert stats["vf_clipfrac"].item() == 0.5
+    loss.backward()
+    assert old_values.grad is None and returns.grad is None
+    unclipped, _ = ppo.value_loss(values, old_values, returns, mask, clip_range=None)
+    assert unclipped.item() == pytest.approx(0.5 * (0.25 + 0.01) / 2, abs=1e-6)
+
+
+# --------------------------------------------------------------------------- critic-free estimators
+
+
+def test_grpo_advantages_by_hand():
+    mask = t([[1, 1], [1, 0], [1, 1], [1, 1]])
+    # group [1, 0]: mean 0.5, unbiased std sqrt(0.5); group [2, 2]: all zero
+    advantages = ppo.grpo_advantages(t([1.0, 0.0, 2.0, 2.0]), mask, group_size=2)
+    s = 0.5 / math.sqrt(0.5)
+    assert_close(advantages, [[s, s], [-s, 0.0], [0.0, 0.0], [0.0, 0.0]], atol=1e-5)
+    dr_grpo = ppo.grpo_advantages(t([1.0, 0.0, 2.0, 2.0]), mask, group_size=2, normalize_by_std=False)
+    assert dr_grpo[:, 0].tolist() == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        ppo.grpo_advantages(t([1.0, 0.0, 2.0]), mask[:3], group_size=2)
+
+
+def test_rloo_advantages_by_hand():
+    # group [1, 2, 6]: baselines (2+6)/2 = 4, (1+6)/2 = 3.5, (1+2)/2 = 1.5
+    advantages = ppo.rloo_advantages(t([1.0, 2.0, 6.0]), torch.ones(3, 2), group_size=3)
+    assert advantages[:, 1].tolist() == pytest.approx([-3.0, -1.5, 4.5])
+
+
+def test_reinforce_pp_advantages_by_hand():
+    rewards = t([[0.0, 0.0, 1.0], [0.0, 2.0, 7.0]])
+    advantages, returns = ppo.reinforce_pp_advantages(rewards, MASK)
+    assert_close(returns, [[1, 1, 1], [2, 2, 0]])
+    # valid returns 1,1,1,2,2: mean 1.4, unbiased variance (3 * 0.16 + 2 * 0.36) / 4 = 0.3
+    std = math.sqrt(0.3)
+    low, high = (1 - 1.4) / std, (2 - 1.4) / std
+    assert_close(advantages, [[low, low, low], [high, high, 0.0]], atol=1e-4)
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+def test_mismatched_shapes_are_errors_not_broadcasts():
+    with pytest.raises(ValueError, match="advantages has shape \\(1, 3\\)"):
+        ppo.ppo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(1, 3), MASK)
+    with pytest.raises(ValueError, match="rm_scores"):
+        ppo.token_rewards(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 1), MASK, kl_coef=0.1)
+    with pytest.raises(ValueError, match="tokens"):
+        ppo.logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_a_row_without_any_valid_token_is_an_error():
+    mask = t([[1, 1, 0], [0, 0, 0]])
+    with pytest.raises(ValueError, match=r"no valid token in row\(s\) \[1\]"):
+        ppo.gae_advantages(torch.zeros(2, 3), torch.zeros(2, 3), mask)
+    with pytest.raises(ValueError, match="no valid token"):
+        ppo.value_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 3), mask)
+
+
+def test_nan_inputs_are_errors():
+    values = t([[0.0, float("nan"), 0.0], [0.0, 0.0, 0.0]])
+    with pytest.raises(ValueError, match="values contains NaN"):
+        ppo.gae_advantages(torch.zeros(2, 3), values, MASK)
+    with pytest.raises(ValueError, match="logits contains NaN"):
+        ppo.logprobs_from_logits(torch.full((1, 1, 3), float("nan")), torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="rm_scores contains NaN"):
+        ppo.token_rewards(torch.zeros(2, 3), torch.zeros(2, 3), t([0.0, float("inf")]), MASK, kl_coef=0.1)
+    with pytest.raises(ValueError, match="current_kl"):
+        adaptive_kl_coef(0.1, float("nan"), 6.0, 1, 10)
