@@ -1,0 +1,276 @@
+"""tether's one config: typed, validated, one file (YAML or TOML), every field overridable.
+
+``load_config(path, ["learner.batch_size=32", ...])`` returns a ``TetherConfig`` or raises
+``ConfigError`` naming the offending key. Names here are the names on the wire and in metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ROLES = ("buffer", "rollout", "scorer", "learner")
+
+
+class ConfigError(ValueError):
+    """A config that tether refuses; the text names the key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelsConfig(_Strict):
+    policy: str = Field(description="HF model directory of the SFT policy: the actor's start")
+    reference: str | None = Field(None, description="frozen reference for the KL tether; default: policy")
+    reward: str = Field(description="HF AutoModelForSequenceClassification directory (one label)")
+    critic_init: Literal["reward", "policy"] = Field("reward", description="initialise the critic from")
+
+
+class DataConfig(_Strict):
+    prompts: str = Field(description='JSON-lines file, one {"prompt": "..."} per line')
+
+
+class RolloutConfig(_Strict):
+    samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (vLLM's n)")
+    prompts_per_generate: int = Field(64, ge=1, description="most prompts in one generate call")
+    max_new_tokens: int = Field(32, ge=1)
+    temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner uses the same")
+    top_p: float = Field(1.0, gt=0, le=1)
+    ignore_eos: bool = Field(False, description="generate max_new_tokens always (benchmarks)")
+    max_model_len: int = Field(256, ge=8)
+    kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU share for vLLM (GPU only)")
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+
+
+class ScorerConfig(_Strict):
+    workers: int = Field(1, ge=1, description="scorer processes in the pool")
+    max_samples_per_request: int = Field(64, ge=1)
+    deadline_s: float = Field(120.0, gt=0, description="a scorer that holds samples longer loses them to another")
+    gold_reward: str | None = Field(None, description='"module:function" of (prompt_tokens, response_tokens) -> '
+                                                       "float: a rule-based reward reported as gold_reward, not trained on")
+
+
+class BufferConfig(_Strict):
+    max_staleness: int = Field(1, ge=0, description="k: train at version v only on samples of version >= v - k")
+    stall_warn_s: float = Field(60.0, gt=0, description="name a role that owes the buffer work and is silent this long")
+
+
+class LearnerConfig(_Strict):
+    total_steps: int = Field(20, ge=1, description="learner steps (policy versions) to train")
+    batch_size: int = Field(64, ge=1, description="samples per learner step")
+    minibatch_size: int = Field(16, ge=1, description="samples per optimizer step")
+    ppo_epochs: int = Field(2, ge=1, description="passes over each batch, all within one step")
+    actor_lr: float = Field(1e-4, gt=0)
+    critic_lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    clip_eps: float = Field(0.2, gt=0)
+    clip_eps_high: float | None = Field(None, gt=0, description="DAPO clip-higher; default clip_eps")
+    dual_clip: float | None = Field(None, gt=1)
+    value_clip: float | None = Field(0.2, gt=0, description="None for an unclipped value loss")
+    value_loss_coef: float = Field(1.0, gt=0)
+    gamma: float = Field(1.0, ge=0, le=1)
+    lam: float = Field(0.95, ge=0, le=1)
+    kl_coef: float = Field(0.05, ge=0, description="beta, the strength of the tether")
+    kl_controller: Literal["fixed", "adaptive"] = "fixed"
+    kl_target: float = Field(6.0, gt=0)
+    kl_horizon: float = Field(10000.0, gt=0)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    behavior_weight_cap: float | None = Field(2.0, gt=0, description="truncation of pi_prox/pi_behavior")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    whiten_advantages: bool = True
+    normalize_rewards: bool = Field(False, description="scale RM scores by their running std")
+    score_clip: float | None = Field(None, gt=0)
+    truncation_penalty: float = Field(0.0, le=0, description="added to the score of a response cut at max_new_tokens")
+    zero_stage: Literal[0, 1, 2, 3] = 0
+    checkpoint_every: int = Field(0, ge=0, description="save every N steps; 0: only at the end")
+    dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 picks a free one")
+
+
+class HealthConfig(_Strict):
+    """Thresholds of the learner's health monitor (learner/health.py)."""
+    warmup_steps: int = Field(3, ge=1, description="steps averaged into the baselines; no alert before")
+    kl_budget: float = Field(20.0, gt=0, description="alert when kl per response is above")
+    kl_zero_eps: float = Field(1e-4, gt=0)
+    kl_zero_steps: int = Field(5, ge=1, description="alert after this many steps with |kl| < kl_zero_eps")
+    length_spike_ratio: float = Field(1.5, gt=1, description="length over this x baseline while reward rises")
+    entropy_collapse_ratio: float = Field(0.1, gt=0, lt=1, description="entropy under this x baseline")
+    value_loss_factor: float = Field(100.0, gt=1, description="value loss over this x baseline")
+    clipfrac_low: float = Field(1e-3, ge=0)
+    clipfrac_low_steps: int = Field(5, ge=1)
+    clipfrac_high: float = Field(0.2, gt=0, le=1)
+
+
+class CurveConfig(_Strict):
+    enabled: bool = Field(False, description="CURVE-authenticate every TCP endpoint")
+    server_key: str = Field("keys/server.key_secret", description="the buffer's (and weight server's) secret key")
+    server_public_key: str = Field("keys/server.key", description="its public key, for the clients")
+    client_key: str = Field("keys/client.key_secret", description="this role's secret key")
+    allowed_clients: str = Field("keys/allowed", description="directory of the public keys let in")
+
+
+class TransportConfig(_Strict):
+    buffer_address: str = Field("ipc://{run_dir}/sockets/buffer", description="ZeroMQ endpoint the buffer binds")
+    weights_dir: str = Field("{shm}/tether-{run_name}", description="where published weights land (same host)")
+    weight_bucket_mb: int = Field(64, ge=1, description="weight sync bucket size, MiB")
+    weight_slots: int = Field(2, ge=2, description="versions kept in shared memory (more appear if readers lag)")
+    weight_transport: Literal["shm", "tcp"] = Field(
+        "shm", description="shm: the rollout reads the learner's shared memory (one host); tcp: it fetches buckets")
+    weights_address: str = Field("tcp://127.0.0.1:5601", description="the learner's weight server (weight_transport tcp)")
+    weights_stream_address: str = Field("ipc://{run_dir}/sockets/weights-stream",
+                                        description="bucket notices, so the rollout checks a version as it is written")
+    connect_retries: int = Field(30, ge=1)
+    connect_interval_s: float = Field(1.0, gt=0)
+    max_frame_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    curve: CurveConfig = Field(default_factory=CurveConfig)
+
+
+class PlacementConfig(_Strict):
+    cores: dict[str, list[int]] = Field(default_factory=dict, description="CPU cores per role (affinity)")
+    cuda_visible_devices: dict[str, str] = Field(default_factory=dict, description="CUDA_VISIBLE_DEVICES per role")
+
+    @model_validator(mode="after")
+    def _known_roles(self) -> "PlacementConfig":
+        for mapping_name in ("cores", "cuda_visible_devices"):
+            for role in getattr(self, mapping_name):
+                if role not in ROLES:
+                    raise ValueError(f"{mapping_name}: unknown role {role!r} (roles: {', '.join(ROLES)})")
+        return self
+
+
+class LaunchConfig(_Strict):
+    max_restarts: int = Field(3, ge=0, description="restarts of a rollout or scorer that dies, each")
+    restart_backoff_s: float = Field(2.0, ge=0, description="wait before the first restart; doubles each time")
+
+
+class TetherConfig(_Strict):
+    run_dir: str = "runs/default"
+    seed: int = 0
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    models: ModelsConfig
+    data: DataConfig
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    scorer: ScorerConfig = Field(default_factory=ScorerConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    transport: TransportConfig = Field(default_factory=TransportConfig)
+    placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    resume_from: str | None = Field(None, description="a checkpoints/state-* directory (set by tether run --resume)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TetherConfig":
+        learner, rollout = self.learner, self.rollout
+        if learner.batch_size % rollout.samples_per_prompt:
+            raise ValueError(f"learner.batch_size ({learner.batch_size}) must be a multiple of "
+                             f"rollout.samples_per_prompt ({rollout.samples_per_prompt})")
+        if learner.batch_size % learner.minibatch_size:
+            raise ValueError(f"learner.batch_size ({learner.batch_size}) must be a multiple of "
+                             f"learner.minibatch_size ({learner.minibatch_size})")
+        return self
+
+    # ---- derived values every role agrees on
+    @property
+    def buffer_address(self) -> str:
+        return self.transport.buffer_address.format(run_dir=os.path.abspath(self.run_dir))
+
+    @property
+    def weights_stream_address(self) -> str:
+        return self.transport.weights_stream_address.format(run_dir=os.path.abspath(self.run_dir))
+
+    @property
+    def weights_dir(self) -> str:
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else os.path.join(os.path.abspath(self.run_dir), "shm")
+        run_name = os.path.abspath(self.run_dir).strip("/").replace("/", "_")[-80:]
+        return self.transport.weights_dir.format(shm=shm, run_name=run_name, run_dir=os.path.abspath(self.run_dir))
+
+    @property
+    def reference_path(self) -> str:
+        return self.models.reference or self.models.policy
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text()
+    try:
+        if path.suffix == ".toml":
+            data = tomllib.loads(text)
+        elif path.suffix in (".yaml", ".yml", ".json"):
+            data = yaml.safe_load(text) or {}
+        else:
+            raise ConfigError(f"config file {path}: use .yaml, .yml, .toml or .json")
+    except (yaml.YAMLError, tomllib.TOMLDecodeError) as error:
+        raise ConfigError(f"config file {path} does not parse: {error}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def apply_override(data: dict[str, Any], override: str) -> None:
+    """Apply one ``dotted.key=value`` (value parsed as YAML: 3, 0.1, true, null, [0, 1])."""
+    key, sep, raw_value = override.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {override!r} must look like key.subkey=value")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError:
+        value = raw_value
+    parts = key.strip().split(".")
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {override!r}: {'.'.join(parts[:depth + 1])} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _format_validation_error(error: ValidationError) -> str:
+    lines = []
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
+        lines.append(f"  {key}: {message}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None,
+                base: dict[str, Any] | None = None) -> TetherConfig:
+    data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
+    if path is not None:
+        data.update(_read_file(Path(path)))
+    for override in overrides or []:
+        apply_override(data, override)
+    try:
+        return TetherConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_validation_error(error)) from None
+
+
+def check_paths(config: TetherConfig, role: str) -> None:
+    """The files a role needs exist; the error names the config key."""
+    needed = {
+        "rollout": {"models.policy": config.models.policy, "data.prompts": config.data.prompts},
+        "scorer": {("models.reference" if config.models.reference else "models.policy (the reference)"):
+                   config.reference_path, "models.reward": config.models.reward},
+        "learner": {"models.policy": config.models.policy,
+                    f"models.{config.models.critic_init}": getattr(config.models, config.models.critic_init)},
+        "buffer": {},
+    }[role]
+    for key, path in needed.items():
+        if not os.path.exists(path):
+            raise ConfigError(f"{key}: {path} does not exist")
+
+
+def dump_config(config: TetherConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,73 @@
+"""Every message tether sends, declared once.
+
+A message is a msgpack envelope ``{"schema", "type", "id", "fields", "tensors"}`` followed by
+one raw ZeroMQ frame per tensor. ``MESSAGES`` says, per message type, which fields it carries
+(with their types) and which tensors (with their dtypes); ``protocol.codec.decode`` checks every
+received message against it, so a role never sees a message that does not match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SCHEMA_VERSION = 1
+
+# Field type names the codec knows how to check. A trailing "?" means the value may be None.
+FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
+
+
+@dataclass(frozen=True)
+class MessageSchema:
+    fields: dict[str, str] = field(default_factory=dict)
+    tensors: dict[str, str] = field(default_factory=dict)  # name -> dtype ("int32", "float32", ...)
+
+
+_SAMPLE_FIELDS = {
+    "sample_ids": "list[str]",
+    "prompt_indices": "list[int]",
+    "behavior_versions": "list[int]",
+    "prompt_lengths": "list[int]",
+    "response_lengths": "list[int]",
+    "finish_reasons": "list[str]",
+}
+_SAMPLE_TENSORS = {"prompt_tokens": "int32", "response_tokens": "int32", "behavior_logprobs": "float32"}
+_SCORED_TENSORS = {**_SAMPLE_TENSORS, "ref_logprobs": "float32", "rm_scores": "float32"}
+
+MESSAGES: dict[str, MessageSchema] = {
+    # any role -> buffer: first contact; the reply says the buffer is there and its run id
+    "hello": MessageSchema(fields={"role": "str", "worker_id": "str"}),
+    "welcome": MessageSchema(fields={"run_id": "str", "max_staleness": "int", "batch_size": "int",
+                                     "data_position": "int?"}),
+    # rollout -> buffer: how many samples may I generate? (held until credits or new weights exist)
+    # (data_position: prompts taken so far, kept by the buffer for a restarted or resumed rollout)
+    "credit_request": MessageSchema(fields={"rollout_version": "int", "wanted": "int", "data_position": "int?"}),
+    "credits": MessageSchema(
+        fields={"credits": "int", "weights_version": "int", "weights_manifest": "dict?", "stop": "bool"}
+    ),
+    # rollout -> buffer: generated, unscored samples
+    "samples": MessageSchema(fields=dict(_SAMPLE_FIELDS), tensors=dict(_SAMPLE_TENSORS)),
+    # scorer -> buffer: give me work (held until there is some); buffer -> scorer: the work
+    "score_request": MessageSchema(fields={"max_samples": "int"}),
+    "score_work": MessageSchema(fields={**_SAMPLE_FIELDS, "stop": "bool"}, tensors=dict(_SAMPLE_TENSORS)),
+    # scorer -> buffer: samples with reference logprobs and RM scores
+    "scored": MessageSchema(fields={**_SAMPLE_FIELDS, "gold_scores": "list[float]?"}, tensors=dict(_SCORED_TENSORS)),
+    # learner -> buffer: a batch for this policy version (held until one is ready)
+    "batch_request": MessageSchema(fields={"policy_version": "int", "batch_size": "int"}),
+    "batch": MessageSchema(fields={**_SAMPLE_FIELDS, "gold_scores": "list[float]?", "stop": "bool"},
+                           tensors=dict(_SCORED_TENSORS)),
+    # learner -> buffer: a new version is written; the manifest says where its buckets lie
+    # (protocol.weights.WeightManifest.to_dict) and how to check them
+    "weights_published": MessageSchema(fields={"version": "int", "manifest": "dict"}),
+    # learner -> buffer: training is over; the buffer tells the other roles to stop
+    "finish": MessageSchema(fields={"policy_version": "int"}),
+    # learner -> buffer: write your state to ``path`` (part of an atomic checkpoint)
+    "snapshot": MessageSchema(fields={"path": "str"}),
+    # learner -> rollouts (PUB): a bucket of a version is written and can be checked
+    "weights_bucket_ready": MessageSchema(fields={"version": "int", "buckets_total": "int", "bucket": "dict"}),
+    # rollout -> learner's weight server (across hosts): one bucket of a version, as a raw frame
+    "weights_fetch": MessageSchema(fields={"version": "int", "bucket": "int"}),
+    "weights_bucket": MessageSchema(fields={"version": "int", "bucket": "int", "checksum": "str"},
+                                    tensors={"payload": "uint8"}),
+    "ack": MessageSchema(fields={"accepted": "int"}),
+    "error": MessageSchema(fields={"reason": "str"}),
+}

@@ -1,0 +1,79 @@
+"""How samples become model inputs, identically in the scorer and the learner.
+
+Each sample is ``prompt + response`` right-padded to the longest in the batch. The logits at
+position ``p`` predict token ``p + 1``, so response token ``j`` of a sample with a prompt of
+length ``P`` is scored by the logits (and valued by the critic) at position ``P + j - 1``:
+``response_positions`` holds those indices, and ``gather_response`` picks them out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from protocol.samples import Sample
+
+
+@dataclass
+class SequenceBatch:
+    input_ids: torch.Tensor  # [B, L] long
+    attention_mask: torch.Tensor  # [B, L] long
+    response_tokens: torch.Tensor  # [B, T] long
+    response_positions: torch.Tensor  # [B, T] long, index into L of the logits for each response token
+    response_mask: torch.Tensor  # [B, T] float
+    last_positions: torch.Tensor  # [B] long, position of each sample's last real token
+
+    def to(self, device: torch.device | str) -> "SequenceBatch":
+        return SequenceBatch(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
+
+    def select(self, rows: torch.Tensor) -> "SequenceBatch":
+        return SequenceBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
+
+
+def collate(samples: list[Sample], pad_token_id: int) -> SequenceBatch:
+    if not samples:
+        raise ValueError("cannot collate an empty list of samples")
+    lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
+    max_len, max_resp = max(lengths), max(len(s.response_tokens) for s in samples)
+    batch = len(samples)
+    input_ids = torch.full((batch, max_len), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, max_len), dtype=torch.long)
+    response_tokens = torch.full((batch, max_resp), pad_token_id, dtype=torch.long)
+    response_positions = torch.zeros((batch, max_resp), dtype=torch.long)
+    response_mask = torch.zeros((batch, max_resp), dtype=torch.float32)
+    for i, sample in enumerate(samples):
+        prompt = torch.as_tensor(sample.prompt_tokens, dtype=torch.long)
+        response = torch.as_tensor(sample.response_tokens, dtype=torch.long)
+        prompt_len, resp_len = len(prompt), len(response)
+        input_ids[i, :prompt_len] = prompt
+        input_ids[i, prompt_len:prompt_len + resp_len] = response
+        attention_mask[i, :prompt_len + resp_len] = 1
+        response_tokens[i, :resp_len] = response
+        response_positions[i, :resp_len] = torch.arange(prompt_len - 1, prompt_len + resp_len - 1)
+        response_mask[i, :resp_len] = 1.0
+    last_positions = attention_mask.sum(dim=1) - 1
+    return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions)
+
+
+def gather_response(per_position: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """per_position: [B, L, ...] (logits [B, L, V] or values [B, L]); positions: [B, T].
+    Returns [B, T, ...]: the entries that score each response token."""
+    index = positions
+    for _ in range(per_position.dim() - 2):
+        index = index.unsqueeze(-1)
+    index = index.expand(*positions.shape, *per_position.shape[2:])
+    return torch.gather(per_position, 1, index)
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off in every model tether runs (policy, reference, RM, critic): PPO's ratio and the
+    KL tether compare forward passes that must be deterministic."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop"):
+        if getattr(model.config, key, None):
+            setattr(model.config, key, 0.0)
+    return model

@@ -1,0 +1,116 @@
+"""The wire format: round trips, and every kind of bad message refused with the reason."""
+
+import msgpack
+import numpy as np
+import pytest
+
+from protocol.codec import ProtocolError, decode, encode
+from protocol.samples import Sample, pack_samples, unpack_samples
+from protocol.schema import SCHEMA_VERSION
+
+
+def make_sample(i, prompt_len=3, resp_len=4, scored=False):
+    rng = np.random.default_rng(i)
+    return Sample(
+        sample_id=f"s{i}", prompt_index=i, behavior_version=i % 3,
+        prompt_tokens=rng.integers(0, 16, prompt_len).astype(np.int32),
+        response_tokens=rng.integers(0, 16, resp_len).astype(np.int32),
+        behavior_logprobs=-rng.random(resp_len).astype(np.float32),
+        finish_reason="stop" if i % 2 else "length",
+        ref_logprobs=-rng.random(resp_len).astype(np.float32) if scored else None,
+        rm_score=float(i) * 0.5 if scored else None,
+    )
+
+
+def test_samples_round_trip_through_frames():
+    samples = [make_sample(i, prompt_len=2 + i, resp_len=1 + 2 * i, scored=True) for i in range(4)]
+    fields, tensors = pack_samples(samples, scored=True)
+    frames = encode("scored", fields, tensors, msg_id=7)
+    assert len(frames) == 1 + 5  # envelope + one raw frame per tensor, nothing pickled
+    message = decode([bytes(frame) for frame in frames])
+    assert message.type == "scored" and message.id == 7
+    for before, after in zip(samples, unpack_samples(message)):
+        assert after.sample_id == before.sample_id and after.behavior_version == before.behavior_version
+        np.testing.assert_array_equal(after.prompt_tokens, before.prompt_tokens)
+        np.testing.assert_array_equal(after.response_tokens, before.response_tokens)
+        np.testing.assert_array_equal(after.behavior_logprobs, before.behavior_logprobs)
+        np.testing.assert_array_equal(after.ref_logprobs, before.ref_logprobs)
+        assert after.rm_score == before.rm_score and after.finish_reason == before.finish_reason
+
+
+def _envelope(**changes):
+    envelope = {"schema": SCHEMA_VERSION, "type": "ack", "id": 1, "fields": {"accepted": 1}, "tensors": []}
+    envelope.update(changes)
+    return [msgpack.packb(envelope)]
+
+
+@pytest.mark.parametrize("frames, reason", [
+    ([b"\xc1\xc1 not msgpack"], "not valid msgpack"),
+    ([msgpack.packb([1, 2])], "not a map"),
+    (_envelope(schema=99), f"peer speaks schema version 99, this process speaks {SCHEMA_VERSION}"),
+    (_envelope(type="launch_missiles"), "unknown message type 'launch_missiles'"),
+    (_envelope(fields={}), "missing field 'accepted'"),
+    (_envelope(fields={"accepted": "1"}), "field 'accepted' must be int"),
+    (_envelope(fields={"accepted": 1, "extra": 2}), "unknown field"),
+    (_envelope(tensors=[["x", "float32", [1]]]), "declares 1 tensors but 0 frames"),
+    ([], "empty message"),
+])
+def test_bad_envelopes_are_refused_with_the_reason(frames, reason):
+    with pytest.raises(ProtocolError, match=reason.replace("(", r"\(").replace(")", r"\)")):
+        decode(frames)
+
+
+def _samples_frames():
+    fields, tensors = pack_samples([make_sample(0), make_sample(1)])
+    return encode("samples", fields, tensors)
+
+
+def test_wrong_dtype_and_wrong_byte_count_are_refused():
+    frames = _samples_frames()
+    envelope = msgpack.unpackb(frames[0])
+    envelope["tensors"][0][1] = "float32"  # prompt_tokens must be int32
+    with pytest.raises(ProtocolError, match="prompt_tokens' must be int32, got float32"):
+        decode([msgpack.packb(envelope)] + frames[1:])
+    truncated = list(frames)
+    truncated[2] = bytes(frames[2])[:-4]
+    with pytest.raises(ProtocolError, match="response_tokens' of shape \\[8\\] int32 needs 32 bytes, got 28"):
+        decode(truncated)
+
+
+def test_frames_over_the_limit_are_refused():
+    frames = _samples_frames()
+    with pytest.raises(ProtocolError, match="over the limit of 16"):
+        decode(frames, max_frame_bytes=16)
+
+
+def test_inconsistent_sample_lengths_and_nan_are_refused():
+    fields, tensors = pack_samples([make_sample(0), make_sample(1)])
+    fields["response_lengths"] = [4, 5]
+    with pytest.raises(ProtocolError, match="response_tokens has shape \\(8,\\), lengths add to 9"):
+        unpack_samples(decode(encode("samples", fields, tensors)))
+    fields, tensors = pack_samples([make_sample(0)])
+    tensors["behavior_logprobs"][1] = np.nan
+    with pytest.raises(ProtocolError, match="behavior_logprobs holds NaN"):
+        unpack_samples(decode(encode("samples", fields, tensors)))
+
+
+def test_sender_refuses_to_send_what_the_receiver_would_refuse():
+    with pytest.raises(ProtocolError, match="missing field 'accepted'"):
+        encode("ack", {})
+
+
+def test_repacking_received_samples_in_any_order_gives_the_same_bytes():
+    """Samples of a received message are re-sent by slicing runs of consecutive rows; whatever the
+    order or mix, and after an array is replaced, the packed tensors equal a plain concatenation."""
+    originals = [make_sample(i, prompt_len=1 + i % 3, resp_len=2 + i % 5, scored=True) for i in range(12)]
+    received = []
+    for part in (originals[:7], originals[7:]):
+        received += unpack_samples(decode(encode("scored", *pack_samples(part, scored=True))))
+    received[4].ref_logprobs = np.full(len(received[4].response_tokens), -9.0, np.float32)
+    originals[4].ref_logprobs = received[4].ref_logprobs
+    for order in (list(range(12)), [0, 1, 2, 8, 9, 3, 4, 10, 11, 5, 6, 7], list(reversed(range(12)))):
+        got_fields, got = pack_samples([received[i] for i in order], scored=True)
+        want_fields, want = pack_samples([originals[i] for i in order], scored=True)
+        assert got_fields == want_fields
+        for name in want:
+            np.testing.assert_array_equal(got[name], want[name], err_msg=name)

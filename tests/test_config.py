@@ -1,0 +1,77 @@
+"""One config, validated at start; errors name the key."""
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from launch.cli import app
+from protocol.config import ConfigError, check_paths, load_config
+
+MINIMAL = {"models": {"policy": "/p", "reward": "/r"}, "data": {"prompts": "/d.jsonl"}}
+
+
+def write(tmp_path, data, name="config.yaml"):
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_defaults_and_overrides(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL), ["learner.batch_size=32", "buffer.max_staleness=0",
+                                                    "placement.cores.rollout=[0]", "learner.dual_clip=null"])
+    assert config.learner.batch_size == 32 and config.buffer.max_staleness == 0
+    assert config.placement.cores == {"rollout": [0]}
+    assert config.learner.dual_clip is None and config.learner.clip_eps == 0.2
+    assert config.reference_path == "/p"  # the reference defaults to the SFT policy
+
+
+def test_toml_is_read_too(tmp_path):
+    path = tmp_path / "config.toml"
+    path.write_text('[models]\npolicy = "/p"\nreward = "/r"\n[data]\nprompts = "/d"\n[learner]\nppo_epochs = 3\n')
+    assert load_config(path).learner.ppo_epochs == 3
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learner.batch_sise=3"], "learner.batch_sise: unknown key"),
+    (["learner.clip_eps=-1"], "learner.clip_eps: Input should be greater than 0"),
+    (["buffer.max_staleness=soon"], "buffer.max_staleness: Input should be a valid integer"),
+    (["learner.batch_size=30"], "must be a multiple of learner.minibatch_size"),
+    (["placement.cores.critic=[1]"], "unknown role 'critic'"),
+    (["learner"], "must look like key.subkey=value"),
+])
+def test_bad_values_name_the_key(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_config(write(tmp_path, MINIMAL), overrides)
+
+
+def test_missing_section_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="models: Field required"):
+        load_config(write(tmp_path, {"data": {"prompts": "/d"}}))
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_missing_model_path_names_the_key(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL))
+    with pytest.raises(ConfigError, match="models.policy: /p does not exist"):
+        check_paths(config, "rollout")
+    with pytest.raises(ConfigError, match=r"models.policy \(the reference\): /p does not exist"):
+        check_paths(config, "scorer")
+    config = load_config(write(tmp_path, MINIMAL), [f"models.reference={tmp_path}"])
+    with pytest.raises(ConfigError, match="models.reward: /r does not exist"):
+        check_paths(config, "scorer")
+
+
+def test_cli_config_show_prints_the_resolved_config(tmp_path):
+    result = CliRunner().invoke(app, ["config", "show", "-c", str(write(tmp_path, MINIMAL)),
+                                      "-o", "learner.kl_coef=0.1"])
+    assert result.exit_code == 0, result.output
+    shown = yaml.safe_load(result.output)
+    assert shown["learner"]["kl_coef"] == 0.1 and shown["buffer"]["max_staleness"] == 1
+
+
+def test_cli_refuses_an_unknown_key_and_a_missing_model(tmp_path):
+    result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, MINIMAL)), "-o", "rollout.temprature=1"])
+    assert result.exit_code == 2 and "rollout.temprature: unknown key" in result.output
+    result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, MINIMAL))])
+    assert result.exit_code == 2 and "models.policy: /p does not exist" in result.output
