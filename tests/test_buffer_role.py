@@ -1,0 +1,151 @@
+"""The buffer role over real ZeroMQ sockets: credits, dispatch, batches, weights, stop; bad
+messages refused while it keeps serving."""
+
+import threading
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from buffer.main import run as run_buffer
+from protocol.codec import decode
+from protocol.config import load_config
+from protocol.samples import pack_samples, unpack_samples
+from protocol.transport import BufferClient, BufferUnreachable
+from tests.conftest import base_config
+from tests.test_codec import make_sample
+
+
+@pytest.fixture
+def buffer_role(tmp_path):
+    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
+    config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1", "buffer.max_staleness=0",
+                                "transport.max_frame_bytes=65536"],
+                         base=base_config(tmp_path, assets))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(run_buffer(config)), daemon=True)
+    thread.start()
+    yield config, result, thread
+    thread.join(timeout=40)
+
+
+def client(config, role):
+    c = BufferClient(config.buffer_address, role, "0")
+    welcome = c.connect(retries=20, interval_s=0.5)
+    assert welcome.fields["batch_size"] == 2 and welcome.fields["max_staleness"] == 0
+    return c
+
+
+def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
+    config, result, thread = buffer_role
+    rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
+
+    grant = rollout.request("credit_request", {"rollout_version": 0, "wanted": 10, "data_position": 5})
+    assert grant.fields["credits"] == 2 and grant.fields["stop"] is False
+    # a rollout that starts again learns where the data was
+    late = BufferClient(config.buffer_address, "rollout", "1")
+    assert late.connect(5, 1.0).fields["data_position"] == 5
+    samples = [make_sample(0), make_sample(1)]
+    for s in samples:
+        s.behavior_version = 0
+    assert rollout.request("samples", *pack_samples(samples)).fields["accepted"] == 2
+
+    work = unpack_samples(scorer.request("score_request", {"max_samples": 8}))
+    assert [s.sample_id for s in work] == ["s0", "s1"]
+    for s in work:
+        s.ref_logprobs = np.full(len(s.response_tokens), -1.5, np.float32)
+        s.rm_score = 0.25
+    assert scorer.request("scored", *pack_samples(work, scored=True)).fields["accepted"] == 2
+
+    batch = unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": 2}))
+    assert [s.sample_id for s in batch] == ["s0", "s1"]
+    np.testing.assert_array_equal(batch[0].ref_logprobs, np.full(4, -1.5, np.float32))
+    np.testing.assert_array_equal(batch[1].response_tokens, samples[1].response_tokens)
+
+    # k = 0: no more credits for version 0 weights; the request is held, not answered
+    with pytest.raises(TimeoutError):
+        rollout.request("credit_request", {"rollout_version": 0, "wanted": 10}, timeout_s=0.5)
+    manifest = {"version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "ab", "path": "/dev/shm/b0",
+                                           "tensors": [["w", "float32", [2], 0]]}]}
+    with pytest.raises(Exception, match="published as 2"):
+        learner.request("weights_published", {"version": 2, "manifest": manifest})
+    learner.request("weights_published", {"version": 1, "manifest": manifest})
+    grant = rollout.request("credit_request", {"rollout_version": 1, "wanted": 10})
+    assert grant.fields["credits"] == 2 and grant.fields["weights_version"] == 1
+    assert grant.fields["weights_manifest"] == manifest
+
+    learner.request("finish", {"policy_version": 1})
+    assert rollout.request("credit_request", {"rollout_version": 1, "wanted": 10}).fields["stop"] is True
+    assert scorer.request("score_request", {"max_samples": 8}).fields["stop"] is True
+    assert late.request("credit_request", {"rollout_version": 1, "wanted": 1}).fields["stop"] is True
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    assert result["trained"] == 2 and result["generated"] == 2 and result["identity_holds"]
+    assert result["staleness_violations"] == 0
+
+
+def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):
+    config, result, thread = buffer_role
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.connect(config.buffer_address)
+    bad_messages = [
+        [b"garbage"],
+        [msgpack.packb({"schema": 0, "type": "hello", "id": 1, "fields": {}, "tensors": []})],
+        [msgpack.packb({"schema": 1, "type": "samples", "id": 2, "fields": {}, "tensors": []})],
+        [msgpack.packb({"schema": 1, "type": "ack", "id": 3, "fields": {"accepted": 1},
+                        "tensors": [["x", "uint8", [70_000]]]}), b"\0" * 70_000],
+    ]
+    reasons = []
+    for frames in bad_messages:
+        raw.send_multipart(frames)
+        assert raw.poll(5000)
+        reply = decode(raw.recv_multipart())
+        assert reply.type == "error"
+        reasons.append(reply.fields["reason"])
+    assert "not valid msgpack" in reasons[0]
+    assert "schema version 0, this process speaks 1" in reasons[1]
+    assert "missing field" in reasons[2]
+    assert "frame 1 has 70000 bytes, over the limit of 65536" in reasons[3]
+    raw.close()
+    # a sample batch whose lengths do not add up: refused by the buffer, which keeps serving
+    learner = client(config, "learner")
+    fields, tensors = pack_samples([make_sample(0)])
+    fields["response_lengths"] = [99]
+    with pytest.raises(Exception, match="response_tokens has shape"):
+        learner.request("samples", fields, tensors)
+    learner.request("finish", {"policy_version": 0})  # every client that said hello is told: it exits
+    thread.join(timeout=10)
+    assert result["refused_messages"] == 5
+
+
+def test_a_role_without_a_buffer_gives_up_with_a_clear_message(tmp_path):
+    c = BufferClient(f"ipc://{tmp_path}/nobody", "rollout", "0")
+    with pytest.raises(BufferUnreachable, match=f"buffer at ipc://{tmp_path}/nobody did not answer after 2 tries"):
+        c.connect(retries=2, interval_s=0.2)
+
+
+def test_a_scorer_that_goes_silent_with_work_is_named(tmp_path):
+    import json
+    import time
+
+    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
+    config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1", "buffer.stall_warn_s=0.5",
+                                "buffer.max_staleness=0"],
+                         base=base_config(tmp_path, assets))
+    thread = threading.Thread(target=run_buffer, args=(config,), daemon=True)
+    thread.start()
+    rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
+    rollout.request("credit_request", {"rollout_version": 0, "wanted": 2})
+    rollout.request("samples", *pack_samples([make_sample(0), make_sample(1)]))
+    with pytest.raises(TimeoutError):  # held at the buffer: the rollout waits, it is not stuck
+        rollout.request("credit_request", {"rollout_version": 0, "wanted": 2}, timeout_s=0.3)
+    scorer.request("score_request", {"max_samples": 8})  # takes the work, then goes silent
+    time.sleep(3.0)
+    learner.request("finish", {"policy_version": 0})
+    assert scorer.request("score_request", {"max_samples": 8}).fields["stop"]  # the last one to be told
+    thread.join(timeout=40)
+    with open(tmp_path / "run" / "metrics" / "buffer.jsonl") as file:
+        stalled = [json.loads(line)["stalled"] for line in file]
+    assert any("scorer:0" in names for names in stalled)
+    assert not any("rollout:0" in names for names in stalled)

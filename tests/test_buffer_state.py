@@ -1,0 +1,258 @@
+"""The staleness rule and the accounting, read from the buffer's bookkeeping alone.
+
+Versions: the learner at policy version v trains batch number v. Samples carry the version of
+the weights that generated them. max_staleness k: batch v may only hold samples of version
+>= v - k, and the buffer enforces that by how many samples it lets the rollout generate.
+"""
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buffer.state import BufferState
+from protocol.samples import Sample
+
+
+def sample(sample_id, version):
+    tokens = np.array([1, 2], dtype=np.int32)
+    return Sample(str(sample_id), 0, version, tokens, tokens, np.zeros(2, np.float32), "stop",
+                  ref_logprobs=np.zeros(2, np.float32), rm_score=0.0)
+
+
+def generate(state, count, version, start=0):
+    state.add_samples([sample(start + i, version) for i in range(count)])
+
+
+def score_all(state):
+    state.add_scored(state.take_for_scoring(10**6))
+
+
+def test_max_staleness_zero_is_synchronous_on_policy():
+    state = BufferState(batch_size=4, max_staleness=0)
+    assert state.credits_for(rollout_version=0, wanted=100) == 4  # exactly one batch for version 0
+    assert state.credits_for(rollout_version=0, wanted=100) == 0  # nothing more until new weights
+    generate(state, 4, version=0)
+    score_all(state)
+    batch = state.take_batch(policy_version=0, batch_size=4)
+    assert [s.behavior_version for s in batch] == [0, 0, 0, 0]
+    state.publish_weights(1, None)
+    assert state.credits_for(rollout_version=0, wanted=100) == 0  # stale weights earn nothing
+    assert state.credits_for(rollout_version=1, wanted=100) == 4
+
+
+def test_max_staleness_one_lets_the_rollout_run_one_batch_ahead():
+    state = BufferState(batch_size=4, max_staleness=1)
+    assert state.credits_for(0, wanted=3) == 3
+    assert state.credits_for(0, wanted=100) == 5  # (0 + 1 + 1) * 4 - 3
+    assert state.credits_for(0, wanted=100) == 0
+    state.publish_weights(1, None)
+    assert state.credits_for(1, wanted=100) == 4
+
+
+def test_the_rollout_cannot_claim_weights_newer_than_published():
+    state = BufferState(batch_size=4, max_staleness=0)
+    assert state.credits_for(rollout_version=5, wanted=100) == 4
+
+
+def test_batches_are_served_oldest_first_and_stale_samples_are_dropped_with_a_reason():
+    state = BufferState(batch_size=2, max_staleness=1)
+    generate(state, 1, version=0, start=0)
+    generate(state, 2, version=2, start=10)
+    generate(state, 1, version=1, start=20)
+    score_all(state)
+    # learner at version 2: the version-0 sample is 2 versions old, over the bound of 1
+    batch = state.take_batch(policy_version=2, batch_size=2)
+    assert [s.behavior_version for s in batch] == [1, 2]
+    report = state.report()
+    assert report["dropped"] == {"stale": 1} and report["staleness_violations"] == 1
+    assert report["staleness_histogram"] == {"0": 1, "1": 1}
+    assert report["identity_holds"] and report["in_flight"] == 1
+
+
+def test_no_batch_until_enough_scored_samples():
+    state = BufferState(batch_size=3, max_staleness=1)
+    generate(state, 3, version=0)
+    assert state.take_batch(0, 3) is None  # generated but not scored yet
+    work = state.take_for_scoring(2)
+    state.add_scored(work)
+    assert state.take_batch(0, 3) is None
+    score_all(state)
+    assert len(state.take_batch(0, 3)) == 3
+
+
+def test_a_sample_is_accepted_once_scored_once_and_trained_once():
+    state = BufferState(batch_size=1, max_staleness=0)
+    generate(state, 1, version=0, start=7)
+    generate(state, 1, version=0, start=7)  # the same id again
+    work = state.take_for_scoring(10)
+    assert len(work) == 1
+    assert state.add_scored(work) == 1
+    assert state.add_scored(work) == 0  # a second answer for the same sample is ignored
+    assert len(state.take_batch(0, 1)) == 1
+    report = state.report()
+    assert report["generated"] == 2 and report["trained"] == 1 and report["dropped"] == {"duplicate_id": 1}
+    assert report["unexpected_scored"] == 1 and report["identity_holds"]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    batch_size=st.integers(1, 6),
+    max_staleness=st.integers(0, 3),
+    actions=st.lists(st.sampled_from(["generate", "score", "train", "sync"]), min_size=1, max_size=120),
+    chunk=st.integers(1, 8),
+)
+def test_staleness_bound_and_accounting_hold_under_any_interleaving(batch_size, max_staleness, actions, chunk):
+    """A rollout that asks for credits and generates, a scorer that scores in chunks, a learner that
+    trains whenever a batch is ready and publishes, a rollout that loads new weights late: in any
+    order, no sample is trained more than k versions old, none twice, and every sample is
+    accounted for."""
+    state = BufferState(batch_size, max_staleness)
+    rollout_version, learner_version, next_id = 0, 0, 0
+    trained_ids = set()
+    for action in actions:
+        if action == "generate":
+            credits = state.credits_for(rollout_version, wanted=chunk)
+            generate(state, credits, rollout_version, start=next_id)
+            next_id += credits
+        elif action == "score":
+            state.add_scored(state.take_for_scoring(chunk))
+        elif action == "train":
+            batch = state.take_batch(learner_version, batch_size)
+            if batch is not None:
+                for s in batch:
+                    assert learner_version - s.behavior_version <= max_staleness
+                    assert s.sample_id not in trained_ids
+                    trained_ids.add(s.sample_id)
+                learner_version += 1
+                state.publish_weights(learner_version, None)
+        elif action == "sync":
+            rollout_version = state.weights_version
+        report = state.report()
+        assert report["identity_holds"], report
+        # admission keeps the rollout within the bound: nothing is ever dropped as stale
+        assert report["staleness_violations"] == 0, report
+        assert state.granted <= (state.weights_version + max_staleness + 1) * batch_size
+
+
+# --------------------------------------------------------------------------- the scorer pool
+
+
+def test_samples_past_their_deadline_go_to_another_scorer_and_are_scored_once():
+    state = BufferState(batch_size=4, max_staleness=0)
+    generate(state, 4, version=0)
+    slow = state.take_for_scoring(2, scorer="scorer:0", now=0.0, deadline_s=10.0)
+    fast = state.take_for_scoring(2, scorer="scorer:1", now=0.0, deadline_s=10.0)
+    assert state.redispatch(now=5.0) == 0
+    state.add_scored(fast)
+    assert state.redispatch(now=10.0) == 2  # scorer:0 missed its deadline
+    again = state.take_for_scoring(8, scorer="scorer:1", now=10.0, deadline_s=10.0)
+    assert [s.sample_id for s in again] == [s.sample_id for s in slow]  # sent again, first in line
+    assert state.add_scored(again) == 2
+    assert state.add_scored(slow) == 0  # the slow scorer's late answer is ignored
+    batch = state.take_batch(0, 4)
+    assert sorted(s.sample_id for s in batch) == ["0", "1", "2", "3"]
+    report = state.report()
+    assert report["redispatched"] == 2 and report["unexpected_scored"] == 2 and report["identity_holds"]
+
+
+def test_a_late_answer_before_the_second_dispatch_is_taken_once():
+    state = BufferState(batch_size=2, max_staleness=0)
+    generate(state, 2, version=0)
+    work = state.take_for_scoring(2, scorer="scorer:0", now=0.0, deadline_s=1.0)
+    state.redispatch(now=2.0)
+    assert state.add_scored(work) == 2  # waiting to be sent again: the answer still counts
+    assert state.take_for_scoring(8, scorer="scorer:1") == []
+    assert len(state.take_batch(0, 2)) == 2
+
+
+def test_a_restarted_scorer_loses_what_it_held_and_the_load_is_shared():
+    state = BufferState(batch_size=8, max_staleness=0)
+    generate(state, 6, version=0)
+    assert state.fair_share(waiting_scorers=2) == 3
+    held = state.take_for_scoring(state.fair_share(2), scorer="scorer:0")
+    state.take_for_scoring(state.fair_share(1), scorer="scorer:1")
+    assert state.scorer_load == {"scorer:0": 3, "scorer:1": 3}
+    assert state.redispatch(scorer="scorer:0") == 3
+    assert state.scorer_load["scorer:0"] == 0
+    assert [s.sample_id for s in state.take_for_scoring(8, scorer="scorer:1")] == [s.sample_id for s in held]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    actions=st.lists(st.sampled_from(["generate", "dispatch", "return", "lose", "tick", "train"]), max_size=150),
+    max_staleness=st.integers(0, 2),
+)
+def test_with_scorers_that_die_or_lag_every_sample_is_trained_at_most_once(actions, max_staleness):
+    """Scorers take work, some answers come late or never; deadlines send work again. Whatever
+    happens, no sample is trained twice and generated = trained + dropped + in flight."""
+    batch_size = 3
+    state = BufferState(batch_size, max_staleness)
+    now, next_id, learner_version = 0.0, 0, 0
+    out: list[list] = []  # work handed out, not yet answered (answers may come after a re-dispatch)
+    trained = set()
+    for action in actions:
+        if action == "generate":
+            credits = state.credits_for(state.weights_version, wanted=2)
+            generate(state, credits, state.weights_version, start=next_id)
+            next_id += credits
+        elif action == "dispatch":
+            out.append(state.take_for_scoring(2, scorer=f"scorer:{len(out) % 2}", now=now, deadline_s=3.0))
+        elif action == "return" and out:
+            state.add_scored(out.pop(0))
+        elif action == "lose" and out:
+            out.pop()  # that scorer died: its answer never comes
+        elif action == "tick":
+            now += 1.0
+            state.redispatch(now=now)
+        elif action == "train":
+            batch = state.take_batch(learner_version, batch_size)
+            if batch is not None:
+                ids = {s.sample_id for s in batch}
+                assert not ids & trained
+                trained |= ids
+                learner_version += 1
+                state.publish_weights(learner_version, None)
+        assert state.report()["identity_holds"]
+
+
+def test_a_restarted_rollout_gets_back_the_credits_its_predecessor_never_used():
+    state = BufferState(batch_size=4, max_staleness=0)
+    assert state.credits_for(0, wanted=4, rollout="rollout:0") == 4
+    generate_from = lambda count, start: state.add_samples(
+        [sample(start + i, 0) for i in range(count)], rollout="rollout:0")
+    generate_from(1, 0)  # then it dies, 3 credits unused
+    assert state.credits_for(0, wanted=4, rollout="rollout:0") == 0  # without reclaiming: stuck for good
+    assert state.rollout_gone("rollout:0") == 3
+    assert state.credits_for(0, wanted=4, rollout="rollout:0") == 3  # one batch in all, still
+    generate_from(3, 10)
+    score_all(state)
+    assert len(state.take_batch(0, 4)) == 4 and state.report()["identity_holds"]
+
+
+def test_the_dedupe_memory_is_bounded():
+    state = BufferState(batch_size=1, max_staleness=0, dedupe_window=5)
+    state.add_samples([sample(i, 0) for i in range(20)])
+    assert len(state.seen_ids) == 5 and len(state.seen_order) == 5
+    assert state.add_samples([sample(19, 0)]) == 0  # a recent duplicate is still caught
+    assert state.report()["dropped"] == {"duplicate_id": 1}
+
+
+def test_a_snapshot_restores_samples_credits_and_accounting(tmp_path):
+    from buffer.state import load_snapshot, save_snapshot
+
+    state = BufferState(batch_size=2, max_staleness=1)
+    state.credits_for(0, wanted=4, rollout="rollout:0")
+    state.add_samples([sample(i, 0) for i in range(3)], rollout="rollout:0")  # one credit unused
+    state.add_scored(state.take_for_scoring(1, scorer="scorer:0"))
+    state.take_for_scoring(1, scorer="scorer:0")  # out for scoring when the snapshot is taken
+    state.add_samples([sample(0, 0)], rollout="rollout:1")  # a duplicate from another rollout, dropped
+    state.data_position = 17
+    save_snapshot(state, str(tmp_path / "buffer.snapshot"))
+
+    restored = load_snapshot(str(tmp_path / "buffer.snapshot"), batch_size=2, max_staleness=1)
+    assert list(restored.scored) == ["0"] and sorted(restored.unscored) == ["1", "2"]  # in scoring -> unscored
+    assert restored.granted == 3  # the credit nobody used is given back
+    assert restored.data_position == 17
+    report = restored.report()
+    assert report["generated"] == 4 and report["dropped"] == {"duplicate_id": 1} and report["identity_holds"]
+    assert restored.add_samples([sample(2, 0)]) == 0  # the ids seen survive
