@@ -1,0 +1,185 @@
+"""The rollout's loop: ask for credits, take newer weights if there are some, generate, send."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+import uuid
+
+from protocol.config import ConfigError, TetherConfig, check_paths
+from protocol.runlog import MetricsWriter, setup_logging
+from protocol.samples import Sample, pack_samples
+from protocol.transport import BufferClient
+from protocol.weight_server import fetch_over_tcp
+from protocol.weight_stream import WeightPrefetcher
+from protocol.weights import ShmWeightWriter, WeightManifest
+
+REFUSED_WEIGHTS_BACKOFF_S = 1.0
+
+
+def load_prompts(path: str) -> list[str]:
+    prompts = []
+    with open(path) as file:
+        for line_number, line in enumerate(file, 1):
+            if not line.strip():
+                continue
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f'data.prompts: {path} line {line_number} is not {{"prompt": "..."}}') from None
+    if not prompts:
+        raise ConfigError(f"data.prompts: {path} holds no prompt")
+    return prompts
+
+
+def make_engine(config: TetherConfig):
+    """A ``vllm.LLM`` with tether's worker extension; placement and KV cache from the config."""
+    import torch
+
+    cores = config.placement.cores.get("rollout")
+    if cores:  # vLLM's CPU backend binds its OpenMP threads itself; tell it where
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cores)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(config.rollout.kv_cache_gib))))
+    from vllm import LLM
+
+    options = {}
+    if torch.cuda.is_available():
+        options["gpu_memory_utilization"] = config.rollout.gpu_memory_utilization
+    return LLM(
+        model=config.models.policy,
+        dtype=config.rollout.dtype,
+        seed=config.seed,
+        max_model_len=config.rollout.max_model_len,
+        enforce_eager=True,
+        worker_extension_cls="rollout.worker_extension.WeightSyncExtension",
+        # Logprobs of the distribution actually sampled (after temperature / top-p), the one the
+        # learner recomputes; vLLM's default is the raw logits' distribution.
+        logprobs_mode="processed_logprobs",
+        **options,
+    )
+
+
+def to_samples(outputs, prompt_indices: list[int], version: int, id_prefix: str, counter: int) -> list[Sample]:
+    import numpy as np
+
+    samples = []
+    for request, prompt_index in zip(outputs, prompt_indices):
+        for completion in request.outputs:
+            tokens = list(completion.token_ids)
+            logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
+            samples.append(Sample(
+                sample_id=f"{id_prefix}-{counter + len(samples)}",
+                prompt_index=prompt_index,
+                behavior_version=version,
+                prompt_tokens=np.asarray(request.prompt_token_ids, dtype=np.int32),
+                response_tokens=np.asarray(tokens, dtype=np.int32),
+                behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
+                finish_reason="length" if completion.finish_reason == "length" else "stop",
+            ))
+    return samples
+
+
+def sampling_params(config: TetherConfig):
+    from vllm import SamplingParams
+
+    rollout = config.rollout
+    return SamplingParams(n=rollout.samples_per_prompt, temperature=rollout.temperature, top_p=rollout.top_p,
+                          max_tokens=rollout.max_new_tokens, ignore_eos=rollout.ignore_eos, logprobs=0)
+
+
+def apply_weights(engine, grant, version: int, staging, prefetcher, config: TetherConfig, log) -> int:
+    """Load the version the buffer announced; on any failure keep the old one. Returns the
+    version now in the engine."""
+    started = time.monotonic()
+    try:
+        manifest = WeightManifest.from_dict(grant.fields["weights_manifest"])
+        if staging is not None:  # another host: bring the buckets here first
+            manifest = fetch_over_tcp(manifest, config.transport.weights_address, staging,
+                                      max_frame_bytes=config.transport.max_frame_bytes, curve=config.transport.curve)
+        checked = prefetcher is not None and prefetcher.checked(manifest)
+        engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
+        how = ("fetch over tcp and load" if staging is not None else
+               "load from shared memory, checked while written" if checked else "load from shared memory")
+        log.info("now generating with policy version %d (%.2fs to %s)", manifest.version,
+                 time.monotonic() - started, how)
+        return grant.fields["weights_version"]
+    except Exception as error:  # the old weights stay; a newer version comes with the next credits
+        log.warning("refused policy version %d, keeping version %d: %s", grant.fields["weights_version"], version, error)
+        time.sleep(REFUSED_WEIGHTS_BACKOFF_S)  # the buffer answers at once while newer weights exist
+        return version
+    finally:
+        if prefetcher is not None:
+            prefetcher.release()
+
+
+def run(config: TetherConfig, engine=None) -> None:
+    """The rollout role. ``engine``: an already built ``vllm.LLM`` (benchmarks share one)."""
+    log = setup_logging("rollout", config.log_level)
+    check_paths(config, "rollout")
+    prompts = load_prompts(config.data.prompts)
+    client = BufferClient(config.buffer_address, "rollout", "0", config.transport.max_frame_bytes,
+                          config.transport.curve)
+    welcome = client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
+
+    from transformers import AutoTokenizer
+    from vllm import TokensPrompt
+
+    tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
+    prompt_token_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    engine = engine or make_engine(config)
+    rollout_cfg = config.rollout
+    sampling = sampling_params(config)
+    metrics = MetricsWriter(config.run_dir, "rollout")
+    staging = prefetcher = None
+    if config.transport.weight_transport == "tcp":
+        staging = ShmWeightWriter(config.weights_dir + "-rollout", config.transport.weight_bucket_mb << 20)
+    else:
+        prefetcher = WeightPrefetcher(config.weights_stream_address)
+    id_prefix = uuid.uuid4().hex[:8]
+    # a restarted or resumed rollout goes on from where the buffer says the data was
+    version, data_position, generated = 0, welcome.fields.get("data_position") or 0, 0
+    wanted = rollout_cfg.prompts_per_generate * rollout_cfg.samples_per_prompt
+    log.info("generating with %s, %d prompts, %d samples per prompt", config.models.policy, len(prompts),
+             rollout_cfg.samples_per_prompt)
+
+    period_started, sync_s = time.monotonic(), 0.0  # a period: from one record to the next
+    while True:
+        grant = client.request("credit_request", {"rollout_version": version, "wanted": wanted,
+                                                  "data_position": data_position}, waiting_for="generation credits")
+        if grant.fields["stop"]:
+            break
+        if grant.fields["weights_version"] > version:
+            sync_started = time.monotonic()
+            version = apply_weights(engine, grant, version, staging, prefetcher, config, log)
+            sync_s += time.monotonic() - sync_started
+        credits = grant.fields["credits"]
+        if credits == 0:
+            continue
+        busy_started = time.monotonic()
+        num_prompts = credits // rollout_cfg.samples_per_prompt
+        indices = [(data_position + i) % len(prompts) for i in range(num_prompts)]
+        data_position += num_prompts
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=prompt_token_ids[i]) for i in indices],
+                                  sampling, use_tqdm=False)
+        samples = to_samples(outputs, indices, version, id_prefix, generated)
+        send_started = time.monotonic()
+        client.request("samples", *pack_samples(samples))
+        generated += len(samples)
+        tokens = sum(len(s.response_tokens) for s in samples)
+        now = time.monotonic()
+        metrics.write({"step": version, "samples": len(samples), "generated_total": generated,
+                       "response_tokens": tokens, "tokens_per_s": tokens / max(send_started - busy_started, 1e-9),
+                       "busy_s": send_started - busy_started, "weight_sync_s": sync_s, "send_s": now - send_started,
+                       "waiting_s": busy_started - period_started - sync_s, "iteration_s": now - period_started,
+                       "data_position": data_position})
+        period_started, sync_s = now, 0.0
+    log.info("stopping after %d samples at policy version %d", generated, version)
+    if staging is not None:
+        staging.close(remove=True)
+    if prefetcher is not None:
+        prefetcher.close()
+    metrics.close()
+    client.close()
+

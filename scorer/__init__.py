@@ -1,0 +1,1 @@
+"""The scorer role: frozen reference logprobs and reward-model scores for generated samples."""

