@@ -1,0 +1,152 @@
+"""DeepSpeed engines for actor and critic, weight publishing and HF checkpoints."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import socket
+import time
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from protocol.config import TetherConfig
+from protocol.sequences import disable_dropout
+from protocol.weights import ShmWeightWriter, WeightManifest
+
+log = logging.getLogger("learner")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+def device() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def init_distributed(config: TetherConfig) -> None:
+    """One process without a launcher is rank 0 of 1; under `deepspeed`/`torchrun` the launcher's
+    environment is kept. gloo on CPU (MACHINE.md), NCCL on GPUs."""
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(config.learner.dist_port or _free_port()))
+    if not torch.cuda.is_available():
+        if os.environ["WORLD_SIZE"] == "1":
+            _skip_shared_memory_allreduce()
+        else:
+            remove_stale_build_locks()
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+
+
+def _skip_shared_memory_allreduce() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (~90 s on a fresh
+    machine, MACHINE.md) that a single rank never calls; marking it unavailable makes DeepSpeed
+    use plain gloo, as it does wherever the op cannot be built."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+
+def remove_stale_build_locks(max_age_s: float = 900.0) -> list[str]:
+    """Remove torch JIT-build lock files older than ``max_age_s``. A process killed while
+    compiling an extension leaves its ``lock`` behind, and every later build of that extension
+    waits on it forever without a word; a real build here takes about 90 s."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    removed = []
+    for build_dir, _, files in os.walk(root):
+        lock = os.path.join(build_dir, "lock")
+        if "lock" in files and time.time() - os.path.getmtime(lock) > max_age_s:
+            log.warning("removing %s, left %.0f s ago by a build that never finished", lock,
+                        time.time() - os.path.getmtime(lock))
+            os.remove(lock)
+            removed.append(lock)
+    return removed
+
+
+def load_actor(path: str) -> nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+
+
+def load_critic(path: str) -> nn.Module:
+    """A per-token value model: the transformer of ``path`` with a one-output head on every
+    position. From the RM the head starts as the RM's score head (same ``score`` weights); from
+    the policy it starts fresh. A bias the source lacks starts at zero, so an RM-initialised
+    critic starts out predicting the RM's own score."""
+    from transformers import AutoModelForTokenClassification
+
+    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    bias = getattr(critic.score, "bias", None)
+    if bias is not None:
+        with torch.no_grad():
+            bias.zero_()
+    return disable_dropout(critic)
+
+
+def make_engine(model: nn.Module, lr: float, config: TetherConfig):
+    import deepspeed
+
+    learner = config.learner
+    ds_config = {
+        "train_micro_batch_size_per_gpu": learner.minibatch_size,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": learner.grad_clip,
+        "zero_optimization": {"stage": learner.zero_stage},
+        "bf16": {"enabled": torch.cuda.is_available() and config.rollout.dtype == "bfloat16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=learner.weight_decay, eps=1e-8)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    return engine
+
+
+@contextmanager
+def full_parameters(engine) -> Iterator[nn.Module]:
+    """The engine's module with whole parameters, also under ZeRO-3 (where they are partitioned)."""
+    import deepspeed
+
+    if engine.zero_optimization_stage() == 3:
+        with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), modifier_rank=None):
+            yield engine.module
+    else:
+        yield engine.module
+
+
+def publish_weights(engine, version: int, writer: ShmWeightWriter, on_bucket=None) -> WeightManifest:
+    """Write the actor's weights for ``version`` into shared memory as checked buckets; the
+    returned manifest is what the rollout needs to find and verify them."""
+    with full_parameters(engine) as module:
+        return writer.publish(version, module.state_dict().items(), on_bucket)
+
+
+def save_hf_checkpoint(engine, policy_path: str, directory: str) -> str:
+    """An HF model directory of the actor (weights, config, tokenizer), loadable by transformers
+    and vLLM; written next to its final name and renamed, so a half-written one never exists."""
+    temporary = directory + ".tmp"
+    shutil.rmtree(temporary, ignore_errors=True)
+    with full_parameters(engine) as module:
+        module.save_pretrained(temporary, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        source = os.path.join(policy_path, name)
+        if os.path.exists(source):
+            shutil.copy(source, temporary)
+    if os.path.exists(directory):
+        shutil.rmtree(directory)
+    os.replace(temporary, directory)
+    return directory

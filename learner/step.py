@@ -1,0 +1,133 @@
+"""One PPO step on one batch: recompute, rewards, GAE, ``ppo_epochs`` passes over minibatches.
+
+Reads top to bottom like the InstructGPT recipe; every formula lives in ``learner.ppo``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from learner import ppo
+from protocol.config import LearnerConfig
+from protocol.samples import Sample
+from protocol.sequences import SequenceBatch, gather_response
+
+
+def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A model output that is NaN or inf means the weights are gone: a FloatingPointError, which
+    the learner answers with a checkpoint of the last good policy and a stop."""
+    if not torch.isfinite(tensor).all():
+        raise FloatingPointError(f"{name} hold NaN or inf")
+    return tensor
+
+
+def forward_logits(engine, batch: SequenceBatch) -> torch.Tensor:
+    """[B, T, V] logits that score each response token."""
+    logits = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return _finite("actor logits", gather_response(logits, batch.response_positions))
+
+
+def forward_values(engine, batch: SequenceBatch) -> torch.Tensor:
+    """[B, T] V(s_t) for each response token: the critic at the position before the token."""
+    values = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.squeeze(-1)
+    return _finite("critic values", gather_response(values, batch.response_positions).float())
+
+
+def _grad_norm(engine) -> float:
+    norm = engine.get_global_grad_norm()
+    if norm is None:  # ZeRO-0 does not report it; gradients are whole on every parameter then
+        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+        norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
+    return float(norm)
+
+
+def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: LearnerConfig, temperature: float,
+             kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None) -> dict[str, float]:
+    device = batch.input_ids.device
+    mask = batch.response_mask
+    behavior_logprobs = _ragged_to_padded([s.behavior_logprobs for s in samples], mask).to(device)
+    ref_logprobs = _ragged_to_padded([s.ref_logprobs for s in samples], mask).to(device)
+    rm_scores = torch.tensor([s.rm_score for s in samples], dtype=torch.float32, device=device)
+    truncated = torch.tensor([s.finish_reason == "length" for s in samples], device=device)
+
+    # 1. proximal logprobs and old values, at the start of the step (no gradient)
+    with torch.no_grad():
+        old_logprobs = ppo.logprobs_from_logits(forward_logits(actor, batch), batch.response_tokens, temperature)
+        old_values = forward_values(critic, batch)
+
+    # 2. token rewards (RM at the last token, -beta KL at every token) and GAE
+    scores = rm_scores
+    if moments is not None:
+        moments.update(rm_scores)
+        scores = moments.normalize(rm_scores)
+    rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, scores, mask, kl_coef, cfg.kl_estimator,
+                                    truncated, cfg.truncation_penalty, cfg.score_clip)
+    advantages, returns = ppo.gae_advantages(rewards, old_values, mask, cfg.gamma, cfg.lam)
+    if cfg.whiten_advantages:
+        advantages = ppo.masked_whiten(advantages, mask)
+
+    # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step
+    totals: dict[str, float] = {}
+    updates = 0
+    for _ in range(cfg.ppo_epochs):
+        for rows in torch.randperm(len(samples), device=device).split(cfg.minibatch_size):
+            minibatch = batch.select(rows)
+            logits = forward_logits(actor, minibatch)
+            logprobs = ppo.logprobs_from_logits(logits, minibatch.response_tokens, temperature)
+            policy_loss, policy_stats = ppo.ppo_policy_loss(
+                logprobs, old_logprobs[rows], advantages[rows], minibatch.response_mask,
+                clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
+                behavior_logprobs=behavior_logprobs[rows], behavior_weight_cap=cfg.behavior_weight_cap,
+                aggregation=cfg.loss_aggregation)
+            if not torch.isfinite(policy_loss):  # before the step: the weights stay the last good ones
+                raise FloatingPointError(f"policy loss is {policy_loss.item()} at policy version {policy_version}")
+            actor.backward(policy_loss)
+            actor_grad_norm = _grad_norm(actor)
+            actor.step()
+
+            values = forward_values(critic, minibatch)
+            value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows], minibatch.response_mask,
+                                                     cfg.value_clip, cfg.loss_aggregation)
+            if not torch.isfinite(value_loss):
+                raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
+            critic.backward(cfg.value_loss_coef * value_loss)
+            critic.step()
+
+            with torch.no_grad():
+                entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.detach(), temperature), minibatch.response_mask)
+            for name, value in {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy,
+                                "grad_norm": actor_grad_norm, **policy_stats, **value_stats}.items():
+                totals[name] = totals.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+            updates += 1
+
+    stats = {name: total / updates for name, total in totals.items()}
+    response_lengths = mask.sum(dim=1)
+    staleness = torch.tensor([policy_version - s.behavior_version for s in samples], dtype=torch.float32)
+    on_version = torch.tensor([s.behavior_version == policy_version for s in samples], device=device)
+    # How far the rollout engine's logprobs are from the learner's for the same weights: the check
+    # that weight sync and sampling agree (only samples generated with the current version count).
+    gap = (behavior_logprobs - old_logprobs).abs() * mask
+    stats.update({
+        "reward": float(rm_scores.mean()),
+        "gold_reward": (sum(s.gold_score for s in samples) / len(samples)
+                        if all(s.gold_score is not None for s in samples) else None),
+        "reward_std": float(rm_scores.std()) if len(samples) > 1 else 0.0,
+        "kl": float((kl * mask).sum(dim=1).mean()),
+        "kl_coef": kl_coef,
+        "response_length": float(response_lengths.mean()),
+        "truncated_frac": float(truncated.float().mean()),
+        "advantage_mean": float(ppo.masked_mean(advantages, mask)),
+        "return_mean": float(ppo.masked_mean(returns, mask)),
+        "staleness": float(staleness.mean()),
+        "staleness_max": float(staleness.max()),
+        "staleness_histogram": {str(int(age)): int((staleness == age).sum()) for age in sorted(set(staleness.tolist()))},
+        "behavior_logprob_gap": float(gap[on_version].max()) if on_version.any() else None,
+    })
+    return stats
+
+
+def _ragged_to_padded(rows: list, mask: torch.Tensor) -> torch.Tensor:
+    padded = torch.zeros(mask.shape, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        padded[i, :len(row)] = torch.as_tensor(row, dtype=torch.float32)
+    return padded

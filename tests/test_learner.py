@@ -1,0 +1,113 @@
+"""The learner's PPO step, weight publishing and checkpoints on real DeepSpeed engines (CPU, gloo)."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from learner.engines import (init_distributed, load_actor, load_critic, make_engine, publish_weights,
+                             remove_stale_build_locks, save_hf_checkpoint)
+from learner.step import ppo_step
+from launch.demo import sample_responses
+from protocol.config import load_config
+from protocol.samples import Sample
+from protocol.sequences import collate
+from protocol.weights import ShmWeightWriter, read_manifest
+from scorer.scoring import reference_logprobs, reward_scores
+from tests.conftest import base_config
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_assets):
+    """On-policy samples of the SFT model, scored as the scorer would (reference = policy)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
+    policy = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_assets["reward"], num_labels=1).eval()
+    prompts = [tokenizer(p)["input_ids"] for p in ["even 1 2 3 :", "odd 4 4 4 :", "even 9 0 1 :", "odd 5 5 2 :"] * 2]
+    responses = sample_responses(policy, prompts, max_new_tokens=6, seed=0)
+    made = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
+                   "stop" if r[-1] == 2 else "length") for i, (p, r) in enumerate(zip(prompts, responses))]
+    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, temperature=1.0)):
+        s.behavior_logprobs = logprobs.numpy()
+        s.ref_logprobs = logprobs.numpy().copy()
+    for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
+        s.rm_score = score
+    return made
+
+
+@pytest.fixture
+def restore_environment():
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_ppo_step_on_real_engines(tmp_path, tiny_assets, samples, zero_stage, restore_environment):
+    config = load_config(None, [f"learner.zero_stage={zero_stage}", "learner.batch_size=8",
+                                "learner.minibatch_size=4", "learner.actor_lr=1e-3"],
+                         base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    import deepspeed.comm.comm
+
+    assert deepspeed.comm.comm.cdb.shm_comm_op is None  # one rank: no shared-memory all-reduce built
+    writer = ShmWeightWriter(str(tmp_path / "w"), bucket_bytes=1 << 16)
+    with read_manifest(publish_weights(actor, 0, writer)) as published:
+        before = {name: tensor.clone() for name, tensor in published.items()}
+
+    batch = collate(samples, pad_token_id=0)
+    stats = ppo_step(actor, critic, samples, batch, config.learner, temperature=1.0, kl_coef=0.05,
+                     policy_version=0, moments=None)
+
+    # the learner recomputes the same logprobs the samples carry: KL 0, importance weights 1
+    assert stats["behavior_logprob_gap"] < 1e-4
+    assert abs(stats["kl"]) < 1e-4 and stats["behavior_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+    assert stats["reward"] == pytest.approx(float(np.mean([s.rm_score for s in samples])), abs=1e-5)
+    assert stats["response_length"] == pytest.approx(np.mean([len(s.response_tokens) for s in samples]))
+    assert stats["staleness"] == 0.0 and 0.0 <= stats["clipfrac"] <= 1.0
+    for key in ("entropy", "value_loss", "policy_loss", "approx_kl", "grad_norm"):
+        assert np.isfinite(stats[key]), key
+    assert stats["grad_norm"] > 0
+
+    with read_manifest(publish_weights(actor, 1, writer)) as published:
+        after = {name: tensor.clone() for name, tensor in published.items()}
+    assert set(after) == set(before) and all(after[k].shape == before[k].shape for k in before)
+    assert any(not torch.equal(after[k], before[k]) for k in before), "the step changed no weight"
+
+    checkpoint = save_hf_checkpoint(actor, tiny_assets["policy"], str(tmp_path / "final"))
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint)
+    assert all(torch.equal(reloaded.state_dict()[k], after[k]) for k in after)
+    assert os.path.exists(os.path.join(checkpoint, "tokenizer.json"))
+
+
+def test_a_nan_in_the_actor_stops_the_step_before_any_update(tmp_path, tiny_assets, samples, restore_environment):
+    config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=4"],
+                         base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor_model = load_actor(tiny_assets["policy"])
+    with torch.no_grad():
+        actor_model.lm_head.weight[3, 0] = float("nan")
+    actor = make_engine(actor_model, config.learner.actor_lr, config)
+    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    critic_before = {k: v.clone() for k, v in critic.module.state_dict().items()}
+    with pytest.raises(FloatingPointError, match="actor logits hold NaN"):
+        ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
+                 kl_coef=0.05, policy_version=0, moments=None)
+    assert all(torch.equal(v, critic_before[k]) for k, v in critic.module.state_dict().items())
+
+
+def test_stale_build_locks_are_removed_and_fresh_ones_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    stale, fresh = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "other" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    hour_ago = os.path.getmtime(fresh) - 3600
+    os.utime(stale, (hour_ago, hour_ago))
+    assert remove_stale_build_locks(max_age_s=900) == [str(stale)]
+    assert not stale.exists() and fresh.exists()
