@@ -1,0 +1,230 @@
+"""The `tether` command. Each command parses, validates and calls one `run`; heavy modules (torch,
+vLLM, DeepSpeed) are imported only inside, so `tether --help` answers at once."""
+
+from __future__ import annotations
+
+import os
+import sys
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True,
+                  help="tether: asynchronous PPO-RLHF with vLLM, DeepSpeed and ZeroMQ.")
+config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
+app.add_typer(config_app, name="config")
+
+ConfigOption = typer.Option(..., "--config", "-c", help="YAML or TOML config file")
+OverrideOption = typer.Option(None, "--override", "-o", help="key.subkey=value, repeatable")
+
+
+class Role(str, Enum):
+    buffer = "buffer"
+    rollout = "rollout"
+    scorer = "scorer"
+    learner = "learner"
+
+
+def _load(config: Path, override: Optional[list[str]]):
+    from protocol.config import ConfigError, load_config
+
+    try:
+        return load_config(config, override or [])
+    except ConfigError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def launch(role: Role = typer.Argument(..., help="which role this process runs"),
+           config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
+           worker_index: int = typer.Option(0, help="index of this scorer in the pool")) -> None:
+    """Run one role in the foreground; logs to stderr, metrics to RUN_DIR/metrics."""
+    resolved = _load(config, override)
+    from protocol.config import ConfigError
+    from protocol.transport import BufferUnreachable
+
+    try:
+        if role is Role.buffer:
+            from buffer.main import run
+            run(resolved)
+        elif role is Role.rollout:
+            from rollout.main import run
+            run(resolved)
+        elif role is Role.scorer:
+            from scorer.main import run
+            run(resolved, worker_index)
+        else:
+            from learner.main import TrainingStopped, run
+            try:
+                run(resolved)
+            except TrainingStopped as error:
+                typer.echo(f"stopped: {error}", err=True)
+                raise typer.Exit(3)
+    except (ConfigError, BufferUnreachable) as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2 if isinstance(error, ConfigError) else 1)
+
+
+@app.command("run")
+def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML or TOML config file"),
+            override: Optional[list[str]] = OverrideOption,
+            overwrite: bool = typer.Option(False, help="replace a previous run in the same run_dir"),
+            resume: Optional[Path] = typer.Option(None, help="continue RUN_DIR from its newest complete checkpoint")) -> None:
+    """Start every role as its own process, show progress, stop them all when the learner is done."""
+    if resume is not None:
+        from learner.main import newest_state
+
+        state = newest_state(str(resume))
+        if state is None:
+            typer.echo(f"error: {resume}/checkpoints holds no complete checkpoint (learner.checkpoint_every)", err=True)
+            raise typer.Exit(2)
+        config = config or resume / "config.yaml"
+        override = [*(override or []), f"run_dir={resume}", f"resume_from={state}"]
+    elif config is None:
+        typer.echo("error: --config is needed (or --resume RUN_DIR)", err=True)
+        raise typer.Exit(2)
+    resolved = _load(config, override)
+    from protocol.config import ConfigError, check_paths
+
+    try:
+        for role in ("rollout", "scorer", "learner"):
+            check_paths(resolved, role)
+    except ConfigError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    from launch.runner import run_pipeline
+
+    raise typer.Exit(run_pipeline(resolved, overwrite, resume=resume is not None))
+
+
+@app.command()
+def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's models and data are built (cached)"),
+         override: Optional[list[str]] = OverrideOption) -> None:
+    """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
+    from launch.demo import run_demo
+
+    raise typer.Exit(run_demo(assets, override or []))
+
+
+@app.command()
+def plot(run_dir: Path = typer.Argument(..., help="a run directory"),
+         output: Optional[Path] = typer.Option(None, help="PNG path; default RUN_DIR/dashboard.png")) -> None:
+    """One PNG dashboard: reward (RM, gold), KL, length, entropy, value loss, clip fraction,
+    staleness and throughput against step."""
+    from launch.report import plot_run
+
+    try:
+        path, _ = plot_run(str(run_dir), str(output) if output else None)
+    except FileNotFoundError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    typer.echo(path)
+
+
+@app.command()
+def profile(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
+    """Each role's busy fraction, where its time went, the bottleneck and what to give more devices."""
+    from launch.report import format_profile, profile_run
+
+    try:
+        typer.echo(format_profile(profile_run(str(run_dir))))
+    except FileNotFoundError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+
+
+@app.command()
+def status(run_dir: Path = typer.Argument(..., help="a run directory"),
+           once: bool = typer.Option(False, help="print once and exit instead of refreshing"),
+           interval: float = typer.Option(2.0, help="seconds between refreshes")) -> None:
+    """A live view of a running pipeline: versions, buffer occupancy, per-role utilisation, alerts."""
+    import time
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from launch.report import status_table
+
+    if once:
+        Console().print(status_table(str(run_dir)))
+        return
+    with Live(status_table(str(run_dir)), refresh_per_second=1) as live:
+        while not os.path.exists(os.path.join(run_dir, "metrics", "buffer_accounting.json")):
+            time.sleep(interval)
+            live.update(status_table(str(run_dir)))
+        live.update(status_table(str(run_dir)))
+
+
+@app.command()
+def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
+          split: list[str] = typer.Option(..., "--split", help="rollout=0;scorer=1;learner=1, repeatable"),
+          staleness: str = typer.Option("0,1", help="max_staleness values, comma-separated"),
+          steps: int = typer.Option(10, help="learner steps per trial"),
+          gpus: bool = typer.Option(False, help="the split's numbers are GPU indices, not CPU cores"),
+          out: Path = typer.Option(Path("runs/sweep"), help="one run directory per trial in here")) -> None:
+    """Short trials of one config over device splits and staleness bounds, ranked by trained tokens/s."""
+    from launch.sweep import format_sweep, parse_split, run_sweep
+
+    resolved = _load(config, override)
+    try:
+        for text in split:
+            parse_split(text)
+        bounds = [int(k) for k in staleness.split(",")]
+    except ValueError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    trials = run_sweep(resolved, split, bounds, steps, gpus, str(out))
+    typer.echo(format_sweep(trials))
+
+
+@app.command()
+def plan(run_dir: Path = typer.Argument(..., help="a finished run whose profile gives each role's cost"),
+         devices: int = typer.Option(..., help="devices to split between rollout, scorer and learner"),
+         check: Optional[Path] = typer.Option(None, help="a measured run: compare its tokens/s with the prediction")) -> None:
+    """Predict the best split of N devices from the per-role costs measured in a profile."""
+    import yaml
+
+    from launch.report import profile_run
+    from launch.sweep import best_splits, format_split, predict, role_costs
+
+    costs = role_costs(str(run_dir))
+    typer.echo("cost per trained token (busy device-ms): " +
+               ", ".join(f"{role} {1000 * cost:.3f}" for role, cost in costs.items()))
+    for rank, (rate, split) in enumerate(best_splits(costs, devices), 1):
+        typer.echo(f"{rank}. {format_split(split):<40} predicted {rate:,.0f} trained tokens/s")
+    if check is not None:
+        with open(os.path.join(check, "config.yaml")) as file:
+            cores = yaml.safe_load(file)["placement"]["cores"]
+        predicted = predict(costs, {role: cores[role] for role in ("rollout", "scorer", "learner")})
+        measured = profile_run(str(check)).pipeline_tokens_per_s
+        typer.echo(f"check {check}: predicted {predicted:,.0f}, measured {measured:,.0f} trained tokens/s "
+                   f"({(predicted - measured) / measured:+.0%})")
+
+
+@app.command()
+def keys(directory: Path = typer.Argument(..., help="where to write the key pair"),
+         name: str = typer.Argument(..., help="NAME.key (public) and NAME.key_secret (private)")) -> None:
+    """Make a CURVE key pair for transport.curve (server_key, client_key, allowed_clients/)."""
+    from protocol.security import make_keys
+
+    public, secret = make_keys(str(directory), name)
+    typer.echo(f"public key: {public}\nsecret key: {secret} (keep it private; mode 0600)")
+
+
+@config_app.command("show")
+def config_show(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
+    """Print the resolved config, defaults filled in."""
+    from protocol.config import dump_config
+
+    typer.echo(dump_config(_load(config, override)))
+
+
+def main() -> None:  # `python -m launch.cli`
+    app()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

