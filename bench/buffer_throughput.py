@@ -1,0 +1,147 @@
+"""Buffer throughput and added latency: rollout -> buffer -> scorer -> buffer -> learner.
+
+The buffer is the real role (``buffer.main.run``) in its own process; rollout, scorer and learner
+are no-op stand-ins in their own processes that do nothing but move messages: 256-token samples
+(64-token prompts), the scorer echoes them back with reference logprobs and a score, the learner
+takes batches and publishes an empty weight version after each, so credits keep flowing under
+``max_staleness``. Figures: samples/s reaching the learner, and the buffer's own handling time
+per message (arrival to every reply it enables), p50/p99.
+
+    python bench/buffer_throughput.py [--samples 200000] [--batch 512] [--chunk 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import tempfile
+import time
+
+import numpy as np
+
+GOAL_SAMPLES_PER_S = 20_000
+GOAL_P99_MS = 5.0
+PROMPT_TOKENS, RESPONSE_TOKENS = 64, 256
+
+
+def make_config(run_dir: str, batch: int, chunk: int, staleness: int):
+    from protocol.config import load_config
+
+    return load_config(None, [f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",
+                              f"buffer.max_staleness={staleness}", f"scorer.max_samples_per_request={chunk}",
+                              "log_level=WARNING"],
+                       base={"run_dir": run_dir, "models": {"policy": "-", "reward": "-"}, "data": {"prompts": "-"}})
+
+
+def buffer_process(config) -> None:
+    from buffer.main import run
+
+    run(config)
+
+
+def rollout_process(config, chunk: int, total: int) -> None:
+    from protocol.transport import BufferClient
+
+    client = BufferClient(config.buffer_address, "rollout", "0")
+    client.connect(60, 0.5)
+    prompt = np.ones(PROMPT_TOKENS * chunk, np.int32)
+    response = np.ones(RESPONSE_TOKENS * chunk, np.int32)
+    logprobs = np.full(RESPONSE_TOKENS * chunk, -1.0, np.float32)
+    version, sent = 0, 0
+    while sent < total:
+        grant = client.request("credit_request", {"rollout_version": version, "wanted": chunk})
+        if grant.fields["stop"]:
+            break
+        version = grant.fields["weights_version"]
+        count = grant.fields["credits"]
+        if count == 0:
+            continue
+        fields = {"sample_ids": [f"r{sent + i}" for i in range(count)], "prompt_indices": [0] * count,
+                  "behavior_versions": [version] * count, "prompt_lengths": [PROMPT_TOKENS] * count,
+                  "response_lengths": [RESPONSE_TOKENS] * count, "finish_reasons": ["stop"] * count}
+        client.request("samples", fields, {"prompt_tokens": prompt[:PROMPT_TOKENS * count],
+                                           "response_tokens": response[:RESPONSE_TOKENS * count],
+                                           "behavior_logprobs": logprobs[:RESPONSE_TOKENS * count]})
+        sent += count
+
+
+def scorer_process(config, chunk: int) -> None:
+    from protocol.transport import BufferClient
+
+    client = BufferClient(config.buffer_address, "scorer", "0")
+    client.connect(60, 0.5)
+    while True:
+        work = client.request("score_request", {"max_samples": chunk})
+        if work.fields["stop"]:
+            break
+        fields = {key: value for key, value in work.fields.items() if key != "stop"}
+        tensors = dict(work.tensors)
+        tensors["ref_logprobs"] = tensors["behavior_logprobs"]
+        tensors["rm_scores"] = np.zeros(len(fields["sample_ids"]), np.float32)
+        client.request("scored", fields, tensors)
+
+
+def learner_process(config, batch: int, total: int, out: str) -> None:
+    from protocol.transport import BufferClient
+
+    client = BufferClient(config.buffer_address, "learner", "0")
+    client.connect(60, 0.5)
+    received, version, started = 0, 0, None
+    while received < total:
+        reply = client.request("batch_request", {"policy_version": version, "batch_size": batch})
+        if started is None:
+            started, first = time.perf_counter(), len(reply.fields["sample_ids"])
+        received += len(reply.fields["sample_ids"])
+        version += 1
+        client.request("weights_published", {"version": version, "manifest": {"version": version, "buckets": []}})
+    elapsed = time.perf_counter() - started
+    client.request("finish", {"policy_version": version})
+    with open(out, "w") as file:
+        json.dump({"samples": received - first, "seconds": elapsed}, file)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=200_000)
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--max-staleness", type=int, default=1)
+    args = parser.parse_args()
+
+    run_dir = tempfile.mkdtemp(prefix="tether-bench-buffer-")
+    config = make_config(run_dir, args.batch, args.chunk, args.max_staleness)
+    out = os.path.join(run_dir, "learner.json")
+    spawn = multiprocessing.get_context("spawn")
+    processes = [spawn.Process(target=buffer_process, args=(config,)),
+                 spawn.Process(target=scorer_process, args=(config, args.chunk)),
+                 spawn.Process(target=rollout_process, args=(config, args.chunk, args.samples + args.batch * 4)),
+                 spawn.Process(target=learner_process, args=(config, args.batch, args.samples, out))]
+    for process in processes:
+        process.start()
+    processes[-1].join()
+    for process in processes[:-1]:
+        process.join(timeout=60)
+        if process.is_alive():
+            process.terminate()
+    with open(out) as file:
+        learner = json.load(file)
+    with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
+        accounting = json.load(file)
+    rate = learner["samples"] / learner["seconds"]
+    print(f"buffer throughput, {RESPONSE_TOKENS}-token samples, batch {args.batch}, chunks of {args.chunk}, "
+          f"max_staleness {args.max_staleness}:")
+    print(f"  {rate:,.0f} samples/s through rollout -> buffer -> scorer -> buffer -> learner "
+          f"(goal >= {GOAL_SAMPLES_PER_S:,}: {'met' if rate >= GOAL_SAMPLES_PER_S else 'NOT met'})")
+    p99 = accounting["handling_ms_p99"]
+    print(f"  buffer handling per message: p50 {accounting['handling_ms_p50']:.2f} ms, p99 {p99:.2f} ms, "
+          f"max {accounting['handling_ms_max']:.2f} ms over {accounting['messages_handled']} messages "
+          f"(goal p99 < {GOAL_P99_MS} ms: {'met' if p99 < GOAL_P99_MS else 'NOT met'})")
+    print(f"  accounting: generated {accounting['generated']}, trained {accounting['trained']}, "
+          f"in flight {accounting['in_flight']}, identity holds: {accounting['identity_holds']}, "
+          f"staleness violations {accounting['staleness_violations']}")
+
+
+if __name__ == "__main__":
+    main()
