@@ -30,11 +30,15 @@ class RemoteError(RuntimeError):
 
 
 def prepare_endpoint(address: str) -> None:
-    """Make the directory of an ipc endpoint, readable by this user only."""
+    """Make the directory of an ipc endpoint, readable by this user only. An existing directory
+    that others can enter is refused, not tightened: it may be a shared one like /tmp."""
     if address.startswith("ipc://"):
         directory = os.path.dirname(address[len("ipc://"):])
         if directory:
             os.makedirs(directory, mode=0o700, exist_ok=True)
+            if os.stat(directory).st_mode & 0o077:
+                raise PermissionError(f"{directory}, the directory of the ipc endpoint {address}, is open to other "
+                                      "users: name a private one (mode 700), e.g. the default under the run dir")
 
 
 class BufferClient:

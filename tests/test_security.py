@@ -75,3 +75,14 @@ def test_a_missing_key_file_names_the_setting(tmp_path):
     curve = CurveConfig(enabled=True, client_key=str(tmp_path / "none.key_secret"))
     with pytest.raises(FileNotFoundError, match="transport.curve.client_key: .* does not exist"):
         BufferClient("tcp://127.0.0.1:1", "rollout", "x", curve=curve)
+
+
+def test_an_ipc_endpoint_in_a_directory_others_can_enter_is_refused(tmp_path):
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o755)
+    shared.chmod(0o755)
+    with pytest.raises(PermissionError, match="shared, the directory of the ipc endpoint .* is open to other users"):
+        BufferServer(f"ipc://{shared}/buffer")
+    private = tmp_path / "private" / "sockets"
+    BufferServer(f"ipc://{private}/buffer").close()
+    assert (private.stat().st_mode & 0o777) == 0o700
