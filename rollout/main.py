@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 import time
@@ -48,7 +47,7 @@ def make_engine(config: TetherConfig):
     options = {}
     if torch.cuda.is_available():
         options["gpu_memory_utilization"] = config.rollout.gpu_memory_utilization
-    engine = LLM(
+    return LLM(
         model=config.models.policy,
         dtype=config.rollout.dtype,
         seed=config.seed,
@@ -60,10 +59,6 @@ def make_engine(config: TetherConfig):
         logprobs_mode="processed_logprobs",
         **options,
     )
-    if not torch.cuda.is_available():
-        resident = sum(engine.collective_rpc("make_kv_cache_resident"))
-        logging.getLogger("rollout").info("KV cache resident from the start: %.0f MiB", resident / 2**20)
-    return engine
 
 
 def to_samples(outputs, prompt_indices: list[int], version: int, id_prefix: str, counter: int) -> list[Sample]:

@@ -48,9 +48,6 @@ def test_weights_apply_in_place_and_a_damaged_version_is_refused(tmp_path, tiny_
     config = load_config(None, ["rollout.max_model_len=64"], base=base_config(tmp_path, tiny_assets))
     engine = make_engine(config)
     try:
-        # make_engine touched the whole KV cache: touching it again finds config.rollout.kv_cache_gib
-        kv_bytes = sum(engine.collective_rpc("make_kv_cache_resident"))
-        assert 0.9 * config.rollout.kv_cache_gib * 2**30 < kv_bytes <= config.rollout.kv_cache_gib * 2**30
         check_weight_updates(engine, tmp_path, tiny_assets)
     finally:  # stop vLLM's engine process now, not from a thread after pytest closed its streams
         engine.llm_engine.engine_core.shutdown()
