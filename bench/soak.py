@@ -7,7 +7,7 @@ then stops the run with Ctrl-C. Goal: every role grows by less than 10%. With --
 it also reports growth from a second sample taken after the warm-up: vLLM's KV cache becomes
 resident page by page as it is first used, which shows as early growth that levels off.
 
-    python bench/soak.py --minutes 30 [--warmup-minutes 2]
+    python bench/soak.py --minutes 30 [--warmup-minutes 2] [--breakdown-every 1]
 """
 
 from __future__ import annotations
@@ -24,18 +24,34 @@ GOAL_GROWTH = 0.10
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def group_rss_mb(pgid: int) -> float:
-    total = 0
+def group_processes(pgid: int) -> list[dict]:
+    """Every process of a process group with its resident memory in MiB, split as
+    /proc/PID/status splits it: anonymous, file-backed and shared-memory pages."""
+    processes = []
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/stat") as file:
                 fields = file.read().rsplit(")", 1)[1].split()
-            if int(fields[2]) == pgid:  # field 5 of stat: the process group
-                with open(f"/proc/{pid}/statm") as file:
-                    total += int(file.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+            if int(fields[2]) != pgid:  # field 5 of stat: the process group
+                continue
+            with open(f"/proc/{pid}/status") as file:
+                status = dict(line.split(":", 1) for line in file if ":" in line)
         except (FileNotFoundError, ProcessLookupError, IndexError):
             continue
-    return total / 2**20
+        kib = {key: int(status.get(key, "0 kB").split()[0]) for key in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
+        processes.append({"pid": int(pid), "name": status["Name"].strip(), **{k: v / 1024 for k, v in kib.items()}})
+    return processes
+
+
+def group_rss_mb(pgid: int) -> float:
+    return sum(process["VmRSS"] for process in group_processes(pgid))
+
+
+def print_breakdown(minute: float, pids: dict[str, int]) -> None:
+    for role, pgid in pids.items():
+        parts = ", ".join(f"{p['name']}[{p['pid']}] anon {p['RssAnon']:.0f} file {p['RssFile']:.0f} "
+                          f"shm {p['RssShmem']:.0f}" for p in group_processes(pgid))
+        print(f"  {minute:6.1f} min {role:<8} {parts}", flush=True)
 
 
 def main() -> None:
@@ -44,6 +60,8 @@ def main() -> None:
     parser.add_argument("--assets", default=os.path.join(REPO, ".demo", "assets"))
     parser.add_argument("--run-dir", default=os.path.join(REPO, "runs", "soak"))
     parser.add_argument("--warmup-minutes", type=float, default=0.0)
+    parser.add_argument("--breakdown-every", type=float, default=0.0,
+                        help="minutes between lines of per-process memory (anonymous / file / shared)")
     args = parser.parse_args()
     import shutil
 
@@ -66,7 +84,11 @@ def main() -> None:
         sys.exit(f"could not read the memory of every role: {start}")
     started = time.monotonic()
     warm = None
+    next_breakdown = 0.0
     while time.monotonic() - started < args.minutes * 60:
+        if args.breakdown_every and time.monotonic() - started >= next_breakdown * 60:
+            print_breakdown((time.monotonic() - started) / 60, pids)
+            next_breakdown += args.breakdown_every
         if run.poll() is not None:
             sys.exit(f"the run ended early:\n{run.stderr.read()[-3000:]}")
         if warm is None and args.warmup_minutes and time.monotonic() - started >= args.warmup_minutes * 60:
