@@ -33,7 +33,7 @@ class Accounting:
 
 
 class BufferState:
-    def __init__(self, batch_size: int, max_staleness: int, dedupe_window: int = 200_000) -> None:
+    def __init__(self, batch_size: int, max_staleness: int, dedupe_window: int | None = None) -> None:
         self.batch_size, self.max_staleness = batch_size, max_staleness
         self.granted = 0  # samples the rollout has been allowed to generate, in total
         self.outstanding: Counter = Counter()  # rollout -> credits granted, samples not yet received
@@ -45,11 +45,13 @@ class BufferState:
         self.in_scoring: dict[str, tuple[Sample, str, float]] = {}  # id -> (sample, scorer, deadline)
         self.scorer_load: Counter = Counter()  # scorer -> samples it holds
         self.scored: dict[str, Sample] = {}  # insertion order = arrival order
-        # ids seen, to drop a sample that arrives twice; the oldest are forgotten past the window
-        # (a duplicate that late is far outside any staleness bound), so memory stays bounded
+        # ids seen, to drop a sample that arrives twice; the oldest are forgotten past the window,
+        # so memory stays bounded. A sample of version v came after v*B grants, and W grants later
+        # the learner is at least at v + W/B - k - 1: past W = (2k+1)*B a late duplicate is stale
+        # and never trained. Twice that, with a floor, is the window (~130 bytes an id).
         self.seen_ids: set[str] = set()
         self.seen_order: deque[str] = deque()
-        self.dedupe_window = dedupe_window
+        self.dedupe_window = dedupe_window or max(20_000, 4 * (max_staleness + 1) * batch_size)
         self.accounting = Accounting()
         self.finished = False
 

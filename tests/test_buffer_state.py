@@ -235,6 +235,9 @@ def test_the_dedupe_memory_is_bounded():
     assert len(state.seen_ids) == 5 and len(state.seen_order) == 5
     assert state.add_samples([sample(19, 0)]) == 0  # a recent duplicate is still caught
     assert state.report()["dropped"] == {"duplicate_id": 1}
+    # by default the window spans twice the grants after which a late duplicate would be stale
+    assert BufferState(batch_size=64, max_staleness=1).dedupe_window == 20_000
+    assert BufferState(batch_size=4096, max_staleness=3).dedupe_window == 4 * 4 * 4096
 
 
 def test_a_snapshot_restores_samples_credits_and_accounting(tmp_path):
