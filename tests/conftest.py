@@ -26,3 +26,20 @@ def base_config(tmp_path, assets, **sections):
     for name, values in sections.items():
         config.setdefault(name, {}).update(values)
     return config
+
+
+def start_buffer(tmp_path, *overrides):
+    """The real buffer role in a thread, on a config whose models it never loads. Returns the
+    config, the dict that gets the role's result when it returns, and the thread to join."""
+    import threading
+
+    from buffer.main import run as run_buffer
+    from protocol.config import load_config
+
+    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
+    config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1", *overrides],
+                         base=base_config(tmp_path, assets))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(run_buffer(config)), daemon=True)
+    thread.start()
+    return config, result, thread

@@ -1,31 +1,22 @@
 """The buffer role over real ZeroMQ sockets: credits, dispatch, batches, weights, stop; bad
 messages refused while it keeps serving."""
 
-import threading
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 
-from buffer.main import run as run_buffer
 from protocol.codec import decode
-from protocol.config import load_config
 from protocol.samples import pack_samples, unpack_samples
 from protocol.transport import BufferClient, BufferUnreachable
-from tests.conftest import base_config
+from tests.conftest import start_buffer
 from tests.test_codec import make_sample
 
 
 @pytest.fixture
 def buffer_role(tmp_path):
-    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
-    config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1", "buffer.max_staleness=0",
-                                "transport.max_frame_bytes=65536"],
-                         base=base_config(tmp_path, assets))
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(run_buffer(config)), daemon=True)
-    thread.start()
+    config, result, thread = start_buffer(tmp_path, "buffer.max_staleness=0", "transport.max_frame_bytes=65536")
     yield config, result, thread
     thread.join(timeout=40)
 
@@ -129,12 +120,7 @@ def test_a_scorer_that_goes_silent_with_work_is_named(tmp_path):
     import json
     import time
 
-    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
-    config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1", "buffer.stall_warn_s=0.5",
-                                "buffer.max_staleness=0"],
-                         base=base_config(tmp_path, assets))
-    thread = threading.Thread(target=run_buffer, args=(config,), daemon=True)
-    thread.start()
+    config, _, thread = start_buffer(tmp_path, "buffer.stall_warn_s=0.5", "buffer.max_staleness=0")
     rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
     rollout.request("credit_request", {"rollout_version": 0, "wanted": 2})
     rollout.request("samples", *pack_samples([make_sample(0), make_sample(1)]))

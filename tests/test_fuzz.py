@@ -3,19 +3,16 @@ counts every bad one with a reason, and still serves good traffic afterwards. No
 is ever unpickled (the codec is msgpack and raw frames only)."""
 
 import random
-import threading
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
 
-from buffer.main import run as run_buffer
 from protocol.codec import decode, encode
-from protocol.config import load_config
 from protocol.samples import pack_samples
 from protocol.transport import BufferClient
-from tests.conftest import base_config
+from tests.conftest import start_buffer
 from tests.test_codec import make_sample
 
 MESSAGES = 3000
@@ -61,13 +58,7 @@ def mutations(rng: random.Random):
 
 @pytest.fixture
 def buffer_role(tmp_path):
-    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
-    config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1",
-                                "transport.max_frame_bytes=65536", "log_level=ERROR"],
-                         base=base_config(tmp_path, assets))
-    result = {}
-    thread = threading.Thread(target=lambda: result.update(run_buffer(config)), daemon=True)
-    thread.start()
+    config, result, thread = start_buffer(tmp_path, "transport.max_frame_bytes=65536", "log_level=ERROR")
     yield config, result, thread
     thread.join(timeout=40)
 
