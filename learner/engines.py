@@ -68,10 +68,12 @@ def remove_stale_build_locks(max_age_s: float = 900.0) -> list[str]:
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
     removed = []
     for build_dir, _, files in os.walk(root):
+        if "lock" not in files:
+            continue
         lock = os.path.join(build_dir, "lock")
-        if "lock" in files and time.time() - os.path.getmtime(lock) > max_age_s:
-            log.warning("removing %s, left %.0f s ago by a build that never finished", lock,
-                        time.time() - os.path.getmtime(lock))
+        age_s = time.time() - os.path.getmtime(lock)
+        if age_s > max_age_s:
+            log.warning("removing %s, left %.0f s ago by a build that never finished", lock, age_s)
             os.remove(lock)
             removed.append(lock)
     return removed
