@@ -51,14 +51,14 @@ def rollout_process(config, chunk: int, total: int) -> None:
     logprobs = np.full(RESPONSE_TOKENS * chunk, -1.0, np.float32)
     version, sent = 0, 0
     while sent < total:
-        grant = client.request("credit_request", {"rollout_version": version, "wanted": chunk})
+        grant = client.request("credit_request", {"policy_version": version, "wanted": chunk})
         if grant.fields["stop"]:
             break
-        version = grant.fields["weights_version"]
+        version = grant.fields["policy_version"]
         count = grant.fields["credits"]
         if count == 0:
             continue
-        fields = {"sample_ids": [f"r{sent + i}" for i in range(count)], "prompt_indices": [0] * count,
+        fields = {"sample_ids": [f"r{sent + i}" for i in range(count)], "prompt_indices": grant.fields["prompt_indices"],
                   "behavior_versions": [version] * count, "prompt_lengths": [PROMPT_TOKENS] * count,
                   "response_lengths": [RESPONSE_TOKENS] * count, "finish_reasons": ["stop"] * count}
         client.request("samples", fields, {"prompt_tokens": prompt[:PROMPT_TOKENS * count],

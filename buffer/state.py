@@ -29,18 +29,26 @@ class Accounting:
     staleness_violations: int = 0
     unexpected_scored: int = 0  # scores for samples not out for scoring: late duplicates, ignored
     redispatched: int = 0  # samples sent to another scorer after a deadline or a scorer restart
+    credits_returned: int = 0  # credits given back: a dead engine's unused ones, dropped samples' ones
     staleness_histogram: Counter = field(default_factory=Counter)  # v - behavior_version -> count
 
 
 class BufferState:
-    def __init__(self, batch_size: int, max_staleness: int, dedupe_window: int | None = None) -> None:
-        self.batch_size, self.max_staleness = batch_size, max_staleness
-        self.granted = 0  # samples the rollout has been allowed to generate, in total
-        self.outstanding: Counter = Counter()  # rollout -> credits granted, samples not yet received
-        self.weights_version = 0  # newest published policy version (0: the SFT weights on disk)
+    def __init__(self, batch_size: int, max_staleness: int, samples_per_prompt: int = 1,
+                 dedupe_window: int | None = None) -> None:
+        if batch_size % samples_per_prompt:
+            raise ValueError(f"batch_size {batch_size} is not a multiple of samples_per_prompt {samples_per_prompt}")
+        self.batch_size, self.max_staleness, self.samples_per_prompt = batch_size, max_staleness, samples_per_prompt
+        # samples the rollout pool may generate within the bound, in total: every grant adds, every
+        # credit that comes back (a dead engine's unused ones, a dropped sample's) subtracts
+        self.granted = 0
+        # engine -> {prompt_index: samples of it still to come}: what each engine holds
+        self.leases: dict[str, dict[int, int]] = {}
+        self.next_prompt_index = 0  # the prompt stream's next fresh position
+        self.returned_prompts: list[int] = []  # positions a dead engine never generated; handed out first
+        self.policy_version = 0  # newest published policy version (0: the SFT weights on disk)
         self.weights_manifest: dict | None = None  # None: the rollout's own SFT weights
         self.learner_version = 0
-        self.data_position = 0  # prompts the rollout has taken, as it last said
         self.unscored: OrderedDict[str, Sample] = OrderedDict()  # FIFO; re-dispatched samples go first
         self.in_scoring: dict[str, tuple[Sample, str, float]] = {}  # id -> (sample, scorer, deadline)
         self.scorer_load: Counter = Counter()  # scorer -> samples it holds
@@ -57,32 +65,69 @@ class BufferState:
 
     # ------------------------------------------------------------------ rollout side
 
-    def credits_for(self, rollout_version: int, wanted: int, rollout: str = "rollout") -> int:
-        """Samples a rollout holding ``rollout_version`` weights may generate now (granted at once)."""
+    def credits_for(self, engine: str, policy_version: int, wanted: int) -> list[int]:
+        """Prompt indices ``engine``, holding weights of ``policy_version``, may generate now
+        (``samples_per_prompt`` samples each), granted at once. The bound counts the grants of
+        the whole pool: a sample of version u lands in a batch numbered at most u + k."""
         if self.finished:
-            return 0
-        version = min(rollout_version, self.weights_version)
-        allowed_total = (version + self.max_staleness + 1) * self.batch_size
-        credits = max(0, min(wanted, allowed_total - self.granted))
-        self.granted += credits
-        self.outstanding[rollout] += credits
-        return credits
+            return []
+        version = min(policy_version, self.policy_version)
+        allowed = (version + self.max_staleness + 1) * self.batch_size - self.granted
+        prompts = max(0, min(wanted, allowed) // self.samples_per_prompt)
+        returned = sorted(self.returned_prompts)[:prompts]
+        self.returned_prompts = sorted(self.returned_prompts)[prompts:]
+        fresh = list(range(self.next_prompt_index, self.next_prompt_index + prompts - len(returned)))
+        self.next_prompt_index += len(fresh)
+        indices = returned + fresh
+        lease = self.leases.setdefault(engine, {})
+        for index in indices:
+            lease[index] = self.samples_per_prompt
+        self.granted += len(indices) * self.samples_per_prompt
+        return indices
 
-    def rollout_gone(self, rollout: str) -> int:
-        """A rollout died or restarted: credits it was granted and never used go back to the pool,
-        or the bound would count samples that will never come. Returns how many."""
-        unused = max(0, self.outstanding.pop(rollout, 0))
+    def outstanding(self, engine: str) -> int:
+        """Samples ``engine`` was granted and has not sent."""
+        return sum(self.leases.get(engine, {}).values())
+
+    def rollout_gone(self, engine: str) -> int:
+        """An engine died or restarted: the credits it never used come back, and the prompts it
+        generated nothing of go to the next grant (of any engine). Returns the credits."""
+        lease = self.leases.pop(engine, {})
+        unused = sum(lease.values())
         self.granted -= unused
+        # a prompt with some of its samples here is not generated again; its missing ones are lost
+        self.returned_prompts += [index for index, left in lease.items() if left == self.samples_per_prompt]
+        self.accounting.credits_returned += unused
         return unused
 
-    def add_samples(self, samples: list[Sample], rollout: str = "rollout") -> int:
-        """Unscored samples from the rollout; a sample id seen before is dropped as a duplicate."""
-        self.outstanding[rollout] -= len(samples)
+    def _drop(self, reason: str, returns_credit: bool) -> None:
+        """Count a dropped sample. One that was granted a credit gives it back: otherwise the pool
+        would wait forever for samples that will never come (k + 1 batches of drops wedge a run)."""
+        self.accounting.dropped[reason] += 1
+        if returns_credit:
+            self.granted -= 1
+            self.accounting.credits_returned += 1
+
+    def add_samples(self, samples: list[Sample], engine: str = "rollout:0") -> int:
+        """Unscored samples from ``engine``. Dropped and counted: a sample id seen before (a resent
+        message: its credit was used once), a prompt index the engine does not hold (a stranger,
+        or a restarted engine's old process), a version never published (from the future: its
+        credit comes back)."""
+        lease = self.leases.get(engine, {})
         accepted = 0
         for sample in samples:
             self.accounting.generated += 1
             if sample.sample_id in self.seen_ids:
-                self.accounting.dropped["duplicate_id"] += 1
+                self._drop("duplicate_id", returns_credit=False)
+                continue
+            if lease.get(sample.prompt_index, 0) <= 0:
+                self._drop("not_granted", returns_credit=False)
+                continue
+            lease[sample.prompt_index] -= 1
+            if not lease[sample.prompt_index]:
+                del lease[sample.prompt_index]
+            if sample.behavior_version > self.policy_version or sample.behavior_version < 0:
+                self._drop("unpublished_version", returns_credit=True)
                 continue
             self.seen_ids.add(sample.sample_id)
             self.seen_order.append(sample.sample_id)
@@ -153,7 +198,7 @@ class BufferState:
         for sample_id, sample in list(self.scored.items()):
             if policy_version - sample.behavior_version > self.max_staleness:
                 del self.scored[sample_id]
-                self.accounting.dropped["stale"] += 1
+                self._drop("stale", returns_credit=True)
                 self.accounting.staleness_violations += 1
         if len(self.scored) < batch_size:
             return None
@@ -166,10 +211,10 @@ class BufferState:
 
     def publish_weights(self, version: int, manifest: dict | None) -> None:
         # the same version again is a resumed learner giving the weights of its checkpoint
-        republish = version == self.weights_version and self.weights_manifest is None and version > 0
-        if version <= self.weights_version and not republish:
-            raise ValueError(f"weights version {version} is not newer than {self.weights_version}")
-        self.weights_version, self.weights_manifest = version, manifest
+        republish = version == self.policy_version and self.weights_manifest is None and version > 0
+        if version <= self.policy_version and not republish:
+            raise ValueError(f"policy version {version} is not newer than {self.policy_version}")
+        self.policy_version, self.weights_manifest = version, manifest
 
     # ------------------------------------------------------------------ accounting
 
@@ -192,7 +237,9 @@ class BufferState:
             "redispatched": a.redispatched,
             "staleness_histogram": {str(k): v for k, v in sorted(a.staleness_histogram.items())},
             "granted": self.granted,
-            "weights_version": self.weights_version,
+            "credits_returned": a.credits_returned,
+            "prompts_handed_out": self.next_prompt_index,
+            "policy_version": self.policy_version,
         }
 
 
@@ -202,7 +249,8 @@ class BufferState:
 def save_snapshot(state: BufferState, path: str) -> None:
     """Everything the buffer holds, for a checkpoint: samples not yet trained (those out for
     scoring go back to unscored: their scorer will not answer a resumed run), the accounting, the
-    credits granted minus those no rollout used (rollouts start afresh on resume) and the ids seen."""
+    ids seen, and the prompt stream as if every engine had just died (rollouts start afresh on
+    resume): credits they held are not counted, prompts they held go to the first grants."""
     import msgpack
 
     from protocol.codec import encode
@@ -210,14 +258,16 @@ def save_snapshot(state: BufferState, path: str) -> None:
 
     unscored = list(state.in_scoring_samples()) + list(state.unscored.values())
     scored = list(state.scored.values())
+    held = [index for lease in state.leases.values() for index, left in lease.items()
+            if left == state.samples_per_prompt]
     a = state.accounting
     header = {
-        "granted": state.granted - sum(max(0, n) for n in state.outstanding.values()),
-        "weights_version": state.weights_version, "learner_version": state.learner_version,
-        "data_position": state.data_position,
-        "accounting": {"generated": a.generated, "scored": a.scored, "trained": a.trained,
-                       "dropped": dict(a.dropped), "staleness_violations": a.staleness_violations,
-                       "unexpected_scored": a.unexpected_scored, "redispatched": a.redispatched,
+        "granted": state.granted - sum(state.outstanding(engine) for engine in state.leases),
+        "next_prompt_index": state.next_prompt_index,
+        "returned_prompts": sorted(state.returned_prompts + held),
+        "policy_version": state.policy_version, "learner_version": state.learner_version,
+        "accounting": {**{name: getattr(a, name) for name in _COUNTS},
+                       "dropped": dict(a.dropped),
                        "staleness_histogram": {str(k): v for k, v in a.staleness_histogram.items()}},
         "seen": list(state.seen_order),
     }
@@ -225,10 +275,16 @@ def save_snapshot(state: BufferState, path: str) -> None:
     temporary = path + ".tmp"
     with open(temporary, "wb") as file:
         msgpack.pack({"header": header, "messages": [[bytes(frame) for frame in frames] for frames in messages]}, file)
+        file.flush()
+        os.fsync(file.fileno())
     os.replace(temporary, path)
 
 
-def load_snapshot(path: str, batch_size: int, max_staleness: int) -> BufferState:
+_COUNTS = ("generated", "scored", "trained", "staleness_violations", "unexpected_scored", "redispatched",
+           "credits_returned")
+
+
+def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_prompt: int = 1) -> BufferState:
     import msgpack
 
     from protocol.codec import decode
@@ -237,20 +293,20 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int) -> BufferState
     with open(path, "rb") as file:
         data = msgpack.unpack(file, raw=False)
     header = data["header"]
-    state = BufferState(batch_size, max_staleness)
+    state = BufferState(batch_size, max_staleness, samples_per_prompt)
     unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
     for sample in unscored:
         state.unscored[sample.sample_id] = sample
     for sample in scored:
         state.scored[sample.sample_id] = sample
-    state.granted, state.weights_version = header["granted"], header["weights_version"]
-    state.learner_version, state.data_position = header["learner_version"], header["data_position"]
+    state.granted, state.policy_version = header["granted"], header["policy_version"]
+    state.next_prompt_index, state.returned_prompts = header["next_prompt_index"], list(header["returned_prompts"])
+    state.learner_version = header["learner_version"]
     saved = header["accounting"]
     a = state.accounting
-    a.generated, a.scored, a.trained = saved["generated"], saved["scored"], saved["trained"]
+    for name in _COUNTS:
+        setattr(a, name, saved.get(name, 0))
     a.dropped.update(saved["dropped"])
-    a.staleness_violations, a.unexpected_scored = saved["staleness_violations"], saved["unexpected_scored"]
-    a.redispatched = saved["redispatched"]
     a.staleness_histogram.update({int(k): v for k, v in saved["staleness_histogram"].items()})
     for sample_id in header["seen"]:
         state.seen_ids.add(sample_id)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -36,13 +36,16 @@ _SCORED_TENSORS = {**_SAMPLE_TENSORS, "ref_logprobs": "float32", "rm_scores": "f
 MESSAGES: dict[str, MessageSchema] = {
     # any role -> buffer: first contact; the reply says the buffer is there and its run id
     "hello": MessageSchema(fields={"role": "str", "worker_id": "str"}),
-    "welcome": MessageSchema(fields={"run_id": "str", "max_staleness": "int", "batch_size": "int",
-                                     "data_position": "int?"}),
+    "welcome": MessageSchema(fields={"run_id": "str", "max_staleness": "int", "batch_size": "int"}),
     # rollout -> buffer: how many samples may I generate? (held until credits or new weights exist)
-    # (data_position: prompts taken so far, kept by the buffer for a restarted or resumed rollout)
-    "credit_request": MessageSchema(fields={"rollout_version": "int", "wanted": "int", "data_position": "int?"}),
+    # policy_version: the version of the weights the engine holds now
+    "credit_request": MessageSchema(fields={"policy_version": "int", "wanted": "int"}),
+    # buffer -> rollout: generate ``credits`` samples, samples_per_prompt for each prompt index
+    # (positions in the run's prompt stream, which the buffer owns: protocol.prompts); with the
+    # newest published policy_version and where its weights lie
     "credits": MessageSchema(
-        fields={"credits": "int", "weights_version": "int", "weights_manifest": "dict?", "stop": "bool"}
+        fields={"credits": "int", "prompt_indices": "list[int]", "policy_version": "int",
+                "weights_manifest": "dict?", "stop": "bool"}
     ),
     # rollout -> buffer: generated, unscored samples
     "samples": MessageSchema(fields=dict(_SAMPLE_FIELDS), tensors=dict(_SAMPLE_TENSORS)),
@@ -57,7 +60,7 @@ MESSAGES: dict[str, MessageSchema] = {
                            tensors=dict(_SCORED_TENSORS)),
     # learner -> buffer: a new version is written; the manifest says where its buckets lie
     # (protocol.weights.WeightManifest.to_dict) and how to check them
-    "weights_published": MessageSchema(fields={"version": "int", "manifest": "dict"}),
+    "weights_published": MessageSchema(fields={"policy_version": "int", "manifest": "dict"}),
     # learner -> buffer: training is over; the buffer tells the other roles to stop
     "finish": MessageSchema(fields={"policy_version": "int"}),
     # learner -> buffer: write your state to ``path`` (part of an atomic checkpoint)
@@ -70,4 +73,18 @@ MESSAGES: dict[str, MessageSchema] = {
                                     tensors={"payload": "uint8"}),
     "ack": MessageSchema(fields={"accepted": "int"}),
     "error": MessageSchema(fields={"reason": "str"}),
+}
+
+# Who may send each request to the buffer ("hello" says who one is; everything after is checked
+# against it). A learner of several ranks talks through rank 0 alone.
+SENDERS: dict[str, tuple[str, ...]] = {
+    "hello": ("rollout", "scorer", "learner"),
+    "credit_request": ("rollout",),
+    "samples": ("rollout",),
+    "score_request": ("scorer",),
+    "scored": ("scorer",),
+    "batch_request": ("learner",),
+    "weights_published": ("learner",),
+    "finish": ("learner",),
+    "snapshot": ("learner",),
 }

@@ -32,11 +32,10 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     config, result, thread = buffer_role
     rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
 
-    grant = rollout.request("credit_request", {"rollout_version": 0, "wanted": 10, "data_position": 5})
-    assert grant.fields["credits"] == 2 and grant.fields["stop"] is False
-    # a rollout that starts again learns where the data was
-    late = BufferClient(config.buffer_address, "rollout", "1")
-    assert late.connect(5, 1.0).fields["data_position"] == 5
+    grant = rollout.request("credit_request", {"policy_version": 0, "wanted": 10})
+    assert grant.fields["credits"] == 2 and grant.fields["prompt_indices"] == [0, 1] and grant.fields["stop"] is False
+    late = BufferClient(config.buffer_address, "rollout", "1")  # a second engine of the pool
+    assert late.connect(5, 1.0).type == "welcome"
     samples = [make_sample(0), make_sample(1)]
     for s in samples:
         s.behavior_version = 0
@@ -56,20 +55,21 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
 
     # k = 0: no more credits for version 0 weights; the request is held, not answered
     with pytest.raises(TimeoutError):
-        rollout.request("credit_request", {"rollout_version": 0, "wanted": 10}, timeout_s=0.5)
+        rollout.request("credit_request", {"policy_version": 0, "wanted": 10}, timeout_s=0.5)
     manifest = {"version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "ab", "path": "/dev/shm/b0",
                                            "tensors": [["w", "float32", [2], 0]]}]}
     with pytest.raises(Exception, match="published as 2"):
-        learner.request("weights_published", {"version": 2, "manifest": manifest})
-    learner.request("weights_published", {"version": 1, "manifest": manifest})
-    grant = rollout.request("credit_request", {"rollout_version": 1, "wanted": 10})
-    assert grant.fields["credits"] == 2 and grant.fields["weights_version"] == 1
+        learner.request("weights_published", {"policy_version": 2, "manifest": manifest})
+    learner.request("weights_published", {"policy_version": 1, "manifest": manifest})
+    grant = rollout.request("credit_request", {"policy_version": 1, "wanted": 10})
+    assert grant.fields["credits"] == 2 and grant.fields["policy_version"] == 1
+    assert grant.fields["prompt_indices"] == [2, 3]  # the stream goes on, never repeating a prompt
     assert grant.fields["weights_manifest"] == manifest
 
     learner.request("finish", {"policy_version": 1})
-    assert rollout.request("credit_request", {"rollout_version": 1, "wanted": 10}).fields["stop"] is True
+    assert rollout.request("credit_request", {"policy_version": 1, "wanted": 10}).fields["stop"] is True
     assert scorer.request("score_request", {"max_samples": 8}).fields["stop"] is True
-    assert late.request("credit_request", {"rollout_version": 1, "wanted": 1}).fields["stop"] is True
+    assert late.request("credit_request", {"policy_version": 1, "wanted": 1}).fields["stop"] is True
     thread.join(timeout=10)
     assert not thread.is_alive()
     assert result["trained"] == 2 and result["generated"] == 2 and result["identity_holds"]
@@ -83,8 +83,8 @@ def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):
     bad_messages = [
         [b"garbage"],
         [msgpack.packb({"schema": 0, "type": "hello", "id": 1, "fields": {}, "tensors": []})],
-        [msgpack.packb({"schema": 1, "type": "samples", "id": 2, "fields": {}, "tensors": []})],
-        [msgpack.packb({"schema": 1, "type": "ack", "id": 3, "fields": {"accepted": 1},
+        [msgpack.packb({"schema": 2, "type": "samples", "id": 2, "fields": {}, "tensors": []})],
+        [msgpack.packb({"schema": 2, "type": "ack", "id": 3, "fields": {"accepted": 1},
                         "tensors": [["x", "uint8", [70_000]]]}), b"\0" * 70_000],
     ]
     reasons = []
@@ -95,17 +95,18 @@ def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):
         assert reply.type == "error"
         reasons.append(reply.fields["reason"])
     assert "not valid msgpack" in reasons[0]
-    assert "schema version 0, this process speaks 1" in reasons[1]
+    assert "schema version 0, this process speaks 2" in reasons[1]
     assert "missing field" in reasons[2]
     assert "frame 1 has 70000 bytes, over the limit of 65536" in reasons[3]
     raw.close()
     # a sample batch whose lengths do not add up: refused by the buffer, which keeps serving
-    learner = client(config, "learner")
+    learner, rollout = client(config, "learner"), client(config, "rollout")
     fields, tensors = pack_samples([make_sample(0)])
     fields["response_lengths"] = [99]
     with pytest.raises(Exception, match="response_tokens has shape"):
-        learner.request("samples", fields, tensors)
-    learner.request("finish", {"policy_version": 0})  # every client that said hello is told: it exits
+        rollout.request("samples", fields, tensors)
+    learner.request("finish", {"policy_version": 0})
+    assert rollout.request("credit_request", {"policy_version": 0, "wanted": 1}).fields["stop"]  # everyone told: it exits
     thread.join(timeout=10)
     assert result["refused_messages"] == 5
 
@@ -122,10 +123,13 @@ def test_a_scorer_that_goes_silent_with_work_is_named(tmp_path):
 
     config, _, thread = start_buffer(tmp_path, "buffer.stall_warn_s=0.5", "buffer.max_staleness=0")
     rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
-    rollout.request("credit_request", {"rollout_version": 0, "wanted": 2})
-    rollout.request("samples", *pack_samples([make_sample(0), make_sample(1)]))
+    rollout.request("credit_request", {"policy_version": 0, "wanted": 2})
+    samples = [make_sample(0), make_sample(1)]
+    for s in samples:
+        s.behavior_version = 0
+    assert rollout.request("samples", *pack_samples(samples)).fields["accepted"] == 2
     with pytest.raises(TimeoutError):  # held at the buffer: the rollout waits, it is not stuck
-        rollout.request("credit_request", {"rollout_version": 0, "wanted": 2}, timeout_s=0.3)
+        rollout.request("credit_request", {"policy_version": 0, "wanted": 2}, timeout_s=0.3)
     scorer.request("score_request", {"max_samples": 8})  # takes the work, then goes silent
     time.sleep(3.0)
     learner.request("finish", {"policy_version": 0})
@@ -135,3 +139,31 @@ def test_a_scorer_that_goes_silent_with_work_is_named(tmp_path):
         stalled = [json.loads(line)["stalled"] for line in file]
     assert any("scorer:0" in names for names in stalled)
     assert not any("rollout:0" in names for names in stalled)
+
+
+def test_each_message_is_taken_only_from_the_role_that_may_send_it(buffer_role, tmp_path):
+    """A client is what its hello says; a scorer cannot end the run or ask for credits, nobody can
+    make the buffer write outside the run's checkpoints, a second learner rank cannot talk."""
+    config, result, thread = buffer_role
+    scorer, learner = client(config, "scorer"), client(config, "learner")
+    with pytest.raises(Exception, match="does not take 'finish' from scorer:0"):
+        scorer.request("finish", {"policy_version": 0})
+    with pytest.raises(Exception, match="does not take 'credit_request' from scorer:0"):
+        scorer.request("credit_request", {"policy_version": 0, "wanted": 2})
+    target = tmp_path / "elsewhere.snapshot"
+    with pytest.raises(Exception, match="inside this run's checkpoint directory"):
+        learner.request("snapshot", {"path": str(target)})
+    with pytest.raises(Exception, match="inside this run's checkpoint directory"):
+        learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / ".." / "escape")})
+    assert not target.exists() and not (tmp_path / "run" / "escape").exists()
+    rank1 = BufferClient(config.buffer_address, "learner", "1")
+    with pytest.raises(Exception, match="through rank 0 alone"):
+        rank1.request("hello", {"role": "learner", "worker_id": "1"}, timeout_s=5)
+    with pytest.raises(Exception, match="No such file or directory"):  # a failed write is said, not fatal
+        learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / "state-1.tmp" / "buffer.snapshot")})
+    (tmp_path / "run" / "checkpoints" / "state-1.tmp").mkdir(parents=True)
+    learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / "state-1.tmp" / "buffer.snapshot")})
+    learner.request("finish", {"policy_version": 0})
+    assert scorer.request("score_request", {"max_samples": 8}).fields["stop"]
+    thread.join(timeout=10)
+    assert result["refused_messages"] == 6

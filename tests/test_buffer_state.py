@@ -13,14 +13,18 @@ from buffer.state import BufferState
 from protocol.samples import Sample
 
 
-def sample(sample_id, version):
+def sample(sample_id, version, prompt_index=0):
     tokens = np.array([1, 2], dtype=np.int32)
-    return Sample(str(sample_id), 0, version, tokens, tokens, np.zeros(2, np.float32), "stop",
+    return Sample(str(sample_id), prompt_index, version, tokens, tokens, np.zeros(2, np.float32), "stop",
                   ref_logprobs=np.zeros(2, np.float32), rm_score=0.0)
 
 
-def generate(state, count, version, start=0):
-    state.add_samples([sample(start + i, version) for i in range(count)])
+def generate(state, count, version, start=0, engine="rollout:0"):
+    """Ask for ``count`` credits as ``engine`` holding ``version`` and send a sample for each
+    prompt index granted; returns how many were granted."""
+    indices = state.credits_for(engine, version, count)
+    state.add_samples([sample(start + i, version, index) for i, index in enumerate(indices)], engine)
+    return len(indices)
 
 
 def score_all(state):
@@ -29,36 +33,37 @@ def score_all(state):
 
 def test_max_staleness_zero_is_synchronous_on_policy():
     state = BufferState(batch_size=4, max_staleness=0)
-    assert state.credits_for(rollout_version=0, wanted=100) == 4  # exactly one batch for version 0
-    assert state.credits_for(rollout_version=0, wanted=100) == 0  # nothing more until new weights
-    generate(state, 4, version=0)
+    assert len(state.credits_for("rollout:0", 0, wanted=100)) == 4  # exactly one batch for version 0
+    assert state.credits_for("rollout:0", 0, wanted=100) == []  # nothing more until new weights
+    state.add_samples([sample(i, 0, i) for i in range(4)], "rollout:0")
     score_all(state)
     batch = state.take_batch(policy_version=0, batch_size=4)
     assert [s.behavior_version for s in batch] == [0, 0, 0, 0]
     state.publish_weights(1, None)
-    assert state.credits_for(rollout_version=0, wanted=100) == 0  # stale weights earn nothing
-    assert state.credits_for(rollout_version=1, wanted=100) == 4
+    assert state.credits_for("rollout:0", 0, wanted=100) == []  # stale weights earn nothing
+    assert len(state.credits_for("rollout:0", 1, wanted=100)) == 4
 
 
 def test_max_staleness_one_lets_the_rollout_run_one_batch_ahead():
     state = BufferState(batch_size=4, max_staleness=1)
-    assert state.credits_for(0, wanted=3) == 3
-    assert state.credits_for(0, wanted=100) == 5  # (0 + 1 + 1) * 4 - 3
-    assert state.credits_for(0, wanted=100) == 0
+    assert len(state.credits_for("rollout:0", 0, wanted=3)) == 3
+    assert len(state.credits_for("rollout:0", 0, wanted=100)) == 5  # (0 + 1 + 1) * 4 - 3
+    assert state.credits_for("rollout:0", 0, wanted=100) == []
     state.publish_weights(1, None)
-    assert state.credits_for(1, wanted=100) == 4
+    assert len(state.credits_for("rollout:0", 1, wanted=100)) == 4
 
 
 def test_the_rollout_cannot_claim_weights_newer_than_published():
     state = BufferState(batch_size=4, max_staleness=0)
-    assert state.credits_for(rollout_version=5, wanted=100) == 4
+    assert len(state.credits_for("rollout:0", 5, wanted=100)) == 4
 
 
 def test_batches_are_served_oldest_first_and_stale_samples_are_dropped_with_a_reason():
     state = BufferState(batch_size=2, max_staleness=1)
-    generate(state, 1, version=0, start=0)
-    generate(state, 2, version=2, start=10)
-    generate(state, 1, version=1, start=20)
+    state.policy_version = 2  # as if two versions were published
+    state.leases["rollout:0"] = {0: 1, 10: 1, 11: 1, 20: 1}
+    state.granted = 4
+    state.add_samples([sample(0, 0, 0), sample(10, 2, 10), sample(11, 2, 11), sample(20, 1, 20)], "rollout:0")
     score_all(state)
     # learner at version 2: the version-0 sample is 2 versions old, over the bound of 1
     batch = state.take_batch(policy_version=2, batch_size=2)
@@ -67,6 +72,7 @@ def test_batches_are_served_oldest_first_and_stale_samples_are_dropped_with_a_re
     assert report["dropped"] == {"stale": 1} and report["staleness_violations"] == 1
     assert report["staleness_histogram"] == {"0": 1, "1": 1}
     assert report["identity_holds"] and report["in_flight"] == 1
+    assert state.granted == 3 and report["credits_returned"] == 1  # the dropped sample's credit came back
 
 
 def test_no_batch_until_enough_scored_samples():
@@ -82,8 +88,9 @@ def test_no_batch_until_enough_scored_samples():
 
 def test_a_sample_is_accepted_once_scored_once_and_trained_once():
     state = BufferState(batch_size=1, max_staleness=0)
-    generate(state, 1, version=0, start=7)
-    generate(state, 1, version=0, start=7)  # the same id again
+    (index,) = state.credits_for("rollout:0", 0, 1)
+    state.add_samples([sample(7, 0, index)], "rollout:0")
+    state.add_samples([sample(7, 0, index)], "rollout:0")  # the same message again
     work = state.take_for_scoring(10)
     assert len(work) == 1
     assert state.add_scored(work) == 1
@@ -92,6 +99,19 @@ def test_a_sample_is_accepted_once_scored_once_and_trained_once():
     report = state.report()
     assert report["generated"] == 2 and report["trained"] == 1 and report["dropped"] == {"duplicate_id": 1}
     assert report["unexpected_scored"] == 1 and report["identity_holds"]
+    assert state.granted == 1  # a duplicate used no credit of its own: nothing to give back
+
+
+def test_samples_nobody_was_granted_or_from_an_unpublished_version_are_refused():
+    state = BufferState(batch_size=4, max_staleness=1)
+    indices = state.credits_for("rollout:0", 0, 2)
+    assert state.add_samples([sample("x", 0, 999)], "rollout:0") == 0  # a prompt index it was not given
+    assert state.add_samples([sample("y", 0, indices[0])], "rollout:1") == 0  # another engine's index
+    assert state.add_samples([sample("z", 3, indices[0])], "rollout:0") == 0  # version 3 was never published
+    assert state.report()["dropped"] == {"not_granted": 2, "unpublished_version": 1}
+    assert state.granted == 1  # the sample from the future used its credit: it comes back
+    assert state.add_samples([sample("w", 0, indices[1])], "rollout:0") == 1
+    assert state.report()["identity_holds"]
 
 
 @settings(max_examples=200, deadline=None)
@@ -111,9 +131,7 @@ def test_staleness_bound_and_accounting_hold_under_any_interleaving(batch_size, 
     trained_ids = set()
     for action in actions:
         if action == "generate":
-            credits = state.credits_for(rollout_version, wanted=chunk)
-            generate(state, credits, rollout_version, start=next_id)
-            next_id += credits
+            next_id += generate(state, chunk, rollout_version, start=next_id)
         elif action == "score":
             state.add_scored(state.take_for_scoring(chunk))
         elif action == "train":
@@ -126,12 +144,12 @@ def test_staleness_bound_and_accounting_hold_under_any_interleaving(batch_size, 
                 learner_version += 1
                 state.publish_weights(learner_version, None)
         elif action == "sync":
-            rollout_version = state.weights_version
+            rollout_version = state.policy_version
         report = state.report()
         assert report["identity_holds"], report
         # admission keeps the rollout within the bound: nothing is ever dropped as stale
         assert report["staleness_violations"] == 0, report
-        assert state.granted <= (state.weights_version + max_staleness + 1) * batch_size
+        assert state.granted <= (state.policy_version + max_staleness + 1) * batch_size
 
 
 # --------------------------------------------------------------------------- the scorer pool
@@ -192,9 +210,7 @@ def test_with_scorers_that_die_or_lag_every_sample_is_trained_at_most_once(actio
     trained = set()
     for action in actions:
         if action == "generate":
-            credits = state.credits_for(state.weights_version, wanted=2)
-            generate(state, credits, state.weights_version, start=next_id)
-            next_id += credits
+            next_id += generate(state, 2, state.policy_version, start=next_id)
         elif action == "dispatch":
             out.append(state.take_for_scoring(2, scorer=f"scorer:{len(out) % 2}", now=now, deadline_s=3.0))
         elif action == "return" and out:
@@ -217,45 +233,162 @@ def test_with_scorers_that_die_or_lag_every_sample_is_trained_at_most_once(actio
 
 def test_a_restarted_rollout_gets_back_the_credits_its_predecessor_never_used():
     state = BufferState(batch_size=4, max_staleness=0)
-    assert state.credits_for(0, wanted=4, rollout="rollout:0") == 4
-    generate_from = lambda count, start: state.add_samples(
-        [sample(start + i, 0) for i in range(count)], rollout="rollout:0")
-    generate_from(1, 0)  # then it dies, 3 credits unused
-    assert state.credits_for(0, wanted=4, rollout="rollout:0") == 0  # without reclaiming: stuck for good
+    indices = state.credits_for("rollout:0", 0, wanted=4)
+    assert indices == [0, 1, 2, 3]
+    state.add_samples([sample(0, 0, 0)], "rollout:0")  # then it dies, 3 credits unused
+    assert state.credits_for("rollout:0", 0, wanted=4) == []  # without reclaiming: stuck for good
     assert state.rollout_gone("rollout:0") == 3
-    assert state.credits_for(0, wanted=4, rollout="rollout:0") == 3  # one batch in all, still
-    generate_from(3, 10)
+    # one batch in all, still; the prompts it never generated are handed out again, first
+    assert state.credits_for("rollout:1", 0, wanted=4) == [1, 2, 3]
+    state.add_samples([sample(10 + i, 0, i) for i in (1, 2, 3)], "rollout:1")
     score_all(state)
     assert len(state.take_batch(0, 4)) == 4 and state.report()["identity_holds"]
 
 
+# --------------------------------------------------------------------------- the rollout pool
+
+
+def test_the_pool_shares_one_bound_and_one_prompt_stream():
+    state = BufferState(batch_size=4, max_staleness=1)
+    first = state.credits_for("rollout:0", 0, wanted=3)
+    second = state.credits_for("rollout:1", 0, wanted=8)
+    assert first == [0, 1, 2] and second == [3, 4, 5, 6, 7]  # (0 + 1 + 1) * 4 between them
+    assert state.credits_for("rollout:1", 0, wanted=8) == []
+    assert state.outstanding("rollout:0") == 3 and state.outstanding("rollout:1") == 5
+
+
+def test_groups_are_granted_whole():
+    state = BufferState(batch_size=8, max_staleness=0, samples_per_prompt=4)
+    assert state.credits_for("rollout:0", 0, wanted=6) == [0]  # 4 samples of one prompt, not 6
+    assert state.credits_for("rollout:1", 0, wanted=8) == [1]
+    assert state.granted == 8 and state.outstanding("rollout:0") == 4
+
+
+def test_a_dropped_sample_gives_its_credit_back_so_the_run_never_wedges():
+    """A slow scorer holds version-0 samples until the learner passed them (k = 1): they are
+    dropped as stale. Without their credits back the pool could never fill the next batches."""
+    state = BufferState(batch_size=2, max_staleness=1)
+    slow = []
+    next_id = 0
+    for version in range(6):
+        next_id += generate(state, 2, version, start=next_id)
+        work = state.take_for_scoring(2, scorer="scorer:0")
+        if version == 0:
+            slow = work  # the slow scorer keeps these
+            next_id += generate(state, 2, version, start=next_id)
+            work = state.take_for_scoring(2, scorer="scorer:1")
+        state.add_scored(work)
+        assert state.take_batch(version, 2) is not None, f"wedged at version {version}"
+        state.publish_weights(version + 1, None)
+        if version == 2:
+            state.add_scored(slow)  # far too late
+    report = state.report()
+    assert report["dropped"] == {"stale": 2} and report["credits_returned"] == 2 and report["identity_holds"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    actions=st.lists(st.sampled_from(["generate0", "generate1", "resend", "die0", "die1", "dispatch", "return",
+                                      "lose", "tick", "sync0", "sync1"]), max_size=120),
+    max_staleness=st.integers(0, 2),
+    batch_size=st.integers(1, 4),
+)
+def test_credits_always_come_back_whatever_rollouts_and_scorers_do(actions, max_staleness, batch_size):
+    """Two engines that generate, resend a message, die and come back; scorers that answer, lag
+    or vanish: then everyone behaves, and the run must reach its last batch. No trained sample is
+    older than k, no prompt index trained twice, the accounting identity holds throughout."""
+    state = BufferState(batch_size, max_staleness)
+    versions = {"rollout:0": 0, "rollout:1": 0}
+    sent: list[tuple[str, list]] = []
+    out: list[list] = []
+    now, next_id, learner_version, trained_prompts = 0.0, 0, 0, set()
+
+    def train() -> None:
+        nonlocal learner_version
+        batch = state.take_batch(learner_version, batch_size)
+        if batch is None:
+            return
+        for s in batch:
+            assert learner_version - s.behavior_version <= max_staleness
+            assert s.prompt_index not in trained_prompts
+            trained_prompts.add(s.prompt_index)
+        learner_version += 1
+        state.publish_weights(learner_version, None)
+
+    def generate_as(engine: str) -> None:
+        nonlocal next_id
+        indices = state.credits_for(engine, versions[engine], 2)
+        samples = [sample(next_id + i, versions[engine], index) for i, index in enumerate(indices)]
+        next_id += len(samples)
+        state.add_samples(samples, engine)
+        sent.append((engine, samples))
+
+    for action in actions:
+        if action.startswith("generate"):
+            generate_as(f"rollout:{action[-1]}")
+        elif action == "resend" and sent:
+            state.add_samples(*reversed(sent[-1]))
+        elif action.startswith("die"):
+            state.rollout_gone(f"rollout:{action[-1]}")
+        elif action.startswith("sync"):
+            versions[f"rollout:{action[-1]}"] = state.policy_version
+        elif action == "dispatch":
+            out.append(state.take_for_scoring(2, scorer=f"scorer:{len(out) % 2}", now=now, deadline_s=3.0))
+        elif action == "return" and out:
+            state.add_scored(out.pop(0))
+        elif action == "lose" and out:
+            out.pop()
+        elif action == "tick":
+            now += 1.0
+            state.redispatch(now=now)
+        train()
+        assert state.report()["identity_holds"]
+    # from here on every role behaves: the run must go on to 5 more batches
+    target = learner_version + 5
+    for _ in range(200):
+        if learner_version >= target:
+            break
+        for engine in versions:
+            versions[engine] = state.policy_version
+            generate_as(engine)
+        now += 10.0
+        state.redispatch(now=now)
+        state.add_scored(state.take_for_scoring(100, scorer="scorer:0", now=now, deadline_s=3.0))
+        train()
+    assert learner_version >= target, state.report()
+    assert state.report()["identity_holds"]
+
+
 def test_the_dedupe_memory_is_bounded():
-    state = BufferState(batch_size=1, max_staleness=0, dedupe_window=5)
-    state.add_samples([sample(i, 0) for i in range(20)])
+    state = BufferState(batch_size=20, max_staleness=0, dedupe_window=5)
+    state.credits_for("rollout:0", 0, wanted=21)
+    state.add_samples([sample(i, 0, i) for i in range(19)], "rollout:0")
     assert len(state.seen_ids) == 5 and len(state.seen_order) == 5
-    assert state.add_samples([sample(19, 0)]) == 0  # a recent duplicate is still caught
+    assert state.add_samples([sample(18, 0, 19)], "rollout:0") == 0  # a recent duplicate is still caught
     assert state.report()["dropped"] == {"duplicate_id": 1}
     # by default the window spans twice the grants after which a late duplicate would be stale
     assert BufferState(batch_size=64, max_staleness=1).dedupe_window == 20_000
     assert BufferState(batch_size=4096, max_staleness=3).dedupe_window == 4 * 4 * 4096
 
 
-def test_a_snapshot_restores_samples_credits_and_accounting(tmp_path):
+def test_a_snapshot_restores_samples_credits_prompts_and_accounting(tmp_path):
     from buffer.state import load_snapshot, save_snapshot
 
     state = BufferState(batch_size=2, max_staleness=1)
-    state.credits_for(0, wanted=4, rollout="rollout:0")
-    state.add_samples([sample(i, 0) for i in range(3)], rollout="rollout:0")  # one credit unused
+    assert state.credits_for("rollout:0", 0, wanted=4) == [0, 1, 2, 3]
+    state.add_samples([sample(i, 0, i) for i in range(3)], "rollout:0")  # prompt 3 never generated
     state.add_scored(state.take_for_scoring(1, scorer="scorer:0"))
     state.take_for_scoring(1, scorer="scorer:0")  # out for scoring when the snapshot is taken
-    state.add_samples([sample(0, 0)], rollout="rollout:1")  # a duplicate from another rollout, dropped
-    state.data_position = 17
+    state.add_samples([sample(0, 0, 0)], "rollout:0")  # a duplicate, dropped
     save_snapshot(state, str(tmp_path / "buffer.snapshot"))
 
     restored = load_snapshot(str(tmp_path / "buffer.snapshot"), batch_size=2, max_staleness=1)
     assert list(restored.scored) == ["0"] and sorted(restored.unscored) == ["1", "2"]  # in scoring -> unscored
     assert restored.granted == 3  # the credit nobody used is given back
-    assert restored.data_position == 17
+    # the resumed pool goes on with the prompt nobody generated, then where the stream was
+    assert restored.credits_for("rollout:0", 0, wanted=2) == [3]
+    restored.publish_weights(1, None)
+    assert restored.credits_for("rollout:0", 1, wanted=2) == [4, 5]
     report = restored.report()
     assert report["generated"] == 4 and report["dropped"] == {"duplicate_id": 1} and report["identity_holds"]
-    assert restored.add_samples([sample(2, 0)]) == 0  # the ids seen survive
+    assert restored.add_samples([sample(2, 0, 4)], "rollout:0") == 0  # the ids seen survive

@@ -83,9 +83,9 @@ def test_the_buffer_survives_a_flood_of_hostile_messages(buffer_role):
     assert learner.connect(retries=5, interval_s=1.0).type == "welcome"
     rollout = BufferClient(config.buffer_address, "rollout", "0")
     rollout.connect(retries=5, interval_s=1.0)
-    assert rollout.request("credit_request", {"rollout_version": 0, "wanted": 2}).fields["credits"] >= 0
+    assert rollout.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["credits"] >= 0
     learner.request("finish", {"policy_version": 0})
-    rollout.request("credit_request", {"rollout_version": 0, "wanted": 2})
+    rollout.request("credit_request", {"policy_version": 0, "wanted": 2})
     thread.join(timeout=20)
     assert not thread.is_alive()
     assert result["refused_messages"] == replies["error"]  # every refusal counted
