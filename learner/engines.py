@@ -15,7 +15,7 @@ from torch import nn
 
 from protocol.config import TetherConfig
 from protocol.sequences import disable_dropout
-from protocol.weights import ShmWeightWriter, WeightManifest
+from protocol.weights import ShmWeightWriter, WeightManifest, plan_buckets
 
 log = logging.getLogger("learner")
 
@@ -34,25 +34,31 @@ def _free_port() -> int:
 
 
 def init_distributed(config: TetherConfig) -> None:
-    """One process without a launcher is rank 0 of 1; under `deepspeed`/`torchrun` the launcher's
-    environment is kept. gloo on CPU (MACHINE.md), NCCL on GPUs."""
+    """One process without a launcher is rank 0 of 1; under torchrun (`learner.ranks`) the
+    launcher's environment is kept. gloo on CPU (MACHINE.md), NCCL on GPUs."""
+    import datetime
+
     import deepspeed
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(config.learner.dist_port or _free_port()))
     if not torch.cuda.is_available():
-        if os.environ["WORLD_SIZE"] == "1":
+        if os.environ["WORLD_SIZE"] == "1" or not config.learner.cpu_shm_allreduce:
             _skip_shared_memory_allreduce()
         else:
             remove_stale_build_locks()
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    else:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                               timeout=datetime.timedelta(seconds=config.learner.dist_timeout_s))
 
 
 def _skip_shared_memory_allreduce() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (~90 s on a fresh
-    machine, MACHINE.md) that a single rank never calls; marking it unavailable makes DeepSpeed
-    use plain gloo, as it does wherever the op cannot be built."""
+    machine, MACHINE.md) that a single rank never calls, and that several ranks use only with
+    ``learner.cpu_shm_allreduce``; marking it unavailable makes DeepSpeed use plain gloo, as it
+    does wherever the op cannot be built."""
     import deepspeed.ops
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
@@ -105,7 +111,8 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
 
     learner = config.learner
     ds_config = {
-        "train_micro_batch_size_per_gpu": learner.minibatch_size,
+        # a minibatch is split evenly between the ranks (data parallel); DeepSpeed averages their gradients
+        "train_micro_batch_size_per_gpu": learner.minibatch_size // int(os.environ.get("WORLD_SIZE", 1)),
         "gradient_accumulation_steps": 1,
         "gradient_clipping": learner.grad_clip,
         "zero_optimization": {"stage": learner.zero_stage},
@@ -120,7 +127,8 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
 
 @contextmanager
 def full_parameters(engine) -> Iterator[nn.Module]:
-    """The engine's module with whole parameters, also under ZeRO-3 (where they are partitioned)."""
+    """The engine's module with whole parameters, also under ZeRO-3 (where they are partitioned:
+    every rank must enter, as gathering is a collective)."""
     import deepspeed
 
     if engine.zero_optimization_stage() == 3:
@@ -130,19 +138,46 @@ def full_parameters(engine) -> Iterator[nn.Module]:
         yield engine.module
 
 
-def publish_weights(engine, version: int, writer: ShmWeightWriter, on_bucket=None) -> WeightManifest:
+def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_bucket=None,
+                    bucket_bytes: int | None = None) -> WeightManifest | None:
     """Write the actor's weights for ``version`` into shared memory as checked buckets; the
-    returned manifest is what the rollout needs to find and verify them."""
-    with full_parameters(engine) as module:
-        return writer.publish(version, module.state_dict().items(), on_bucket)
+    returned manifest is what the rollout needs to find and verify them. Called on every rank:
+    rank 0 (``writer`` given) writes, the others only take part in the gathers (and plan the same
+    buckets: ``bucket_bytes``, the writer's). Under ZeRO-3 the
+    parameters of one bucket at a time are gathered, so no rank holds the whole model twice."""
+    import deepspeed
+
+    named = list(engine.module.state_dict(keep_vars=True).items())
+    if engine.zero_optimization_stage() != 3:
+        return writer.publish(version, named, on_bucket) if writer is not None else None
+    # a partitioned parameter's full shape is ds_shape; its data is empty until gathered
+    layout = plan_buckets([(name, getattr(t, "ds_shape", t.shape), t.dtype) for name, t in named],
+                          writer.bucket_bytes if writer is not None else bucket_bytes)
+    tensors = dict(named)
+
+    @contextmanager
+    def open_bucket(entries):
+        partitioned = {id(tensors[e.name]): tensors[e.name] for e in entries if hasattr(tensors[e.name], "ds_id")}
+        with deepspeed.zero.GatheredParameters(list(partitioned.values()), modifier_rank=None):
+            yield {e.name: tensors[e.name].data for e in entries}
+
+    if writer is not None:
+        return writer.publish_buckets(version, layout, open_bucket, on_bucket)
+    for entries in layout:  # the other ranks: the same gathers, in the same order
+        with open_bucket(entries):
+            pass
+    return None
 
 
 def save_hf_checkpoint(engine, policy_path: str, directory: str) -> str:
     """An HF model directory of the actor (weights, config, tokenizer), loadable by transformers
-    and vLLM; written next to its final name and renamed, so a half-written one never exists."""
+    and vLLM; written next to its final name and renamed, so a half-written one never exists.
+    Called on every rank (the ZeRO-3 gather is collective); rank 0 writes."""
     temporary = directory + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
     with full_parameters(engine) as module:
+        if int(os.environ.get("RANK", 0)) != 0:
+            return directory
+        shutil.rmtree(temporary, ignore_errors=True)
         module.save_pretrained(temporary, safe_serialization=True)
     for name in TOKENIZER_FILES:
         source = os.path.join(policy_path, name)

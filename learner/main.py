@@ -9,9 +9,10 @@ import time
 
 import torch
 
-from learner import ppo
+from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
+from protocol.codec import decode, encode
 from protocol.config import TetherConfig, check_paths
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import unpack_samples
@@ -27,25 +28,49 @@ class TrainingStopped(RuntimeError):
 
 
 def save_state(checkpoints: str, version: int, actor, critic, kl_controller, moments, client, keep: int = 2) -> str:
-    """An atomic checkpoint: both DeepSpeed engines (weights and optimizer), the policy version,
-    the KL controller, the reward moments and the buffer's samples and accounting, written into a
-    temporary directory that becomes ``state-N`` by one rename once all of it is there, so a
-    half-written checkpoint is never picked."""
+    """An atomic checkpoint: both DeepSpeed engines (weights and optimizer, every rank's
+    partition), the policy version, the KL controller, the reward moments and the buffer's
+    samples and accounting, written into a temporary directory that becomes ``state-N`` by one
+    rename once all of it is there and on disk, so a half-written checkpoint is never picked.
+    Called on every rank; rank 0 (``client`` given) does the rest."""
     final = os.path.join(checkpoints, f"state-{version:06d}")
     temporary = final + ".tmp"
-    shutil.rmtree(temporary, ignore_errors=True)
+    if client is not None:
+        shutil.rmtree(temporary, ignore_errors=True)
+    parallel.barrier()  # nobody writes into the directory before it is emptied
     actor.save_checkpoint(os.path.join(temporary, "actor"), tag="state")
     critic.save_checkpoint(os.path.join(temporary, "critic"), tag="state")
+    parallel.barrier()  # every rank's partition is written
+    if client is None:
+        return final
     client.request("snapshot", {"path": os.path.abspath(os.path.join(temporary, "buffer.snapshot"))})
     with open(os.path.join(temporary, "learner.json"), "w") as file:
         json.dump({"policy_version": version, "kl_controller": kl_controller.state_dict(),
                    "reward_moments": moments.state_dict() if moments is not None else None}, file)
     with open(os.path.join(temporary, "COMPLETE"), "w") as file:
         file.write(str(version))
+    _fsync_tree(temporary)
     os.replace(temporary, final)
+    _fsync_tree(checkpoints, files=False)
     for old in sorted(d for d in os.listdir(checkpoints) if d.startswith("state-") and not d.endswith(".tmp"))[:-keep]:
         shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
     return final
+
+
+def _fsync_tree(directory: str, files: bool = True) -> None:
+    """Every file (with ``files``) and directory under ``directory`` on disk before a rename makes
+    it visible: a rename that reaches the disk before the data would name a torn checkpoint."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names if files else ():
+            with open(os.path.join(root, name), "rb") as file:
+                os.fsync(file.fileno())
+        descriptor = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        if not files:
+            return
 
 
 def load_state(directory: str, actor, critic, kl_controller, moments) -> int:
@@ -69,8 +94,32 @@ def newest_state(run_dir: str) -> str | None:
     return os.path.join(checkpoints, max(complete)) if complete else None
 
 
+def write_step_record(metrics, monitor, log, stats: dict, total_steps: int, policy_version: int, samples: int,
+                      response_tokens: int, wait_started: float, train_started: float, sync_started: float,
+                      run_started: float) -> None:
+    """One learner.jsonl record per step: the step's statistics, health alerts and where its time went."""
+    now = time.monotonic()
+    alerts = monitor.observe(stats)
+    for alert in alerts:
+        log.warning("ALERT %s at step %d: %s", alert.name, policy_version, alert.message)
+    record = {"step": policy_version, **stats, "alerts": [alert.name for alert in alerts],
+              **{f"alert_{alert.name}": 1 for alert in alerts},
+              "waiting_s": train_started - wait_started, "train_s": sync_started - train_started,
+              "weight_sync_s": now - sync_started, "iteration_s": now - wait_started,
+              "response_tokens": response_tokens, "samples_per_s": samples / (now - wait_started),
+              "trained_tokens_per_s": response_tokens / (now - wait_started),
+              "elapsed_s": now - run_started, "ranks": parallel.world_size()}
+    metrics.write(record)
+    log.info("step %d/%d reward %.3f kl %.4f len %.1f entropy %.3f clipfrac %.3f staleness %.2f",
+             policy_version, total_steps, stats["reward"], stats["kl"], stats["response_length"],
+             stats["entropy"], stats["clipfrac"], stats["staleness"])
+
+
 def run(config: TetherConfig) -> str:
-    log = setup_logging("learner", config.log_level)
+    """One rank of the learner. Rank 0 talks to the buffer, publishes weights, writes metrics and
+    checkpoints; every rank trains its share of each batch (``learner.parallel``)."""
+    rank = int(os.environ.get("RANK", 0))
+    log = setup_logging("learner" if rank == 0 else f"learner{rank}", config.log_level)
     check_paths(config, "learner")
     torch.manual_seed(config.seed)
     from learner.engines import (device, init_distributed, load_actor, load_critic, make_engine, publish_weights,
@@ -79,6 +128,7 @@ def run(config: TetherConfig) -> str:
 
     cfg = config.learner
     init_distributed(config)
+    main = parallel.rank() == 0
     actor_model = load_actor(config.models.policy)
     critic_model = load_critic(getattr(config.models, config.models.critic_init))
     pad_token_id = actor_model.config.pad_token_id if actor_model.config.pad_token_id is not None else 0
@@ -86,82 +136,79 @@ def run(config: TetherConfig) -> str:
     critic = make_engine(critic_model, cfg.critic_lr, config)
     kl_controller = make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     moments = ppo.RunningMoments() if cfg.normalize_rewards else None
-    monitor = HealthMonitor(config.health)
-    metrics = MetricsWriter(config.run_dir, "learner")
     checkpoints = os.path.join(config.run_dir, "checkpoints")
-    weight_writer = ShmWeightWriter(config.weights_dir, config.transport.weight_bucket_mb << 20,
-                                    config.transport.weight_slots)
-    weight_server = weight_stream = None
-    if config.transport.weight_transport == "tcp":  # rollouts on other hosts fetch the buckets from here
-        weight_server = WeightServer(weight_writer, config.transport.weights_address, config.transport.max_frame_bytes,
-                                     config.transport.curve)
-    else:  # rollouts on this host check each bucket as soon as it is written
-        weight_stream = WeightStreamPublisher(config.weights_stream_address)
+    bucket_bytes = config.transport.weight_bucket_mb << 20
+    client = weight_writer = weight_server = weight_stream = None
+    if main:
+        monitor = HealthMonitor(config.health)
+        metrics = MetricsWriter(config.run_dir, "learner")
+        weight_writer = ShmWeightWriter(config.weights_dir, bucket_bytes, config.transport.weight_slots)
+        if config.transport.weight_transport == "tcp":  # rollouts on other hosts fetch the buckets from here
+            weight_server = WeightServer(weight_writer, config.transport.weights_address,
+                                         config.transport.max_frame_bytes, config.transport.curve)
+        else:  # rollouts on this host check each bucket as soon as it is written
+            weight_stream = WeightStreamPublisher(config.weights_stream_address)
+        client = BufferClient(config.buffer_address, "learner", "0", config.transport.max_frame_bytes,
+                              config.transport.curve)
+        client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
+        log.info("training %s for %d steps (batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), max_staleness %d)",
+                 config.models.policy, cfg.total_steps, cfg.batch_size, cfg.minibatch_size, cfg.ppo_epochs,
+                 cfg.zero_stage, parallel.world_size(), config.buffer.max_staleness)
 
-    client = BufferClient(config.buffer_address, "learner", "0", config.transport.max_frame_bytes,
-                          config.transport.curve)
-    client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
-    log.info("training %s for %d steps (batch %d, minibatch %d, %d epochs, ZeRO-%d, max_staleness %d)",
-             config.models.policy, cfg.total_steps, cfg.batch_size, cfg.minibatch_size, cfg.ppo_epochs,
-             cfg.zero_stage, config.buffer.max_staleness)
+    def publish(version: int) -> None:
+        announcer = weight_stream.announcer(version) if weight_stream is not None else None
+        manifest = publish_weights(actor, version, weight_writer, announcer, bucket_bytes)
+        if main:
+            client.request("weights_published", {"policy_version": version, "manifest": manifest.to_dict()})
 
     policy_version = 0
     if config.resume_from:
         policy_version = load_state(config.resume_from, actor, critic, kl_controller, moments)
-        manifest = publish_weights(actor, policy_version, weight_writer)  # the rollouts start from the SFT weights
-        client.request("weights_published", {"version": policy_version, "manifest": manifest.to_dict()})
+        publish(policy_version)  # the rollouts start from the SFT weights
         log.info("resumed from %s at policy version %d", config.resume_from, policy_version)
     run_started = time.monotonic()
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
-        reply = client.request("batch_request", {"policy_version": policy_version, "batch_size": cfg.batch_size},
-                               waiting_for=f"batch {policy_version}")
+        reply = None
+        if main:
+            reply = client.request("batch_request", {"policy_version": policy_version, "batch_size": cfg.batch_size},
+                                   waiting_for=f"batch {policy_version}")
+        if parallel.world_size() > 1:  # the same bytes on every rank, decoded by the same codec
+            reply = decode(parallel.broadcast_frames(encode("batch", reply.fields, reply.tensors) if main else None))
         samples = unpack_samples(reply)
         train_started = time.monotonic()
         batch = collate(samples, pad_token_id).to(device())
         try:
             stats = ppo_step(actor, critic, samples, batch, cfg, config.rollout.temperature, kl_controller.value,
-                             policy_version, moments)
+                             policy_version, moments, config.seed)
         except FloatingPointError as error:
             saved = save_hf_checkpoint(actor, config.models.policy,
                                        os.path.join(checkpoints, f"nan-step-{policy_version:06d}"))
-            metrics.write({"step": policy_version, "alerts": ["nan_loss"], "alert_nan_loss": 1})
-            log.error("ALERT nan_loss: %s; the last good policy is saved in %s; stopping", error, saved)
+            if main:
+                metrics.write({"step": policy_version, "alerts": ["nan_loss"], "alert_nan_loss": 1})
+                log.error("ALERT nan_loss: %s; the last good policy is saved in %s; stopping", error, saved)
             raise TrainingStopped(f"NaN loss at policy version {policy_version} ({error}); "
                                   f"the last good policy is in {saved}") from None
         kl_controller.update(stats["kl"], n_steps=len(samples))
         policy_version += 1
         sync_started = time.monotonic()
-        manifest = publish_weights(actor, policy_version, weight_writer,
-                                   weight_stream.announcer(policy_version) if weight_stream else None)
-        client.request("weights_published", {"version": policy_version, "manifest": manifest.to_dict()})
-        now = time.monotonic()
-        response_tokens = int(batch.response_mask.sum())
-        alerts = monitor.observe(stats)
-        for alert in alerts:
-            log.warning("ALERT %s at step %d: %s", alert.name, policy_version, alert.message)
-        record = {"step": policy_version, **stats, "alerts": [alert.name for alert in alerts],
-                  **{f"alert_{alert.name}": 1 for alert in alerts},
-                  "waiting_s": train_started - wait_started, "train_s": sync_started - train_started,
-                  "weight_sync_s": now - sync_started, "iteration_s": now - wait_started,
-                  "response_tokens": response_tokens, "samples_per_s": len(samples) / (now - wait_started),
-                  "trained_tokens_per_s": response_tokens / (now - wait_started),
-                  "elapsed_s": now - run_started}
-        metrics.write(record)
-        log.info("step %d/%d reward %.3f kl %.4f len %.1f entropy %.3f clipfrac %.3f staleness %.2f",
-                 policy_version, cfg.total_steps, stats["reward"], stats["kl"], stats["response_length"],
-                 stats["entropy"], stats["clipfrac"], stats["staleness"])
+        publish(policy_version)
+        if main:
+            write_step_record(metrics, monitor, log, stats, cfg.total_steps, policy_version, len(samples),
+                              int(batch.response_mask.sum()), wait_started, train_started, sync_started, run_started)
         if cfg.checkpoint_every and policy_version % cfg.checkpoint_every == 0 and policy_version < cfg.total_steps:
             save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"step-{policy_version:06d}"))
             save_state(checkpoints, policy_version, actor, critic, kl_controller, moments, client)
 
     final = save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, "final"))
-    log.info("saved the final policy to %s", final)
-    client.request("finish", {"policy_version": policy_version})
-    metrics.close()
-    client.close()
-    for channel in (weight_server, weight_stream):
-        if channel is not None:
-            channel.close()
-    weight_writer.close(remove=True)  # the run is over: nobody will load these versions
+    if main:
+        log.info("saved the final policy to %s", final)
+        client.request("finish", {"policy_version": policy_version})
+        metrics.close()
+        client.close()
+        for channel in (weight_server, weight_stream):
+            if channel is not None:
+                channel.close()
+        weight_writer.close(remove=True)  # the run is over: nobody will load these versions
+    parallel.barrier()
     return final

@@ -418,6 +418,23 @@ def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, mo
     raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
 
 
+def data_parallel_scale(local_mask: torch.Tensor, minibatch_mask: torch.Tensor, mode: LossAggregation,
+                        world_size: int) -> float:
+    """Factor for one rank's loss, aggregated over its rows of a minibatch, such that the mean over
+    ranks of the scaled losses (what data-parallel gradient averaging computes) is the loss
+    aggregated over the whole minibatch, as one rank would compute it.
+
+    local_mask: [b, T] this rank's rows; minibatch_mask: [B, T] all rows (b = B / world_size).
+    token-mean: world_size * local tokens / all tokens (ranks whose rows hold more tokens weigh
+    more); seq-mean-*: world_size * b / B (= 1: every rank holds as many sequences).
+    """
+    if mode == "token-mean":
+        return world_size * float(local_mask.sum()) / float(minibatch_mask.sum())
+    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+        return world_size * local_mask.shape[0] / minibatch_mask.shape[0]
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+
+
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

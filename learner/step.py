@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from learner import ppo
+from learner import parallel, ppo
 from protocol.config import LearnerConfig
 from protocol.samples import Sample
 from protocol.sequences import SequenceBatch, gather_response
@@ -15,8 +15,9 @@ from protocol.sequences import SequenceBatch, gather_response
 
 def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
     """A model output that is NaN or inf means the weights are gone: a FloatingPointError, which
-    the learner answers with a checkpoint of the last good policy and a stop."""
-    if not torch.isfinite(tensor).all():
+    the learner answers with a checkpoint of the last good policy and a stop. Every rank checks
+    at the same point and all raise together (the checkpoint that follows is a collective)."""
+    if parallel.any_rank(not bool(torch.isfinite(tensor).all())):
         raise FloatingPointError(f"{name} hold NaN or inf")
     return tensor
 
@@ -42,18 +43,24 @@ def _grad_norm(engine) -> float:
 
 
 def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: LearnerConfig, temperature: float,
-             kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None) -> dict[str, float]:
+             kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None, seed: int = 0) -> dict[str, float]:
+    """One step on one batch. Every rank calls it with the whole batch and computes its share of
+    the rows (``learner.parallel``); the result is what one rank computes on the whole batch."""
     device = batch.input_ids.device
+    world = parallel.world_size()
     mask = batch.response_mask
     behavior_logprobs = _ragged_to_padded([s.behavior_logprobs for s in samples], mask).to(device)
     ref_logprobs = _ragged_to_padded([s.ref_logprobs for s in samples], mask).to(device)
     rm_scores = torch.tensor([s.rm_score for s in samples], dtype=torch.float32, device=device)
     truncated = torch.tensor([s.finish_reason == "length" for s in samples], device=device)
 
-    # 1. proximal logprobs and old values, at the start of the step (no gradient)
+    # 1. proximal logprobs and old values, at the start of the step (no gradient), each rank its
+    #    share of the rows, gathered so that every rank holds them for the whole batch
     with torch.no_grad():
-        old_logprobs = ppo.logprobs_from_logits(forward_logits(actor, batch), batch.response_tokens, temperature)
-        old_values = forward_values(critic, batch)
+        mine = batch.select(torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))])
+        old_logprobs = parallel.gather_rows(
+            ppo.logprobs_from_logits(forward_logits(actor, mine), mine.response_tokens, temperature))
+        old_values = parallel.gather_rows(forward_values(critic, mine))
 
     # 2. token rewards (RM at the last token, -beta KL at every token) and GAE
     scores = rm_scores
@@ -66,12 +73,20 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     if cfg.whiten_advantages:
         advantages = ppo.masked_whiten(advantages, mask)
 
-    # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step
+    # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step.
+    #    The shuffle is seeded by (seed, version): every rank draws the same minibatches and
+    #    trains its share of each; scaling the loss makes DeepSpeed's gradient average the
+    #    gradient of the whole minibatch.
     totals: dict[str, float] = {}
     updates = 0
+    shuffle = torch.Generator().manual_seed(seed * 1_000_003 + policy_version)
     for _ in range(cfg.ppo_epochs):
-        for rows in torch.randperm(len(samples), device=device).split(cfg.minibatch_size):
+        for all_rows in torch.randperm(len(samples), generator=shuffle).to(device).split(cfg.minibatch_size):
+            rows = all_rows[parallel.local_rows(len(all_rows))]
             minibatch = batch.select(rows)
+            scale = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], cfg.loss_aggregation, world)
+            # token means over this rank's rows, scaled so that their mean over ranks is the minibatch's
+            token_scale = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], "token-mean", world)
             logits = forward_logits(actor, minibatch)
             logprobs = ppo.logprobs_from_logits(logits, minibatch.response_tokens, temperature)
             policy_loss, policy_stats = ppo.ppo_policy_loss(
@@ -79,28 +94,29 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                 clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
                 behavior_logprobs=behavior_logprobs[rows], behavior_weight_cap=cfg.behavior_weight_cap,
                 aggregation=cfg.loss_aggregation)
-            if not torch.isfinite(policy_loss):  # before the step: the weights stay the last good ones
+            if parallel.any_rank(not bool(torch.isfinite(policy_loss))):  # before the step: the weights stay the last good ones
                 raise FloatingPointError(f"policy loss is {policy_loss.item()} at policy version {policy_version}")
-            actor.backward(policy_loss)
+            actor.backward(scale * policy_loss)
             actor_grad_norm = _grad_norm(actor)
             actor.step()
 
             values = forward_values(critic, minibatch)
             value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows], minibatch.response_mask,
                                                      cfg.value_clip, cfg.loss_aggregation)
-            if not torch.isfinite(value_loss):
+            if parallel.any_rank(not bool(torch.isfinite(value_loss))):
                 raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
-            critic.backward(cfg.value_loss_coef * value_loss)
+            critic.backward(scale * cfg.value_loss_coef * value_loss)
             critic.step()
 
             with torch.no_grad():
                 entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.detach(), temperature), minibatch.response_mask)
-            for name, value in {"policy_loss": policy_loss, "value_loss": value_loss, "entropy": entropy,
-                                "grad_norm": actor_grad_norm, **policy_stats, **value_stats}.items():
+            for name, value in {"policy_loss": scale * policy_loss, "value_loss": scale * value_loss,
+                                "entropy": token_scale * entropy, "grad_norm": actor_grad_norm,
+                                **{k: token_scale * v for k, v in {**policy_stats, **value_stats}.items()}}.items():
                 totals[name] = totals.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
             updates += 1
 
-    stats = {name: total / updates for name, total in totals.items()}
+    stats = parallel.mean_over_ranks({name: total / updates for name, total in totals.items()})
     response_lengths = mask.sum(dim=1)
     staleness = torch.tensor([policy_version - s.behavior_version for s in samples], dtype=torch.float32)
     on_version = torch.tensor([s.behavior_version == policy_version for s in samples], device=device)

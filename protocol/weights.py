@@ -112,17 +112,20 @@ class WeightManifest:
             raise ProtocolError(f"malformed weight manifest: {error!r}") from None
 
 
-def plan_buckets(named_tensors: list[tuple[str, torch.Tensor]], bucket_bytes: int) -> list[list[TensorEntry]]:
+def plan_buckets(specs: Iterable[tuple[str, Any, Any]], bucket_bytes: int) -> list[list[TensorEntry]]:
     """Group tensors, in order, into buckets of at most ``bucket_bytes`` (one oversized tensor
-    fills a bucket alone)."""
+    fills a bucket alone). ``specs``: (name, shape, torch dtype), or (name, tensor) pairs."""
     buckets: list[list[TensorEntry]] = [[]]
     used = 0
-    for name, tensor in named_tensors:
-        nbytes = tensor.numel() * tensor.element_size()
+    for spec in specs:
+        name, shape, dtype = (spec[0], spec[1].shape, spec[1].dtype) if len(spec) == 2 else spec
+        entry = TensorEntry(name, str(dtype).removeprefix("torch."), [int(d) for d in shape], 0)
+        nbytes = entry.nbytes
         if buckets[-1] and used + nbytes > bucket_bytes:
             buckets.append([])
             used = 0
-        buckets[-1].append(TensorEntry(name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), used))
+        entry.offset = used
+        buckets[-1].append(entry)
         used += -(-nbytes // ALIGN) * ALIGN
     return buckets
 
@@ -228,13 +231,25 @@ class ShmWeightWriter:
         bucket)`` is called as each bucket is complete, so a reader can check it while the next
         one is written."""
         named = [(name, tensor.detach().contiguous().cpu()) for name, tensor in named_tensors]
-        layout = plan_buckets(named, self.bucket_bytes)
-        sizes = [bucket_size(entries) for entries in layout]
         tensors = dict(named)
+
+        @contextmanager
+        def open_bucket(entries: list[TensorEntry]) -> Iterator[dict[str, torch.Tensor]]:
+            yield tensors
+        return self.publish_buckets(version, plan_buckets(named, self.bucket_bytes), open_bucket, on_bucket)
+
+    def publish_buckets(self, version: int, layout: list[list[TensorEntry]],
+                        open_bucket: Callable[[list[TensorEntry]], Any],
+                        on_bucket: Callable[[int, BucketEntry], None] | None = None) -> WeightManifest:
+        """Write a version bucket by bucket: ``open_bucket(entries)`` is a context manager giving
+        the tensors of one bucket (name -> tensor), entered only while that bucket is written, so
+        a partitioned model (ZeRO-3) is gathered one bucket at a time, never whole."""
+        sizes = [bucket_size(entries) for entries in layout]
         with self._claim(sizes) as slot:
             buckets = []
             for index, entries in enumerate(layout):
-                digest = _write_bucket(slot.payload(index), entries, tensors)
+                with open_bucket(entries) as tensors:
+                    digest = _write_bucket(slot.payload(index), entries, tensors)
                 buckets.append(BucketEntry(index, sizes[index], digest, slot.bucket_path(index), entries))
                 if on_bucket is not None:
                     on_bucket(len(layout), buckets[-1])
@@ -281,7 +296,7 @@ def _write_bucket(target: np.ndarray, entries: list[TensorEntry], tensors: dict[
         if entry.offset > position:  # alignment padding is part of the bucket, and of its checksum
             target[position:entry.offset] = 0
             hasher.update(target[position:entry.offset])
-        source = tensors[entry.name].reshape(-1).view(torch.uint8).numpy()
+        source = tensors[entry.name].detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy()
         for start in range(0, entry.nbytes, COPY_CHUNK):
             chunk = target[entry.offset + start:entry.offset + min(start + COPY_CHUNK, entry.nbytes)]
             np.copyto(chunk, source[start:start + len(chunk)])

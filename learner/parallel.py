@@ -1,0 +1,99 @@
+"""Data parallelism between the learner's ranks: who holds which rows, and the few collectives
+the step needs besides DeepSpeed's own gradient all-reduce.
+
+Every rank holds the whole batch (rank 0 receives it from the buffer and broadcasts its message
+frames: the same bytes, decoded by the same codec, nothing pickled). Each rank computes the
+proximal pass for its share of the rows, and the shares are gathered, so advantages are
+whitened over the whole batch exactly as on one rank. Each minibatch is split the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+_cpu_group = None
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def local_rows(count: int) -> slice:
+    """This rank's contiguous share of ``count`` rows (``count`` is a multiple of the world size)."""
+    share = count // world_size()
+    return slice(rank() * share, (rank() + 1) * share)
+
+
+def _group():
+    """A gloo group for host-memory tensors: the default group is NCCL on GPUs."""
+    global _cpu_group
+    if _cpu_group is None:
+        # unmeasured on CUDA: no GPU was lent to this project's sessions
+        _cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+    return _cpu_group
+
+
+def broadcast_frames(frames: list | None) -> list[bytes]:
+    """Rank 0's message frames on every rank (``frames`` is ignored elsewhere)."""
+    if world_size() == 1:
+        return [bytes(frame) for frame in frames]
+    sizes = torch.tensor([memoryview(f).nbytes for f in frames] if rank() == 0 else [], dtype=torch.int64)
+    count = torch.tensor([len(sizes)], dtype=torch.int64)
+    dist.broadcast(count, 0, group=_group())
+    if rank() != 0:
+        sizes = torch.zeros(int(count), dtype=torch.int64)
+    dist.broadcast(sizes, 0, group=_group())
+    if rank() == 0:
+        payload = torch.frombuffer(bytearray(b"".join(bytes(f) for f in frames)), dtype=torch.uint8)
+    else:
+        payload = torch.empty(int(sizes.sum()), dtype=torch.uint8)
+    dist.broadcast(payload, 0, group=_group())
+    data, out, start = payload.numpy().tobytes(), [], 0
+    for size in sizes.tolist():
+        out.append(data[start:start + size])
+        start += size
+    return out
+
+
+def gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """[B/world, ...] on each rank -> [B, ...] on every rank, rows in rank order."""
+    if world_size() == 1:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(world_size())]
+    dist.all_gather(pieces, local.contiguous())
+    return torch.cat(pieces)
+
+
+def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
+    """Each statistic averaged over the ranks (each computed on that rank's rows)."""
+    if world_size() == 1 or not values:
+        return values
+    names = sorted(values)
+    vector = torch.tensor([float(values[name]) for name in names], dtype=torch.float64)
+    dist.all_reduce(vector, group=_group())
+    return dict(zip(names, (vector / world_size()).tolist()))
+
+
+def any_rank(flag: bool) -> bool:
+    """True on every rank when ``flag`` is true on one (a stop must be taken together)."""
+    if world_size() == 1:
+        return flag
+    tensor = torch.tensor([1 if flag else 0], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_group())
+    return bool(tensor.item())
+
+
+def barrier() -> None:
+    if world_size() > 1:
+        dist.barrier(group=_group())
+
+
+def is_main() -> bool:
+    return int(os.environ.get("RANK", 0)) == 0

@@ -1,0 +1,93 @@
+"""Run under torchrun by tests/test_learner_ranks.py: two PPO steps of the real learner pieces
+(DeepSpeed engines, ``ppo_step``, ``publish_weights``) on fixed samples, with as many ranks as
+torchrun started; rank 0 writes the published weights of the last version to ``--out``.
+
+    python -m torch.distributed.run --nproc-per-node 2 tests/dp_driver.py --assets A.json --zero 3 --out w.pt
+"""
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def fixed_samples(assets: dict):
+    """Samples of the SFT model on 8 prompts, scored as the scorer would (reference = policy),
+    with the behavior logprobs a little off (a stale version) so the off-policy weights act."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from launch.demo import sample_responses
+    from protocol.samples import Sample
+    from scorer.scoring import reference_logprobs, reward_scores
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
+    policy = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(assets["reward"], num_labels=1).eval()
+    texts = ["even 1 2 3 :", "odd 4 4 4 :", "even 9 0 1 :", "odd 5 5 2 :", "even 7 7 :", "odd 1 :", "even 2 2 2 2 :",
+             "odd 3 8 :"]
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    responses = sample_responses(policy, prompts, max_new_tokens=6, seed=0)
+    made = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
+                   "stop" if r[-1] == 2 else "length") for i, (p, r) in enumerate(zip(prompts, responses))]
+    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, temperature=1.0)):
+        s.ref_logprobs = logprobs.numpy().copy()
+        s.behavior_logprobs = logprobs.numpy() - 0.05
+    for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
+        s.rm_score = score
+    return made
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--assets", required=True, help="JSON of the tiny assets' paths")
+    parser.add_argument("--zero", type=int, required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--aggregation", default="token-mean")
+    args = parser.parse_args()
+
+    import torch
+
+    from learner import parallel
+    from learner.engines import init_distributed, load_actor, load_critic, make_engine, publish_weights
+    from learner.step import ppo_step
+    from protocol.config import load_config
+    from protocol.sequences import collate
+    from protocol.weights import ShmWeightWriter, read_manifest
+
+    with open(args.assets) as file:
+        assets = json.load(file)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    run_dir = tempfile.mkdtemp(prefix="tether-dp-")
+    config = load_config(None, [f"learner.zero_stage={args.zero}", "learner.batch_size=8", "learner.minibatch_size=4",
+                                "learner.actor_lr=1e-3", "learner.critic_lr=1e-3", f"learner.ranks={world}",
+                                f"learner.loss_aggregation={args.aggregation}", "learner.ppo_epochs=2"],
+                         base={"run_dir": run_dir, "models": {"policy": assets["policy"], "reward": assets["reward"]},
+                               "data": {"prompts": assets["prompts"]}})
+    torch.manual_seed(0)
+    init_distributed(config)
+    samples = fixed_samples(assets)
+    actor = make_engine(load_actor(assets["policy"]), config.learner.actor_lr, config)
+    critic = make_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
+    batch = collate(samples, pad_token_id=0)
+    losses = []
+    for version in range(2):
+        stats = ppo_step(actor, critic, samples, batch, config.learner, temperature=1.0, kl_coef=0.05,
+                         policy_version=version, moments=None, seed=0)
+        losses.append(stats["policy_loss"])
+    writer = ShmWeightWriter(os.path.join(run_dir, "shm"), bucket_bytes=1 << 16) if parallel.is_main() else None
+    manifest = publish_weights(actor, 2, writer, bucket_bytes=1 << 16)
+    if parallel.is_main():
+        with read_manifest(manifest) as tensors:
+            critic_state = {k: v.detach().clone() for k, v in critic.module.state_dict().items()} if args.zero != 3 else {}
+            torch.save({"actor": {k: v.clone() for k, v in tensors.items()}, "critic": critic_state,
+                        "buckets": len(manifest.buckets), "losses": losses, "world": world}, args.out)
+        writer.close(remove=True)
+    parallel.barrier()
+
+
+if __name__ == "__main__":
+    main()
