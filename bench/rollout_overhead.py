@@ -104,11 +104,11 @@ def main() -> None:
     stubs = multiprocessing.get_context("spawn").Process(target=pipeline_stubs,
                                                          args=(config, args.prompts, args.rounds))
     stubs.start()
-    run(config, engine=engine)
+    run(config, 0, engine=engine)
     stubs.join()
     bare_after = bare()
 
-    records = read_metrics(config.run_dir, "rollout")
+    records = read_metrics(config.run_dir, "rollout0")
     role_tokens = sum(r["response_tokens"] for r in records)
     role_seconds = sum(r["iteration_s"] for r in records)
     bare_rate = (bare_before[0] + bare_after[0]) / (bare_before[1] + bare_after[1])

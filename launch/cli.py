@@ -40,8 +40,14 @@ def _load(config: Path, override: Optional[list[str]]):
 @app.command()
 def launch(role: Role = typer.Argument(..., help="which role this process runs"),
            config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
-           worker_index: int = typer.Option(0, help="index of this scorer in the pool")) -> None:
-    """Run one role in the foreground; logs to stderr, metrics to RUN_DIR/metrics."""
+           worker_index: int = typer.Option(0, help="index of this rollout engine or scorer in its pool"),
+           nnodes: int = typer.Option(1, help="learner: hosts the DeepSpeed job spans"),
+           node_rank: int = typer.Option(0, help="learner: this host's index among them (0 talks to the buffer)"),
+           master_addr: str = typer.Option("127.0.0.1", help="learner: address of the node-rank-0 host"),
+           master_port: int = typer.Option(0, help="learner: its torch.distributed port (0: learner.dist_port, "
+                                                   "or a free one on a single host)")) -> None:
+    """Run one role in the foreground; logs to stderr, metrics to RUN_DIR/metrics. A learner of
+    several ranks (learner.ranks, or --nnodes) starts them through torch.distributed's launcher."""
     resolved = _load(config, override)
     from protocol.config import ConfigError
     from protocol.transport import BufferUnreachable
@@ -52,10 +58,13 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             run(resolved)
         elif role is Role.rollout:
             from rollout.main import run
-            run(resolved)
+            run(resolved, worker_index)
         elif role is Role.scorer:
             from scorer.main import run
             run(resolved, worker_index)
+        elif "RANK" not in os.environ and (resolved.learner.ranks > 1 or nnodes > 1):
+            from launch.ranks import launch_ranks
+            raise typer.Exit(launch_ranks(resolved, sys.argv[1:], nnodes, node_rank, master_addr, master_port))
         else:
             from learner.main import TrainingStopped, run
             try:
@@ -160,18 +169,20 @@ def status(run_dir: Path = typer.Argument(..., help="a run directory"),
 
 @app.command()
 def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
-          split: list[str] = typer.Option(..., "--split", help="rollout=0;scorer=1;learner=1, repeatable"),
+          split: list[str] = typer.Option(..., "--split", help="rollout=0;scorer=1;learner=1, repeatable; "
+                                                               "rollout=0-1x2: two engines on cores 0-1"),
           staleness: str = typer.Option("0,1", help="max_staleness values, comma-separated"),
           steps: int = typer.Option(10, help="learner steps per trial"),
           gpus: bool = typer.Option(False, help="the split's numbers are GPU indices, not CPU cores"),
           out: Path = typer.Option(Path("runs/sweep"), help="one run directory per trial in here")) -> None:
     """Short trials of one config over device splits and staleness bounds, ranked by trained tokens/s."""
-    from launch.sweep import format_sweep, parse_split, run_sweep
+    from launch.sweep import format_sweep, parse_counts, parse_split, run_sweep
 
     resolved = _load(config, override)
     try:
         for text in split:
             parse_split(text)
+            parse_counts(text)
         bounds = [int(k) for k in staleness.split(",")]
     except ValueError as error:
         typer.echo(f"error: {error}", err=True)
@@ -181,24 +192,29 @@ def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideO
 
 
 @app.command()
-def plan(run_dir: Path = typer.Argument(..., help="a finished run whose profile gives each role's cost"),
+def plan(run_dirs: list[Path] = typer.Argument(..., help="finished runs whose profiles give each role's cost; "
+                                                        "two runs where a role had different device counts give "
+                                                        "its measured scaling"),
          devices: int = typer.Option(..., help="devices to split between rollout, scorer and learner"),
          check: Optional[Path] = typer.Option(None, help="a measured run: compare its tokens/s with the prediction")) -> None:
-    """Predict the best split of N devices from the per-role costs measured in a profile."""
+    """Predict the best split of N devices from the per-role costs measured in profiles."""
     import yaml
 
     from launch.report import profile_run
-    from launch.sweep import best_splits, format_split, predict, role_costs
+    from launch.sweep import PLANNED_ROLES, best_splits, format_split, measured_costs, predict
 
-    costs = role_costs(str(run_dir))
-    typer.echo("cost per trained token (busy device-ms): " +
-               ", ".join(f"{role} {1000 * cost:.3f}" for role, cost in costs.items()))
+    costs = measured_costs([str(run_dir) for run_dir in run_dirs])
+    for role, cost in costs.items():
+        points = ", ".join(f"{1000 * c:.3f} on {m}" for m, c in sorted(cost.points.items()))
+        how = (f"measured scaling: {cost.efficiency(2):.0%} efficient on 2 devices" if cost.measured_scaling
+               else "one device count measured: linear scaling assumed")
+        typer.echo(f"{role}: busy device-ms per trained token {points} ({how})")
     for rank, (rate, split) in enumerate(best_splits(costs, devices), 1):
         typer.echo(f"{rank}. {format_split(split):<40} predicted {rate:,.0f} trained tokens/s")
     if check is not None:
         with open(os.path.join(check, "config.yaml")) as file:
             cores = yaml.safe_load(file)["placement"]["cores"]
-        predicted = predict(costs, {role: cores[role] for role in ("rollout", "scorer", "learner")})
+        predicted = predict(costs, {role: cores[role] for role in PLANNED_ROLES})
         measured = profile_run(str(check)).pipeline_tokens_per_s
         typer.echo(f"check {check}: predicted {predicted:,.0f}, measured {measured:,.0f} trained tokens/s "
                    f"({(predicted - measured) / measured:+.0%})")

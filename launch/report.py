@@ -28,7 +28,7 @@ PANELS = (
     ("clip fraction", (("learner", "clipfrac", "clipfrac"), ("learner", "approx_kl", "approx_kl"))),
     ("staleness", (("learner", "staleness", "mean"), ("learner", "staleness_max", "max"))),
     ("throughput", (("learner", "trained_tokens_per_s", "trained tokens/s"),
-                    ("rollout", "tokens_per_s", "rollout tokens/s"))),
+                    ("rollout0", "tokens_per_s", "rollout0 tokens/s"))),
 )
 
 
@@ -108,7 +108,7 @@ def profile_run(run_dir: str) -> Profile:
     metrics = _role_metrics(run_dir)
     roles = []
     for name, records in metrics.items():
-        kind = "scorer" if name.startswith("scorer") else name
+        kind = name.rstrip("0123456789")  # rollout0, scorer1 -> their role
         if kind in TIME_CATEGORIES:
             records = [r for r in records if "iteration_s" in r]
             if not records:

@@ -3,6 +3,7 @@ is done. A role that dies takes the run down with a non-zero exit and its last l
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -39,25 +40,32 @@ def _role_command(role: str, config_path: str, worker_index: int) -> list[str]:
             "--worker-index", str(worker_index)]
 
 
-def _role_env(config: TetherConfig, role: str) -> dict[str, str]:
+def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, str]:
     env = dict(os.environ)
-    # `tether run` starts a one-process learner: a torch.distributed rendezvous inherited from the
-    # caller (a port another process holds) must not leak into it.
+    # `tether run` starts the learner's ranks with torch.distributed's launcher: a rendezvous
+    # inherited from the caller (a port another process holds) must not leak into it.
     for key in DIST_ENV_KEYS:
         env.pop(key, None)
     env["PYTHONUNBUFFERED"] = "1"
-    cores = config.placement.cores.get(role)
+    cores = config.cores_of(role, worker_index)
     if cores:
-        env["OMP_NUM_THREADS"] = str(len(cores))
-    if role in config.placement.cuda_visible_devices:
-        env["CUDA_VISIBLE_DEVICES"] = config.placement.cuda_visible_devices[role]
+        processes = config.learner.ranks if role == "learner" else 1
+        env["OMP_NUM_THREADS"] = str(max(1, len(cores) // processes))
+    devices = config.cuda_devices_of(role, worker_index)
+    if devices is not None:
+        env["CUDA_VISIBLE_DEVICES"] = devices
     return env
 
 
+def role_name(role: str, worker_index: int = 0) -> str:
+    """The name of a process in logs, metrics and pids.json: ``rollout0``, ``scorer1``, ``learner``."""
+    return f"{role}{worker_index}" if role in ("rollout", "scorer") else role
+
+
 def _start(config: TetherConfig, role: str, config_path: str, worker_index: int = 0) -> RoleProcess:
-    name = role if role != "scorer" else f"scorer{worker_index}"
+    name = role_name(role, worker_index)
     log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
-    cores = config.placement.cores.get(role)
+    cores = config.cores_of(role, worker_index)
 
     def place() -> None:  # runs in the child before exec
         if cores:
@@ -65,7 +73,7 @@ def _start(config: TetherConfig, role: str, config_path: str, worker_index: int 
 
     log_file = open(log_path, "ab")
     process = subprocess.Popen(_role_command(role, config_path, worker_index), stdout=log_file,
-                               stderr=subprocess.STDOUT, env=_role_env(config, role), preexec_fn=place,
+                               stderr=subprocess.STDOUT, env=_role_env(config, role, worker_index), preexec_fn=place,
                                start_new_session=True)  # its own group: vLLM's workers die with it
     log_file.close()
     return RoleProcess(name, role, worker_index, process, log_path)
@@ -110,7 +118,7 @@ def _stop(roles: list[RoleProcess]) -> None:
 
 def _remove_shared_memory(config: TetherConfig) -> None:
     """Published weights live in RAM (/dev/shm) until deleted; a stopped run needs none of them."""
-    for directory in (config.weights_dir, config.weights_dir + "-rollout"):
+    for directory in [config.weights_dir, *glob.glob(config.weights_dir + "-rollout*")]:
         shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -155,7 +163,8 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
 
     roles = [_start(config, "buffer", config_path)]
     roles += [_start(config, "scorer", config_path, i) for i in range(config.scorer.workers)]
-    roles += [_start(config, "rollout", config_path), _start(config, "learner", config_path)]
+    roles += [_start(config, "rollout", config_path, i) for i in range(config.rollout.engines)]
+    roles += [_start(config, "learner", config_path)]
     learner = roles[-1]
     _write_pids(run_dir, roles)
     print(f"tether run: {len(roles)} processes, logs in {run_dir}/logs, metrics in {run_dir}/metrics", flush=True)

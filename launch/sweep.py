@@ -2,15 +2,22 @@
 trained tokens/s; `tether plan`: the best split for N devices predicted from a profile's costs.
 
 A split names each role's devices: ``rollout=0;scorer=1;learner=1;buffer=0`` (CPU cores here,
-GPU indices with ``--gpus``). Roles that share a device share its time.
+GPU indices with ``--gpus``), and how many processes share them: ``rollout=0-1x2`` is two rollout
+engines on cores 0 and 1, ``learner=1x2`` two learner ranks on core 1. Roles that share a device
+share its time.
+
+The plan scales each role's measured cost by how the role itself scaled: from the profiles of
+two runs where it had different device counts (``RoleCost``), not by assuming that m devices make
+it m times faster (which it assumes, and says, when a role was measured at one count only).
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from launch.report import profile_run
 from protocol.config import ROLES, TetherConfig, load_config
@@ -18,14 +25,14 @@ from protocol.config import ROLES, TetherConfig, load_config
 PLANNED_ROLES = ("rollout", "scorer", "learner")  # the buffer's share is negligible (docs/benchmarks.md)
 
 
+COUNT_KEYS = {"rollout": "rollout.engines", "scorer": "scorer.workers", "learner": "learner.ranks"}
+
+
 def parse_split(text: str) -> dict[str, list[int]]:
-    """``rollout=0;scorer=1;learner=1`` -> {"rollout": [0], ...}; ``0-3`` and ``0,2`` work too."""
+    """``rollout=0;scorer=1;learner=1`` -> {"rollout": [0], ...}; ``0-3`` and ``0,2`` work too.
+    A ``xN`` suffix (processes per role) is read by ``parse_counts``."""
     split = {}
-    for part in filter(None, (p.strip() for p in text.split(";"))):
-        role, _, devices = part.partition("=")
-        role = role.strip()
-        if role not in ROLES or not devices:
-            raise ValueError(f"split {text!r}: {part!r} is not role=devices (roles: {', '.join(ROLES)})")
+    for role, devices, _ in _parts(text):
         cores = []
         for piece in devices.split(","):
             low, _, high = piece.partition("-")
@@ -37,8 +44,31 @@ def parse_split(text: str) -> dict[str, list[int]]:
     return split
 
 
-def format_split(split: dict[str, list[int]]) -> str:
-    return ";".join(f"{role}={','.join(map(str, cores))}" for role, cores in split.items())
+def parse_counts(text: str) -> dict[str, int]:
+    """Processes per role of a split: ``rollout=0-1x2`` -> {"rollout": 2}; 1 where not given."""
+    counts = {role: int(count or 1) for role, _, count in _parts(text)}
+    for role, count in counts.items():
+        if count > 1 and role not in COUNT_KEYS:
+            raise ValueError(f"split {text!r}: the {role} is one process (no x{count})")
+    return counts
+
+
+def _parts(text: str) -> list[tuple[str, str, str]]:
+    parts = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        role, _, value = part.partition("=")
+        devices, _, count = value.partition("x")
+        role = role.strip()
+        if role not in ROLES or not devices or (count and not count.isdigit()):
+            raise ValueError(f"split {text!r}: {part!r} is not role=devices[xN] (roles: {', '.join(ROLES)})")
+        parts.append((role, devices, count))
+    return parts
+
+
+def format_split(split: dict[str, list[int]], counts: dict[str, int] | None = None) -> str:
+    counts = counts or {}
+    return ";".join(f"{role}={','.join(map(str, cores))}" + (f"x{counts[role]}" if counts.get(role, 1) > 1 else "")
+                    for role, cores in split.items())
 
 
 @dataclass
@@ -57,23 +87,25 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
 
     trials = []
     for split_text, k in itertools.product(splits, staleness):
-        split = parse_split(split_text)
-        name = f"{format_split(split).replace(';', '_').replace('=', '').replace(',', '-')}_k{k}"
+        split, counts = parse_split(split_text), parse_counts(split_text)
+        name = f"{format_split(split, counts).replace(';', '_').replace('=', '').replace(',', '-')}_k{k}"
         run_dir = os.path.join(out_dir, name)
         overrides = [f"run_dir={run_dir}", f"buffer.max_staleness={k}", f"learner.total_steps={steps}",
                      "placement.cores={}", "placement.cuda_visible_devices={}"]
+        overrides += [f"{COUNT_KEYS[role]}={counts.get(role, 1)}" for role in PLANNED_ROLES]
         for role, devices in split.items():
             if gpus:
                 overrides.append(f"placement.cuda_visible_devices.{role}=\"{','.join(map(str, devices))}\"")
             else:
                 overrides.append(f"placement.cores.{role}=[{','.join(map(str, devices))}]")
         trial_config = load_config(None, overrides, base=config.model_dump(mode="json"))
-        log(f"sweep: {format_split(split)} max_staleness {k} -> {run_dir}")
+        log(f"sweep: {format_split(split, counts)} max_staleness {k} -> {run_dir}")
         if run_pipeline(trial_config, overwrite=True) != 0:
             raise RuntimeError(f"trial {name} failed; see {run_dir}/logs")
         profile = profile_run(run_dir)
         busy = {r.role: r.wall_s - r.seconds.get("waiting", 0.0) for r in profile.roles if r.role != "buffer"}
-        trials.append(Trial(format_split(split), k, run_dir, profile.pipeline_tokens_per_s, profile.bottleneck, busy))
+        trials.append(Trial(format_split(split, counts), k, run_dir, profile.pipeline_tokens_per_s, profile.bottleneck,
+                            busy))
     trials.sort(key=lambda trial: -trial.tokens_per_s)
     with open(os.path.join(out_dir, "sweep.json"), "w") as file:
         json.dump([trial.__dict__ for trial in trials], file, indent=2)
@@ -100,9 +132,37 @@ def format_sweep(trials: list[Trial]) -> str:
 # --------------------------------------------------------------------------- plan
 
 
-def role_costs(run_dir: str) -> dict[str, float]:
+@dataclass
+class RoleCost:
+    """Busy device-seconds per trained token of one role, measured at one or more device counts.
+    ``at(m)`` interpolates (and extrapolates) between two measurements as a power law in m, the
+    shape of a fixed serial part plus a parallel one over this range; with one measurement it
+    assumes linear scaling (a constant cost), and ``measured_scaling`` says so."""
+    points: dict[int, float] = field(default_factory=dict)  # devices -> cost
+
+    @property
+    def measured_scaling(self) -> bool:
+        return len(self.points) >= 2
+
+    def at(self, devices: int) -> float:
+        counts = sorted(self.points)
+        if len(counts) == 1:
+            return self.points[counts[0]]
+        if devices in self.points:
+            return self.points[devices]
+        # the two measurements nearest to ``devices`` (on a log scale)
+        low, high = sorted(sorted(counts, key=lambda m: abs(math.log(m / devices)))[:2])
+        exponent = math.log(self.points[high] / self.points[low]) / math.log(high / low)
+        return self.points[low] * (devices / low) ** exponent
+
+    def efficiency(self, devices: int) -> float:
+        """Speed-up on ``devices`` over one device, as a share of ``devices``."""
+        return self.at(1) / self.at(devices)
+
+
+def role_costs(run_dir: str) -> dict[str, tuple[int, float]]:
     """Busy device-seconds per trained token of each role in a finished run (busy time x the
-    number of devices it had), the unit cost the plan scales."""
+    number of devices it had), with that number: the unit cost the plan scales."""
     import yaml
 
     profile = profile_run(run_dir)
@@ -111,27 +171,41 @@ def role_costs(run_dir: str) -> dict[str, float]:
     devices = {**placement.get("cores", {}),
                **{role: str(v).split(",") for role, v in placement.get("cuda_visible_devices", {}).items()}}
     trained_tokens = profile.pipeline_tokens_per_s * next(r.wall_s for r in profile.roles if r.role == "learner")
-    costs = {}
+    busy: dict[str, list[float]] = {}
     for role in profile.roles:
-        kind = "scorer" if role.role.startswith("scorer") else role.role
+        kind = role.role.rstrip("0123456789")
         if kind in PLANNED_ROLES:
-            busy = role.wall_s - role.seconds.get("waiting", 0.0)
-            costs[kind] = costs.get(kind, 0.0) + busy * len(devices.get(kind, [0])) / trained_tokens
+            busy.setdefault(kind, []).append(role.wall_s - role.seconds.get("waiting", 0.0))
+    # a pool's processes (engines, scorers) split or share the role's devices: either way the
+    # device-seconds are their mean busy time times the devices
+    return {kind: (len(devices.get(kind, [0])), sum(times) / len(times) * len(devices.get(kind, [0])) / trained_tokens)
+            for kind, times in busy.items()}
+
+
+def measured_costs(run_dirs: list[str]) -> dict[str, RoleCost]:
+    """Each role's cost from the profiles of several runs, keyed by the devices it had in each."""
+    costs: dict[str, RoleCost] = {}
+    for run_dir in run_dirs:
+        for role, (devices, cost) in role_costs(run_dir).items():
+            costs.setdefault(role, RoleCost()).points[devices] = cost
     return costs
 
 
-def predict(costs: dict[str, float], split: dict[str, list[int]]) -> float:
+def predict(costs: dict[str, "RoleCost | float"], split: dict[str, list[int]]) -> float:
     """Trained tokens/s of a split when generation, scoring and training overlap (max_staleness
-    >= 1): each device is shared by the roles on it, a role on m devices runs m times faster; the
-    busiest device sets the pace."""
+    >= 1): each device is shared by the roles on it, a role on m devices keeps each of them busy
+    for cost(m) / m per token; the busiest device sets the pace."""
     load: dict[int, float] = {}
     for role in PLANNED_ROLES:
+        count = len(split[role])
+        cost = costs[role].at(count) if isinstance(costs[role], RoleCost) else costs[role]
         for device in split[role]:
-            load[device] = load.get(device, 0.0) + costs[role] / len(split[role])
+            load[device] = load.get(device, 0.0) + cost / count
     return 1.0 / max(load.values())
 
 
-def best_splits(costs: dict[str, float], devices: int, top: int = 5) -> list[tuple[float, dict[str, list[int]]]]:
+def best_splits(costs: dict[str, "RoleCost | float"], devices: int,
+                top: int = 5) -> list[tuple[float, dict[str, list[int]]]]:
     ranges = [list(range(a, b + 1)) for a in range(devices) for b in range(a, devices)]
     scored = []
     for choice in itertools.product(ranges, repeat=len(PLANNED_ROLES)):

@@ -38,6 +38,8 @@ class DataConfig(_Strict):
 
 
 class RolloutConfig(_Strict):
+    engines: int = Field(1, ge=1, description="rollout processes (vLLM engines) in the pool")
+    tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside each engine")
     samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (vLLM's n)")
     prompts_per_generate: int = Field(64, ge=1, description="most prompts in one generate call")
     max_new_tokens: int = Field(32, ge=1)
@@ -91,6 +93,10 @@ class LearnerConfig(_Strict):
     score_clip: float | None = Field(None, gt=0)
     truncation_penalty: float = Field(0.0, le=0, description="added to the score of a response cut at max_new_tokens")
     zero_stage: Literal[0, 1, 2, 3] = 0
+    ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks per node (torch.distributed's launcher)")
+    dist_timeout_s: float = Field(1800.0, gt=0, description="a collective between learner ranks fails after this")
+    cpu_shm_allreduce: bool = Field(False, description="CPU only: DeepSpeed's shared-memory all-reduce between "
+                                                       "ranks (JIT-compiled once, ~90 s); off: gloo")
     checkpoint_every: int = Field(0, ge=0, description="save every N steps; 0: only at the end")
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 picks a free one")
 
@@ -176,7 +182,28 @@ class TetherConfig(_Strict):
         if learner.batch_size % learner.minibatch_size:
             raise ValueError(f"learner.batch_size ({learner.batch_size}) must be a multiple of "
                              f"learner.minibatch_size ({learner.minibatch_size})")
+        if learner.minibatch_size % learner.ranks:
+            raise ValueError(f"learner.minibatch_size ({learner.minibatch_size}) must be a multiple of "
+                             f"learner.ranks ({learner.ranks}): each rank trains an equal share")
         return self
+
+    def cores_of(self, role: str, index: int = 0) -> list[int]:
+        """CPU cores of worker ``index`` of a role: ``placement.cores.<role>`` split evenly between
+        the role's processes when it has enough of them, else shared by all."""
+        return _share(self.placement.cores.get(role, []), self._count(role), index)
+
+    def cuda_devices_of(self, role: str, index: int = 0) -> str | None:
+        """CUDA_VISIBLE_DEVICES of worker ``index`` of a role, split as ``cores_of`` splits cores
+        (a tensor-parallel engine gets ``tensor_parallel_size`` of them). None: not set."""
+        devices = self.placement.cuda_visible_devices.get(role)
+        if devices is None:
+            return None
+        if role == "learner":  # the ranks of one job each pick theirs by LOCAL_RANK
+            return devices
+        return ",".join(_share([d.strip() for d in devices.split(",") if d.strip()], self._count(role), index))
+
+    def _count(self, role: str) -> int:
+        return {"rollout": self.rollout.engines, "scorer": self.scorer.workers}.get(role, 1)
 
     # ---- derived values every role agrees on
     @property
@@ -196,6 +223,13 @@ class TetherConfig(_Strict):
     @property
     def reference_path(self) -> str:
         return self.models.reference or self.models.policy
+
+
+def _share(devices: list, count: int, index: int) -> list:
+    if len(devices) < count:
+        return list(devices)
+    per_worker = len(devices) // count
+    return list(devices[index * per_worker:(index + 1) * per_worker])
 
 
 def _read_file(path: Path) -> dict[str, Any]:

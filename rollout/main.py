@@ -9,6 +9,7 @@ import time
 import uuid
 
 from protocol.config import ConfigError, TetherConfig, check_paths
+from protocol.prompts import dataset_row
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import BufferClient
@@ -34,11 +35,11 @@ def load_prompts(path: str) -> list[str]:
     return prompts
 
 
-def make_engine(config: TetherConfig):
+def make_engine(config: TetherConfig, worker_index: int = 0):
     """A ``vllm.LLM`` with tether's worker extension; placement and KV cache from the config."""
     import torch
 
-    cores = config.placement.cores.get("rollout")
+    cores = config.cores_of("rollout", worker_index)
     if cores:  # vLLM's CPU backend binds its OpenMP threads itself; tell it where
         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cores)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(config.rollout.kv_cache_gib))))
@@ -52,6 +53,7 @@ def make_engine(config: TetherConfig):
         dtype=config.rollout.dtype,
         seed=config.seed,
         max_model_len=config.rollout.max_model_len,
+        tensor_parallel_size=config.rollout.tensor_parallel_size,
         enforce_eager=True,
         worker_extension_cls="rollout.worker_extension.WeightSyncExtension",
         # Logprobs of the distribution actually sampled (after temperature / top-p), the one the
@@ -104,9 +106,9 @@ def apply_weights(engine, grant, version: int, staging, prefetcher, config: Teth
                "load from shared memory, checked while written" if checked else "load from shared memory")
         log.info("now generating with policy version %d (%.2fs to %s)", manifest.version,
                  time.monotonic() - started, how)
-        return grant.fields["weights_version"]
+        return grant.fields["policy_version"]
     except Exception as error:  # the old weights stay; a newer version comes with the next credits
-        log.warning("refused policy version %d, keeping version %d: %s", grant.fields["weights_version"], version, error)
+        log.warning("refused policy version %d, keeping version %d: %s", grant.fields["policy_version"], version, error)
         time.sleep(REFUSED_WEIGHTS_BACKOFF_S)  # the buffer answers at once while newer weights exist
         return version
     finally:
@@ -114,54 +116,53 @@ def apply_weights(engine, grant, version: int, staging, prefetcher, config: Teth
             prefetcher.release()
 
 
-def run(config: TetherConfig, engine=None) -> None:
-    """The rollout role. ``engine``: an already built ``vllm.LLM`` (benchmarks share one)."""
-    log = setup_logging("rollout", config.log_level)
+def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
+    """Engine ``worker_index`` of the rollout pool. ``engine``: an already built ``vllm.LLM``
+    (benchmarks share one)."""
+    name = f"rollout{worker_index}"
+    log = setup_logging(name, config.log_level)
     check_paths(config, "rollout")
     prompts = load_prompts(config.data.prompts)
-    client = BufferClient(config.buffer_address, "rollout", "0", config.transport.max_frame_bytes,
+    client = BufferClient(config.buffer_address, "rollout", str(worker_index), config.transport.max_frame_bytes,
                           config.transport.curve)
-    welcome = client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
+    client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
 
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
     prompt_token_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
-    engine = engine or make_engine(config)
+    engine = engine or make_engine(config, worker_index)
     rollout_cfg = config.rollout
     sampling = sampling_params(config)
-    metrics = MetricsWriter(config.run_dir, "rollout")
+    metrics = MetricsWriter(config.run_dir, name)
     staging = prefetcher = None
     if config.transport.weight_transport == "tcp":
-        staging = ShmWeightWriter(config.weights_dir + "-rollout", config.transport.weight_bucket_mb << 20)
+        staging = ShmWeightWriter(f"{config.weights_dir}-{name}", config.transport.weight_bucket_mb << 20)
     else:
         prefetcher = WeightPrefetcher(config.weights_stream_address)
     id_prefix = uuid.uuid4().hex[:8]
-    # a restarted or resumed rollout goes on from where the buffer says the data was
-    version, data_position, generated = 0, welcome.fields.get("data_position") or 0, 0
+    version, generated = 0, 0
     wanted = rollout_cfg.prompts_per_generate * rollout_cfg.samples_per_prompt
     log.info("generating with %s, %d prompts, %d samples per prompt", config.models.policy, len(prompts),
              rollout_cfg.samples_per_prompt)
 
     period_started, sync_s = time.monotonic(), 0.0  # a period: from one record to the next
     while True:
-        grant = client.request("credit_request", {"rollout_version": version, "wanted": wanted,
-                                                  "data_position": data_position}, waiting_for="generation credits")
+        grant = client.request("credit_request", {"policy_version": version, "wanted": wanted},
+                               waiting_for="generation credits")
         if grant.fields["stop"]:
             break
-        if grant.fields["weights_version"] > version:
+        if grant.fields["policy_version"] > version:
             sync_started = time.monotonic()
             version = apply_weights(engine, grant, version, staging, prefetcher, config, log)
             sync_s += time.monotonic() - sync_started
-        credits = grant.fields["credits"]
-        if credits == 0:
+        indices = grant.fields["prompt_indices"]  # positions in the run's prompt stream, each handed out once
+        if not indices:
             continue
         busy_started = time.monotonic()
-        num_prompts = credits // rollout_cfg.samples_per_prompt
-        indices = [(data_position + i) % len(prompts) for i in range(num_prompts)]
-        data_position += num_prompts
-        outputs = engine.generate([TokensPrompt(prompt_token_ids=prompt_token_ids[i]) for i in indices],
+        rows = [dataset_row(config.seed, len(prompts), index) for index in indices]
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=prompt_token_ids[row]) for row in rows],
                                   sampling, use_tqdm=False)
         samples = to_samples(outputs, indices, version, id_prefix, generated)
         send_started = time.monotonic()
@@ -173,7 +174,7 @@ def run(config: TetherConfig, engine=None) -> None:
                        "response_tokens": tokens, "tokens_per_s": tokens / max(send_started - busy_started, 1e-9),
                        "busy_s": send_started - busy_started, "weight_sync_s": sync_s, "send_s": now - send_started,
                        "waiting_s": busy_started - period_started - sync_s, "iteration_s": now - period_started,
-                       "data_position": data_position})
+                       "prompt_indices": indices})
         period_started, sync_s = now, 0.0
     log.info("stopping after %d samples at policy version %d", generated, version)
     if staging is not None:
@@ -182,4 +183,3 @@ def run(config: TetherConfig, engine=None) -> None:
         prefetcher.close()
     metrics.close()
     client.close()
-

@@ -72,11 +72,11 @@ def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
     assert accounting["identity_holds"] and accounting["staleness_violations"] == 0
-    assert accounting["trained"] == STEPS * BATCH and accounting["weights_version"] == STEPS
+    assert accounting["trained"] == STEPS * BATCH and accounting["policy_version"] == STEPS
     assert all(int(age) <= max_staleness for age in accounting["staleness_histogram"])
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "final", "model.safetensors"))
-    assert os.path.exists(os.path.join(run_dir, "metrics", "rollout.jsonl"))
-    with open(os.path.join(run_dir, "logs", "rollout.log")) as file:
+    assert os.path.exists(os.path.join(run_dir, "metrics", "rollout0.jsonl"))
+    with open(os.path.join(run_dir, "logs", "rollout0.log")) as file:
         expected = "fetch over tcp and load" if weight_transport == "tcp" else "checked while written"
         assert expected in file.read()
     check_reports(run_dir)
@@ -120,10 +120,10 @@ def check_reports(run_dir):
     assert titles == [title for title, _ in PANELS]
 
     profile = profile_run(run_dir)
-    assert {role.role for role in profile.roles} == {"buffer", "scorer0", "rollout", "learner"}
+    assert {role.role for role in profile.roles} == {"buffer", "scorer0", "rollout0", "learner"}
     for role in profile.roles:  # where the time went adds up to the role's wall time
         assert abs(role.accounted_s - role.wall_s) <= 0.05 * role.wall_s, (role.role, role.seconds, role.wall_s)
-    assert profile.bottleneck in {"buffer", "scorer0", "rollout", "learner"} and profile.pipeline_tokens_per_s > 0
+    assert profile.bottleneck in {"buffer", "scorer0", "rollout0", "learner"} and profile.pipeline_tokens_per_s > 0
     result = tether("profile", run_dir, timeout=120)
     assert result.returncode == 0 and f"bottleneck: {profile.bottleneck}" in result.stdout
 
@@ -136,42 +136,66 @@ def check_reports(run_dir):
     assert steps == list(range(1, STEPS + 1))
 
 
+def generated_prompt_indices(run_dir):
+    """Every prompt index a rollout engine generated and the buffer took, engine by engine, restarts included."""
+    import glob
+
+    indices = []
+    for path in sorted(glob.glob(os.path.join(run_dir, "metrics", "rollout*.jsonl"))):
+        name = os.path.basename(path)[:-len(".jsonl")]
+        indices += [index for record in read_metrics(run_dir, name) for index in record.get("prompt_indices", [])]
+    return indices
+
+
 @pytest.mark.slow
-def test_a_killed_rollout_and_scorer_are_restarted_and_the_run_completes(tmp_path, tiny_assets):
-    """kill -9 a scorer after the first step and the rollout after the second: tether run starts
-    them again, the restarted rollout takes the current weights, the run trains every step, and
-    every sample is accounted for and trained at most once."""
+def test_pools_of_every_role_survive_a_killed_rollout_and_scorer(tmp_path, tiny_assets):
+    """2 rollout engines, 2 scorers and 2 learner ranks at max_staleness 1; kill -9 a scorer after
+    the first step and a rollout engine after the second: tether run starts them again, the run
+    trains every step, no prompt index is generated twice across the pool and its restarts, no
+    trained sample is past the bound, every sample is accounted for and trained at most once."""
     import signal
     import time
 
     steps = 5
-    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": steps},
-                                 launch={"restart_backoff_s": 0.5}, scorer={"deadline_s": 5.0})
+    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": steps, "ranks": 2},
+                                 rollout={"engines": 2}, scorer={"workers": 2, "deadline_s": 5.0},
+                                 buffer={"max_staleness": 1}, launch={"restart_backoff_s": 0.5})
     run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", str(path)], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def kill_when(step, role):
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 300
         while len(read_metrics(run_dir, "learner")) < step:
             assert time.monotonic() < deadline and run.poll() is None, "the run did not reach step %d" % step
             time.sleep(0.2)
         with open(os.path.join(run_dir, "pids.json")) as file:
             os.killpg(json.load(file)[role], signal.SIGKILL)
 
-    kill_when(1, "scorer0")
-    kill_when(2, "rollout")
-    stdout, stderr = run.communicate(timeout=400)
+    try:
+        kill_when(1, "scorer0")
+        kill_when(2, "rollout0")
+        stdout, stderr = run.communicate(timeout=400)
+    finally:
+        if run.poll() is None:
+            run.kill()
     assert run.returncode == 0, stdout[-2000:] + stderr[-3000:]
-    assert "scorer0 exited with code -9; restarting" in stderr and "rollout exited with code -9; restarting" in stderr
-    assert [r["step"] for r in read_metrics(run_dir, "learner")] == list(range(1, steps + 1))
+    assert "scorer0 exited with code -9; restarting" in stderr and "rollout0 exited with code -9; restarting" in stderr
+    records = read_metrics(run_dir, "learner")
+    assert [r["step"] for r in records] == list(range(1, steps + 1)) and all(r["ranks"] == 2 for r in records)
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
     assert accounting["identity_holds"] and accounting["trained"] == steps * BATCH
-    assert accounting["staleness_violations"] == 0 and accounting["dropped"].get("duplicate_id", 0) == 0
-    with open(os.path.join(run_dir, "logs", "rollout.log")) as file:
+    assert accounting["staleness_violations"] == 0 and all(int(age) <= 1 for age in accounting["staleness_histogram"])
+    assert accounting["dropped"].get("duplicate_id", 0) == 0
+    indices = generated_prompt_indices(run_dir)
+    assert len(indices) == len(set(indices)), "a prompt index was generated twice"
+    assert all(read_metrics(run_dir, f"rollout{i}") for i in (0, 1))  # both engines generated
+    with open(os.path.join(run_dir, "logs", "rollout0.log")) as file:
         log = file.read()
-    # the restarted rollout began at the SFT weights and took the newest version before generating
+    # the restarted engine began at the SFT weights and took the newest version before generating
     assert log.count("generating with") >= 2 and "now generating with policy version" in log
+    with open(os.path.join(run_dir, "logs", "learner.log")) as file:
+        assert "2 rank(s)" in file.read()
 
 
 @pytest.mark.slow
@@ -205,10 +229,10 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     result = tether("run", "--resume", run_dir)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"resuming {run_dir} from {newest}" in result.stdout
-    # the new rollout went on with the prompts from where the data was at the checkpoint
-    first_after = min(r["data_position"] - r["samples"] for r in read_metrics(run_dir, "rollout")
-                      if r["time"] > resumed_at)
-    assert first_after >= 2 * BATCH
+    # the new rollout went on with the prompt stream from where it was at the checkpoint: no prompt
+    # trained before it is generated again
+    after = [i for r in read_metrics(run_dir, "rollout0") if r["time"] > resumed_at for i in r["prompt_indices"]]
+    assert after and min(after) >= 2 * BATCH
     assert [r["step"] for r in read_metrics(run_dir, "learner")] == list(range(1, steps + 1))
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)

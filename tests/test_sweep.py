@@ -34,3 +34,36 @@ def test_best_split_for_two_devices_balances_the_load():
     rates = {(tuple(s["rollout"]), tuple(s["scorer"]), tuple(s["learner"])): r for r, s in ranked}
     assert rates[((0,), (0,), (1,))] == pytest.approx(1 / 2e-3)  # learner alone: core 1 is busiest
     assert rates[((0,), (1,), (0,))] == pytest.approx(1 / 3e-3)  # rollout + learner share core 0
+
+
+def test_a_split_names_processes_per_role():
+    from launch.sweep import format_split, parse_counts
+
+    text = "rollout=0-1x2;scorer=1;learner=1x2;buffer=0"
+    assert parse_split(text) == {"rollout": [0, 1], "scorer": [1], "learner": [1], "buffer": [0]}
+    assert parse_counts(text) == {"rollout": 2, "scorer": 1, "learner": 2, "buffer": 1}
+    assert format_split(parse_split(text), parse_counts(text)) == "rollout=0,1x2;scorer=1;learner=1x2;buffer=0"
+    with pytest.raises(ValueError, match="the buffer is one process"):
+        parse_counts("rollout=0;scorer=1;learner=1;buffer=0x2")
+    with pytest.raises(ValueError, match="is not role=devices"):
+        parse_split("rollout=0xy;scorer=1;learner=1")
+
+
+def test_the_plan_scales_a_role_as_it_was_measured_to_scale():
+    from launch.sweep import RoleCost
+
+    # measured: 2 ms per token on one device, 2.5 device-ms on two (80% efficient)
+    learner = RoleCost({1: 2e-3, 2: 2.5e-3})
+    assert learner.at(1) == pytest.approx(2e-3) and learner.at(2) == pytest.approx(2.5e-3)
+    assert learner.efficiency(2) == pytest.approx(0.8)
+    # a power law through the two points: 4 devices cost 2.5 * 1.25 device-ms
+    assert learner.at(4) == pytest.approx(2e-3 * 1.25 ** 2)
+    costs = {"rollout": 1e-3, "scorer": 0.5e-3, "learner": learner}
+    # learner on cores 1-2: each busy 1.25 ms a token, rollout + scorer 1.5 ms on core 0
+    assert predict(costs, {"rollout": [0], "scorer": [0], "learner": [1, 2]}) == pytest.approx(1 / 1.5e-3)
+    # linear scaling would have said the same learner takes 1 ms on each of cores 1 and 2
+    linear = predict({**costs, "learner": 2e-3}, {"rollout": [0], "scorer": [1], "learner": [1, 2]})
+    measured = predict(costs, {"rollout": [0], "scorer": [1], "learner": [1, 2]})
+    assert linear == pytest.approx(1 / 1.5e-3) and measured == pytest.approx(1 / 1.75e-3)
+    one_point = RoleCost({1: 3e-3})
+    assert not one_point.measured_scaling and one_point.at(4) == 3e-3
