@@ -62,7 +62,7 @@ def role_name(role: str, worker_index: int = 0) -> str:
     return f"{role}{worker_index}" if role in ("rollout", "scorer") else role
 
 
-def _start(config: TetherConfig, role: str, config_path: str, worker_index: int = 0) -> RoleProcess:
+def start_role(config: TetherConfig, role: str, config_path: str, worker_index: int = 0) -> RoleProcess:
     name = role_name(role, worker_index)
     log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
     cores = config.cores_of(role, worker_index)
@@ -161,10 +161,10 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
     with open(config_path, "w") as file:
         file.write(dump_config(config))
 
-    roles = [_start(config, "buffer", config_path)]
-    roles += [_start(config, "scorer", config_path, i) for i in range(config.scorer.workers)]
-    roles += [_start(config, "rollout", config_path, i) for i in range(config.rollout.engines)]
-    roles += [_start(config, "learner", config_path)]
+    roles = [start_role(config, "buffer", config_path)]
+    roles += [start_role(config, "scorer", config_path, i) for i in range(config.scorer.workers)]
+    roles += [start_role(config, "rollout", config_path, i) for i in range(config.rollout.engines)]
+    roles += [start_role(config, "learner", config_path)]
     learner = roles[-1]
     _write_pids(run_dir, roles)
     print(f"tether run: {len(roles)} processes, logs in {run_dir}/logs, metrics in {run_dir}/metrics", flush=True)
@@ -191,7 +191,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                     time.sleep(delay)
                     if _group_alive(role.process.pid):  # what the dead one left (vLLM's engine process)
                         os.killpg(role.process.pid, signal.SIGKILL)
-                    replacement = _start(config, role.role, config_path, role.worker_index)
+                    replacement = start_role(config, role.role, config_path, role.worker_index)
                     replacement.restarts = role.restarts + 1
                     roles[index] = replacement
                     _write_pids(run_dir, roles)
