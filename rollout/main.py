@@ -35,13 +35,27 @@ def load_prompts(path: str) -> list[str]:
     return prompts
 
 
+def omp_threads_bind(cores: list[int], tensor_parallel_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for one engine: its cores split evenly between its tensor-parallel
+    workers, ``|`` between workers ("0|1"); with fewer cores than workers they take turns. vLLM's
+    automatic binding wants a NUMA node per worker and refuses TP > 1 on a one-node machine."""
+    if tensor_parallel_size <= len(cores):
+        per_worker = len(cores) // tensor_parallel_size
+        groups = [cores[i * per_worker:(i + 1) * per_worker] for i in range(tensor_parallel_size)]
+    else:
+        groups = [[cores[i % len(cores)]] for i in range(tensor_parallel_size)]
+    return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
 def make_engine(config: TetherConfig, worker_index: int = 0):
     """A ``vllm.LLM`` with tether's worker extension; placement and KV cache from the config."""
     import torch
 
     cores = config.cores_of("rollout", worker_index)
-    if cores:  # vLLM's CPU backend binds its OpenMP threads itself; tell it where
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(core) for core in cores)
+    tensor_parallel = config.rollout.tensor_parallel_size
+    if cores or tensor_parallel > 1:  # vLLM's CPU backend binds its OpenMP threads itself; tell it where
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cores or sorted(os.sched_getaffinity(0)),
+                                                                   tensor_parallel)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(config.rollout.kv_cache_gib))))
     from vllm import LLM
 

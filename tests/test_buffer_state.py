@@ -27,6 +27,20 @@ def generate(state, count, version, start=0, engine="rollout:0"):
     return len(indices)
 
 
+def train_checked(state, learner_version, batch_size, max_staleness, trained: set, key=lambda s: s.sample_id) -> int:
+    """The learner takes a batch if one is ready and publishes the next version; every sample in
+    it is within the bound and trained for the first time (by ``key``). Returns the version."""
+    batch = state.take_batch(learner_version, batch_size)
+    if batch is None:
+        return learner_version
+    for s in batch:
+        assert learner_version - s.behavior_version <= max_staleness
+        assert key(s) not in trained
+        trained.add(key(s))
+    state.publish_weights(learner_version + 1, None)
+    return learner_version + 1
+
+
 def score_all(state):
     state.add_scored(state.take_for_scoring(10**6))
 
@@ -135,14 +149,7 @@ def test_staleness_bound_and_accounting_hold_under_any_interleaving(batch_size, 
         elif action == "score":
             state.add_scored(state.take_for_scoring(chunk))
         elif action == "train":
-            batch = state.take_batch(learner_version, batch_size)
-            if batch is not None:
-                for s in batch:
-                    assert learner_version - s.behavior_version <= max_staleness
-                    assert s.sample_id not in trained_ids
-                    trained_ids.add(s.sample_id)
-                learner_version += 1
-                state.publish_weights(learner_version, None)
+            learner_version = train_checked(state, learner_version, batch_size, max_staleness, trained_ids)
         elif action == "sync":
             rollout_version = state.policy_version
         report = state.report()
@@ -305,15 +312,8 @@ def test_credits_always_come_back_whatever_rollouts_and_scorers_do(actions, max_
 
     def train() -> None:
         nonlocal learner_version
-        batch = state.take_batch(learner_version, batch_size)
-        if batch is None:
-            return
-        for s in batch:
-            assert learner_version - s.behavior_version <= max_staleness
-            assert s.prompt_index not in trained_prompts
-            trained_prompts.add(s.prompt_index)
-        learner_version += 1
-        state.publish_weights(learner_version, None)
+        learner_version = train_checked(state, learner_version, batch_size, max_staleness, trained_prompts,
+                                        key=lambda s: s.prompt_index)
 
     def generate_as(engine: str) -> None:
         nonlocal next_id

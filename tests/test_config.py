@@ -75,3 +75,36 @@ def test_cli_refuses_an_unknown_key_and_a_missing_model(tmp_path):
     assert result.exit_code == 2 and "rollout.temprature: unknown key" in result.output
     result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, MINIMAL))])
     assert result.exit_code == 2 and "models.policy: /p does not exist" in result.output
+
+
+def test_an_engine_binds_its_tensor_parallel_workers_to_its_cores():
+    from rollout.main import omp_threads_bind
+
+    assert omp_threads_bind([0, 1], 1) == "0,1"
+    assert omp_threads_bind([0, 1], 2) == "0|1"
+    assert omp_threads_bind([2, 3, 4, 5], 2) == "2,3|4,5"
+    assert omp_threads_bind([0], 2) == "0|0"  # fewer cores than workers: they take turns
+
+
+def test_a_role_s_devices_are_split_between_its_processes():
+    from protocol.config import load_config
+
+    config = load_config(None, ["rollout.engines=2", "scorer.workers=3", "placement.cores.rollout=[0, 1, 2, 3]",
+                                "placement.cores.scorer=[4]", "placement.cuda_visible_devices.rollout='0,1'",
+                                "learner.ranks=2", "learner.minibatch_size=8", "placement.cuda_visible_devices.learner='2,3'"],
+                         base={"models": {"policy": "p", "reward": "r"}, "data": {"prompts": "d"}})
+    assert config.cores_of("rollout", 0) == [0, 1] and config.cores_of("rollout", 1) == [2, 3]
+    assert config.cores_of("scorer", 2) == [4]  # fewer devices than processes: shared
+    assert config.cuda_devices_of("rollout", 1) == "1"
+    assert config.cuda_devices_of("learner", 0) == "2,3"  # the ranks pick theirs by LOCAL_RANK
+    assert config.cuda_devices_of("scorer", 0) is None
+
+
+def test_the_minibatch_must_split_evenly_between_learner_ranks():
+    import pytest
+
+    from protocol.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="minibatch_size \\(6\\) must be a multiple of learner.ranks \\(4\\)"):
+        load_config(None, ["learner.ranks=4", "learner.minibatch_size=6", "learner.batch_size=12"],
+                    base={"models": {"policy": "p", "reward": "r"}, "data": {"prompts": "d"}})

@@ -203,12 +203,14 @@ def test_pools_of_every_role_survive_a_killed_rollout_and_scorer(tmp_path, tiny_
 def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(tmp_path, tiny_assets, victim):
     """kill -9 the learner (or the buffer) after step 3 of 6, checkpoints every 2: the run fails;
     `tether run --resume` continues from step 2 with the buffer's samples and accounting of that
-    moment, and finishes all 6 steps with the identity holding and nothing dropped."""
+    moment, and finishes all 6 steps with the identity holding and nothing dropped. The learner
+    that is killed has 2 ranks under ZeRO-2: each rank's partition comes back from the checkpoint."""
     import signal
     import time
 
     steps = 6
-    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": steps, "checkpoint_every": 2})
+    ranks = {"ranks": 2, "zero_stage": 2} if victim == "learner" else {}
+    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": steps, "checkpoint_every": 2, **ranks})
     run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", str(path)], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
@@ -239,3 +241,7 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     assert accounting["identity_holds"] and accounting["trained"] == steps * BATCH
     assert accounting["staleness_violations"] == 0 and not accounting["dropped"]
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "final", "model.safetensors"))
+    if ranks:  # both ranks' optimizer partitions were written, and read back on resume
+        partitions = os.listdir(os.path.join(newest, "actor", "state"))
+        assert sum("optim_states" in name for name in partitions) == 2, partitions
+        assert all(r["ranks"] == 2 for r in read_metrics(run_dir, "learner"))

@@ -42,10 +42,14 @@ def assert_matches(model, generations):
 
 
 @pytest.mark.slow
-def test_weights_apply_in_place_and_a_damaged_version_is_refused(tmp_path, tiny_assets):
+@pytest.mark.parametrize("tensor_parallel_size", [1, 2])
+def test_weights_apply_in_place_and_a_damaged_version_is_refused(tmp_path, tiny_assets, tensor_parallel_size):
+    """With tensor_parallel_size 2 the engine has two workers (one core each here), each holding a
+    shard of every layer: the reload must reach both, or the logprobs would not match."""
     from rollout.main import make_engine
 
-    config = load_config(None, ["rollout.max_model_len=64"], base=base_config(tmp_path, tiny_assets))
+    config = load_config(None, ["rollout.max_model_len=64", f"rollout.tensor_parallel_size={tensor_parallel_size}"],
+                         base=base_config(tmp_path, tiny_assets))
     engine = make_engine(config)
     try:
         check_weight_updates(engine, tmp_path, tiny_assets)
