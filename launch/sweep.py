@@ -184,11 +184,13 @@ def role_costs(run_dir: str) -> dict[str, tuple[int, float]]:
 
 def measured_costs(run_dirs: list[str]) -> dict[str, RoleCost]:
     """Each role's cost from the profiles of several runs, keyed by the devices it had in each."""
-    costs: dict[str, RoleCost] = {}
+    measured: dict[str, dict[int, list[float]]] = {}
     for run_dir in run_dirs:
         for role, (devices, cost) in role_costs(run_dir).items():
-            costs.setdefault(role, RoleCost()).points[devices] = cost
-    return costs
+            measured.setdefault(role, {}).setdefault(devices, []).append(cost)
+    # two runs that gave a role the same device count: their mean
+    return {role: RoleCost({devices: sum(values) / len(values) for devices, values in points.items()})
+            for role, points in measured.items()}
 
 
 def predict(costs: dict[str, "RoleCost | float"], split: dict[str, list[int]]) -> float:
