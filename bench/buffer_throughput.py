@@ -95,7 +95,7 @@ def learner_process(config, batch: int, total: int, out: str) -> None:
             started, first = time.perf_counter(), len(reply.fields["sample_ids"])
         received += len(reply.fields["sample_ids"])
         version += 1
-        client.request("weights_published", {"version": version, "manifest": {"version": version, "buckets": []}})
+        client.request("weights_published", {"policy_version": version, "manifest": {"version": version, "buckets": []}})
     elapsed = time.perf_counter() - started
     client.request("finish", {"policy_version": version})
     with open(out, "w") as file:

@@ -97,6 +97,7 @@ class Buffer:
                     self.busy_s_total += self.handling_s[-1]
                 if time.monotonic() - last_metrics >= METRICS_EVERY_S:
                     last_metrics = time.monotonic()
+                    self.reclaim_silent_engines(last_metrics)
                     self.write_metrics(last_metrics)
         finally:
             report = self.close()
@@ -200,8 +201,9 @@ class Buffer:
 
     def answer_credits(self, wait: Pending) -> bool:
         state = self.state
+        engines = sum(worker.startswith("rollout:") for worker in self.workers.values())
         indices = [] if state.finished else state.credits_for(self.workers[wait.identity], wait.policy_version,
-                                                              wait.amount)
+                                                              wait.amount, engines)
         newer_weights = state.policy_version > wait.policy_version and state.weights_manifest is not None
         if not indices and not state.finished and not newer_weights:
             return False  # nothing to grant and no weights to give (a resumed learner republishes them)
@@ -254,6 +256,21 @@ class Buffer:
                     self.log.warning("%s silent for %.0fs since its %s%s", worker, silent, kind,
                                      f", holding {holding} samples to score" if holding else "")
         return stalled
+
+    def reclaim_silent_engines(self, now: float) -> None:
+        """An engine that holds credits and has sent nothing for rollout.deadline_s is taken for
+        dead (a restarted one says hello and is caught at once; one started by hand may never come
+        back): its credits and prompts go to the rest of the pool, its late samples are refused."""
+        held = {wait.identity for wait in self.credit_waits}
+        for identity, worker in self.workers.items():
+            if not worker.startswith("rollout:") or identity in held or not self.state.outstanding(worker):
+                continue
+            silent = now - self.last_seen.get(identity, (now, ""))[0]
+            if silent > self.config.rollout.deadline_s:
+                reclaimed = self.state.rollout_gone(worker)
+                self.log.warning("%s holds credits and has been silent for %.0fs (rollout.deadline_s %.0f): "
+                                 "taken for dead, %d credits and their prompts go to the pool", worker, silent,
+                                 self.config.rollout.deadline_s, reclaimed)
 
     def write_metrics(self, now: float) -> None:
         state = self.state

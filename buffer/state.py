@@ -21,6 +21,14 @@ from protocol.samples import Sample
 
 
 @dataclass
+class Lease:
+    """A prompt index an engine holds: samples of it still to come, and the policy version the
+    credits were granted at (the version its samples are at least)."""
+    left: int
+    version: int
+
+
+@dataclass
 class Accounting:
     generated: int = 0
     scored: int = 0
@@ -42,8 +50,11 @@ class BufferState:
         # samples the rollout pool may generate within the bound, in total: every grant adds, every
         # credit that comes back (a dead engine's unused ones, a dropped sample's) subtracts
         self.granted = 0
-        # engine -> {prompt_index: samples of it still to come}: what each engine holds
-        self.leases: dict[str, dict[int, int]] = {}
+        # engine -> {prompt_index: Lease}: what each engine holds
+        self.leases: dict[str, dict[int, Lease]] = {}
+        # version -> samples granted at it (or, once here, generated with it) and not yet scored: a
+        # batch waits for those that could not wait for the next one (see take_batch)
+        self.owed: Counter = Counter()
         self.next_prompt_index = 0  # the prompt stream's next fresh position
         self.returned_prompts: list[int] = []  # positions a dead engine never generated; handed out first
         self.policy_version = 0  # newest published policy version (0: the SFT weights on disk)
@@ -65,15 +76,18 @@ class BufferState:
 
     # ------------------------------------------------------------------ rollout side
 
-    def credits_for(self, engine: str, policy_version: int, wanted: int) -> list[int]:
+    def credits_for(self, engine: str, policy_version: int, wanted: int, engines: int = 1) -> list[int]:
         """Prompt indices ``engine``, holding weights of ``policy_version``, may generate now
         (``samples_per_prompt`` samples each), granted at once. The bound counts the grants of
-        the whole pool: a sample of version u lands in a batch numbered at most u + k."""
+        the whole pool: a sample of version u lands in a batch numbered at most u + k. With
+        ``engines`` in the pool one grant is at most their share of a batch, so that the first
+        to ask does not take a whole version's allowance while the others idle."""
         if self.finished:
             return []
         version = min(policy_version, self.policy_version)
         allowed = (version + self.max_staleness + 1) * self.batch_size - self.granted
-        prompts = max(0, min(wanted, allowed) // self.samples_per_prompt)
+        share = -(-self.batch_size // max(1, engines)) if engines > 1 else allowed
+        prompts = max(0, min(wanted, allowed, share) // self.samples_per_prompt)
         returned = sorted(self.returned_prompts)[:prompts]
         self.returned_prompts = sorted(self.returned_prompts)[prompts:]
         fresh = list(range(self.next_prompt_index, self.next_prompt_index + prompts - len(returned)))
@@ -81,24 +95,33 @@ class BufferState:
         indices = returned + fresh
         lease = self.leases.setdefault(engine, {})
         for index in indices:
-            lease[index] = self.samples_per_prompt
+            lease[index] = Lease(self.samples_per_prompt, version)
         self.granted += len(indices) * self.samples_per_prompt
+        if indices:
+            self._owe(version, len(indices) * self.samples_per_prompt)
         return indices
 
     def outstanding(self, engine: str) -> int:
         """Samples ``engine`` was granted and has not sent."""
-        return sum(self.leases.get(engine, {}).values())
+        return sum(lease.left for lease in self.leases.get(engine, {}).values())
 
     def rollout_gone(self, engine: str) -> int:
         """An engine died or restarted: the credits it never used come back, and the prompts it
         generated nothing of go to the next grant (of any engine). Returns the credits."""
         lease = self.leases.pop(engine, {})
-        unused = sum(lease.values())
+        unused = sum(held.left for held in lease.values())
         self.granted -= unused
+        for held in lease.values():
+            self._owe(held.version, -held.left)
         # a prompt with some of its samples here is not generated again; its missing ones are lost
-        self.returned_prompts += [index for index, left in lease.items() if left == self.samples_per_prompt]
+        self.returned_prompts += [index for index, held in lease.items() if held.left == self.samples_per_prompt]
         self.accounting.credits_returned += unused
         return unused
+
+    def _owe(self, version: int, count: int) -> None:
+        self.owed[version] += count
+        if self.owed[version] <= 0:
+            del self.owed[version]
 
     def _drop(self, reason: str, returns_credit: bool) -> None:
         """Count a dropped sample. One that was granted a credit gives it back: otherwise the pool
@@ -111,8 +134,8 @@ class BufferState:
     def add_samples(self, samples: list[Sample], engine: str = "rollout:0") -> int:
         """Unscored samples from ``engine``. Dropped and counted: a sample id seen before (a resent
         message: its credit was used once), a prompt index the engine does not hold (a stranger,
-        or a restarted engine's old process), a version never published (from the future: its
-        credit comes back)."""
+        or a restarted engine's old process), a version never published (from the future) or older
+        than the grant's (both give their credit back)."""
         lease = self.leases.get(engine, {})
         accepted = 0
         for sample in samples:
@@ -120,15 +143,20 @@ class BufferState:
             if sample.sample_id in self.seen_ids:
                 self._drop("duplicate_id", returns_credit=False)
                 continue
-            if lease.get(sample.prompt_index, 0) <= 0:
+            held = lease.get(sample.prompt_index)
+            if held is None:
                 self._drop("not_granted", returns_credit=False)
                 continue
-            lease[sample.prompt_index] -= 1
-            if not lease[sample.prompt_index]:
+            held.left -= 1
+            if not held.left:
                 del lease[sample.prompt_index]
-            if sample.behavior_version > self.policy_version or sample.behavior_version < 0:
-                self._drop("unpublished_version", returns_credit=True)
+            self._owe(held.version, -1)
+            if sample.behavior_version > self.policy_version or sample.behavior_version < held.version:
+                # from the future, or older than the weights the engine said it held: not what it was granted
+                self._drop("unpublished_version" if sample.behavior_version > self.policy_version
+                           else "older_than_granted", returns_credit=True)
                 continue
+            self._owe(sample.behavior_version, 1)
             self.seen_ids.add(sample.sample_id)
             self.seen_order.append(sample.sample_id)
             if len(self.seen_order) > self.dedupe_window:
@@ -172,6 +200,7 @@ class BufferState:
                 self.accounting.unexpected_scored += 1
                 continue
             self.scored[sample.sample_id] = sample
+            self._owe(sample.behavior_version, -1)
             self.accounting.scored += 1
             accepted += 1
         return accepted
@@ -193,8 +222,14 @@ class BufferState:
 
     def take_batch(self, policy_version: int, batch_size: int) -> list[Sample] | None:
         """A batch for the learner at ``policy_version``, oldest samples first, or None while fewer
-        than ``batch_size`` fresh scored samples are here. Stale samples are dropped and counted."""
+        than ``batch_size`` fresh scored samples are here. Stale samples are dropped and counted.
+
+        It also waits while a sample of version <= v - k is still on its way (granted, generating,
+        scoring): the next batch would be too late for it. With a pool, a slow engine's samples
+        would otherwise be overtaken by a fast engine's newer ones and go stale."""
         self.learner_version = policy_version
+        if any(count > 0 and version <= policy_version - self.max_staleness for version, count in self.owed.items()):
+            return None
         for sample_id, sample in list(self.scored.items()):
             if policy_version - sample.behavior_version > self.max_staleness:
                 del self.scored[sample_id]
@@ -239,6 +274,7 @@ class BufferState:
             "granted": self.granted,
             "credits_returned": a.credits_returned,
             "prompts_handed_out": self.next_prompt_index,
+            "owed": sum(self.owed.values()),
             "policy_version": self.policy_version,
         }
 
@@ -258,8 +294,8 @@ def save_snapshot(state: BufferState, path: str) -> None:
 
     unscored = list(state.in_scoring_samples()) + list(state.unscored.values())
     scored = list(state.scored.values())
-    held = [index for lease in state.leases.values() for index, left in lease.items()
-            if left == state.samples_per_prompt]
+    held = [index for lease in state.leases.values() for index, entry in lease.items()
+            if entry.left == state.samples_per_prompt]
     a = state.accounting
     header = {
         "granted": state.granted - sum(state.outstanding(engine) for engine in state.leases),
@@ -293,10 +329,14 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
     with open(path, "rb") as file:
         data = msgpack.unpack(file, raw=False)
     header = data["header"]
+    if "next_prompt_index" not in header:
+        raise ValueError(f"{path} was written by an earlier tether (its buffer does not own the prompt stream); "
+                         "this version cannot resume it: start the run again")
     state = BufferState(batch_size, max_staleness, samples_per_prompt)
     unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
     for sample in unscored:
         state.unscored[sample.sample_id] = sample
+        state._owe(sample.behavior_version, 1)
     for sample in scored:
         state.scored[sample.sample_id] = sample
     state.granted, state.policy_version = header["granted"], header["policy_version"]

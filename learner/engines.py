@@ -13,7 +13,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from protocol.config import TetherConfig
+from learner import parallel
+from protocol.config import ConfigError, TetherConfig
 from protocol.sequences import disable_dropout
 from protocol.weights import ShmWeightWriter, WeightManifest, plan_buckets
 
@@ -50,8 +51,14 @@ def init_distributed(config: TetherConfig) -> None:
             remove_stale_build_locks()
     else:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                               timeout=datetime.timedelta(seconds=config.learner.dist_timeout_s))
+    world = int(os.environ["WORLD_SIZE"])
+    for key in ("batch_size", "minibatch_size"):  # ranks x hosts: known only now
+        if getattr(config.learner, key) % world:
+            raise ConfigError(f"learner.{key} ({getattr(config.learner, key)}) must be a multiple of the learner's "
+                              f"{world} ranks (learner.ranks x hosts)")
+    timeout = datetime.timedelta(seconds=config.learner.dist_timeout_s)
+    parallel.set_timeout(timeout)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
 
 
 def _skip_shared_memory_allreduce() -> None:

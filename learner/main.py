@@ -94,6 +94,27 @@ def newest_state(run_dir: str) -> str | None:
     return os.path.join(checkpoints, max(complete)) if complete else None
 
 
+def receive_batch(client, policy_version: int, config: TetherConfig, log):
+    """The batch for ``policy_version`` on every rank: rank 0 asks the buffer for it; the others
+    hear "not yet" at least every ``dist_timeout_s / 4`` while it waits (a collective left
+    waiting longer fails), then get its message frames, the same bytes decoded by the same codec."""
+    fields = {"policy_version": policy_version, "batch_size": config.learner.batch_size}
+    if parallel.world_size() == 1:
+        return client.request("batch_request", fields, waiting_for=f"batch {policy_version}")
+    main = client is not None
+    request_id = client.send("batch_request", fields) if main else None
+    poll_s, started, reply = min(30.0, config.learner.dist_timeout_s / 4), time.monotonic(), None
+    while True:
+        if main:
+            reply = client.reply_to(request_id, "batch_request", poll_s)
+        if parallel.any_rank(reply is not None):
+            break
+        if main:
+            log.info("learner: waiting %.0fs for batch %d from the buffer", time.monotonic() - started, policy_version)
+    frames = parallel.broadcast_frames(encode("batch", reply.fields, reply.tensors) if main else None)
+    return decode(frames, config.transport.max_frame_bytes)
+
+
 def write_step_record(metrics, monitor, log, stats: dict, total_steps: int, policy_version: int, samples: int,
                       response_tokens: int, wait_started: float, train_started: float, sync_started: float,
                       run_started: float) -> None:
@@ -169,13 +190,7 @@ def run(config: TetherConfig) -> str:
     run_started = time.monotonic()
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
-        reply = None
-        if main:
-            reply = client.request("batch_request", {"policy_version": policy_version, "batch_size": cfg.batch_size},
-                                   waiting_for=f"batch {policy_version}")
-        if parallel.world_size() > 1:  # the same bytes on every rank, decoded by the same codec
-            reply = decode(parallel.broadcast_frames(encode("batch", reply.fields, reply.tensors) if main else None))
-        samples = unpack_samples(reply)
+        samples = unpack_samples(receive_batch(client, policy_version, config, log))
         train_started = time.monotonic()
         batch = collate(samples, pad_token_id).to(device())
         try:

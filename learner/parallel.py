@@ -15,6 +15,13 @@ import torch
 import torch.distributed as dist
 
 _cpu_group = None
+_timeout = None  # learner.dist_timeout_s, for the gloo group made on GPUs
+
+
+def set_timeout(timeout) -> None:
+    """The deadline of every collective of the groups made here (a timedelta)."""
+    global _timeout
+    _timeout = timeout
 
 
 def rank() -> int:
@@ -27,6 +34,8 @@ def world_size() -> int:
 
 def local_rows(count: int) -> slice:
     """This rank's contiguous share of ``count`` rows (``count`` is a multiple of the world size)."""
+    if count % world_size():
+        raise ValueError(f"{count} rows do not split evenly between {world_size()} ranks")
     share = count // world_size()
     return slice(rank() * share, (rank() + 1) * share)
 
@@ -36,7 +45,8 @@ def _group():
     global _cpu_group
     if _cpu_group is None:
         # unmeasured on CUDA: no GPU was lent to this project's sessions
-        _cpu_group = dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else dist.group.WORLD
+        _cpu_group = (dist.new_group(backend="gloo", timeout=_timeout) if dist.get_backend() != "gloo"
+                      else dist.group.WORLD)
     return _cpu_group
 
 

@@ -39,6 +39,8 @@ class DataConfig(_Strict):
 
 class RolloutConfig(_Strict):
     engines: int = Field(1, ge=1, description="rollout processes (vLLM engines) in the pool")
+    deadline_s: float = Field(600.0, gt=0, description="an engine that holds credits and sends nothing this long "
+                                                       "is taken for dead: its prompts go to the others")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside each engine")
     samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (vLLM's n)")
     prompts_per_generate: int = Field(64, ge=1, description="most prompts in one generate call")
@@ -182,6 +184,13 @@ class TetherConfig(_Strict):
         if learner.batch_size % learner.minibatch_size:
             raise ValueError(f"learner.batch_size ({learner.batch_size}) must be a multiple of "
                              f"learner.minibatch_size ({learner.minibatch_size})")
+        rollout_gpus = self.placement.cuda_visible_devices.get("rollout")
+        if rollout_gpus is not None and rollout.tensor_parallel_size > 1:
+            count = len([d for d in rollout_gpus.split(",") if d.strip()])
+            if count < rollout.engines * rollout.tensor_parallel_size:
+                raise ValueError(f"placement.cuda_visible_devices.rollout has {count} devices; rollout.engines "
+                                 f"({rollout.engines}) x rollout.tensor_parallel_size ({rollout.tensor_parallel_size}) "
+                                 "need one each")
         if learner.minibatch_size % learner.ranks:
             raise ValueError(f"learner.minibatch_size ({learner.minibatch_size}) must be a multiple of "
                              f"learner.ranks ({learner.ranks}): each rank trains an equal share")
@@ -194,7 +203,8 @@ class TetherConfig(_Strict):
 
     def cuda_devices_of(self, role: str, index: int = 0) -> str | None:
         """CUDA_VISIBLE_DEVICES of worker ``index`` of a role, split as ``cores_of`` splits cores
-        (a tensor-parallel engine gets ``tensor_parallel_size`` of them). None: not set."""
+        (a tensor-parallel engine needs ``tensor_parallel_size`` of them: checked at load). None:
+        not set."""
         devices = self.placement.cuda_visible_devices.get(role)
         if devices is None:
             return None

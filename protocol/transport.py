@@ -74,27 +74,15 @@ class BufferClient:
                 log_every_s: float = 30.0) -> Message:
         """Send one request and wait for its reply. ``timeout_s=None`` waits as long as it takes,
         logging every ``log_every_s`` what it waits for, so a stall is never silent."""
-        self._last_request_id += 1
-        request_id = self._last_request_id
-        frames = encode(msg_type, fields, tensors, msg_id=request_id)
-        self.socket.send_multipart(frames, copy=False)
+        request_id = self.send(msg_type, fields, tensors)
         started = last_log = time.monotonic()
         while True:
             if timeout_s is not None:
-                remaining_ms = max(0, int((started + timeout_s - time.monotonic()) * 1000))
+                wait_s = max(0.0, started + timeout_s - time.monotonic())
             else:
-                remaining_ms = int(log_every_s * 1000)
-            if self.socket.poll(remaining_ms, zmq.POLLIN):
-                reply_frames = self.socket.recv_multipart(copy=False)
-                try:
-                    reply = decode(reply_frames, self.max_frame_bytes)
-                except ProtocolError as error:
-                    log.error("%s: refused a reply from the buffer: %s", self.role, error)
-                    continue
-                if reply.id != request_id:
-                    continue  # an answer to an earlier, abandoned request
-                if reply.type == "error":
-                    raise RemoteError(f"buffer refused {msg_type}: {reply.fields['reason']}")
+                wait_s = log_every_s
+            reply = self.reply_to(request_id, msg_type, wait_s)
+            if reply is not None:
                 return reply
             now = time.monotonic()
             if timeout_s is not None and now - started >= timeout_s:
@@ -102,6 +90,32 @@ class BufferClient:
             if now - last_log >= log_every_s:
                 log.info("%s: waiting %.0fs for %s from the buffer", self.role, now - started, waiting_for or msg_type)
                 last_log = now
+
+    def send(self, msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None) -> int:
+        """Send a request; returns its id, for ``reply_to``."""
+        self._last_request_id += 1
+        self.socket.send_multipart(encode(msg_type, fields, tensors, msg_id=self._last_request_id), copy=False)
+        return self._last_request_id
+
+    def reply_to(self, request_id: int, msg_type: str, wait_s: float) -> Message | None:
+        """The reply to request ``request_id`` if it comes within ``wait_s``, else None (the request
+        stays in flight: ask again later). Raises ``RemoteError`` if the buffer refused it."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.socket.poll(remaining_ms, zmq.POLLIN):
+                return None
+            reply_frames = self.socket.recv_multipart(copy=False)
+            try:
+                reply = decode(reply_frames, self.max_frame_bytes)
+            except ProtocolError as error:
+                log.error("%s: refused a reply from the buffer: %s", self.role, error)
+                continue
+            if reply.id != request_id:
+                continue  # an answer to an earlier, abandoned request
+            if reply.type == "error":
+                raise RemoteError(f"buffer refused {msg_type}: {reply.fields['reason']}")
+            return reply
 
     def close(self) -> None:
         self.socket.close()

@@ -62,8 +62,9 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
         learner.request("weights_published", {"policy_version": 2, "manifest": manifest})
     learner.request("weights_published", {"policy_version": 1, "manifest": manifest})
     grant = rollout.request("credit_request", {"policy_version": 1, "wanted": 10})
-    assert grant.fields["credits"] == 2 and grant.fields["policy_version"] == 1
-    assert grant.fields["prompt_indices"] == [2, 3]  # the stream goes on, never repeating a prompt
+    assert grant.fields["credits"] == 1 and grant.fields["policy_version"] == 1  # two engines: a share each
+    assert grant.fields["prompt_indices"] == [2]  # the stream goes on, never repeating a prompt
+    assert late.request("credit_request", {"policy_version": 1, "wanted": 10}).fields["prompt_indices"] == [3]
     assert grant.fields["weights_manifest"] == manifest
 
     learner.request("finish", {"policy_version": 1})
@@ -167,3 +168,30 @@ def test_each_message_is_taken_only_from_the_role_that_may_send_it(buffer_role, 
     assert scorer.request("score_request", {"max_samples": 8}).fields["stop"]
     thread.join(timeout=10)
     assert result["refused_messages"] == 6
+
+
+def test_an_engine_silent_past_its_deadline_loses_its_prompts_to_the_pool(tmp_path):
+    """Two engines started by hand; one takes credits and dies without a word (no restart will
+    say hello for it): after rollout.deadline_s its prompts go to the other."""
+    import time
+
+    config, result, thread = start_buffer(tmp_path, "buffer.max_staleness=0", "rollout.deadline_s=1")
+    dead, alive = client(config, "rollout"), BufferClient(config.buffer_address, "rollout", "1")
+    alive.connect(retries=20, interval_s=0.5)
+    learner = client(config, "learner")
+    assert dead.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [0]
+    assert alive.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [1]
+    grant = alive.request("credit_request", {"policy_version": 0, "wanted": 2}, timeout_s=10)  # held until then
+    assert grant.fields["prompt_indices"] == [0]
+    samples = [make_sample(0), make_sample(1)]
+    for s in samples:
+        s.behavior_version = 0
+    assert alive.request("samples", *pack_samples(samples)).fields["accepted"] == 2
+    late = make_sample(0)
+    late.sample_id, late.behavior_version = "late", 0
+    assert dead.request("samples", *pack_samples([late])).fields["accepted"] == 0  # too late: refused
+    learner.request("finish", {"policy_version": 0})
+    for c in (dead, alive):
+        assert c.request("credit_request", {"policy_version": 0, "wanted": 1}).fields["stop"]
+    thread.join(timeout=10)
+    assert result["dropped"] == {"not_granted": 1} and result["identity_holds"]

@@ -74,10 +74,12 @@ def test_the_rollout_cannot_claim_weights_newer_than_published():
 
 def test_batches_are_served_oldest_first_and_stale_samples_are_dropped_with_a_reason():
     state = BufferState(batch_size=2, max_staleness=1)
-    state.policy_version = 2  # as if two versions were published
-    state.leases["rollout:0"] = {0: 1, 10: 1, 11: 1, 20: 1}
-    state.granted = 4
-    state.add_samples([sample(0, 0, 0), sample(10, 2, 10), sample(11, 2, 11), sample(20, 1, 20)], "rollout:0")
+    assert state.credits_for("rollout:0", 0, 1) == [0]
+    state.publish_weights(1, None)
+    assert state.credits_for("rollout:0", 1, 1) == [1]
+    state.publish_weights(2, None)
+    assert state.credits_for("rollout:0", 2, 2) == [2, 3]
+    state.add_samples([sample(0, 0, 0), sample(10, 2, 2), sample(11, 2, 3), sample(20, 1, 1)], "rollout:0")
     score_all(state)
     # learner at version 2: the version-0 sample is 2 versions old, over the bound of 1
     batch = state.take_batch(policy_version=2, batch_size=2)
@@ -272,25 +274,105 @@ def test_groups_are_granted_whole():
 
 
 def test_a_dropped_sample_gives_its_credit_back_so_the_run_never_wedges():
-    """A slow scorer holds version-0 samples until the learner passed them (k = 1): they are
-    dropped as stale. Without their credits back the pool could never fill the next batches."""
-    state = BufferState(batch_size=2, max_staleness=1)
-    slow = []
-    next_id = 0
-    for version in range(6):
-        next_id += generate(state, 2, version, start=next_id)
-        work = state.take_for_scoring(2, scorer="scorer:0")
-        if version == 0:
-            slow = work  # the slow scorer keeps these
-            next_id += generate(state, 2, version, start=next_id)
-            work = state.take_for_scoring(2, scorer="scorer:1")
-        state.add_scored(work)
-        assert state.take_batch(version, 2) is not None, f"wedged at version {version}"
-        state.publish_weights(version + 1, None)
-        if version == 2:
-            state.add_scored(slow)  # far too late
+    """At k = 0 an engine sends a whole batch tagged with a version never published, twice: each
+    time the samples are refused and their credits come back, so the honest third try fills the
+    batch. Without the credits back the pool would have had nothing left to grant."""
+    state = BufferState(batch_size=2, max_staleness=0)
+    for attempt in range(2):
+        indices = state.credits_for("rollout:0", 0, 2)
+        assert len(indices) == 2, f"no credits left at attempt {attempt}"
+        state.add_samples([sample(f"bad{attempt}-{i}", 5, index) for i, index in enumerate(indices)], "rollout:0")
+    indices = state.credits_for("rollout:0", 0, 2)
+    state.add_samples([sample(f"good{i}", 0, index) for i, index in enumerate(indices)], "rollout:0")
+    score_all(state)
+    assert len(state.take_batch(0, 2)) == 2
     report = state.report()
-    assert report["dropped"] == {"stale": 2} and report["credits_returned"] == 2 and report["identity_holds"]
+    assert report["dropped"] == {"unpublished_version": 4} and report["credits_returned"] == 4
+    assert report["identity_holds"]
+
+
+def test_a_batch_waits_for_a_slow_engine_s_older_samples():
+    """k = 1, two engines: A is granted prompts at version 0 and is slow; B runs ahead. Batch 1 is
+    the last one A's version-0 samples may join, so it waits for them rather than filling up with
+    B's newer ones and leaving A's to go stale."""
+    state = BufferState(batch_size=4, max_staleness=1)
+    slow = state.credits_for("rollout:A", 0, 2)
+    fast = state.credits_for("rollout:B", 0, 6)
+    assert slow == [0, 1] and fast == [2, 3, 4, 5, 6, 7]
+    state.add_samples([sample(f"b{i}", 0, index) for i, index in enumerate(fast)], "rollout:B")
+    score_all(state)
+    assert len(state.take_batch(0, 4)) == 4
+    state.publish_weights(1, None)
+    more = state.credits_for("rollout:B", 1, 4)
+    state.add_samples([sample(f"c{i}", 1, index) for i, index in enumerate(more)], "rollout:B")
+    score_all(state)
+    assert state.take_batch(1, 4) is None  # six scored samples, but A's two version-0 ones are owed
+    state.add_samples([sample(f"a{i}", 0, index) for i, index in enumerate(slow)], "rollout:A")
+    score_all(state)
+    batch = state.take_batch(1, 4)
+    assert sorted(s.prompt_index for s in batch) == [0, 1, 6, 7]  # A's and B's last version-0 ones
+    report = state.report()
+    assert report["staleness_violations"] == 0 and not report["dropped"] and report["identity_holds"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    actions=st.lists(st.sampled_from(["grant0", "grant1", "send0", "send1", "score", "train", "sync0", "sync1",
+                                      "rush0", "rush1"]), max_size=150),
+    max_staleness=st.integers(0, 2),
+    batch_size=st.integers(1, 5),
+    wanted=st.integers(1, 4),
+)
+def test_a_pool_of_engines_never_trains_a_sample_past_the_bound(actions, max_staleness, batch_size, wanted):
+    """Two engines, each granted credits and sending the samples whenever it likes (one lagging
+    far behind the other), a scorer, a learner training whenever a batch is ready: no sample is
+    dropped as stale, none trained past the bound, and once everyone keeps going the run goes on."""
+    state = BufferState(batch_size, max_staleness)
+    versions = {"rollout:0": 0, "rollout:1": 0}
+    granted: dict[str, list[tuple[int, int]]] = {engine: [] for engine in versions}  # (index, version held)
+    learner_version, next_id, trained = 0, 0, set()
+
+    def send(engine: str) -> None:
+        nonlocal next_id
+        if granted[engine]:
+            index, version = granted[engine].pop(0)
+            state.add_samples([sample(next_id, version, index)], engine)
+            next_id += 1
+
+    for action in actions:
+        engine = f"rollout:{action[-1]}"
+        if action.startswith("grant"):
+            granted[engine] += [(index, versions[engine]) for index in
+                                state.credits_for(engine, versions[engine], wanted, engines=2)]
+        elif action.startswith("send"):
+            send(engine)
+        elif action.startswith("sync"):
+            versions[engine] = state.policy_version
+        elif action.startswith("rush"):  # this engine runs a whole round while the other one lags
+            versions[engine] = state.policy_version
+            granted[engine] += [(index, versions[engine]) for index in
+                                state.credits_for(engine, versions[engine], wanted, engines=2)]
+            while granted[engine]:
+                send(engine)
+            score_all(state)
+            learner_version = train_checked(state, learner_version, batch_size, max_staleness, trained)
+        elif action == "score":
+            score_all(state)
+        elif action == "train":
+            learner_version = train_checked(state, learner_version, batch_size, max_staleness, trained)
+        report = state.report()
+        assert report["staleness_violations"] == 0 and report["identity_holds"], report
+    target = learner_version + 3
+    for _ in range(100):
+        for engine in versions:
+            while granted[engine]:
+                send(engine)
+            versions[engine] = state.policy_version
+            granted[engine] += [(index, versions[engine]) for index in
+                                state.credits_for(engine, versions[engine], wanted, engines=2)]
+        score_all(state)
+        learner_version = train_checked(state, learner_version, batch_size, max_staleness, trained)
+    assert learner_version >= target and state.report()["staleness_violations"] == 0
 
 
 @settings(max_examples=300, deadline=None)
