@@ -28,7 +28,7 @@ PANELS = (
     ("clip fraction", (("learner", "clipfrac", "clipfrac"), ("learner", "approx_kl", "approx_kl"))),
     ("staleness", (("learner", "staleness", "mean"), ("learner", "staleness_max", "max"))),
     ("throughput", (("learner", "trained_tokens_per_s", "trained tokens/s"),
-                    ("rollout0", "tokens_per_s", "rollout0 tokens/s"))),
+                    ("rollout", "tokens_per_s", "rollout tokens/s"))),  # one line per engine
 )
 
 
@@ -51,6 +51,9 @@ def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
     figure, axes = plt.subplots(4, 2, figsize=(13, 13), constrained_layout=True)
     titles = []
     for axis, (title, series) in zip(axes.flat, PANELS):
+        # a pool's role names every process of it: rollout -> rollout0, rollout1, ...
+        series = [(name, key, label.replace(role, name)) for role, key, label in series
+                  for name in ([role] if role in metrics else [n for n in metrics if n.rstrip("0123456789") == role])]
         for index, (role, key, label) in enumerate(series):
             records = [r for r in metrics.get(role, []) if r.get(key) is not None and "step" in r]
             if not records:

@@ -41,6 +41,21 @@ def fixed_samples(assets: dict):
     return made
 
 
+def watch_gathers() -> list[int]:
+    """Record the bytes of full parameters each ZeRO-3 gather brings together (empty otherwise)."""
+    import deepspeed
+
+    sizes: list[int] = []
+    original = deepspeed.zero.GatheredParameters
+
+    def recording(params, *args, **kwargs):
+        sizes.append(sum(p.ds_numel * p.element_size() for p in params if hasattr(p, "ds_numel")))
+        return original(params, *args, **kwargs)
+
+    deepspeed.zero.GatheredParameters = recording
+    return sizes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--assets", required=True, help="JSON of the tiny assets' paths")
@@ -79,12 +94,16 @@ def main() -> None:
                          policy_version=version, moments=None, seed=0)
         losses.append(stats["policy_loss"])
     writer = ShmWeightWriter(os.path.join(run_dir, "shm"), bucket_bytes=1 << 16) if parallel.is_main() else None
+    gathered = watch_gathers()
     manifest = publish_weights(actor, 2, writer, bucket_bytes=1 << 16)
     if parallel.is_main():
         with read_manifest(manifest) as tensors:
             critic_state = {k: v.detach().clone() for k, v in critic.module.state_dict().items()} if args.zero != 3 else {}
             torch.save({"actor": {k: v.clone() for k, v in tensors.items()}, "critic": critic_state,
-                        "buckets": len(manifest.buckets), "losses": losses, "world": world}, args.out)
+                        "buckets": len(manifest.buckets), "losses": losses, "world": world,
+                        "most_bytes_gathered": max(gathered, default=0),
+                        "model_bytes": sum(p.ds_numel * 4 if hasattr(p, "ds_numel") else p.numel() * 4
+                                           for p in actor.module.parameters())}, args.out)
         writer.close(remove=True)
     parallel.barrier()
 
