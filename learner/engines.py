@@ -15,7 +15,7 @@ from torch import nn
 
 from learner import parallel
 from protocol.config import ConfigError, TetherConfig
-from protocol.sequences import disable_dropout
+from protocol.sequences import classification_head, disable_dropout
 from protocol.weights import ShmWeightWriter, WeightManifest, plan_buckets
 
 log = logging.getLogger("learner")
@@ -98,19 +98,36 @@ def load_actor(path: str) -> nn.Module:
     return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
 
 
-def load_critic(path: str) -> nn.Module:
-    """A per-token value model: the transformer of ``path`` with a one-output head on every
-    position. From the RM the head starts as the RM's score head (same ``score`` weights); from
-    the policy it starts fresh. A bias the source lacks starts at zero, so an RM-initialised
-    critic starts out predicting the RM's own score."""
-    from transformers import AutoModelForTokenClassification
+class ValueModel(nn.Module):
+    """A per-token value model: a causal LM's transformer body with a one-output head on every
+    position. Built by tether for every family alike, so no family needs a token-classification
+    class of its own (OPT has none) nor a head of a given attribute name. ``forward`` returns
+    ``.logits`` of shape [B, L, 1], as HF's token classifiers do."""
 
-    critic = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
-    bias = getattr(critic.score, "bias", None)
-    if bias is not None:
+    def __init__(self, body: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.body, self.head, self.config = body, head, body.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        return TokenClassifierOutput(logits=self.head(hidden))
+
+
+def load_critic(path: str) -> nn.Module:
+    """The critic from ``path``: the transformer body of the model there with a one-output head on
+    every position. From a reward model the head starts as the RM's score head (found by
+    ``classification_head``, whatever its name); from a policy it starts fresh. A bias starts at
+    zero, so an RM-initialised critic starts out predicting the RM's own score at each position."""
+    from transformers import AutoModelForSequenceClassification
+
+    source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    head = classification_head(source)
+    if head.bias is not None:
         with torch.no_grad():
-            bias.zero_()
-    return disable_dropout(critic)
+            head.bias.zero_()
+    return disable_dropout(ValueModel(source.base_model, head))
 
 
 def make_engine(model: nn.Module, lr: float, config: TetherConfig):

@@ -77,3 +77,19 @@ def disable_dropout(model: nn.Module) -> nn.Module:
         if getattr(model.config, key, None):
             setattr(model.config, key, 0.0)
     return model
+
+
+def classification_head(model: nn.Module) -> nn.Linear:
+    """The output layer of a HF sequence-classification model, found by what it is rather than by
+    its attribute name (Llama and Qwen2 call it ``score``, token classifiers and BERT-likes
+    ``classifier``, ...): the one ``nn.Linear`` outside the transformer body that maps a hidden
+    state to the labels. A head that is more than that layer (a pooler, a dense layer first) is
+    refused: tether pools the last token itself and applies the head to its hidden state."""
+    body = {id(module) for module in model.base_model.modules()}
+    outside = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and id(module) not in body]
+    labels = [(name, module) for name, module in outside if module.out_features == model.config.num_labels]
+    if len(outside) != 1 or len(labels) != 1:
+        raise ValueError(f"{type(model).__name__}: expected one linear head on the hidden states, found "
+                         f"{[name for name, _ in outside] or 'none'}")
+    return labels[0][1]

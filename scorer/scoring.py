@@ -7,7 +7,7 @@ from torch import nn
 
 from learner.ppo import logprobs_from_logits
 from protocol.samples import Sample
-from protocol.sequences import collate, gather_response
+from protocol.sequences import classification_head, collate, gather_response
 
 REWARD_OFFSET_KEY = "tether_reward_offset"  # in the RM's config.json: subtracted from every raw score
 
@@ -31,5 +31,5 @@ def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: 
     batch = collate(samples, pad_token_id).to(next(reward_model.parameters()).device)
     hidden = reward_model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
     last_hidden = hidden[torch.arange(len(samples), device=hidden.device), batch.last_positions]
-    scores = reward_model.score(last_hidden).squeeze(-1).float()
+    scores = classification_head(reward_model)(last_hidden).squeeze(-1).float()
     return (scores - float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))).cpu()
