@@ -225,12 +225,11 @@ class BufferState:
         """A batch for the learner at ``policy_version``, oldest samples first, or None while fewer
         than ``batch_size`` fresh scored samples are here. Stale samples are dropped and counted.
 
-        It also waits while a sample of version <= v - k is still on its way (granted, generating,
-        scoring): the next batch would be too late for it. With a pool, a slow engine's samples
-        would otherwise be overtaken by a fast engine's newer ones and go stale."""
+        It also waits while taking the oldest samples here now would leave samples on their way
+        (granted, generating, scoring) too late for the batches that remain to them: a sample of
+        version g must be trained by batch g + k. With a pool, a slow engine's samples would
+        otherwise be overtaken by a fast engine's newer ones and go stale."""
         self.learner_version = policy_version
-        if any(count > 0 and version <= policy_version - self.max_staleness for version, count in self.owed.items()):
-            return None
         for sample_id, sample in list(self.scored.items()):
             if policy_version - sample.behavior_version > self.max_staleness:
                 del self.scored[sample_id]
@@ -239,11 +238,32 @@ class BufferState:
         if len(self.scored) < batch_size:
             return None
         ordered = sorted(self.scored.values(), key=lambda s: s.behavior_version)[:batch_size]
+        if self._owed_would_be_late(policy_version, batch_size, ordered):
+            return None
         for sample in ordered:
             del self.scored[sample.sample_id]
             self.accounting.trained += 1
             self.accounting.staleness_histogram[policy_version - sample.behavior_version] += 1
         return ordered
+
+    def _owed_would_be_late(self, policy_version: int, batch_size: int, batch: list[Sample]) -> bool:
+        """Whether, after ``batch``, the samples left (here or on their way) could no longer all
+        be trained within the bound, when waiting for one on its way could help (it is older than
+        the batch's newest). Earliest deadline first: for every version g, the samples of versions
+        <= g must fit in the batches v + 1 .. g + k."""
+        if not self.owed or min(self.owed) >= batch[-1].behavior_version:
+            return False
+        left = Counter(self.owed)
+        for sample in self.scored.values():
+            left[sample.behavior_version] += 1
+        for sample in batch:
+            left[sample.behavior_version] -= 1
+        count = 0
+        for version in sorted(left):
+            count += left[version]
+            if count > max(0, version + self.max_staleness - policy_version) * batch_size:
+                return True
+        return False
 
     def publish_weights(self, version: int, manifest: dict | None) -> None:
         # the same version again is a resumed learner giving the weights of its checkpoint

@@ -232,9 +232,11 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"resuming {run_dir} from {newest}" in result.stdout
     # the new rollout went on with the prompt stream from where it was at the checkpoint: no prompt
-    # trained before it is generated again
+    # trained before it is generated again (from state-4 the buffer may already hold what steps 5
+    # and 6 need, and the rollout generates nothing)
     after = [i for r in read_metrics(run_dir, "rollout0") if r["time"] > resumed_at for i in r["prompt_indices"]]
-    assert after and min(after) >= 2 * BATCH
+    assert newest.endswith("state-000004") or after
+    assert all(index >= 2 * BATCH for index in after)
     assert [r["step"] for r in read_metrics(run_dir, "learner")] == list(range(1, steps + 1))
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
