@@ -140,11 +140,11 @@ def learner_alone(ranks: int, big: dict, out: str, steps: int = 6) -> float:
     import json
     import subprocess
 
-    from launch.ranks import _free_port
+    from protocol.transport import free_port
 
     result = os.path.join(out, f"learner-alone-{ranks}.json")
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}",
-               f"--master-port={_free_port()}", os.path.abspath(__file__), "--learner-worker",
+               f"--master-port={free_port()}", os.path.abspath(__file__), "--learner-worker",
                "--policy", big["policy"], "--reward", big["reward"], "--result", result, "--steps", str(steps)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
@@ -162,7 +162,6 @@ def learner_worker(args) -> None:
     import time
 
     import numpy as np
-    import torch
 
     from learner import parallel
     from learner.engines import init_distributed, load_actor, load_critic, make_engine

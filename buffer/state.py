@@ -89,8 +89,8 @@ class BufferState:
         # an engine's share of what the pool may hold ungenerated at once, (k + 1) batches
         share = -(-(self.max_staleness + 1) * self.batch_size // engines) if engines > 1 else allowed
         prompts = max(0, min(wanted, allowed, share) // self.samples_per_prompt)
-        returned = sorted(self.returned_prompts)[:prompts]
-        self.returned_prompts = sorted(self.returned_prompts)[prompts:]
+        self.returned_prompts.sort()
+        returned, self.returned_prompts = self.returned_prompts[:prompts], self.returned_prompts[prompts:]
         fresh = list(range(self.next_prompt_index, self.next_prompt_index + prompts - len(returned)))
         self.next_prompt_index += len(fresh)
         indices = returned + fresh
@@ -114,10 +114,14 @@ class BufferState:
         self.granted -= unused
         for held in lease.values():
             self._owe(held.version, -held.left)
-        # a prompt with some of its samples here is not generated again; its missing ones are lost
-        self.returned_prompts += [index for index, held in lease.items() if held.left == self.samples_per_prompt]
+        self.returned_prompts += self._untouched(lease)
         self.accounting.credits_returned += unused
         return unused
+
+    def _untouched(self, lease: dict[int, Lease]) -> list[int]:
+        """Prompt indices of ``lease`` none of whose samples came: they can be handed out again (a
+        prompt with some of its samples here is not generated again; its missing ones are lost)."""
+        return [index for index, held in lease.items() if held.left == self.samples_per_prompt]
 
     def _owe(self, version: int, count: int) -> None:
         self.owed[version] += count
@@ -315,8 +319,7 @@ def save_snapshot(state: BufferState, path: str) -> None:
 
     unscored = list(state.in_scoring_samples()) + list(state.unscored.values())
     scored = list(state.scored.values())
-    held = [index for lease in state.leases.values() for index, entry in lease.items()
-            if entry.left == state.samples_per_prompt]
+    held = [index for lease in state.leases.values() for index in state._untouched(lease)]
     a = state.accounting
     header = {
         "granted": state.granted - sum(state.outstanding(engine) for engine in state.leases),

@@ -6,16 +6,10 @@ Across hosts, every host runs the same command with its ``--node-rank``."""
 from __future__ import annotations
 
 import os
-import socket
 import sys
 
 from protocol.config import ConfigError, TetherConfig
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from protocol.transport import free_port
 
 
 def torchrun_command(config: TetherConfig, cli_args: list[str], nnodes: int, node_rank: int, master_addr: str,
@@ -28,7 +22,7 @@ def torchrun_command(config: TetherConfig, cli_args: list[str], nnodes: int, nod
         if nnodes > 1:
             raise ConfigError("learner.dist_port (or --master-port) must name the port of node rank 0 when the "
                               "learner spans several hosts")
-        port = _free_port()
+        port = free_port()
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
             f"--nproc-per-node={config.learner.ranks}", f"--master-addr={master_addr}", f"--master-port={port}",
             "--max-restarts=0", "-m", "launch.cli", *cli_args]

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import socket
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -16,6 +15,7 @@ from torch import nn
 from learner import parallel
 from protocol.config import ConfigError, TetherConfig
 from protocol.sequences import classification_head, disable_dropout
+from protocol.transport import free_port
 from protocol.weights import ShmWeightWriter, WeightManifest, plan_buckets
 
 log = logging.getLogger("learner")
@@ -28,12 +28,6 @@ def device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def init_distributed(config: TetherConfig) -> None:
     """One process without a launcher is rank 0 of 1; under torchrun (`learner.ranks`) the
     launcher's environment is kept. gloo on CPU (MACHINE.md), NCCL on GPUs."""
@@ -43,7 +37,7 @@ def init_distributed(config: TetherConfig) -> None:
 
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(config.learner.dist_port or _free_port()))
+                          MASTER_PORT=str(config.learner.dist_port or free_port()))
     if not torch.cuda.is_available():
         if os.environ["WORLD_SIZE"] == "1" or not config.learner.cpu_shm_allreduce:
             _skip_shared_memory_allreduce()
@@ -199,7 +193,7 @@ def save_hf_checkpoint(engine, policy_path: str, directory: str) -> str:
     Called on every rank (the ZeRO-3 gather is collective); rank 0 writes."""
     temporary = directory + ".tmp"
     with full_parameters(engine) as module:
-        if int(os.environ.get("RANK", 0)) != 0:
+        if not parallel.is_main():
             return directory
         shutil.rmtree(temporary, ignore_errors=True)
         module.save_pretrained(temporary, safe_serialization=True)

@@ -29,6 +29,15 @@ class RemoteError(RuntimeError):
     """The buffer refused a request and said why."""
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now, on loopback (for a rendezvous or a test endpoint)."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def prepare_endpoint(address: str) -> None:
     """Make the directory of an ipc endpoint, readable by this user only. An existing directory
     that others can enter is refused, not tightened: it may be a shared one like /tmp."""

@@ -173,8 +173,6 @@ def test_each_message_is_taken_only_from_the_role_that_may_send_it(buffer_role, 
 def test_an_engine_silent_past_its_deadline_loses_its_prompts_to_the_pool(tmp_path):
     """Two engines started by hand; one takes credits and dies without a word (no restart will
     say hello for it): after rollout.deadline_s its prompts go to the other."""
-    import time
-
     config, result, thread = start_buffer(tmp_path, "buffer.max_staleness=0", "rollout.deadline_s=1")
     dead, alive = client(config, "rollout"), BufferClient(config.buffer_address, "rollout", "1")
     alive.connect(retries=20, interval_s=0.5)

@@ -11,19 +11,13 @@ import sys
 import pytest
 import torch
 
+from protocol.transport import free_port
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # float32 on both sides; the ranks' forward passes see other row counts and their gradients are
 # summed in another order. Measured here: 3.5e-7 (ZeRO-2) and 3.8e-7 (ZeRO-3) after two steps
 # of 2 epochs x 2 minibatches at lr 1e-3; without the data-parallel loss scale the gap is 1.2e-2.
 WEIGHT_TOLERANCE = 1e-5
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def train(tmp_path, assets, zero: int, ranks: int) -> dict:

@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import yaml
 
 from protocol.config import load_config
 from protocol.runlog import read_metrics
+from protocol.transport import free_port
 from tests.conftest import base_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,12 +35,6 @@ def write_config(tmp_path, assets, **sections):
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, config["run_dir"]
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.mark.slow
