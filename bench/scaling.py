@@ -148,7 +148,8 @@ def learner_alone(ranks: int, big: dict, out: str, steps: int = 6) -> float:
                "--policy", big["policy"], "--reward", big["reward"], "--result", result, "--steps", str(steps)]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    subprocess.run(command, check=True, env=env, preexec_fn=lambda: os.sched_setaffinity(0, list(range(ranks))),
+    subprocess.run(command, check=True, env=env, timeout=900,  # a hung rank ends the bench, not the session
+                   preexec_fn=lambda: os.sched_setaffinity(0, list(range(ranks))),
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(result) as file:
         return json.load(file)["tokens_per_s"]
