@@ -254,7 +254,7 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
     k1 estimate, averaged over responses) and response length on held-out prompts."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from learner.ppo import logprobs_from_logits
+    from protocol.distributions import logprobs_from_logits
     from protocol.samples import Sample
     from protocol.sequences import collate, gather_response
     from scorer.scoring import reward_scores

@@ -39,6 +39,9 @@ from typing import Literal
 
 import torch
 
+# the sampled distribution's math is shared with the scorer; it lives where neither role owns it
+from protocol.distributions import entropy_from_logits, logprobs_from_logits  # noqa: F401  (the table below)
+
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 
@@ -137,45 +140,6 @@ def masked_whiten(
     if not shift_mean:
         whitened = whitened + mean
     return whitened * mask.to(values.dtype)
-
-
-# --------------------------------------------------------------------------- from logits
-
-
-def logprobs_from_logits(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
-) -> torch.Tensor:
-    """Log-probabilities of the taken tokens.
-
-    logits: [B, T, V] (position t scores token t, i.e. already shifted); tokens: [B, T] int.
-    Returns [B, T]. Logits are divided by the sampling ``temperature`` first, so the result is
-    the log-probability under the same distribution the rollout sampled from (vLLM's logprobs
-    are of the temperature-scaled distribution).
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.dim() != 3:
-        raise ValueError(f"logits must be [batch, resp_len, vocab], got shape {tuple(logits.shape)}")
-    _check_shape("tokens", tokens, logits.shape[:2], "logits[..., 0]")
-    _check_finite("logits", logits)
-    scaled = logits.float() / temperature
-    # log_softmax then gather: numerically the same as gather minus logsumexp, one pass less.
-    log_normaliser = torch.logsumexp(scaled, dim=-1)
-    taken = torch.gather(scaled, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    return taken - log_normaliser
-
-
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the (temperature-scaled) next-token distribution per position.
-
-    logits: [B, T, V]. Returns [B, T] in nats: H = logsumexp(z) - sum softmax(z) z.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    _check_finite("logits", logits)
-    scaled = logits.float() / temperature
-    probs = torch.softmax(scaled, dim=-1)
-    return torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(dim=-1)
 
 
 # --------------------------------------------------------------------------- KL and rewards

@@ -1,6 +1,6 @@
 """One PPO step on one batch: recompute, rewards, GAE, ``ppo_epochs`` passes over minibatches.
 
-Reads top to bottom like the InstructGPT recipe; every formula lives in ``learner.ppo``.
+Reads top to bottom like the InstructGPT recipe; every formula lives in ``learner.ppo`` (and the sampled distribution in ``protocol.distributions``).
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import torch
 
 from learner import parallel, ppo
 from protocol.config import LearnerConfig
+from protocol.distributions import entropy_from_logits, logprobs_from_logits
 from protocol.samples import Sample
 from protocol.sequences import SequenceBatch, gather_response
 
@@ -59,7 +60,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     with torch.no_grad():
         mine = batch.select(torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))])
         old_logprobs = parallel.gather_rows(
-            ppo.logprobs_from_logits(forward_logits(actor, mine), mine.response_tokens, temperature))
+            logprobs_from_logits(forward_logits(actor, mine), mine.response_tokens, temperature))
         old_values = parallel.gather_rows(forward_values(critic, mine))
 
     # 2. token rewards (RM at the last token, -beta KL at every token) and GAE
@@ -88,7 +89,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
             # token means over this rank's rows, scaled so that their mean over ranks is the minibatch's
             token_scale = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], "token-mean", world)
             logits = forward_logits(actor, minibatch)
-            logprobs = ppo.logprobs_from_logits(logits, minibatch.response_tokens, temperature)
+            logprobs = logprobs_from_logits(logits, minibatch.response_tokens, temperature)
             policy_loss, policy_stats = ppo.ppo_policy_loss(
                 logprobs, old_logprobs[rows], advantages[rows], minibatch.response_mask,
                 clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
@@ -109,7 +110,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
             critic.step()
 
             with torch.no_grad():
-                entropy = ppo.masked_mean(ppo.entropy_from_logits(logits.detach(), temperature), minibatch.response_mask)
+                entropy = ppo.masked_mean(entropy_from_logits(logits.detach(), temperature), minibatch.response_mask)
             for name, value in {"policy_loss": scale * policy_loss, "value_loss": scale * value_loss,
                                 "entropy": token_scale * entropy, "grad_norm": actor_grad_norm,
                                 **{k: token_scale * v for k, v in {**policy_stats, **value_stats}.items()}}.items():

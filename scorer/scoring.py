@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from learner.ppo import logprobs_from_logits
+from protocol.distributions import logprobs_from_logits
 from protocol.samples import Sample
 from protocol.sequences import classification_head, collate, gather_response
 
