@@ -23,6 +23,7 @@ DIST_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 
 RESTARTABLE = ("rollout", "scorer")  # their state is in the buffer; the buffer and learner hold it
+CONFIG_ERROR_EXIT = 2  # `tether launch` exits so on a ConfigError (bad config, model or data)
 
 
 @dataclass
@@ -183,7 +184,8 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                 code = role.process.poll()
                 if code in (None, 0):
                     continue
-                if role.role in RESTARTABLE and role.restarts < config.launch.max_restarts and learner_done_at is None:
+                if (role.role in RESTARTABLE and role.restarts < config.launch.max_restarts and learner_done_at is None
+                        and code != CONFIG_ERROR_EXIT):  # a restart would be refused the same way
                     delay = config.launch.restart_backoff_s * 2 ** role.restarts
                     print(f"tether run: {role.name} exited with code {code}; restarting it in {delay:.0f}s "
                           f"({role.restarts + 1} of {config.launch.max_restarts}); last lines:\n"

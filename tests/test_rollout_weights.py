@@ -64,7 +64,8 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
     writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 14)
     updated = perturbed(tiny_assets["policy"], seed=1)
     manifest = writer.publish(1, updated.state_dict().items())
-    engine.collective_rpc("load_published_weights", args=(manifest.to_dict(),))
+    results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(),))
+    assert results and all(result == {"tensors": len(updated.state_dict())} for result in results)  # every TP worker
     after_update = engine_logprobs(engine)
     assert_matches(updated, after_update)
 
@@ -74,3 +75,15 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
     with pytest.raises(Exception, match="version 2: bucket .* fails its checksum"):
         engine.collective_rpc("load_published_weights", args=(damaged.to_dict(),))
     assert_matches(updated, engine_logprobs(engine))  # still version 1, whole
+
+    # a parameter the engine's model does not have: vLLM's loader refuses it, and the rollout stops
+    # with an error naming it instead of retrying every version forever
+    from types import SimpleNamespace
+
+    from rollout.main import IncompatibleWeights, apply_weights
+
+    alien = writer.publish(3, [*updated.state_dict().items(), ("not_a_parameter.weight", torch.zeros(4))])
+    grant = SimpleNamespace(fields={"weights_manifest": alien.to_dict(), "policy_version": 3})
+    config = SimpleNamespace(models=SimpleNamespace(policy=tiny_assets["policy"]))
+    with pytest.raises(IncompatibleWeights, match="models.policy: .*policy version 3.*not_a_parameter"):
+        apply_weights(engine, grant, 1, None, None, config, log=None)

@@ -204,3 +204,20 @@ def test_a_bad_or_missed_bucket_leaves_the_version_to_the_full_check(tmp_path, s
     assert not prefetcher.checked(silent)
     with read_manifest(silent) as tensors:  # the reader's own check still admits it
         assert_equal_state(tensors, state(2))
+
+
+def test_a_tied_tensor_is_published_once_under_its_first_name():
+    """GPT-2 ties lm_head to the input embedding: save_pretrained writes it once, and vLLM's models
+    that tie it have no `lm_head` parameter to load (Bloom refused every reload). Untied weights
+    that merely hold equal values stay separate."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from protocol.weights import without_tied_duplicates
+
+    tied = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2, n_positions=16))
+    for named in (tied.state_dict().items(), tied.state_dict(keep_vars=True).items()):
+        names = [name for name, _ in without_tied_duplicates(named)]
+        assert "transformer.wte.weight" in names and "lm_head.weight" not in names
+        assert len(names) == len(tied.state_dict()) - 1
+    equal_values = [("a", torch.zeros(3)), ("b", torch.zeros(3))]
+    assert [name for name, _ in without_tied_duplicates(equal_values)] == ["a", "b"]
