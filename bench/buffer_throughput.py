@@ -59,6 +59,7 @@ def rollout_process(config, chunk: int, total: int) -> None:
         if count == 0:
             continue
         fields = {"sample_ids": [f"r{sent + i}" for i in range(count)], "prompt_indices": grant.fields["prompt_indices"],
+                  "data_rows": grant.fields["prompt_indices"],
                   "behavior_versions": [version] * count, "prompt_lengths": [PROMPT_TOKENS] * count,
                   "response_lengths": [RESPONSE_TOKENS] * count, "finish_reasons": ["stop"] * count}
         client.request("samples", fields, {"prompt_tokens": prompt[:PROMPT_TOKENS * count],
@@ -79,7 +80,7 @@ def scorer_process(config, chunk: int) -> None:
         fields = {key: value for key, value in work.fields.items() if key != "stop"}
         tensors = dict(work.tensors)
         tensors["ref_logprobs"] = tensors["behavior_logprobs"]
-        tensors["rm_scores"] = np.zeros(len(fields["sample_ids"]), np.float32)
+        tensors["scores"] = np.zeros(len(fields["sample_ids"]), np.float32)
         client.request("scored", fields, tensors)
 
 

@@ -67,7 +67,8 @@ def main() -> None:
     from launch.demo import write_prompts
     from protocol.config import load_config
     from protocol.runlog import read_metrics
-    from rollout.main import load_prompts, make_engine, sampling_params, run
+    from protocol.prompts import prompt_token_ids, read_rows
+    from rollout.main import make_engine, sampling_params, run
 
     work = tempfile.mkdtemp(prefix="tether-bench-rollout-")
     model_dir, prompts_path = os.path.join(work, "model"), os.path.join(work, "prompts.jsonl")
@@ -86,7 +87,7 @@ def main() -> None:
 
     engine = make_engine(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    prompts = [TokensPrompt(prompt_token_ids=tokenizer(p)["input_ids"]) for p in load_prompts(prompts_path)]
+    prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(row, tokenizer)) for row in read_rows(prompts_path)]
     sampling = sampling_params(config)
 
     def bare() -> tuple[int, float]:

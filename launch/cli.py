@@ -96,11 +96,12 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         typer.echo("error: --config is needed (or --resume RUN_DIR)", err=True)
         raise typer.Exit(2)
     resolved = _load(config, override)
-    from protocol.config import ConfigError, check_paths
+    from protocol.config import ConfigError
+    from protocol.models import resolve_models
 
-    try:
+    try:  # before any process starts: a hub id is fetched once here, the roles then find it cached
         for role in ("rollout", "scorer", "learner"):
-            check_paths(resolved, role)
+            resolve_models(resolved, role)
     except ConfigError as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2)

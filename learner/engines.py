@@ -114,9 +114,15 @@ def load_critic(path: str) -> nn.Module:
     every position. From a reward model the head starts as the RM's score head (found by
     ``classification_head``, whatever its name); from a policy it starts fresh. A bias starts at
     zero, so an RM-initialised critic starts out predicting the RM's own score at each position."""
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModel, AutoModelForSequenceClassification
 
-    source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    try:
+        source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+    except ValueError:  # a family without a sequence-classification class: its body and a new head
+        body = AutoModel.from_pretrained(path, dtype=torch.float32)
+        head = nn.Linear(body.config.hidden_size, 1)
+        torch.nn.init.normal_(head.weight, std=1.0 / (body.config.hidden_size + 1))  # HF's score-head init
+        return disable_dropout(ValueModel(body, head))
     head = classification_head(source)
     if head.bias is not None:
         with torch.no_grad():

@@ -13,7 +13,8 @@ from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
 from protocol.codec import decode, encode
-from protocol.config import TetherConfig, check_paths
+from protocol.config import TetherConfig
+from protocol.models import critic_source, resolve_models
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import unpack_samples
 from protocol.sequences import collate
@@ -141,7 +142,7 @@ def run(config: TetherConfig) -> str:
     checkpoints; every rank trains its share of each batch (``learner.parallel``)."""
     rank = int(os.environ.get("RANK", 0))
     log = setup_logging("learner" if rank == 0 else f"learner{rank}", config.log_level)
-    check_paths(config, "learner")
+    config = resolve_models(config, "learner")
     torch.manual_seed(config.seed)
     from learner.engines import (device, init_distributed, load_actor, load_critic, make_engine, publish_weights,
                                  save_hf_checkpoint)
@@ -151,7 +152,7 @@ def run(config: TetherConfig) -> str:
     init_distributed(config)
     main = parallel.rank() == 0
     actor_model = load_actor(config.models.policy)
-    critic_model = load_critic(getattr(config.models, config.models.critic_init))
+    critic_model = load_critic(critic_source(config))
     pad_token_id = actor_model.config.pad_token_id if actor_model.config.pad_token_id is not None else 0
     actor = make_engine(actor_model, cfg.actor_lr, config)
     critic = make_engine(critic_model, cfg.critic_lr, config)

@@ -180,7 +180,7 @@ def last_token_index(response_mask: torch.Tensor) -> torch.Tensor:
 def token_rewards(
     logprobs: torch.Tensor,
     ref_logprobs: torch.Tensor,
-    rm_scores: torch.Tensor,
+    scores: torch.Tensor,
     response_mask: torch.Tensor,
     kl_coef: float,
     kl_estimator: KLEstimator = "k1",
@@ -190,7 +190,7 @@ def token_rewards(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards of InstructGPT's PPO: r_t = -beta KL_t, plus r_RM at the last token.
 
-    logprobs, ref_logprobs, response_mask: [B, T]; rm_scores: [B] (already normalised if the
+    logprobs, ref_logprobs, response_mask: [B, T]; scores: [B] (already normalised if the
     caller normalises, see ``RunningMoments``). ``truncated``: [B] bool, True where a response
     hit the length cap without an end-of-sequence token; ``truncation_penalty`` is added to its
     score (use a negative number), after ``score_clip`` clips scores to [-score_clip, score_clip].
@@ -199,11 +199,11 @@ def token_rewards(
     real token of each row, so rows of different lengths each get theirs at their own end.
     """
     mask = _check_token_tensors(response_mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
-    _check_shape("rm_scores", rm_scores, mask.shape[:1], "response_mask[:, 0]")
-    _check_finite("rm_scores", rm_scores)
+    _check_shape("scores", scores, mask.shape[:1], "response_mask[:, 0]")
+    _check_finite("scores", scores)
     if kl_coef < 0 or not math.isfinite(kl_coef):
         raise ValueError(f"kl_coef must be a finite number >= 0, got {kl_coef}")
-    scores = rm_scores.detach().float()
+    scores = scores.detach().float()
     if score_clip is not None:
         scores = scores.clamp(-score_clip, score_clip)
     if truncated is not None:

@@ -52,7 +52,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     mask = batch.response_mask
     behavior_logprobs = _ragged_to_padded([s.behavior_logprobs for s in samples], mask).to(device)
     ref_logprobs = _ragged_to_padded([s.ref_logprobs for s in samples], mask).to(device)
-    rm_scores = torch.tensor([s.rm_score for s in samples], dtype=torch.float32, device=device)
+    scores = torch.tensor([s.score for s in samples], dtype=torch.float32, device=device)  # RM + reward functions
     truncated = torch.tensor([s.finish_reason == "length" for s in samples], device=device)
 
     # 1. proximal logprobs and old values, at the start of the step (no gradient), each rank its
@@ -63,12 +63,12 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
             logprobs_from_logits(forward_logits(actor, mine), mine.response_tokens, temperature))
         old_values = parallel.gather_rows(forward_values(critic, mine))
 
-    # 2. token rewards (RM at the last token, -beta KL at every token) and GAE
-    scores = rm_scores
+    # 2. token rewards (the score at the last token, -beta KL at every token) and GAE
+    trained_scores = scores
     if moments is not None:
-        moments.update(rm_scores)
-        scores = moments.normalize(rm_scores)
-    rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, scores, mask, kl_coef, cfg.kl_estimator,
+        moments.update(scores)
+        trained_scores = moments.normalize(scores)
+    rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, kl_coef, cfg.kl_estimator,
                                     truncated, cfg.truncation_penalty, cfg.score_clip)
     advantages, returns = ppo.gae_advantages(rewards, old_values, mask, cfg.gamma, cfg.lam)
     if cfg.whiten_advantages:
@@ -125,10 +125,10 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     # that weight sync and sampling agree (only samples generated with the current version count).
     gap = (behavior_logprobs - old_logprobs).abs() * mask
     stats.update({
-        "reward": float(rm_scores.mean()),
+        "reward": float(scores.mean()),
         "gold_reward": (sum(s.gold_score for s in samples) / len(samples)
                         if all(s.gold_score is not None for s in samples) else None),
-        "reward_std": float(rm_scores.std()) if len(samples) > 1 else 0.0,
+        "reward_std": float(scores.std()) if len(samples) > 1 else 0.0,
         "kl": float((kl * mask).sum(dim=1).mean()),
         "kl_coef": kl_coef,
         "response_length": float(response_lengths.mean()),

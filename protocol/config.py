@@ -27,14 +27,29 @@ class _Strict(BaseModel):
 
 
 class ModelsConfig(_Strict):
-    policy: str = Field(description="HF model directory of the SFT policy: the actor's start")
+    policy: str = Field(description="the SFT policy, the actor's start: a HF model directory or hub id (any causal LM "
+                                    "family both transformers and vLLM support)")
     reference: str | None = Field(None, description="frozen reference for the KL tether; default: policy")
-    reward: str = Field(description="HF AutoModelForSequenceClassification directory (one label)")
-    critic_init: Literal["reward", "policy"] = Field("reward", description="initialise the critic from")
+    reward: str | None = Field(None, description="reward model: a sequence-classification model with one label "
+                                                 "(directory or hub id), with its own tokenizer if it has one; "
+                                                 "None: train on scorer.reward_functions alone")
+    critic_init: Literal["auto", "reward", "policy"] = Field(
+        "auto", description="initialise the critic's body from; auto: the reward model when there is one and it "
+                            "reads the policy's tokens, else the policy")
 
 
 class DataConfig(_Strict):
-    prompts: str = Field(description='JSON-lines file, one {"prompt": "..."} per line')
+    prompts: str = Field(description='JSON-lines (.jsonl, .json) or Parquet (.parquet) file; each row has "prompt" '
+                                     '(text, tokenized as is) or "messages" (a chat, rendered by the policy '
+                                     "tokenizer's chat template with the generation prompt)")
+    system_prompt: str | None = Field(None, description="system message put first in every chat that has none")
+
+
+class RewardFunction(_Strict):
+    function: str = Field(description='"module:function" returning a float; called with the keywords it names of '
+                                      "prompt, response (text), prompt_tokens, response_tokens (ids), row (the "
+                                      "prompt's data row)")
+    weight: float = Field(1.0, description="its share of the trained score: score = RM + sum(weight * value)")
 
 
 class RolloutConfig(_Strict):
@@ -58,8 +73,10 @@ class ScorerConfig(_Strict):
     workers: int = Field(1, ge=1, description="scorer processes in the pool")
     max_samples_per_request: int = Field(64, ge=1)
     deadline_s: float = Field(120.0, gt=0, description="a scorer that holds samples longer loses them to another")
-    gold_reward: str | None = Field(None, description='"module:function" of (prompt_tokens, response_tokens) -> '
-                                                       "float: a rule-based reward reported as gold_reward, not trained on")
+    reward_functions: list[RewardFunction] = Field(default_factory=list, description="rule-based / verifiable "
+                                                   "rewards that are trained on, added to the reward model's score")
+    gold_reward: str | None = Field(None, description='"module:function" like a reward function: reported as '
+                                                       "gold_reward, never trained on")
 
 
 class BufferConfig(_Strict):
@@ -178,6 +195,10 @@ class TetherConfig(_Strict):
     @model_validator(mode="after")
     def _consistent(self) -> "TetherConfig":
         learner, rollout = self.learner, self.rollout
+        if self.models.reward is None and not self.scorer.reward_functions:
+            raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or both")
+        if self.models.reward is None and self.models.critic_init == "reward":
+            raise ValueError("models.critic_init is reward but there is no models.reward")
         if learner.batch_size % rollout.samples_per_prompt:
             raise ValueError(f"learner.batch_size ({learner.batch_size}) must be a multiple of "
                              f"rollout.samples_per_prompt ({rollout.samples_per_prompt})")
@@ -299,21 +320,6 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         return TetherConfig.model_validate(data)
     except ValidationError as error:
         raise ConfigError(_format_validation_error(error)) from None
-
-
-def check_paths(config: TetherConfig, role: str) -> None:
-    """The files a role needs exist; the error names the config key."""
-    needed = {
-        "rollout": {"models.policy": config.models.policy, "data.prompts": config.data.prompts},
-        "scorer": {("models.reference" if config.models.reference else "models.policy (the reference)"):
-                   config.reference_path, "models.reward": config.models.reward},
-        "learner": {"models.policy": config.models.policy,
-                    f"models.{config.models.critic_init}": getattr(config.models, config.models.critic_init)},
-        "buffer": {},
-    }[role]
-    for key, path in needed.items():
-        if not os.path.exists(path):
-            raise ConfigError(f"{key}: {path} does not exist")
 
 
 def dump_config(config: TetherConfig) -> str:

@@ -1,4 +1,10 @@
-"""The run's prompt stream: which prompt of the data set each position of the stream holds.
+"""The run's prompts: the data file's rows, how a row becomes the tokens generated from, and
+which row each position of the run's prompt stream holds.
+
+A row is ``{"prompt": "..."}`` (text, tokenized as is) or ``{"messages": [{"role", "content"},
+...]}`` (a chat, rendered by the policy tokenizer's chat template with the generation prompt);
+other keys ride along for reward functions (an ``answer`` to check against). Files are JSON lines
+or Parquet.
 
 The buffer owns the stream: it hands out positions (``prompt_index`` on the wire and on every
 sample) with the credits, each once, so no prompt is generated twice across rollout engines,
@@ -9,9 +15,13 @@ function of ``seed`` alone and every engine agrees on it without talking to anot
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
+
+from protocol.config import ConfigError
 
 
 @lru_cache(maxsize=4)
@@ -27,3 +37,68 @@ def dataset_row(seed: int, size: int, prompt_index: int) -> int:
         raise ValueError(f"prompt_index must be >= 0, got {prompt_index}")
     epoch, offset = divmod(prompt_index, size)
     return int(_epoch_order(seed, size, epoch)[offset])
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """Every row of a prompt file (``data.prompts``), checked: each has a text ``prompt`` or a
+    ``messages`` chat. The error names the key, the file and the row."""
+    if path.endswith(".parquet"):
+        import pyarrow.parquet
+
+        try:
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        except Exception as error:  # not Parquet, damaged
+            raise ConfigError(f"data.prompts: {path} does not read as Parquet: {error}") from None
+        where = "row"
+    else:
+        rows, where = [], "line"
+        with open(path) as file:
+            for number, line in enumerate(file, 1):
+                if line.strip():
+                    try:
+                        rows.append(json.loads(line))
+                    except json.JSONDecodeError as error:
+                        raise ConfigError(f"data.prompts: {path} line {number} is not JSON: {error}") from None
+    for number, row in enumerate(rows, 1):
+        if not _valid_row(row):
+            raise ConfigError(f'data.prompts: {path} {where} {number} has neither "prompt" (text) nor "messages" '
+                              '(a list of {"role": ..., "content": ...})')
+    if not rows:
+        raise ConfigError(f"data.prompts: {path} holds no prompt")
+    return rows
+
+
+def _valid_row(row: Any) -> bool:
+    if not isinstance(row, dict):
+        return False
+    if isinstance(row.get("prompt"), str):
+        return True
+    messages = row.get("messages")
+    return (isinstance(messages, list) and bool(messages)
+            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in messages))
+
+
+def chat_of(row: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]] | None:
+    """The row's chat with ``system_prompt`` first where it has no system message; None for a
+    text prompt."""
+    messages = row.get("messages") if not isinstance(row.get("prompt"), str) else None
+    if messages is None:
+        return None
+    if system_prompt is not None and messages[0]["role"] != "system":
+        return [{"role": "system", "content": system_prompt}, *messages]
+    return list(messages)
+
+
+def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None = None) -> list[int]:
+    """The token ids the policy generates from for one row: a text prompt tokenized as is (with
+    the tokenizer's special tokens), a chat through the tokenizer's chat template with the
+    generation prompt added."""
+    chat = chat_of(row, system_prompt)
+    if chat is None:
+        return list(tokenizer(row["prompt"])["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError('data.prompts: a row is a chat ("messages") but the policy tokenizer has no chat template '
+                          '(chat_template in tokenizer_config.json); give "prompt" text instead')
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -32,16 +32,17 @@ class Sample:
     behavior_logprobs: np.ndarray  # [resp_len] float32, from the rollout engine
     finish_reason: str  # "stop" (end-of-sequence) or "length" (hit max_new_tokens)
     ref_logprobs: np.ndarray | None = None  # [resp_len] float32, from the scorer
-    rm_score: float | None = None  # from the scorer
+    score: float | None = None  # from the scorer: the reward model's plus the reward functions' (the trained one)
     gold_score: float | None = None  # from the scorer's rule-based reward, where the task has one
     # where a received sample's arrays lie, so consecutive samples of one message are re-sent as
     # one slice rather than concatenated one by one (a 512-sample batch: 1.5 ms -> well under)
+    data_row: int = -1  # the prompt's row in the data file (``prompt_index`` is its place in the stream)
     chunk: _Chunk | None = field(default=None, repr=False, compare=False)
     row: int = field(default=-1, repr=False, compare=False)
 
     @property
     def scored(self) -> bool:
-        return self.ref_logprobs is not None and self.rm_score is not None
+        return self.ref_logprobs is not None and self.score is not None
 
 
 _PROMPT_TENSORS = ("prompt_tokens",)
@@ -86,6 +87,7 @@ def pack_samples(samples: list[Sample], scored: bool = False) -> tuple[dict[str,
     fields = {
         "sample_ids": [s.sample_id for s in samples],
         "prompt_indices": [s.prompt_index for s in samples],
+        "data_rows": [s.data_row for s in samples],
         "behavior_versions": [s.behavior_version for s in samples],
         "prompt_lengths": [len(s.prompt_tokens) for s in samples],
         "response_lengths": [len(s.response_tokens) for s in samples],
@@ -100,7 +102,7 @@ def pack_samples(samples: list[Sample], scored: bool = False) -> tuple[dict[str,
     runs = _runs(samples)
     tensors = {name: _flat_tensor(samples, runs, name) for name in names}
     if scored:
-        tensors["rm_scores"] = np.array([s.rm_score for s in samples], dtype=np.float32)
+        tensors["scores"] = np.array([s.score for s in samples], dtype=np.float32)
         golds = [s.gold_score for s in samples]
         fields["gold_scores"] = None if any(g is None for g in golds) else [float(g) for g in golds]
     return fields, tensors
@@ -110,7 +112,7 @@ def unpack_samples(message: Message) -> list[Sample]:
     """Samples from a decoded message; lengths must add up to the flat tensors exactly."""
     fields, tensors = message.fields, message.tensors
     count = len(fields["sample_ids"])
-    for name in ("prompt_indices", "behavior_versions", "prompt_lengths", "response_lengths", "finish_reasons"):
+    for name in ("prompt_indices", "data_rows", "behavior_versions", "prompt_lengths", "response_lengths", "finish_reasons"):
         if len(fields[name]) != count:
             raise ProtocolError(f"{message.type}: {name} has {len(fields[name])} entries for {count} samples")
     prompt_lengths, response_lengths = fields["prompt_lengths"], fields["response_lengths"]
@@ -120,13 +122,13 @@ def unpack_samples(message: Message) -> list[Sample]:
                           ("behavior_logprobs", response_lengths), ("ref_logprobs", response_lengths)):
         if name in tensors and tensors[name].shape != (sum(lengths),):
             raise ProtocolError(f"{message.type}: {name} has shape {tensors[name].shape}, lengths add to {sum(lengths)}")
-    rm_scores = tensors.get("rm_scores")
+    scores = tensors.get("scores")
     gold_scores = fields.get("gold_scores")
     if gold_scores is not None and len(gold_scores) != count:
         raise ProtocolError(f"{message.type}: gold_scores has {len(gold_scores)} entries for {count} samples")
-    if rm_scores is not None and rm_scores.shape != (count,):
-        raise ProtocolError(f"{message.type}: rm_scores has shape {rm_scores.shape} for {count} samples")
-    for name in ("behavior_logprobs", "ref_logprobs", "rm_scores"):
+    if scores is not None and scores.shape != (count,):
+        raise ProtocolError(f"{message.type}: scores has shape {scores.shape} for {count} samples")
+    for name in ("behavior_logprobs", "ref_logprobs", "scores"):
         if name in tensors and not np.isfinite(tensors[name]).all():
             raise ProtocolError(f"{message.type}: {name} holds NaN or inf")
 
@@ -139,13 +141,14 @@ def unpack_samples(message: Message) -> list[Sample]:
         samples.append(Sample(
             sample_id=fields["sample_ids"][i],
             prompt_index=fields["prompt_indices"][i],
+            data_row=fields["data_rows"][i],
             behavior_version=fields["behavior_versions"][i],
             prompt_tokens=tensors["prompt_tokens"][p0:p1],
             response_tokens=tensors["response_tokens"][r0:r1],
             behavior_logprobs=tensors["behavior_logprobs"][r0:r1],
             finish_reason=fields["finish_reasons"][i],
             ref_logprobs=tensors["ref_logprobs"][r0:r1] if "ref_logprobs" in tensors else None,
-            rm_score=float(rm_scores[i]) if rm_scores is not None else None,
+            score=float(scores[i]) if scores is not None else None,
             gold_score=gold_scores[i] if gold_scores is not None else None,
             chunk=chunk,
             row=i,

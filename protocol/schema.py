@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -25,13 +25,14 @@ class MessageSchema:
 _SAMPLE_FIELDS = {
     "sample_ids": "list[str]",
     "prompt_indices": "list[int]",
+    "data_rows": "list[int]",  # each prompt's row in the data file (reward functions read its other fields)
     "behavior_versions": "list[int]",
     "prompt_lengths": "list[int]",
     "response_lengths": "list[int]",
     "finish_reasons": "list[str]",
 }
 _SAMPLE_TENSORS = {"prompt_tokens": "int32", "response_tokens": "int32", "behavior_logprobs": "float32"}
-_SCORED_TENSORS = {**_SAMPLE_TENSORS, "ref_logprobs": "float32", "rm_scores": "float32"}
+_SCORED_TENSORS = {**_SAMPLE_TENSORS, "ref_logprobs": "float32", "scores": "float32"}
 
 MESSAGES: dict[str, MessageSchema] = {
     # any role -> buffer: first contact; the reply says the buffer is there and its run id
@@ -52,7 +53,7 @@ MESSAGES: dict[str, MessageSchema] = {
     # scorer -> buffer: give me work (held until there is some); buffer -> scorer: the work
     "score_request": MessageSchema(fields={"max_samples": "int"}),
     "score_work": MessageSchema(fields={**_SAMPLE_FIELDS, "stop": "bool"}, tensors=dict(_SAMPLE_TENSORS)),
-    # scorer -> buffer: samples with reference logprobs and RM scores
+    # scorer -> buffer: samples with reference logprobs and scores (RM + reward functions)
     "scored": MessageSchema(fields={**_SAMPLE_FIELDS, "gold_scores": "list[float]?"}, tensors=dict(_SCORED_TENSORS)),
     # learner -> buffer: a batch for this policy version (held until one is ready)
     "batch_request": MessageSchema(fields={"policy_version": "int", "batch_size": "int"}),

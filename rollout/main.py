@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
 import uuid
 
-from protocol.config import ConfigError, TetherConfig, check_paths
-from protocol.prompts import dataset_row
+from protocol.config import ConfigError, TetherConfig
+from protocol.models import resolve_models
+from protocol.prompts import dataset_row, prompt_token_ids, read_rows
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import BufferClient
@@ -24,19 +24,27 @@ class IncompatibleWeights(ConfigError):
     """vLLM's loader refuses the learner's weights themselves: no later version can load either."""
 
 
-def load_prompts(path: str) -> list[str]:
-    prompts = []
-    with open(path) as file:
-        for line_number, line in enumerate(file, 1):
-            if not line.strip():
-                continue
-            try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f'data.prompts: {path} line {line_number} is not {{"prompt": "..."}}') from None
-    if not prompts:
-        raise ConfigError(f"data.prompts: {path} holds no prompt")
-    return prompts
+def prompts_that_fit(config: TetherConfig, tokenizer, log) -> tuple[list[list[int]], list[int], int]:
+    """Token ids of every prompt of ``data.prompts`` that leaves room for ``max_new_tokens`` in
+    ``max_model_len``, their rows in the file, and how many were skipped. Longer ones are skipped and counted (vLLM would
+    refuse them); every engine skips the same ones, so the prompt stream means the same to all."""
+    started = time.monotonic()
+    rows = read_rows(config.data.prompts)
+    limit = config.rollout.max_model_len - config.rollout.max_new_tokens
+    token_ids, kept = [], []
+    for row_index, row in enumerate(rows):
+        ids = prompt_token_ids(row, tokenizer, config.data.system_prompt)
+        if 0 < len(ids) <= limit:
+            token_ids.append(ids)
+            kept.append(row_index)
+    skipped = len(rows) - len(kept)
+    if not kept:
+        raise ConfigError(f"data.prompts: none of the {len(rows)} prompts of {config.data.prompts} fits in "
+                          f"rollout.max_model_len - rollout.max_new_tokens = {limit} tokens")
+    log.info("%d prompts tokenized in %.1fs%s", len(rows), time.monotonic() - started,
+             f"; {skipped} skipped: longer than {limit} tokens (rollout.max_model_len - max_new_tokens)"
+             if skipped else "")
+    return token_ids, kept, skipped
 
 
 def omp_threads_bind(cores: list[int], tensor_parallel_size: int) -> str:
@@ -81,11 +89,12 @@ def make_engine(config: TetherConfig, worker_index: int = 0):
     )
 
 
-def to_samples(outputs, prompt_indices: list[int], version: int, id_prefix: str, counter: int) -> list[Sample]:
+def to_samples(outputs, prompt_indices: list[int], data_rows: list[int], version: int, id_prefix: str,
+               counter: int) -> list[Sample]:
     import numpy as np
 
     samples = []
-    for request, prompt_index in zip(outputs, prompt_indices):
+    for request, prompt_index, data_row in zip(outputs, prompt_indices, data_rows):
         for completion in request.outputs:
             tokens = list(completion.token_ids)
             logprobs = [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
@@ -97,6 +106,7 @@ def to_samples(outputs, prompt_indices: list[int], version: int, id_prefix: str,
                 response_tokens=np.asarray(tokens, dtype=np.int32),
                 behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
+                data_row=data_row,
             ))
     return samples
 
@@ -147,8 +157,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     (benchmarks share one)."""
     name = f"rollout{worker_index}"
     log = setup_logging(name, config.log_level)
-    check_paths(config, "rollout")
-    prompts = load_prompts(config.data.prompts)
+    config = resolve_models(config, "rollout")
     client = BufferClient(config.buffer_address, "rollout", str(worker_index), config.transport.max_frame_bytes,
                           config.transport.curve)
     client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
@@ -157,7 +166,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     from vllm import TokensPrompt
 
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
-    prompt_token_ids = [tokenizer(prompt)["input_ids"] for prompt in prompts]
+    prompts, data_rows, skipped = prompts_that_fit(config, tokenizer, log)
     engine = engine or make_engine(config, worker_index)
     rollout_cfg = config.rollout
     sampling = sampling_params(config)
@@ -188,9 +197,9 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
             continue
         busy_started = time.monotonic()
         rows = [dataset_row(config.seed, len(prompts), index) for index in indices]
-        outputs = engine.generate([TokensPrompt(prompt_token_ids=prompt_token_ids[row]) for row in rows],
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=prompts[row]) for row in rows],
                                   sampling, use_tqdm=False)
-        samples = to_samples(outputs, indices, version, id_prefix, generated)
+        samples = to_samples(outputs, indices, [data_rows[row] for row in rows], version, id_prefix, generated)
         send_started = time.monotonic()
         client.request("samples", *pack_samples(samples))
         generated += len(samples)
@@ -200,7 +209,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                        "response_tokens": tokens, "tokens_per_s": tokens / max(send_started - busy_started, 1e-9),
                        "busy_s": send_started - busy_started, "weight_sync_s": sync_s, "send_s": now - send_started,
                        "waiting_s": busy_started - period_started - sync_s, "iteration_s": now - period_started,
-                       "prompt_indices": indices})
+                       "prompt_indices": indices, "prompts_skipped": skipped})
         period_started, sync_s = now, 0.0
     log.info("stopping after %d samples at policy version %d", generated, version)
     if staging is not None:

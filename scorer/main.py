@@ -1,46 +1,113 @@
-"""The scorer's loop: ask the buffer for samples, score them, send them back."""
+"""The scorer's loop: ask the buffer for samples, score them, send them back.
+
+A sample's score, the one trained on, is the reward model's (when there is one) plus the
+weighted reward functions'; the gold reward, where the task has one, is only reported.
+"""
 
 from __future__ import annotations
 
-import importlib
 import time
 
+import numpy as np
 import torch
 
-from protocol.config import ConfigError, TetherConfig, check_paths
+from protocol.config import TetherConfig
+from protocol.models import resolve_models, same_tokens
+from protocol.prompts import chat_of, read_rows
 from protocol.runlog import MetricsWriter, setup_logging
-from protocol.samples import pack_samples, unpack_samples
+from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import BufferClient
+from scorer.rewards import RewardFunction
 
 
-def load_function(spec: str):
-    """``module:function`` -> the function; the error names the config key."""
-    module_name, _, function_name = spec.partition(":")
-    try:
-        return getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError, ValueError):
-        raise ConfigError(f"scorer.gold_reward: cannot import {spec!r} (expected module:function)") from None
+class Scorer:
+    """The frozen models and reward functions of one scorer, and how they score a list of samples."""
+
+    def __init__(self, config: TetherConfig, log) -> None:
+        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+        from protocol.sequences import disable_dropout
+
+        self.log, self.temperature = log, config.rollout.temperature
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.reference = disable_dropout(AutoModelForCausalLM.from_pretrained(
+            config.reference_path, dtype=torch.float32)).to(self.device).eval()
+        self.pad_token_id = self.reference.config.pad_token_id if self.reference.config.pad_token_id is not None else 0
+        self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
+        self.reward_model = self.rm_tokenizer = None
+        if config.models.reward:
+            self.reward_model = disable_dropout(AutoModelForSequenceClassification.from_pretrained(
+                config.models.reward, num_labels=1, dtype=torch.float32)).to(self.device).eval()
+            if not same_tokens(config.models.policy, config.models.reward):  # else ids go to it unchanged
+                self.rm_tokenizer = AutoTokenizer.from_pretrained(config.models.reward)
+        self.functions = [RewardFunction.load(f.function, f.weight, f"scorer.reward_functions[{i}].function")
+                          for i, f in enumerate(config.scorer.reward_functions)]
+        self.gold = (RewardFunction.load(config.scorer.gold_reward, 1.0, "scorer.gold_reward")
+                     if config.scorer.gold_reward else None)
+        self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer)
+        self.rows = read_rows(config.data.prompts) if self.needs_text else []
+        self.system_prompt = config.data.system_prompt
+
+    def describe(self) -> str:
+        rm = "none" if self.reward_model is None else (
+            "its own tokenizer" if self.rm_tokenizer is not None else "the policy's tokens")
+        functions = ", ".join(f"{f.weight:g} x {f.name}" for f in self.functions) or "none"
+        return f"reward model: {rm}; reward functions: {functions}"
+
+    def score(self, samples: list[Sample]) -> dict[str, float]:
+        """Fill in each sample's ``ref_logprobs``, ``score`` and ``gold_score``; returns the mean of
+        each part of the score and the count of reward-function failures, for the metrics."""
+        from scorer.scoring import reference_logprobs, reward_model_text, reward_scores, reward_scores_of_texts
+
+        for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
+                                                           self.temperature)):
+            sample.ref_logprobs = ref.numpy()
+        arguments = [self._arguments(sample) for sample in samples] if self.needs_text else []
+        totals = np.zeros(len(samples), dtype=np.float64)
+        parts: dict[str, float] = {}
+        if self.reward_model is not None:
+            if self.rm_tokenizer is None:
+                rm = reward_scores(self.reward_model, samples, self.pad_token_id)
+            else:
+                texts = [reward_model_text(a["sequence"], a["response"], chat_of(a["row"], self.system_prompt),
+                                           self.rm_tokenizer) for a in arguments]
+                rm = reward_scores_of_texts(self.reward_model, self.rm_tokenizer, texts)
+            totals += rm.double().numpy()
+            parts["rm_score"] = float(rm.mean())
+        failures = 0
+        for function in self.functions:
+            values = [function(s.sample_id, a, self.log) for s, a in zip(samples, arguments)]
+            failures += sum(value is None for value in values)
+            values = np.array([0.0 if value is None else value for value in values])
+            totals += function.weight * values
+            parts[function.name] = float(values.mean())
+        for sample, total in zip(samples, totals):
+            sample.score = float(total)
+        if self.gold is not None:
+            for sample, a in zip(samples, arguments):
+                value = self.gold(sample.sample_id, a, self.log)
+                sample.gold_score = 0.0 if value is None else value
+        return {**parts, "reward_function_failures": failures}
+
+    def _arguments(self, sample: Sample) -> dict:
+        """What reward functions (and an RM with its own tokenizer) read of one sample."""
+        prompt, response = sample.prompt_tokens.tolist(), sample.response_tokens.tolist()
+        row = self.rows[sample.data_row] if 0 <= sample.data_row < len(self.rows) else {}
+        return {"prompt": self.tokenizer.decode(prompt, skip_special_tokens=True),
+                "response": self.tokenizer.decode(response, skip_special_tokens=True),
+                "sequence": self.tokenizer.decode(prompt + response, skip_special_tokens=True),
+                "prompt_tokens": prompt, "response_tokens": response, "row": row}
 
 
 def run(config: TetherConfig, worker_index: int = 0) -> None:
     log = setup_logging(f"scorer{worker_index}", config.log_level)
-    check_paths(config, "scorer")
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
-
-    from protocol.sequences import disable_dropout
-    from scorer.scoring import reference_logprobs, reward_scores
-
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    reference = disable_dropout(AutoModelForCausalLM.from_pretrained(config.reference_path, dtype=torch.float32)).to(device).eval()
-    reward_model = disable_dropout(AutoModelForSequenceClassification.from_pretrained(
-        config.models.reward, num_labels=1, dtype=torch.float32)).to(device).eval()
-    pad_token_id = reference.config.pad_token_id if reference.config.pad_token_id is not None else 0
-    gold_reward = load_function(config.scorer.gold_reward) if config.scorer.gold_reward else None
+    config = resolve_models(config, "scorer")
+    scorer = Scorer(config, log)
     metrics = MetricsWriter(config.run_dir, f"scorer{worker_index}")
     client = BufferClient(config.buffer_address, "scorer", str(worker_index), config.transport.max_frame_bytes,
                           config.transport.curve)
     client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
-    log.info("scoring with reference %s and reward model %s on %s", config.reference_path, config.models.reward, device)
+    log.info("scoring with reference %s on %s; %s", config.reference_path, scorer.device, scorer.describe())
 
     scored_total = 0
     period_started = time.monotonic()  # a period: from one record to the next, so the periods tile the run
@@ -51,13 +118,7 @@ def run(config: TetherConfig, worker_index: int = 0) -> None:
             break
         samples = unpack_samples(work)
         busy_started = time.monotonic()
-        for sample, ref in zip(samples, reference_logprobs(reference, samples, pad_token_id, config.rollout.temperature)):
-            sample.ref_logprobs = ref.numpy()
-        for sample, score in zip(samples, reward_scores(reward_model, samples, pad_token_id).tolist()):
-            sample.rm_score = score
-        if gold_reward is not None:
-            for sample in samples:
-                sample.gold_score = float(gold_reward(sample.prompt_tokens.tolist(), sample.response_tokens.tolist()))
+        parts = scorer.score(samples)
         busy_s = time.monotonic() - busy_started
         client.request("scored", *pack_samples(samples, scored=True))
         scored_total += len(samples)
@@ -65,7 +126,7 @@ def run(config: TetherConfig, worker_index: int = 0) -> None:
         now = time.monotonic()
         metrics.write({"scored": len(samples), "scored_total": scored_total, "busy_s": busy_s,
                        "waiting_s": busy_started - period_started, "tokens_per_s": tokens / max(busy_s, 1e-9),
-                       "send_s": now - busy_started - busy_s, "iteration_s": now - period_started})
+                       "send_s": now - busy_started - busy_s, "iteration_s": now - period_started, **parts})
         period_started = now
     log.info("stopping after %d scored samples", scored_total)
     metrics.close()

@@ -25,11 +25,43 @@ def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id
 
 @torch.no_grad()
 def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: int) -> torch.Tensor:
-    """One scalar per sample: the RM head on the last real token of prompt + response, minus the
-    offset stored with the RM. Pooling is done here, not by the HF head, so padding side and
-    pad-token conventions of the RM cannot change a score."""
+    """One scalar per sample, from the samples' own token ids (an RM that reads the policy's
+    tokens): the RM head on the last real token of prompt + response, minus the offset stored
+    with the RM. Pooling is done here, not by the HF head, so padding side and pad-token
+    conventions of the RM cannot change a score."""
     batch = collate(samples, pad_token_id).to(next(reward_model.parameters()).device)
-    hidden = reward_model.base_model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).last_hidden_state
-    last_hidden = hidden[torch.arange(len(samples), device=hidden.device), batch.last_positions]
+    return _pooled_scores(reward_model, batch.input_ids, batch.attention_mask, batch.last_positions)
+
+
+@torch.no_grad()
+def reward_scores_of_texts(reward_model: nn.Module, tokenizer, texts: list[str]) -> torch.Tensor:
+    """One scalar per text, tokenized the reward model's own way (its tokenizer, its special
+    tokens): for an RM whose vocabulary is not the policy's. Pooled as ``reward_scores``."""
+    device = next(reward_model.parameters()).device
+    rows = [tokenizer(text)["input_ids"] for text in texts]
+    input_ids = torch.zeros((len(rows), max(len(row) for row in rows)), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.tensor(row)
+        attention_mask[i, :len(row)] = 1
+    return _pooled_scores(reward_model, input_ids.to(device), attention_mask.to(device),
+                          (attention_mask.sum(dim=1) - 1).to(device))
+
+
+def _pooled_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                   last_positions: torch.Tensor) -> torch.Tensor:
+    """input_ids, attention_mask: [B, L] right-padded; last_positions: [B]. Returns [B] on the CPU."""
+    hidden = reward_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    last_hidden = hidden[torch.arange(len(input_ids), device=hidden.device), last_positions]
     scores = classification_head(reward_model)(last_hidden).squeeze(-1).float()
     return (scores - float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))).cpu()
+
+
+def reward_model_text(sequence: str, response: str, chat: list[dict[str, str]] | None, tokenizer) -> str:
+    """What a reward model with its own tokenizer reads: the chat with the response as the
+    assistant's turn, through the RM's chat template, when the prompt is a chat and the RM has
+    one; else ``sequence``, prompt and response decoded together (decoding them apart could
+    change the text where they meet)."""
+    if chat is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": response}], tokenize=False)
+    return sequence

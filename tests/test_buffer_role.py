@@ -8,6 +8,7 @@ import pytest
 import zmq
 
 from protocol.codec import decode
+from protocol.schema import SCHEMA_VERSION
 from protocol.samples import pack_samples, unpack_samples
 from protocol.transport import BufferClient, BufferUnreachable
 from tests.conftest import start_buffer
@@ -45,7 +46,7 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     assert [s.sample_id for s in work] == ["s0", "s1"]
     for s in work:
         s.ref_logprobs = np.full(len(s.response_tokens), -1.5, np.float32)
-        s.rm_score = 0.25
+        s.score = 0.25
     assert scorer.request("scored", *pack_samples(work, scored=True)).fields["accepted"] == 2
 
     batch = unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": 2}))
@@ -84,8 +85,8 @@ def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):
     bad_messages = [
         [b"garbage"],
         [msgpack.packb({"schema": 0, "type": "hello", "id": 1, "fields": {}, "tensors": []})],
-        [msgpack.packb({"schema": 2, "type": "samples", "id": 2, "fields": {}, "tensors": []})],
-        [msgpack.packb({"schema": 2, "type": "ack", "id": 3, "fields": {"accepted": 1},
+        [msgpack.packb({"schema": SCHEMA_VERSION, "type": "samples", "id": 2, "fields": {}, "tensors": []})],
+        [msgpack.packb({"schema": SCHEMA_VERSION, "type": "ack", "id": 3, "fields": {"accepted": 1},
                         "tensors": [["x", "uint8", [70_000]]]}), b"\0" * 70_000],
     ]
     reasons = []
@@ -96,7 +97,7 @@ def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):
         assert reply.type == "error"
         reasons.append(reply.fields["reason"])
     assert "not valid msgpack" in reasons[0]
-    assert "schema version 0, this process speaks 2" in reasons[1]
+    assert f"schema version 0, this process speaks {SCHEMA_VERSION}" in reasons[1]
     assert "missing field" in reasons[2]
     assert "frame 1 has 70000 bytes, over the limit of 65536" in reasons[3]
     raw.close()

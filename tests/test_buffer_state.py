@@ -16,7 +16,7 @@ from protocol.samples import Sample
 def sample(sample_id, version, prompt_index=0):
     tokens = np.array([1, 2], dtype=np.int32)
     return Sample(str(sample_id), prompt_index, version, tokens, tokens, np.zeros(2, np.float32), "stop",
-                  ref_logprobs=np.zeros(2, np.float32), rm_score=0.0)
+                  ref_logprobs=np.zeros(2, np.float32), score=0.0)
 
 
 def generate(state, count, version, start=0, engine="rollout:0"):

@@ -5,7 +5,8 @@ import yaml
 from typer.testing import CliRunner
 
 from launch.cli import app
-from protocol.config import ConfigError, check_paths, load_config
+from protocol.config import ConfigError, load_config
+from protocol.models import resolve_models
 
 MINIMAL = {"models": {"policy": "/p", "reward": "/r"}, "data": {"prompts": "/d.jsonl"}}
 
@@ -54,12 +55,38 @@ def test_missing_section_and_missing_file(tmp_path):
 def test_missing_model_path_names_the_key(tmp_path):
     config = load_config(write(tmp_path, MINIMAL))
     with pytest.raises(ConfigError, match="models.policy: /p does not exist"):
-        check_paths(config, "rollout")
-    with pytest.raises(ConfigError, match=r"models.policy \(the reference\): /p does not exist"):
-        check_paths(config, "scorer")
-    config = load_config(write(tmp_path, MINIMAL), [f"models.reference={tmp_path}"])
+        resolve_models(config, "rollout")
+    with pytest.raises(ConfigError, match=r"models.policy: /p does not exist"):
+        resolve_models(config, "scorer")
+    config = load_config(write(tmp_path, MINIMAL), [f"models.policy={tmp_path}", f"models.reference={tmp_path}"])
     with pytest.raises(ConfigError, match="models.reward: /r does not exist"):
-        check_paths(config, "scorer")
+        resolve_models(config, "scorer")
+
+
+def test_a_hub_id_resolves_from_the_local_cache_and_an_unknown_one_names_the_key(tmp_path, monkeypatch):
+    """No hub here: an id is found in the Hugging Face cache (as a download would leave it), and
+    one that is nowhere is refused naming the config key."""
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--tether-tests--tiny" / "snapshots" / ("a" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (cache / "models--tether-tests--tiny" / "refs").mkdir()
+    (cache / "models--tether-tests--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    config = load_config(write(tmp_path, MINIMAL), ["models.policy=tether-tests/tiny", f"data.prompts={prompts}"])
+    assert resolve_models(config, "rollout").models.policy == str(snapshot)
+
+    config = load_config(write(tmp_path, MINIMAL), ["models.policy=tether-tests/absent", f"data.prompts={prompts}"])
+    with pytest.raises(ConfigError, match="models.policy: 'tether-tests/absent' is not a directory, and as a "
+                                          "Hugging Face hub id it cannot be had here"):
+        resolve_models(config, "rollout")
 
 
 def test_cli_config_show_prints_the_resolved_config(tmp_path):
@@ -108,3 +135,27 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
     with pytest.raises(ConfigError, match="minibatch_size \\(6\\) must be a multiple of learner.ranks \\(4\\)"):
         load_config(None, ["learner.ranks=4", "learner.minibatch_size=6", "learner.batch_size=12"],
                     base={"models": {"policy": "p", "reward": "r"}, "data": {"prompts": "d"}})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions or both"),
+    (["models.reward=null", "models.critic_init=reward", "scorer.reward_functions=[{function: 'a:b'}]"],
+     "models.critic_init is reward but there is no models.reward"),
+    (["scorer.reward_functions=[{function: 'a:b', wieght: 2}]"], r"scorer.reward_functions.0.wieght: unknown key"),
+])
+def test_what_is_trained_on_is_checked_at_load(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, MINIMAL), overrides)
+
+
+def test_a_reward_function_that_cannot_be_imported_names_its_key():
+    from scorer.rewards import RewardFunction
+
+    with pytest.raises(ConfigError, match=r"scorer.reward_functions\[0\].function: cannot import 'nope:fn'"):
+        RewardFunction.load("nope:fn", 1.0, "scorer.reward_functions[0].function")
+    with pytest.raises(ConfigError, match="asks for \\['answer'\\]"):
+        RewardFunction.load("tests.test_config:_asks_for_answer", 1.0, "scorer.gold_reward")
+
+
+def _asks_for_answer(response, answer):
+    return float(response == answer)

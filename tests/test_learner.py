@@ -33,7 +33,7 @@ def samples(tiny_assets):
         s.behavior_logprobs = logprobs.numpy()
         s.ref_logprobs = logprobs.numpy().copy()
     for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
-        s.rm_score = score
+        s.score = score
     return made
 
 
@@ -67,7 +67,7 @@ def test_ppo_step_on_real_engines(tmp_path, tiny_assets, samples, zero_stage, re
     # the learner recomputes the same logprobs the samples carry: KL 0, importance weights 1
     assert stats["behavior_logprob_gap"] < 1e-4
     assert abs(stats["kl"]) < 1e-4 and stats["behavior_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert stats["reward"] == pytest.approx(float(np.mean([s.rm_score for s in samples])), abs=1e-5)
+    assert stats["reward"] == pytest.approx(float(np.mean([s.score for s in samples])), abs=1e-5)
     assert stats["response_length"] == pytest.approx(np.mean([len(s.response_tokens) for s in samples]))
     assert stats["staleness"] == 0.0 and 0.0 <= stats["clipfrac"] <= 1.0
     for key in ("entropy", "value_loss", "policy_loss", "approx_kl", "grad_norm"):

@@ -356,7 +356,7 @@ def test_reinforce_pp_advantages_by_hand():
 def test_mismatched_shapes_are_errors_not_broadcasts():
     with pytest.raises(ValueError, match="advantages has shape \\(1, 3\\)"):
         ppo.ppo_policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(1, 3), MASK)
-    with pytest.raises(ValueError, match="rm_scores"):
+    with pytest.raises(ValueError, match="scores"):
         ppo.token_rewards(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2, 1), MASK, kl_coef=0.1)
     with pytest.raises(ValueError, match="tokens"):
         ppo.logprobs_from_logits(torch.zeros(2, 3, 5), torch.zeros(2, 4, dtype=torch.long))
@@ -376,7 +376,7 @@ def test_nan_inputs_are_errors():
         ppo.gae_advantages(torch.zeros(2, 3), values, MASK)
     with pytest.raises(ValueError, match="logits contains NaN"):
         ppo.logprobs_from_logits(torch.full((1, 1, 3), float("nan")), torch.zeros(1, 1, dtype=torch.long))
-    with pytest.raises(ValueError, match="rm_scores contains NaN"):
+    with pytest.raises(ValueError, match="scores contains NaN"):
         ppo.token_rewards(torch.zeros(2, 3), torch.zeros(2, 3), t([0.0, float("inf")]), MASK, kl_coef=0.1)
     with pytest.raises(ValueError, match="current_kl"):
         adaptive_kl_coef(0.1, float("nan"), 6.0, 1, 10)

@@ -50,3 +50,166 @@ def test_reward_scores_use_the_last_real_token_and_subtract_the_offset(tiny_asse
         hidden = rm.base_model(input_ids=torch.tensor([[1, 4, 6, 6, 5, 8, 10, 12, 6, 2]])).last_hidden_state
         expected = rm.score(hidden[0, -1]).item() - offset
     assert together[1].item() == pytest.approx(expected, abs=1e-5)
+
+
+# --------------------------------------------------------------------------- the Scorer: RM with its
+# own tokenizer, reward functions, both or either
+
+
+def own_tokenizer_reward_model(directory, chat_template=None):
+    """A reward model that reads another vocabulary than the policy's: the demo's words in another
+    order, other special tokens, `[CLS] text [SEP]` framing."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+    from launch.demo import VOCAB
+
+    words = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "user", "assistant"] + list(reversed(VOCAB[3:]))
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]",
+                                                        special_tokens=[("[CLS]", 1), ("[SEP]", 2)])
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]",
+                                        cls_token="[CLS]", sep_token="[SEP]")
+    if chat_template:
+        tokenizer.chat_template = chat_template
+    torch.manual_seed(3)
+    model = LlamaForSequenceClassification(LlamaConfig(vocab_size=len(words), hidden_size=64, intermediate_size=128,
+                                                       num_hidden_layers=2, num_attention_heads=2, num_labels=1,
+                                                       pad_token_id=0))
+    with torch.no_grad():
+        model.score.weight.normal_(0, 1.0)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return tokenizer, model.eval()
+
+
+def make_scorer(tmp_path, tiny_assets, prompts_rows=None, **sections):
+    import json
+    import logging
+
+    from protocol.config import load_config
+    from scorer.main import Scorer
+    from tests.conftest import base_config
+
+    base = base_config(tmp_path, tiny_assets, **sections)
+    if prompts_rows is not None:
+        path = tmp_path / "prompts.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in prompts_rows))
+        base["data"]["prompts"] = str(path)
+    return Scorer(load_config(None, base=base), logging.getLogger("test-scorer"))
+
+
+PROMPTS = [[1, 3, 7, 8, 5], [1, 4, 6, 6, 5]]  # <bos> even 1 2 : / <bos> odd 0 0 :
+RESPONSES = [[9, 11, 2], [8, 10, 12, 6, 2]]
+
+
+def scored_samples(scorer, data_rows=(0, 1)):
+    samples = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
+                      "stop", data_row=row) for i, (p, r, row) in enumerate(zip(PROMPTS, RESPONSES, data_rows))]
+    parts = scorer.score(samples)
+    return samples, parts
+
+
+def test_a_reward_model_with_its_own_vocabulary_scores_the_text_as_its_own_tokenizer_does(tmp_path, tiny_assets):
+    from transformers import AutoTokenizer
+
+    rm_dir = str(tmp_path / "rm")
+    rm_tokenizer, rm = own_tokenizer_reward_model(rm_dir)
+    scorer = make_scorer(tmp_path, tiny_assets, models={"reward": rm_dir})
+    assert scorer.rm_tokenizer is not None  # detected: the ids would mean other words to it
+    samples, parts = scored_samples(scorer)
+
+    policy_tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
+    for sample, prompt, response in zip(samples, PROMPTS, RESPONSES):
+        text = policy_tokenizer.decode(prompt + response, skip_special_tokens=True)  # "even 1 2 : 3 5"
+        encoded = rm_tokenizer(text, return_tensors="pt")
+        assert encoded["input_ids"][0, 0] == 1 and encoded["input_ids"][0, -1] == 2  # its own framing
+        with torch.no_grad():
+            direct = rm(**encoded).logits[0, 0].item()
+        assert sample.score == pytest.approx(direct, abs=1e-5)
+    assert samples[0].score != pytest.approx(samples[1].score, abs=1e-3)
+    assert parts["rm_score"] == pytest.approx(np.mean([s.score for s in samples]), abs=1e-6)
+
+    # the same RM given the policy's tokenizer reads the ids unchanged: no decode, the ids path
+    shared = make_scorer(tmp_path, tiny_assets)
+    assert shared.rm_tokenizer is None and not shared.needs_text
+
+
+def test_a_chat_reaches_a_reward_model_through_its_own_chat_template(tmp_path, tiny_assets):
+    template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}")
+    rm_dir = str(tmp_path / "rm")
+    rm_tokenizer, rm = own_tokenizer_reward_model(rm_dir, chat_template=template)
+    rows = [{"messages": [{"role": "user", "content": "even 1 2 :"}]}, {"prompt": "odd 0 0 :"}]
+    scorer = make_scorer(tmp_path, tiny_assets, prompts_rows=rows, models={"reward": rm_dir})
+    samples, _ = scored_samples(scorer)
+    chat_text = "user even 1 2 : assistant 3 5 "  # the RM's template, the response as the assistant's turn
+    with torch.no_grad():
+        direct = rm(**rm_tokenizer(chat_text, return_tensors="pt")).logits[0, 0].item()
+    assert samples[0].score == pytest.approx(direct, abs=1e-5)
+
+
+def exact_parity(prompt, response):
+    """A verifiable reward of the demo's task: the fraction of response digits of the named parity."""
+    wanted = 0 if prompt.startswith("even") else 1
+    digits = [int(word) for word in response.split() if word.isdigit()]
+    return sum(d % 2 == wanted for d in digits) / len(digits) if digits else 0.0
+
+
+def length_bonus(response_tokens, row):
+    return row["bonus"] * len(response_tokens)
+
+
+def broken(response):
+    raise RuntimeError("no answer key")
+
+
+def test_reward_functions_are_trained_on_added_to_the_rm_and_a_failing_one_costs_nothing_else(
+        tmp_path, tiny_assets, caplog):
+    rows = [{"prompt": "even 1 2 :", "bonus": 0.5}, {"prompt": "odd 0 0 :", "bonus": 2.0}]
+    functions = [{"function": "tests.test_scorer:exact_parity", "weight": 2.0},
+                 {"function": "tests.test_scorer:length_bonus", "weight": 1.0},
+                 {"function": "tests.test_scorer:broken", "weight": 5.0}]
+    rm_only = make_scorer(tmp_path, tiny_assets, prompts_rows=rows)
+    rm_scores = [s.score for s in scored_samples(rm_only)[0]]
+    scorer = make_scorer(tmp_path, tiny_assets, prompts_rows=rows, scorer={"reward_functions": functions})
+    samples, parts = scored_samples(scorer)
+    # "3 5" for even: 0 of 2 digits right; "2 4 6 0" for odd: 0 of 4 right
+    parity = [exact_parity("even 1 2 :", "3 5"), exact_parity("odd 0 0 :", "2 4 6 0")]
+    assert parity == [0.0, 0.0]
+    expected = [rm + 2.0 * p + bonus * len(r) for rm, p, bonus, r in zip(rm_scores, parity, (0.5, 2.0), RESPONSES)]
+    assert [s.score for s in samples] == pytest.approx(expected, abs=1e-5)
+    assert parts["reward_function_failures"] == 2 and parts["tests.test_scorer:broken"] == 0.0
+    assert "reward function tests.test_scorer:broken failed on sample s0" in caplog.text
+    assert "no answer key" in caplog.text
+
+
+def test_verifiable_rewards_alone_need_no_reward_model(tmp_path, tiny_assets):
+    functions = [{"function": "tests.test_scorer:exact_parity", "weight": 1.0}]
+    scorer = make_scorer(tmp_path, tiny_assets, models={"reward": None}, scorer={"reward_functions": functions})
+    assert scorer.reward_model is None
+    # <bos> even 1 2 : -> "2 4 6 0" (all even); <bos> odd 0 0 : -> "3 2" (half odd)
+    pairs = [([1, 3, 7, 8, 5], [8, 10, 12, 6, 2]), ([1, 4, 6, 6, 5], [9, 8, 2])]
+    samples = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
+                      "stop") for i, (p, r) in enumerate(pairs)]
+    parts = scorer.score(samples)
+    assert [s.score for s in samples] == [1.0, 0.5] and "rm_score" not in parts
+    assert parts["tests.test_scorer:exact_parity"] == 0.75
+
+
+def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_tokens(tmp_path, tiny_assets):
+    from protocol.config import ConfigError, load_config
+    from protocol.models import critic_source
+    from tests.conftest import base_config
+
+    rm_dir = str(tmp_path / "rm")
+    own_tokenizer_reward_model(rm_dir)
+
+    def source(**models):
+        return critic_source(load_config(None, base=base_config(tmp_path, tiny_assets, models=models)))
+
+    assert source() == tiny_assets["reward"]  # auto, the demo RM shares the policy's tokenizer
+    assert source(reward=rm_dir) == tiny_assets["policy"]  # auto, an RM of other tokens: the policy
+    with pytest.raises(ConfigError, match="models.critic_init: the reward model .* has a tokenizer of its own"):
+        source(reward=rm_dir, critic_init="reward")

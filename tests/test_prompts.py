@@ -1,0 +1,91 @@
+"""Prompt files as users bring them: JSON lines or Parquet, text or chat, some too long."""
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from protocol.config import ConfigError, load_config
+from protocol.prompts import prompt_token_ids, read_rows
+from tests.conftest import base_config
+
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }} : {% else %}"
+                 "{{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
+ROWS = [{"prompt": "even 1 2 :"},
+        {"messages": [{"role": "user", "content": "odd 3 4"}], "answer": "odd"},
+        {"prompt": " ".join(["even"] * 80)},  # too long for max_model_len 64 - 8 new tokens
+        {"messages": [{"role": "system", "content": "even"}, {"role": "user", "content": "odd 5"}]}]
+
+
+@pytest.fixture
+def chat_policy(tmp_path, tiny_assets):
+    """The demo policy with a chat template in its tokenizer."""
+    from transformers import AutoTokenizer
+
+    directory = tmp_path / "policy"
+    shutil.copytree(tiny_assets["policy"], directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(directory)
+    return str(directory), tokenizer
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_json_lines_and_parquet_give_the_same_rows(tmp_path):
+    import pyarrow
+    import pyarrow.parquet
+
+    flat = [{"prompt": "even 1 :", "answer": "2"}, {"prompt": "odd 2 :", "answer": "3"}]
+    parquet = tmp_path / "prompts.parquet"
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(flat), parquet)
+    assert read_rows(str(parquet)) == read_rows(write_jsonl(tmp_path / "p.jsonl", flat)) == flat
+
+
+@pytest.mark.parametrize("line, message", [
+    ('{"text": "no prompt"}', 'line 2 has neither "prompt" \\(text\\) nor "messages"'),
+    ('{"messages": [{"role": "user"}]}', "line 2 has neither"),
+    ("not json", "line 2 is not JSON"),
+])
+def test_a_bad_row_is_named_with_its_line(tmp_path, line, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "even"}\n' + line + "\n")
+    with pytest.raises(ConfigError, match="data.prompts: .*" + message):
+        read_rows(str(path))
+
+
+def test_chat_prompts_are_the_chat_templates_tokens_and_long_ones_are_skipped(tmp_path, tiny_assets, chat_policy):
+    from rollout.main import prompts_that_fit
+
+    policy, tokenizer = chat_policy
+    path = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
+    config = load_config(None, ["rollout.max_model_len=64", "rollout.max_new_tokens=8", "data.system_prompt=odd"],
+                         base=base_config(tmp_path, tiny_assets, models={"policy": policy}, data={"prompts": path}))
+    token_ids, data_rows, skipped = prompts_that_fit(config, tokenizer, logging.getLogger("test"))
+    assert data_rows == [0, 1, 3] and skipped == 1
+    assert token_ids[0] == tokenizer("even 1 2 :")["input_ids"]  # text: as is, with <bos>
+    # a chat: the template's ids with the generation prompt, the system prompt put first
+    expected = tokenizer.apply_chat_template([{"role": "system", "content": "odd"}, ROWS[1]["messages"][0]],
+                                             add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert token_ids[1] == expected == tokenizer("odd : odd 3 4 :", add_special_tokens=False)["input_ids"]
+    # a chat with a system message of its own keeps it
+    assert token_ids[2] == tokenizer("even : odd 5 :", add_special_tokens=False)["input_ids"]
+
+
+def test_a_chat_without_a_chat_template_and_nothing_that_fits_are_clear_errors(tmp_path, tiny_assets):
+    from transformers import AutoTokenizer
+
+    from rollout.main import prompts_that_fit
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])  # no chat template
+    with pytest.raises(ConfigError, match="chat template"):
+        prompt_token_ids(ROWS[1], tokenizer)
+    path = write_jsonl(tmp_path / "prompts.jsonl", [ROWS[2]])
+    config = load_config(None, ["rollout.max_model_len=64", "rollout.max_new_tokens=8"],
+                         base=base_config(tmp_path, tiny_assets, data={"prompts": path}))
+    with pytest.raises(ConfigError, match="none of the 1 prompts .* fits in .* = 56 tokens"):
+        prompts_that_fit(config, tokenizer, logging.getLogger("test"))
