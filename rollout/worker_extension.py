@@ -27,4 +27,26 @@ class WeightSyncExtension:
                 self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
             except (KeyError, ValueError, AttributeError, AssertionError) as error:
                 return {"refused": f"{type(error).__name__}: {error}"}
-            return {"tensors": len(tensors)}
+        reprocess_tied_layers(self.model_runner.model)
+        return {"tensors": len(tensors)}
+
+
+def reprocess_tied_layers(model) -> int:
+    """Redo the after-load processing of every layer that shares a parameter with another.
+
+    A tied ``lm_head`` receives no weights of its own in a reload (tether publishes a tied tensor
+    once, as checkpoints hold it), so vLLM's layerwise reload leaves its processing as it was:
+    on CPU that is a packed copy of the old weights for the output matmul (measured: logprob gaps
+    up to 2 after one reload on Bloom, Qwen2 and GPT-2). Returns how many layers were redone."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        for parameter in module.parameters(recurse=False):
+            owners.setdefault(id(parameter), []).append(module)
+    redone = 0
+    for modules in owners.values():
+        for module in modules if len(modules) > 1 else ():
+            method = getattr(module, "quant_method", None)
+            if method is not None:
+                method.process_weights_after_loading(module)
+                redone += 1
+    return redone
