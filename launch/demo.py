@@ -290,9 +290,9 @@ def run_demo(assets: Path, overrides: list[str]) -> int:
     started = time.monotonic()
     paths = build_assets(assets / "assets")
     config_path = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
-    base = {"models": {"policy": paths["policy"], "reward": paths["reward"]}, "data": {"prompts": paths["prompts"]}}
+    built = [f"models.policy={paths['policy']}", f"models.reward={paths['reward']}", f"data.prompts={paths['prompts']}"]
     try:
-        config = load_config(config_path, overrides, base=base)
+        config = load_config(config_path, [*built, *overrides])
     except ConfigError as error:
         print(f"error: {error}")
         return 2

@@ -159,3 +159,14 @@ def test_a_reward_function_that_cannot_be_imported_names_its_key():
 
 def _asks_for_answer(response, answer):
     return float(response == answer)
+
+
+@pytest.mark.parametrize("name", ["demo.yaml", "own_model.yaml"])
+def test_the_shipped_configs_show_on_their_own(name):
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", name)
+    result = CliRunner().invoke(app, ["config", "show", "-c", path])
+    assert result.exit_code == 0, result.output
+    shown = yaml.safe_load(result.output)
+    assert shown["models"]["policy"] and shown["data"]["prompts"]

@@ -92,7 +92,11 @@ def test_a_family_trains_and_the_rollout_logprobs_stay_the_learners(tmp_path, ti
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         policy = "tether-tests/tiny-llama"
 
-    config = base_config(tmp_path, {"policy": policy, "reward": reward, "prompts": prompts},
+    scorer = {}
+    if family == "qwen2":
+        scorer["reward_functions"] = [{"function": "tests.test_families:prompt_is_the_chat_template", "weight": 0.0}]
+        monkeypatch.setenv("TETHER_TEST_POLICY", policy)
+    config = base_config(tmp_path, {"policy": policy, "reward": reward, "prompts": prompts}, scorer=scorer,
                          rollout={"max_new_tokens": 4, "prompts_per_generate": 8, "max_model_len": 64},
                          learner={"total_steps": STEPS, "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1},
                          buffer={"max_staleness": 0})
@@ -109,10 +113,17 @@ def test_a_family_trains_and_the_rollout_logprobs_stay_the_learners(tmp_path, ti
     with open(os.path.join(config["run_dir"], "logs", "rollout0.log")) as file:
         log = file.read()
     assert all(f"now generating with policy version {v} " in log for v in range(1, STEPS)), log[-2000:]
-    if family == "qwen2":
-        from transformers import AutoTokenizer
+    if family == "qwen2":  # the scorer saw each sample's prompt tokens: every one was its chat's template
+        matches = [record["tests.test_families:prompt_is_the_chat_template"] for record in
+                   read_metrics(config["run_dir"], "scorer0")]
+        assert matches and all(match == 1.0 for match in matches), matches
 
-        tokenizer = AutoTokenizer.from_pretrained(policy)
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": texts[0]}], add_generation_prompt=True,
-                                             tokenize=False)
-        assert chat == texts[0] + " :"
+
+def prompt_is_the_chat_template(prompt_tokens, row):
+    """A reward function (weight 0) that checks what the rollout generated from: 1 when the prompt
+    tokens are the policy tokenizer's chat template of the row's messages."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(os.environ["TETHER_TEST_POLICY"])
+    expected = tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True, tokenize=True)["input_ids"]
+    return float(list(prompt_tokens) == list(expected))
