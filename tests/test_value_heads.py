@@ -74,3 +74,24 @@ def test_a_head_that_is_more_than_one_layer_is_refused_with_its_names():
                                                            num_attention_heads=2, intermediate_size=64, num_labels=1))
     with pytest.raises(ValueError, match="RobertaForSequenceClassification: expected one linear head.*classifier.dense"):
         classification_head(model)
+
+
+def test_a_critic_from_a_family_without_a_sequence_classification_class(tmp_path):
+    """Granite has a causal LM and no sequence-classification class in transformers: the critic is
+    its body with a fresh one-output head, and trains (a gradient reaches body and head)."""
+    from transformers import AutoModelForCausalLM, GraniteConfig
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(GraniteConfig(vocab_size=16, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=2,
+                                                   pad_token_id=0)).save_pretrained(tmp_path / "granite")
+    critic = load_critic(str(tmp_path / "granite"))
+    assert isinstance(critic, ValueModel) and critic.head.out_features == 1
+    samples = [Sample(f"s{i}", i, 0, np.array(ids[:2], np.int32), np.array(ids[2:], np.int32),
+                      np.zeros(len(ids) - 2, np.float32), "stop") for i, ids in enumerate(SEQUENCES)]
+    batch = collate(samples, pad_token_id=0)
+    values = forward_values(critic, batch)
+    assert values.shape == batch.response_mask.shape and torch.isfinite(values).all()
+    (values * batch.response_mask).sum().backward()
+    assert critic.head.weight.grad.abs().sum() > 0
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in critic.body.parameters())
