@@ -347,7 +347,7 @@ _COUNTS = ("generated", "scored", "trained", "staleness_violations", "unexpected
 def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_prompt: int = 1) -> BufferState:
     import msgpack
 
-    from protocol.codec import decode
+    from protocol.codec import ProtocolError, decode
     from protocol.samples import unpack_samples
 
     with open(path, "rb") as file:
@@ -357,7 +357,10 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
         raise ValueError(f"{path} was written by an earlier tether (its buffer does not own the prompt stream); "
                          "this version cannot resume it: start the run again")
     state = BufferState(batch_size, max_staleness, samples_per_prompt)
-    unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
+    try:
+        unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
+    except ProtocolError as error:
+        raise ValueError(f"{path} holds samples this tether cannot read ({error}); start the run again") from None
     for sample in unscored:
         state.unscored[sample.sample_id] = sample
         state._owe(sample.behavior_version, 1)

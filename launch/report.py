@@ -20,7 +20,7 @@ TIME_CATEGORIES = {
 }
 
 PANELS = (
-    ("reward", (("learner", "reward", "RM"), ("learner", "gold_reward", "gold"))),
+    ("reward", (("learner", "reward", "score (RM + functions)"), ("learner", "gold_reward", "gold"))),
     ("KL to reference", (("learner", "kl", "kl"),)),
     ("response length", (("learner", "response_length", "tokens"),)),
     ("entropy", (("learner", "entropy", "nats/token"),)),

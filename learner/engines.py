@@ -121,7 +121,9 @@ def load_critic(path: str) -> nn.Module:
     except ValueError:  # a family without a sequence-classification class: its body and a new head
         body = AutoModel.from_pretrained(path, dtype=torch.float32)
         head = nn.Linear(body.config.hidden_size, 1)
-        torch.nn.init.normal_(head.weight, std=1.0 / (body.config.hidden_size + 1))  # HF's score-head init
+        with torch.no_grad():
+            head.weight.normal_(0.0, 1.0 / (body.config.hidden_size + 1))  # HF's score-head init
+            head.bias.zero_()
         return disable_dropout(ValueModel(body, head))
     head = classification_head(source)
     if head.bias is not None:

@@ -199,6 +199,9 @@ class TetherConfig(_Strict):
             raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or both")
         if self.models.reward is None and self.models.critic_init == "reward":
             raise ValueError("models.critic_init is reward but there is no models.reward")
+        specs = [f.function for f in self.scorer.reward_functions]
+        if len(set(specs)) < len(specs):
+            raise ValueError(f"scorer.reward_functions names a function twice ({specs}): give it one weight")
         if learner.batch_size % rollout.samples_per_prompt:
             raise ValueError(f"learner.batch_size ({learner.batch_size}) must be a multiple of "
                              f"rollout.samples_per_prompt ({rollout.samples_per_prompt})")

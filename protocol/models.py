@@ -19,6 +19,7 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jin
 def local_model_dir(key: str, name: str) -> str:
     """A directory holding model ``name`` (config key ``key``): ``name`` itself when it is a
     directory, else the snapshot of hub id ``name``. The error names the key."""
+    name = os.path.expanduser(name)
     if os.path.isdir(name):
         return name
     if os.path.exists(name):
@@ -29,11 +30,16 @@ def local_model_dir(key: str, name: str) -> str:
     from huggingface_hub import snapshot_download
 
     try:
-        return snapshot_download(repo_id=name, allow_patterns=HUB_FILES)
+        directory = snapshot_download(repo_id=name, allow_patterns=HUB_FILES)
+        if not any(file.endswith(".safetensors") for file in os.listdir(directory)):  # an older repo
+            directory = snapshot_download(repo_id=name, allow_patterns=[*HUB_FILES, "*.bin"])
     except Exception as error:  # not an id (HFValidationError), unknown, no network, no cache entry
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"{key}: {name!r} is not a directory, and as a Hugging Face hub id it cannot be had "
                           f"here ({type(error).__name__}: {reason})") from None
+    if not any(file.endswith((".safetensors", ".bin")) for file in os.listdir(directory)):
+        raise ConfigError(f"{key}: hub model {name!r} has no weights tether can load (*.safetensors, *.bin)")
+    return directory
 
 
 def resolve_models(config: TetherConfig, role: str) -> TetherConfig:
@@ -47,7 +53,7 @@ def resolve_models(config: TetherConfig, role: str) -> TetherConfig:
         "buffer": [],
     }[role]
     resolved = {key: local_model_dir(f"models.{key}", getattr(models, key)) for key in keys}
-    if role == "rollout" and not os.path.isfile(config.data.prompts):
+    if role in ("rollout", "scorer") and not os.path.isfile(config.data.prompts):
         raise ConfigError(f"data.prompts: {config.data.prompts} does not exist")
     return config.model_copy(update={"models": models.model_copy(update=resolved)})
 

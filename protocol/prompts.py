@@ -41,7 +41,8 @@ def dataset_row(seed: int, size: int, prompt_index: int) -> int:
 
 def read_rows(path: str) -> list[dict[str, Any]]:
     """Every row of a prompt file (``data.prompts``), checked: each has a text ``prompt`` or a
-    ``messages`` chat. The error names the key, the file and the row."""
+    ``messages`` chat. JSON lines (a ``.json`` file may also hold one list of rows) or Parquet.
+    The error names the key, the file and the line or row."""
     if path.endswith(".parquet"):
         import pyarrow.parquet
 
@@ -49,23 +50,30 @@ def read_rows(path: str) -> list[dict[str, Any]]:
             rows = pyarrow.parquet.read_table(path).to_pylist()
         except Exception as error:  # not Parquet, damaged
             raise ConfigError(f"data.prompts: {path} does not read as Parquet: {error}") from None
-        where = "row"
+        numbered = [(f"row {number}", row) for number, row in enumerate(rows, 1)]
     else:
-        rows, where = [], "line"
-        with open(path) as file:
-            for number, line in enumerate(file, 1):
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+        if path.endswith(".json") and text.lstrip().startswith("["):
+            try:
+                numbered = [(f"row {number}", row) for number, row in enumerate(json.loads(text), 1)]
+            except json.JSONDecodeError as error:
+                raise ConfigError(f"data.prompts: {path} is not JSON: {error}") from None
+        else:
+            numbered = []
+            for number, line in enumerate(text.splitlines(), 1):
                 if line.strip():
                     try:
-                        rows.append(json.loads(line))
+                        numbered.append((f"line {number}", json.loads(line)))
                     except json.JSONDecodeError as error:
                         raise ConfigError(f"data.prompts: {path} line {number} is not JSON: {error}") from None
-    for number, row in enumerate(rows, 1):
+    for where, row in numbered:
         if not _valid_row(row):
-            raise ConfigError(f'data.prompts: {path} {where} {number} has neither "prompt" (text) nor "messages" '
+            raise ConfigError(f'data.prompts: {path} {where} has neither "prompt" (text) nor "messages" '
                               '(a list of {"role": ..., "content": ...})')
-    if not rows:
+    if not numbered:
         raise ConfigError(f"data.prompts: {path} holds no prompt")
-    return rows
+    return [row for _, row in numbered]
 
 
 def _valid_row(row: Any) -> bool:
@@ -100,5 +108,10 @@ def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None =
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError('data.prompts: a row is a chat ("messages") but the policy tokenizer has no chat template '
                           '(chat_template in tokenizer_config.json); give "prompt" text instead')
-    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    try:
+        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+    except Exception as error:  # the template's own checks (roles must alternate, no system role, ...)
+        with_system = " (with data.system_prompt)" if system_prompt else ""
+        raise ConfigError(f"data.prompts: the policy tokenizer's chat template refuses a chat{with_system}: "
+                          f"{type(error).__name__}: {error}; chat: {json.dumps(chat)[:300]}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

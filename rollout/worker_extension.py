@@ -25,9 +25,10 @@ class WeightSyncExtension:
         with read_manifest(WeightManifest.from_dict(manifest), verify=not checked) as tensors:
             try:
                 self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-            except (KeyError, ValueError, AttributeError, AssertionError) as error:
+                # the new weights are in from here on: a failure now cannot leave the old ones
+                reprocess_tied_layers(self.model_runner.get_model())
+            except (KeyError, ValueError, AttributeError, AssertionError, RuntimeError) as error:
                 return {"refused": f"{type(error).__name__}: {error}"}
-        reprocess_tied_layers(self.model_runner.model)
         return {"tensors": len(tensors)}
 
 

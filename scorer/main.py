@@ -11,7 +11,7 @@ import time
 import numpy as np
 import torch
 
-from protocol.config import TetherConfig
+from protocol.config import ConfigError, TetherConfig
 from protocol.models import resolve_models, same_tokens
 from protocol.prompts import chat_of, read_rows
 from protocol.runlog import MetricsWriter, setup_logging
@@ -26,8 +26,16 @@ class Scorer:
     def __init__(self, config: TetherConfig, log) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-        from protocol.sequences import disable_dropout
+        from protocol.sequences import classification_head, disable_dropout
 
+        # the user's code first: a typo there should not wait for the models to load
+        self.functions = [RewardFunction.load(f.function, f.weight, f"scorer.reward_functions[{i}].function")
+                          for i, f in enumerate(config.scorer.reward_functions)]
+        self.gold = (RewardFunction.load(config.scorer.gold_reward, 1.0, "scorer.gold_reward")
+                     if config.scorer.gold_reward else None)
+        if config.models.reference and not same_tokens(config.models.policy, config.models.reference):
+            raise ConfigError(f"models.reference: {config.models.reference} reads other tokens than the policy; "
+                              "the KL tether compares both on the policy's tokens")
         self.log, self.temperature = log, config.rollout.temperature
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.reference = disable_dropout(AutoModelForCausalLM.from_pretrained(
@@ -38,12 +46,14 @@ class Scorer:
         if config.models.reward:
             self.reward_model = disable_dropout(AutoModelForSequenceClassification.from_pretrained(
                 config.models.reward, num_labels=1, dtype=torch.float32)).to(self.device).eval()
+            try:
+                classification_head(self.reward_model)
+            except ValueError as error:
+                raise ConfigError(f"models.reward: {error}; tether scores the last token's hidden state with a "
+                                  "single linear head") from None
             if not same_tokens(config.models.policy, config.models.reward):  # else ids go to it unchanged
                 self.rm_tokenizer = AutoTokenizer.from_pretrained(config.models.reward)
-        self.functions = [RewardFunction.load(f.function, f.weight, f"scorer.reward_functions[{i}].function")
-                          for i, f in enumerate(config.scorer.reward_functions)]
-        self.gold = (RewardFunction.load(config.scorer.gold_reward, 1.0, "scorer.gold_reward")
-                     if config.scorer.gold_reward else None)
+                self.rm_max_tokens = getattr(self.reward_model.config, "max_position_embeddings", None)
         self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer)
         self.rows = read_rows(config.data.prompts) if self.needs_text else []
         self.system_prompt = config.data.system_prompt
@@ -57,7 +67,7 @@ class Scorer:
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Fill in each sample's ``ref_logprobs``, ``score`` and ``gold_score``; returns the mean of
         each part of the score and the count of reward-function failures, for the metrics."""
-        from scorer.scoring import reference_logprobs, reward_model_text, reward_scores, reward_scores_of_texts
+        from scorer.scoring import reference_logprobs, reward_model_tokens, reward_scores, reward_scores_of_tokens
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
                                                            self.temperature)):
@@ -69,9 +79,9 @@ class Scorer:
             if self.rm_tokenizer is None:
                 rm = reward_scores(self.reward_model, samples, self.pad_token_id)
             else:
-                texts = [reward_model_text(a["sequence"], a["response"], chat_of(a["row"], self.system_prompt),
-                                           self.rm_tokenizer) for a in arguments]
-                rm = reward_scores_of_texts(self.reward_model, self.rm_tokenizer, texts)
+                rows = [reward_model_tokens(a["sequence"], a["response"], chat_of(a["row"], self.system_prompt),
+                                            self.rm_tokenizer, self.rm_max_tokens) for a in arguments]
+                rm = reward_scores_of_tokens(self.reward_model, rows)
             totals += rm.double().numpy()
             parts["rm_score"] = float(rm.mean())
         failures = 0

@@ -27,23 +27,26 @@ def load_function(spec: str, key: str) -> Callable[..., Any]:
     module_name, _, function_name = spec.partition(":")
     try:
         function = getattr(importlib.import_module(module_name), function_name)
-    except (ImportError, AttributeError, ValueError) as error:
-        raise ConfigError(f"{key}: cannot import {spec!r} (expected module:function): {error}") from None
-    if not callable(function):
-        raise ConfigError(f"{key}: {spec!r} is not a function")
-    wanted = _wanted_arguments(function)
-    unknown = [name for name in wanted if name not in ARGUMENTS]
-    if unknown:
-        raise ConfigError(f"{key}: {spec!r} asks for {unknown}; a reward function gets {', '.join(ARGUMENTS)}")
+        wanted_arguments(function)
+    except Exception as error:  # not importable, a broken module, no such function, no signature
+        raise ConfigError(f"{key}: cannot import {spec!r} (expected module:function): "
+                          f"{type(error).__name__}: {error}") from None
     return function
 
 
-def _wanted_arguments(function: Callable[..., Any]) -> tuple[str, ...]:
+def wanted_arguments(function: Callable[..., Any]) -> tuple[str, ...]:
+    """The arguments ``function`` gets: those of ``ARGUMENTS`` it names (all with ``**kwargs``).
+    A parameter it needs that is not one of them is an error; one with a default is left alone."""
     parameters = inspect.signature(function).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return ARGUMENTS
-    return tuple(p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                                          inspect.Parameter.KEYWORD_ONLY))
+    named = [p for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                                 inspect.Parameter.KEYWORD_ONLY)]
+    unknown = [p.name for p in named if p.name not in ARGUMENTS and p.default is inspect.Parameter.empty]
+    if unknown or any(p.kind is inspect.Parameter.POSITIONAL_ONLY for p in parameters):
+        raise TypeError(f"it asks for {unknown or 'positional-only arguments'}; a reward function gets "
+                        f"{', '.join(ARGUMENTS)} by name")
+    return tuple(p.name for p in named if p.name in ARGUMENTS)
 
 
 @dataclass
@@ -51,22 +54,21 @@ class RewardFunction:
     name: str  # the "module:function" spec: how it is named in logs and metrics
     function: Callable[..., Any]
     weight: float
+    arguments: tuple[str, ...]  # what it is called with
 
     @staticmethod
     def load(spec: str, weight: float, key: str) -> "RewardFunction":
-        return RewardFunction(spec, load_function(spec, key), weight)
+        function = load_function(spec, key)
+        return RewardFunction(spec, function, weight, wanted_arguments(function))
 
     def __call__(self, sample_id: str, arguments: dict[str, Any], log: logging.Logger) -> float | None:
         """The function's value for one sample; None (and a warning naming both) if it fails."""
-        wanted = _wanted_arguments(self.function)
         try:
-            value = self.function(**{name: arguments[name] for name in wanted})
-            value = float(value)
+            value = float(self.function(**{name: arguments[name] for name in self.arguments}))
             if not math.isfinite(value):
                 raise ValueError(f"returned {value}")
             return value
         except Exception as error:
-            response = arguments["response"]
             log.warning("reward function %s failed on sample %s (response %r): %s: %s; it counts 0 for this sample",
-                        self.name, sample_id, response[:200], type(error).__name__, error)
+                        self.name, sample_id, arguments["response"][:200], type(error).__name__, error)
             return None

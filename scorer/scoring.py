@@ -34,11 +34,10 @@ def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: 
 
 
 @torch.no_grad()
-def reward_scores_of_texts(reward_model: nn.Module, tokenizer, texts: list[str]) -> torch.Tensor:
-    """One scalar per text, tokenized the reward model's own way (its tokenizer, its special
-    tokens): for an RM whose vocabulary is not the policy's. Pooled as ``reward_scores``."""
+def reward_scores_of_tokens(reward_model: nn.Module, rows: list[list[int]]) -> torch.Tensor:
+    """One scalar per row of the reward model's own token ids (``reward_model_tokens``): for an RM
+    whose vocabulary is not the policy's. Pooled as ``reward_scores``."""
     device = next(reward_model.parameters()).device
-    rows = [tokenizer(text)["input_ids"] for text in texts]
     input_ids = torch.zeros((len(rows), max(len(row) for row in rows)), dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for i, row in enumerate(rows):
@@ -57,11 +56,17 @@ def _pooled_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_m
     return (scores - float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))).cpu()
 
 
-def reward_model_text(sequence: str, response: str, chat: list[dict[str, str]] | None, tokenizer) -> str:
-    """What a reward model with its own tokenizer reads: the chat with the response as the
-    assistant's turn, through the RM's chat template, when the prompt is a chat and the RM has
-    one; else ``sequence``, prompt and response decoded together (decoding them apart could
-    change the text where they meet)."""
+def reward_model_tokens(sequence: str, response: str, chat: list[dict[str, str]] | None, tokenizer,
+                        max_tokens: int | None = None) -> list[int]:
+    """What a reward model with its own tokenizer reads, as its token ids: the chat with the
+    response as the assistant's turn through the RM's chat template (which writes its special
+    tokens itself), when the prompt is a chat and the RM has one; else ``sequence``, prompt and
+    response decoded together (decoding them apart could change the text where they meet),
+    tokenized with the RM's special tokens. Past ``max_tokens`` the start is cut: the score is
+    read at the last token."""
     if chat is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": response}], tokenize=False)
-    return sequence
+        text = tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": response}], tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    else:
+        ids = tokenizer(sequence)["input_ids"]
+    return list(ids[-max_tokens:] if max_tokens and len(ids) > max_tokens else ids)

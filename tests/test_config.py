@@ -70,6 +70,7 @@ def test_a_hub_id_resolves_from_the_local_cache_and_an_unknown_one_names_the_key
     snapshot = cache / "models--tether-tests--tiny" / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)
     (snapshot / "config.json").write_text("{}")
+    (snapshot / "model.safetensors").write_bytes(b"")
     (cache / "models--tether-tests--tiny" / "refs").mkdir()
     (cache / "models--tether-tests--tiny" / "refs" / "main").write_text("a" * 40)
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
@@ -153,12 +154,20 @@ def test_a_reward_function_that_cannot_be_imported_names_its_key():
 
     with pytest.raises(ConfigError, match=r"scorer.reward_functions\[0\].function: cannot import 'nope:fn'"):
         RewardFunction.load("nope:fn", 1.0, "scorer.reward_functions[0].function")
-    with pytest.raises(ConfigError, match="asks for \\['answer'\\]"):
+    with pytest.raises(ConfigError, match=r"scorer.gold_reward: .*it asks for \['answer'\]"):
         RewardFunction.load("tests.test_config:_asks_for_answer", 1.0, "scorer.gold_reward")
+    # a parameter with a default is the function's own business; only what it names is passed
+    tolerant = RewardFunction.load("tests.test_config:_with_a_tolerance", 1.0, "scorer.reward_functions[0]")
+    assert tolerant.arguments == ("response",)
+    assert tolerant("s0", {"response": "51", "row": {}}, None) == 1.0
 
 
 def _asks_for_answer(response, answer):
     return float(response == answer)
+
+
+def _with_a_tolerance(response, tolerance=0.5):
+    return float(abs(float(response) - 51) <= tolerance)
 
 
 @pytest.mark.parametrize("name", ["demo.yaml", "own_model.yaml"])

@@ -138,15 +138,20 @@ def test_a_reward_model_with_its_own_vocabulary_scores_the_text_as_its_own_token
 
 
 def test_a_chat_reaches_a_reward_model_through_its_own_chat_template(tmp_path, tiny_assets):
-    template = ("{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}")
+    """The template writes the RM's special tokens itself ([CLS] here, <|begin_of_text|> in Llama 3
+    RMs): they are not added a second time."""
+    template = "[CLS] {% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
     rm_dir = str(tmp_path / "rm")
     rm_tokenizer, rm = own_tokenizer_reward_model(rm_dir, chat_template=template)
     rows = [{"messages": [{"role": "user", "content": "even 1 2 :"}]}, {"prompt": "odd 0 0 :"}]
     scorer = make_scorer(tmp_path, tiny_assets, prompts_rows=rows, models={"reward": rm_dir})
     samples, _ = scored_samples(scorer)
-    chat_text = "user even 1 2 : assistant 3 5 "  # the RM's template, the response as the assistant's turn
+    chat = [*rows[0]["messages"], {"role": "assistant", "content": "3 5"}]  # the response as the assistant's turn
+    ids = rm_tokenizer.apply_chat_template(chat, tokenize=True)["input_ids"]
+    assert ids == rm_tokenizer("[CLS] user even 1 2 : assistant 3 5", add_special_tokens=False)["input_ids"]
+    assert ids.count(1) == 1  # one [CLS]
     with torch.no_grad():
-        direct = rm(**rm_tokenizer(chat_text, return_tensors="pt")).logits[0, 0].item()
+        direct = rm(input_ids=torch.tensor([ids])).logits[0, 0].item()
     assert samples[0].score == pytest.approx(direct, abs=1e-5)
 
 
@@ -213,3 +218,12 @@ def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_
     assert source(reward=rm_dir) == tiny_assets["policy"]  # auto, an RM of other tokens: the policy
     with pytest.raises(ConfigError, match="models.critic_init: the reward model .* has a tokenizer of its own"):
         source(reward=rm_dir, critic_init="reward")
+
+
+def test_a_reference_that_reads_other_tokens_is_refused_naming_the_key(tmp_path, tiny_assets):
+    from protocol.config import ConfigError
+
+    rm_dir = str(tmp_path / "rm")
+    own_tokenizer_reward_model(rm_dir)
+    with pytest.raises(ConfigError, match="models.reference: .* reads other tokens than the policy"):
+        make_scorer(tmp_path, tiny_assets, models={"reference": rm_dir})

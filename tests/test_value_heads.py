@@ -85,8 +85,12 @@ def test_a_critic_from_a_family_without_a_sequence_classification_class(tmp_path
     AutoModelForCausalLM.from_config(GraniteConfig(vocab_size=16, hidden_size=64, intermediate_size=128,
                                                    num_hidden_layers=2, num_attention_heads=2,
                                                    pad_token_id=0)).save_pretrained(tmp_path / "granite")
+    from transformers import AutoModelForSequenceClassification
+
+    with pytest.raises(ValueError):  # what sends load_critic to its fallback
+        AutoModelForSequenceClassification.from_pretrained(str(tmp_path / "granite"), num_labels=1)
     critic = load_critic(str(tmp_path / "granite"))
-    assert isinstance(critic, ValueModel) and critic.head.out_features == 1
+    assert isinstance(critic, ValueModel) and critic.head.out_features == 1 and float(critic.head.bias) == 0.0
     samples = [Sample(f"s{i}", i, 0, np.array(ids[:2], np.int32), np.array(ids[2:], np.int32),
                       np.zeros(len(ids) - 2, np.float32), "stop") for i, ids in enumerate(SEQUENCES)]
     batch = collate(samples, pad_token_id=0)
