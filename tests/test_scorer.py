@@ -1,5 +1,7 @@
 """Sequence packing and the scorer's math on real (tiny) transformers models."""
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -179,7 +181,8 @@ def test_reward_functions_are_trained_on_added_to_the_rm_and_a_failing_one_costs
     rm_only = make_scorer(tmp_path, tiny_assets, prompts_rows=rows)
     rm_scores = [s.score for s in scored_samples(rm_only)[0]]
     scorer = make_scorer(tmp_path, tiny_assets, prompts_rows=rows, scorer={"reward_functions": functions})
-    samples, parts = scored_samples(scorer)
+    with caplog.at_level(logging.WARNING):  # whatever level an earlier test's role left the root logger at
+        samples, parts = scored_samples(scorer)
     # "3 5" for even: 0 of 2 digits right; "2 4 6 0" for odd: 0 of 4 right
     parity = [exact_parity("even 1 2 :", "3 5"), exact_parity("odd 0 0 :", "2 4 6 0")]
     assert parity == [0.0, 0.0]
