@@ -226,8 +226,9 @@ class BufferState:
     # ------------------------------------------------------------------ learner side
 
     def take_batch(self, policy_version: int, batch_size: int) -> list[Sample] | None:
-        """A batch for the learner at ``policy_version``, oldest samples first, or None while fewer
-        than ``batch_size`` fresh scored samples are here. Stale samples are dropped and counted.
+        """A batch for the learner at ``policy_version``, oldest samples first and whole groups of
+        ``samples_per_prompt``, or None while fewer than ``batch_size`` fresh scored samples in
+        whole groups are here. Stale samples are dropped and counted.
 
         It also waits while taking the oldest samples here now would leave samples on their way
         (granted, generating, scoring) too late for the batches that remain to them: a sample of
@@ -241,14 +242,28 @@ class BufferState:
                 self.accounting.staleness_violations += 1
         if len(self.scored) < batch_size:
             return None
-        ordered = sorted(self.scored.values(), key=lambda s: s.behavior_version)[:batch_size]
-        if self._owed_would_be_late(policy_version, batch_size, ordered):
+        ordered = self._oldest_whole_groups(batch_size)
+        if ordered is None or self._owed_would_be_late(policy_version, batch_size, ordered):
             return None
         for sample in ordered:
             del self.scored[sample.sample_id]
             self.accounting.trained += 1
             self.accounting.staleness_histogram[policy_version - sample.behavior_version] += 1
         return ordered
+
+    def _oldest_whole_groups(self, batch_size: int) -> list[Sample] | None:
+        """``batch_size`` scored samples made of whole groups (the ``samples_per_prompt`` responses
+        to one prompt, which group estimators compare with each other), oldest version first, each
+        group's samples next to each other; None while fewer whole groups are here. The responses
+        to a prompt are generated together and share a version, but scorers may return them apart."""
+        groups: dict[int, list[Sample]] = {}
+        for sample in self.scored.values():  # arrival order
+            groups.setdefault(sample.prompt_index, []).append(sample)
+        whole = [group for group in groups.values() if len(group) == self.samples_per_prompt]
+        if len(whole) * self.samples_per_prompt < batch_size:
+            return None
+        whole.sort(key=lambda group: group[0].behavior_version)  # stable: arrival order within a version
+        return [sample for group in whole[:batch_size // self.samples_per_prompt] for sample in group]
 
     def _owed_would_be_late(self, policy_version: int, batch_size: int, batch: list[Sample]) -> bool:
         """Whether, after ``batch``, the samples left (here or on their way) could no longer all

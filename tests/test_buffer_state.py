@@ -477,3 +477,120 @@ def test_a_snapshot_restores_samples_credits_prompts_and_accounting(tmp_path):
     report = restored.report()
     assert report["generated"] == 4 and report["dropped"] == {"duplicate_id": 1} and report["identity_holds"]
     assert restored.add_samples([sample(2, 0, 4)], "rollout:0") == 0  # the ids seen survive
+
+
+# --------------------------------------------------------------------------- whole groups
+
+
+def assert_whole_groups(batch, group_size):
+    """Every prompt's responses are all in the batch, next to each other."""
+    for start in range(0, len(batch), group_size):
+        group = batch[start:start + group_size]
+        assert len({s.prompt_index for s in group}) == 1, [s.prompt_index for s in batch]
+    assert len({s.prompt_index for s in batch}) == len(batch) // group_size
+
+
+def scored(work):
+    """A scorer's answer: reference logprobs and a score on each sample (one restored from a
+    snapshot arrives without the ones this file's samples are made with)."""
+    for s in work:
+        s.ref_logprobs, s.score = np.zeros(len(s.response_tokens), np.float32), 0.0
+    return work
+
+
+def generate_groups(state, engine, version, wanted, next_id):
+    """An engine generates every response of each prompt it is granted, in one message."""
+    indices = state.credits_for(engine, version, wanted)
+    samples = [sample(next_id + i * state.samples_per_prompt + j, version, index)
+               for i, index in enumerate(indices) for j in range(state.samples_per_prompt)]
+    state.add_samples(samples, engine)
+    return len(samples)
+
+
+def test_a_batch_waits_for_the_rest_of_a_group_a_scorer_still_holds():
+    state = BufferState(batch_size=2, max_staleness=1, samples_per_prompt=2)
+    generate_groups(state, "rollout:0", 0, 4, 0)  # prompts 0 and 1, two responses each: 0a 0b 1a 1b
+    slow = state.take_for_scoring(1, scorer="scorer:1")  # 0a
+    state.add_scored(state.take_for_scoring(2, scorer="scorer:0"))  # 0b and 1a are back
+    assert state.take_batch(0, 2) is None  # two samples here, of two groups neither of which is whole
+    state.add_scored(slow)
+    batch = state.take_batch(0, 2)
+    assert_whole_groups(batch, 2) and [s.prompt_index for s in batch] == [0, 0]
+
+
+@settings(max_examples=300, deadline=None)
+# two prompts granted at k = 1; one scorer answers its later share first: 0c 1a, then 1b 1c, arrive before 0a 0b
+@example(actions=["generate0", "dispatch", "dispatch", "return_newest"], group_size=3, groups_per_batch=1,
+         max_staleness=1)
+@given(
+    actions=st.lists(st.sampled_from(["generate0", "generate1", "dispatch", "return", "return_newest", "lose",
+                                      "tick", "snapshot", "sync"]), max_size=100),
+    group_size=st.integers(2, 3),
+    groups_per_batch=st.integers(1, 3),
+    max_staleness=st.integers(0, 2),
+)
+def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size, groups_per_batch, max_staleness):
+    """Groups split between scorers, answers lost and sent again after a deadline, the buffer
+    restored from a snapshot (a resume): every batch is whole groups, within the bound, and each
+    prompt is trained once; once everyone behaves the run reaches its batches."""
+    from buffer.state import load_snapshot, save_snapshot
+
+    batch_size = group_size * groups_per_batch
+    state = BufferState(batch_size, max_staleness, samples_per_prompt=group_size)
+    versions = {"rollout:0": 0, "rollout:1": 0}
+    out: list[list] = []
+    now, next_id, learner_version, trained = 0.0, 0, 0, set()
+    snapshot = str(tmp_path_factory.mktemp("snap") / "buffer.snapshot")
+
+    def train() -> None:
+        nonlocal learner_version
+        batch = state.take_batch(learner_version, batch_size)
+        if batch is None:
+            return
+        assert_whole_groups(batch, group_size)
+        for s in batch:
+            assert learner_version - s.behavior_version <= max_staleness
+        prompts = {s.prompt_index for s in batch}
+        assert not prompts & trained
+        trained.update(prompts)
+        learner_version += 1
+        state.publish_weights(learner_version, None)
+
+    for action in actions:
+        if action.startswith("generate"):
+            engine = f"rollout:{action[-1]}"
+            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
+        elif action == "sync":
+            versions = {engine: state.policy_version for engine in versions}
+        elif action == "dispatch":  # scorers take fewer than a group: groups come back apart
+            out.append(state.take_for_scoring(group_size - 1, scorer=f"scorer:{len(out) % 2}", now=now,
+                                              deadline_s=3.0))
+        elif action == "return" and out:
+            state.add_scored(scored(out.pop(0)))
+        elif action == "return_newest" and out:  # scorers answer out of order
+            state.add_scored(scored(out.pop()))
+        elif action == "lose" and out:
+            out.pop()
+        elif action == "tick":
+            now += 1.0
+            state.redispatch(now=now)
+        elif action == "snapshot":  # the run is resumed: rollouts and scorers start afresh
+            save_snapshot(state, snapshot)
+            state = load_snapshot(snapshot, batch_size, max_staleness, group_size)
+            out, versions = [], {engine: state.policy_version for engine in versions}
+        train()
+        assert state.report()["identity_holds"]
+    target = learner_version + 3
+    for _ in range(100):
+        if learner_version >= target:
+            break
+        for engine in versions:
+            versions[engine] = state.policy_version
+            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
+        now += 10.0
+        state.redispatch(now=now)
+        while state.unscored:
+            state.add_scored(scored(state.take_for_scoring(group_size - 1, scorer="scorer:0", now=now,
+                                                           deadline_s=3.0)))
+        train()
+    assert learner_version >= target, state.report()

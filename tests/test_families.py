@@ -14,12 +14,11 @@ import os
 
 import pytest
 import torch
-import yaml
 
 from launch.demo import BOS, EOS, PAD, VOCAB, build_tokenizer
 from protocol.runlog import read_metrics
 from tests.conftest import base_config
-from tests.test_pipeline_e2e import LOGPROB_TOLERANCE, tether
+from tests.test_pipeline_e2e import LOGPROB_TOLERANCE, run_to_the_end
 
 STEPS = 4  # three reloads: versions 1, 2 and 3 generate the batches of steps 2, 3 and 4
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}:{% endif %}")
@@ -100,11 +99,7 @@ def test_a_family_trains_and_the_rollout_logprobs_stay_the_learners(tmp_path, ti
                          rollout={"max_new_tokens": 4, "prompts_per_generate": 8, "max_model_len": 64},
                          learner={"total_steps": STEPS, "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1},
                          buffer={"max_staleness": 0})
-    config["placement"] = {"cores": {"buffer": [0], "rollout": [0], "scorer": [1], "learner": [1]}}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = tether("run", "--config", str(path))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_to_the_end(tmp_path, config)
 
     steps = read_metrics(config["run_dir"], "learner")
     assert [record["step"] for record in steps] == list(range(1, STEPS + 1))

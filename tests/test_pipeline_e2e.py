@@ -37,6 +37,16 @@ def write_config(tmp_path, assets, **sections):
     return path, config["run_dir"]
 
 
+def run_to_the_end(tmp_path, config):
+    """`tether run` of a config dict, the roles placed on this machine's two cores; it must succeed."""
+    config["placement"] = {"cores": {"buffer": [0], "rollout": [0], "scorer": [1], "learner": [1]}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = tether("run", "--config", str(path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("max_staleness, weight_transport", [(0, "tcp"), (1, "shm")])
 def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max_staleness, weight_transport):

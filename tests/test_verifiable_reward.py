@@ -4,12 +4,11 @@ with its gold rule as the only reward raises that reward on held-out prompts."""
 import os
 
 import pytest
-import yaml
 
 from launch.demo import evaluate
 from protocol.runlog import read_metrics
 from tests.conftest import base_config
-from tests.test_pipeline_e2e import tether
+from tests.test_pipeline_e2e import run_to_the_end
 
 STEPS = 12
 
@@ -22,11 +21,7 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
                          rollout={"max_new_tokens": 8, "prompts_per_generate": 32, "max_model_len": 64},
                          learner={"total_steps": STEPS, "batch_size": 32, "minibatch_size": 16, "ppo_epochs": 2,
                                   "actor_lr": 5e-4, "critic_lr": 1e-3, "kl_coef": 0.01})
-    config["placement"] = {"cores": {"buffer": [0], "rollout": [0], "scorer": [1], "learner": [1]}}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = tether("run", "--config", str(path))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_to_the_end(tmp_path, config)
 
     steps = read_metrics(config["run_dir"], "learner")
     assert len(steps) == STEPS
