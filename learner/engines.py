@@ -136,6 +136,10 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
     import deepspeed
 
     learner = config.learner
+    if learner.gradient_checkpointing:
+        body = model.body if isinstance(model, ValueModel) else model
+        body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()  # HF checkpoints only in training mode (dropout is off in every tether model)
     ds_config = {
         # a minibatch is split evenly between the ranks (data parallel); DeepSpeed averages their gradients
         "train_micro_batch_size_per_gpu": learner.minibatch_size // int(os.environ.get("WORLD_SIZE", 1)),

@@ -40,13 +40,13 @@ class HealthMonitor:
     def observe(self, record: dict) -> list[Alert]:
         """One learner step's metrics in, the alerts they raise out."""
         cfg, alerts = self.config, []
-        for key in ("policy_loss", "value_loss"):
-            if not math.isfinite(record[key]):
+        for key in ("policy_loss", "value_loss"):  # no value loss without a critic (critic-free estimators)
+            if key in record and not math.isfinite(record[key]):
                 alerts.append(Alert("nan_loss", f"{key} is {record[key]}"))
         if len(self._warmup) < cfg.warmup_steps:
             self._warmup.append(record)
             if len(self._warmup) == cfg.warmup_steps:
-                keys = ("reward", "response_length", "entropy", "value_loss")
+                keys = [k for k in ("reward", "response_length", "entropy", "value_loss") if k in record]
                 self._baseline = {k: sum(r[k] for r in self._warmup) / len(self._warmup) for k in keys}
             return alerts
 
@@ -65,7 +65,8 @@ class HealthMonitor:
         if record["entropy"] < cfg.entropy_collapse_ratio * base["entropy"]:
             alerts.append(Alert("entropy_collapse", f"entropy {record['entropy']:.4f} fell under "
                                                     f"{cfg.entropy_collapse_ratio}x its baseline {base['entropy']:.4f}"))
-        if math.isfinite(record["value_loss"]) and record["value_loss"] > cfg.value_loss_factor * base["value_loss"]:
+        if ("value_loss" in base and math.isfinite(record["value_loss"])
+                and record["value_loss"] > cfg.value_loss_factor * base["value_loss"]):
             alerts.append(Alert("value_loss_exploding", f"value loss {record['value_loss']:.3g} is over "
                                                         f"{cfg.value_loss_factor}x its baseline {base['value_loss']:.3g}"))
         clipfrac = record["clipfrac"]

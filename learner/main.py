@@ -12,6 +12,7 @@ import torch
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
+from learner.schedule import lr_factor, set_lr
 from protocol.codec import decode, encode
 from protocol.config import TetherConfig
 from protocol.models import critic_source, resolve_models
@@ -29,7 +30,7 @@ class TrainingStopped(RuntimeError):
 
 
 def save_state(checkpoints: str, version: int, actor, critic, kl_controller, moments, client, keep: int = 2) -> str:
-    """An atomic checkpoint: both DeepSpeed engines (weights and optimizer, every rank's
+    """An atomic checkpoint: the DeepSpeed engines (weights and optimizer, every rank's
     partition), the policy version, the KL controller, the reward moments and the buffer's
     samples and accounting, written into a temporary directory that becomes ``state-N`` by one
     rename once all of it is there and on disk, so a half-written checkpoint is never picked.
@@ -40,7 +41,8 @@ def save_state(checkpoints: str, version: int, actor, critic, kl_controller, mom
         shutil.rmtree(temporary, ignore_errors=True)
     parallel.barrier()  # nobody writes into the directory before it is emptied
     actor.save_checkpoint(os.path.join(temporary, "actor"), tag="state")
-    critic.save_checkpoint(os.path.join(temporary, "critic"), tag="state")
+    if critic is not None:  # a critic-free estimator has none
+        critic.save_checkpoint(os.path.join(temporary, "critic"), tag="state")
     parallel.barrier()  # every rank's partition is written
     if client is None:
         return final
@@ -76,7 +78,8 @@ def _fsync_tree(directory: str, files: bool = True) -> None:
 
 def load_state(directory: str, actor, critic, kl_controller, moments) -> int:
     actor.load_checkpoint(os.path.join(directory, "actor"), tag="state")
-    critic.load_checkpoint(os.path.join(directory, "critic"), tag="state")
+    if critic is not None:
+        critic.load_checkpoint(os.path.join(directory, "critic"), tag="state")
     with open(os.path.join(directory, "learner.json")) as file:
         state = json.load(file)
     kl_controller.load_state_dict(state["kl_controller"])
@@ -152,10 +155,11 @@ def run(config: TetherConfig) -> str:
     init_distributed(config)
     main = parallel.rank() == 0
     actor_model = load_actor(config.models.policy)
-    critic_model = load_critic(critic_source(config))
     pad_token_id = actor_model.config.pad_token_id if actor_model.config.pad_token_id is not None else 0
     actor = make_engine(actor_model, cfg.actor_lr, config)
-    critic = make_engine(critic_model, cfg.critic_lr, config)
+    # only GAE needs values; the critic-free estimators take their baseline from the rewards
+    critic = (make_engine(load_critic(critic_source(config)), cfg.critic_lr, config)
+              if cfg.advantage_estimator == "gae" else None)
     kl_controller = make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     moments = ppo.RunningMoments() if cfg.normalize_rewards else None
     checkpoints = os.path.join(config.run_dir, "checkpoints")
@@ -173,8 +177,9 @@ def run(config: TetherConfig) -> str:
         client = BufferClient(config.buffer_address, "learner", "0", config.transport.max_frame_bytes,
                               config.transport.curve)
         client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
-        log.info("training %s for %d steps (batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), max_staleness %d)",
-                 config.models.policy, cfg.total_steps, cfg.batch_size, cfg.minibatch_size, cfg.ppo_epochs,
+        log.info("training %s for %d steps (%s, batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), "
+                 "max_staleness %d)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
+                 cfg.minibatch_size, cfg.ppo_epochs,
                  cfg.zero_stage, parallel.world_size(), config.buffer.max_staleness)
 
     def publish(version: int) -> None:
@@ -194,9 +199,13 @@ def run(config: TetherConfig) -> str:
         samples = unpack_samples(receive_batch(client, policy_version, config, log))
         train_started = time.monotonic()
         batch = collate(samples, pad_token_id).to(device())
+        factor = lr_factor(policy_version, cfg.total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
+        set_lr(actor, cfg.actor_lr * factor)
+        if critic is not None:
+            set_lr(critic, cfg.critic_lr * factor)
         try:
             stats = ppo_step(actor, critic, samples, batch, cfg, config.rollout.temperature, kl_controller.value,
-                             policy_version, moments, config.seed)
+                             policy_version, moments, config.seed, config.rollout.samples_per_prompt)
         except FloatingPointError as error:
             saved = save_hf_checkpoint(actor, config.models.policy,
                                        os.path.join(checkpoints, f"nan-step-{policy_version:06d}"))
@@ -205,6 +214,7 @@ def run(config: TetherConfig) -> str:
                 log.error("ALERT nan_loss: %s; the last good policy is saved in %s; stopping", error, saved)
             raise TrainingStopped(f"NaN loss at policy version {policy_version} ({error}); "
                                   f"the last good policy is in {saved}") from None
+        stats["actor_lr"] = cfg.actor_lr * factor
         kl_controller.update(stats["kl"], n_steps=len(samples))
         policy_version += 1
         sync_started = time.monotonic()

@@ -132,9 +132,12 @@ def masked_whiten(
 
     values, mask: same shape; returns the same shape with padding set to 0.
     ``shift_mean=False`` only rescales (keeps the mean): the choice of OpenAI's
-    lm-human-preferences for rewards, where the sign of the mean carries meaning.
+    lm-human-preferences for rewards, where the sign of the mean carries meaning. A single valid
+    entry has no spread to scale by: it is only centred (a batch of one one-token response).
     """
     mean = masked_mean(values, mask)
+    if mask.to(values.dtype).sum() < 2:
+        return (values - mean if shift_mean else values) * mask.to(values.dtype)
     variance = masked_var(values, mask, unbiased=True)
     whitened = (values - mean) * torch.rsqrt(variance + eps)
     if not shift_mean:

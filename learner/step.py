@@ -35,18 +35,48 @@ def forward_values(engine, batch: SequenceBatch) -> torch.Tensor:
     return _finite("critic values", gather_response(values, batch.response_positions).float())
 
 
-def _grad_norm(engine) -> float:
+def _grad_norm_before_step(engine) -> float | None:
+    """The gradient norm where only the gradients tell it: ZeRO-0, whose whole gradients are on
+    every parameter until the step clears them. None under ZeRO 1-3 (``_grad_norm_after_step``)."""
+    if engine.zero_optimization_stage() > 0:
+        return None
+    grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
+    return float(torch.stack(grads).norm()) if grads else 0.0
+
+
+def _grad_norm_after_step(engine, before: float | None) -> float:
+    """ZeRO 1-3 compute the (partitioned) gradient norm inside ``step()``: read before it, the norm
+    would be the previous step's."""
+    if before is not None:
+        return before
     norm = engine.get_global_grad_norm()
-    if norm is None:  # ZeRO-0 does not report it; gradients are whole on every parameter then
-        grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-        norm = torch.stack(grads).norm() if grads else torch.tensor(0.0)
-    return float(norm)
+    return float(norm) if norm is not None else float("nan")
+
+
+def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: torch.Tensor, cfg: LearnerConfig,
+                  group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages and returns [B, T] by ``cfg.advantage_estimator`` from token rewards [B, T]
+    (and the critic's values [B, T] for GAE). The group estimators compare each response's total
+    reward (its score, plus the KL penalty when it is in the reward) with the other responses to its
+    prompt: the batch holds whole groups, each group's rows together."""
+    if cfg.advantage_estimator == "gae":
+        advantages, returns = ppo.gae_advantages(rewards, old_values, mask, cfg.gamma, cfg.lam)
+        return (ppo.masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages), returns
+    if cfg.advantage_estimator == "reinforce_pp":
+        return ppo.reinforce_pp_advantages(rewards, mask, cfg.gamma)
+    totals = ppo.masked_sum(rewards, mask, dim=-1)
+    estimator = ppo.grpo_advantages if cfg.advantage_estimator == "grpo" else ppo.rloo_advantages
+    advantages = estimator(totals, mask, group_size)
+    return advantages, totals.unsqueeze(-1) * mask
 
 
 def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: LearnerConfig, temperature: float,
-             kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None, seed: int = 0) -> dict[str, float]:
+             kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None, seed: int = 0,
+             group_size: int = 1) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
-    the rows (``learner.parallel``); the result is what one rank computes on the whole batch."""
+    the rows (``learner.parallel``); the result is what one rank computes on the whole batch.
+    ``critic``: None unless ``cfg.advantage_estimator`` is gae. ``group_size``: the responses to
+    one prompt (``rollout.samples_per_prompt``), contiguous in the batch."""
     device = batch.input_ids.device
     world = parallel.world_size()
     mask = batch.response_mask
@@ -61,18 +91,18 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
         mine = batch.select(torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))])
         old_logprobs = parallel.gather_rows(
             logprobs_from_logits(forward_logits(actor, mine), mine.response_tokens, temperature))
-        old_values = parallel.gather_rows(forward_values(critic, mine))
+        old_values = parallel.gather_rows(forward_values(critic, mine)) if critic is not None else None
 
-    # 2. token rewards (the score at the last token, -beta KL at every token) and GAE
+    # 2. token rewards (the score at the last token, -beta KL at every token unless the KL goes
+    #    into the loss) and advantages
     trained_scores = scores
     if moments is not None:
         moments.update(scores)
         trained_scores = moments.normalize(scores)
-    rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, kl_coef, cfg.kl_estimator,
-                                    truncated, cfg.truncation_penalty, cfg.score_clip)
-    advantages, returns = ppo.gae_advantages(rewards, old_values, mask, cfg.gamma, cfg.lam)
-    if cfg.whiten_advantages:
-        advantages = ppo.masked_whiten(advantages, mask)
+    reward_kl_coef = kl_coef if cfg.kl_in == "reward" else 0.0
+    rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, reward_kl_coef,
+                                    cfg.kl_estimator, truncated, cfg.truncation_penalty, cfg.score_clip)
+    advantages, returns = advantages_of(rewards, old_values, mask, cfg, group_size)
 
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step.
     #    The shuffle is seeded by (seed, version): every rank draws the same minibatches and
@@ -95,23 +125,37 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                 clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
                 behavior_logprobs=behavior_logprobs[rows], behavior_weight_cap=cfg.behavior_weight_cap,
                 aggregation=cfg.loss_aggregation)
-            if parallel.any_rank(not bool(torch.isfinite(policy_loss))):  # before the step: the weights stay the last good ones
-                raise FloatingPointError(f"policy loss is {policy_loss.item()} at policy version {policy_version}")
-            actor.backward(scale * policy_loss)
-            actor_grad_norm = _grad_norm(actor)
+            losses = {"policy_loss": policy_loss}
+            if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
+                losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
+                    ppo.kl_per_token(logprobs, ref_logprobs[rows], cfg.kl_estimator), minibatch.response_mask,
+                    cfg.loss_aggregation)
+            # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
+            entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(), temperature)
+            if cfg.entropy_coef > 0:
+                losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(
+                    entropy_per_token, minibatch.response_mask, cfg.loss_aggregation)
+            actor_loss = sum(losses.values())
+            if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay the last good ones
+                raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
+            actor.backward(scale * actor_loss)
+            actor_grad_norm = _grad_norm_before_step(actor)
             actor.step()
+            actor_grad_norm = _grad_norm_after_step(actor, actor_grad_norm)
 
-            values = forward_values(critic, minibatch)
-            value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows], minibatch.response_mask,
-                                                     cfg.value_clip, cfg.loss_aggregation)
-            if parallel.any_rank(not bool(torch.isfinite(value_loss))):
-                raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
-            critic.backward(scale * cfg.value_loss_coef * value_loss)
-            critic.step()
+            value_stats = {}
+            if critic is not None:
+                values = forward_values(critic, minibatch)
+                value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows],
+                                                         minibatch.response_mask, cfg.value_clip, cfg.loss_aggregation)
+                if parallel.any_rank(not bool(torch.isfinite(value_loss))):
+                    raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
+                critic.backward(scale * cfg.value_loss_coef * value_loss)
+                critic.step()
+                losses["value_loss"] = value_loss
 
-            with torch.no_grad():
-                entropy = ppo.masked_mean(entropy_from_logits(logits.detach(), temperature), minibatch.response_mask)
-            for name, value in {"policy_loss": scale * policy_loss, "value_loss": scale * value_loss,
+            entropy = ppo.masked_mean(entropy_per_token.detach(), minibatch.response_mask)
+            for name, value in {**{k: scale * v for k, v in losses.items()},
                                 "entropy": token_scale * entropy, "grad_norm": actor_grad_norm,
                                 **{k: token_scale * v for k, v in {**policy_stats, **value_stats}.items()}}.items():
                 totals[name] = totals.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)

@@ -91,6 +91,13 @@ class LearnerConfig(_Strict):
     ppo_epochs: int = Field(2, ge=1, description="passes over each batch, all within one step")
     actor_lr: float = Field(1e-4, gt=0)
     critic_lr: float = Field(1e-4, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="after the warm-up, decay "
+                                                                 "to lr_min_ratio x the rate at the last step")
+    lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 1/N of the rate")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="the rate at the end of a linear or cosine decay, "
+                                                              "as a share of actor_lr / critic_lr")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
+                                                            "memory, about a third more compute")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
     clip_eps: float = Field(0.2, gt=0)
@@ -98,6 +105,14 @@ class LearnerConfig(_Strict):
     dual_clip: float | None = Field(None, gt=1)
     value_clip: float | None = Field(0.2, gt=0, description="None for an unclipped value loss")
     value_loss_coef: float = Field(1.0, gt=0)
+    advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
+        "gae", description="gae: a critic (PPO); grpo / rloo: each response against the other responses to its "
+                           "prompt (rollout.samples_per_prompt >= 2); reinforce_pp: reward-to-go whitened over the "
+                           "batch. Only gae builds and trains a critic")
+    kl_in: Literal["reward", "loss"] = Field(
+        "reward", description="where the KL tether enters: reward: -kl_coef * KL per token in the rewards "
+                              "(InstructGPT); loss: kl_coef * KL (kl_estimator) added to the policy loss (GRPO)")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the policy loss minus this x entropy")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     kl_coef: float = Field(0.05, ge=0, description="beta, the strength of the tether")
@@ -107,7 +122,7 @@ class LearnerConfig(_Strict):
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     behavior_weight_cap: float | None = Field(2.0, gt=0, description="truncation of pi_prox/pi_behavior")
     loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
-    whiten_advantages: bool = True
+    whiten_advantages: bool = Field(True, description="GAE advantages to mean 0, std 1 over the batch")
     normalize_rewards: bool = Field(False, description="scale RM scores by their running std")
     score_clip: float | None = Field(None, gt=0)
     truncation_penalty: float = Field(0.0, le=0, description="added to the score of a response cut at max_new_tokens")
@@ -215,6 +230,9 @@ class TetherConfig(_Strict):
                 raise ValueError(f"placement.cuda_visible_devices.rollout has {count} devices; rollout.engines "
                                  f"({rollout.engines}) x rollout.tensor_parallel_size ({rollout.tensor_parallel_size}) "
                                  "need one each")
+        if learner.advantage_estimator in ("grpo", "rloo") and rollout.samples_per_prompt < 2:
+            raise ValueError(f"learner.advantage_estimator {learner.advantage_estimator} compares the responses to "
+                             "one prompt: rollout.samples_per_prompt must be >= 2")
         if learner.minibatch_size % learner.ranks:
             raise ValueError(f"learner.minibatch_size ({learner.minibatch_size}) must be a multiple of "
                              f"learner.ranks ({learner.ranks}): each rank trains an equal share")

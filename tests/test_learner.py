@@ -111,3 +111,67 @@ def test_stale_build_locks_are_removed_and_fresh_ones_kept(tmp_path, monkeypatch
     os.utime(stale, (hour_ago, hour_ago))
     assert remove_stale_build_locks(max_age_s=900) == [str(stale)]
     assert not stale.exists() and fresh.exists()
+
+
+# --------------------------------------------------------------------------- the recipe's options
+
+
+def one_step(tmp_path, tiny_assets, samples, *overrides):
+    """Fresh engines from the tiny assets, one ppo_step with ``overrides``; returns the stats, the
+    actor's weights after the step and the actor."""
+    config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
+                                "learner.actor_lr=1e-3", *overrides], base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    torch.manual_seed(0)
+    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    critic = (make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+              if config.learner.advantage_estimator == "gae" else None)
+    stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
+                     kl_coef=0.05, policy_version=0, moments=None, group_size=config.rollout.samples_per_prompt)
+    writer = ShmWeightWriter(str(tmp_path / f"w{len(os.listdir(tmp_path))}"), bucket_bytes=1 << 16)
+    with read_manifest(publish_weights(actor, 1, writer)) as published:
+        weights = {name: tensor.clone() for name, tensor in published.items()}
+    writer.close(remove=True)
+    return stats, weights, actor
+
+
+def test_the_grad_norm_is_this_steps_under_zero_2_as_under_zero_0(tmp_path, tiny_assets, samples,
+                                                                  restore_environment):
+    """ZeRO-2 computes the norm inside step(): read before it, the first step showed none (0)."""
+    zero0, weights0, _ = one_step(tmp_path, tiny_assets, samples, "learner.zero_stage=0")
+    zero2, weights2, _ = one_step(tmp_path, tiny_assets, samples, "learner.zero_stage=2")
+    assert zero0["grad_norm"] > 0
+    assert zero2["grad_norm"] == pytest.approx(zero0["grad_norm"], rel=1e-4)
+    assert all(torch.allclose(weights0[k], weights2[k], atol=1e-6) for k in weights0)
+
+
+def test_gradient_checkpointing_trains_the_same_weights(tmp_path, tiny_assets, samples, restore_environment):
+    plain, plain_weights, _ = one_step(tmp_path, tiny_assets, samples)
+    checkpointed, weights, actor = one_step(tmp_path, tiny_assets, samples, "learner.gradient_checkpointing=true")
+    assert actor.module.is_gradient_checkpointing and actor.module.training
+    assert checkpointed["policy_loss"] == pytest.approx(plain["policy_loss"], abs=1e-6)
+    assert all(torch.allclose(plain_weights[k], weights[k], atol=1e-6) for k in weights)
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
+def test_a_critic_free_step_trains_without_a_critic(tmp_path, tiny_assets, samples, estimator, restore_environment):
+    stats, _, _ = one_step(tmp_path, tiny_assets, samples, f"learner.advantage_estimator={estimator}",
+                              "rollout.samples_per_prompt=2", "learner.kl_in=loss", "learner.entropy_coef=0.01")
+    assert "value_loss" not in stats and np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
+    # on-policy, reference = policy: the KL term is 0; the entropy bonus is its coefficient x the entropy
+    assert stats["kl_loss"] == pytest.approx(0.0, abs=1e-5)
+    assert stats["entropy_loss"] == pytest.approx(-0.01 * stats["entropy"], rel=1e-4)
+
+
+def test_a_batch_of_one_sample_with_a_one_token_response_trains(tmp_path, tiny_assets, samples, restore_environment):
+    one = samples[0]
+    single = Sample("one", 0, 0, one.prompt_tokens, one.response_tokens[:1], one.behavior_logprobs[:1], "length",
+                    ref_logprobs=one.ref_logprobs[:1], score=0.7)
+    config = load_config(None, ["learner.batch_size=1", "learner.minibatch_size=1"],
+                         base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    stats = ppo_step(actor, critic, [single], collate([single], pad_token_id=0), config.learner, temperature=1.0,
+                     kl_coef=0.05, policy_version=0, moments=None)
+    assert stats["response_length"] == 1.0 and np.isfinite(stats["policy_loss"]) and np.isfinite(stats["value_loss"])

@@ -380,3 +380,46 @@ def test_nan_inputs_are_errors():
         ppo.token_rewards(torch.zeros(2, 3), torch.zeros(2, 3), t([0.0, float("inf")]), MASK, kl_coef=0.1)
     with pytest.raises(ValueError, match="current_kl"):
         adaptive_kl_coef(0.1, float("nan"), 6.0, 1, 10)
+
+
+# --------------------------------------------------------------------------- the recipe's options
+
+
+@pytest.mark.parametrize("step, schedule, expected", [
+    (0, "constant", 1 / 4), (3, "constant", 1.0), (9, "constant", 1.0),  # warm-up: (s + 1) / 4
+    (4, "linear", 0.1 + 0.9 * (1 - 0 / 6)), (7, "linear", 0.1 + 0.9 * (1 - 3 / 6)),
+    (4, "cosine", 1.0), (7, "cosine", 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6))),
+    (9, "cosine", 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 6))),
+])
+def test_the_learning_rate_at_a_step_is_its_formula(step, schedule, expected):
+    from learner.schedule import lr_factor
+
+    assert lr_factor(step, total_steps=10, warmup_steps=4, schedule=schedule, min_ratio=0.1) == pytest.approx(expected)
+
+
+def test_group_advantages_compare_each_responses_total_reward_with_its_groups():
+    from learner.step import advantages_of
+    from protocol.config import LearnerConfig
+
+    scores = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 5.0])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)
+    logprobs, ref = torch.full((6, 3), -1.0), torch.full((6, 3), -1.5)  # KL 0.5 a token
+    for kl_coef, totals in ((0.0, scores), (0.2, scores - 0.2 * 0.5 * mask.sum(dim=1))):
+        rewards, _ = ppo.token_rewards(logprobs, ref, scores, mask, kl_coef)
+        for estimator, group in (("grpo", 3), ("rloo", 2)):
+            cfg = LearnerConfig(advantage_estimator=estimator)
+            advantages, _ = advantages_of(rewards, None, mask, cfg, group)
+            if estimator == "grpo":
+                grouped = totals.view(-1, 3)
+                expected = ((grouped - grouped.mean(dim=1, keepdim=True)) / (grouped.std(dim=1, keepdim=True) + 1e-6))
+            else:
+                grouped = totals.view(-1, 2)
+                expected = grouped - grouped.flip(dims=[1])  # the other response is the baseline
+            torch.testing.assert_close(advantages, expected.flatten().unsqueeze(-1) * mask)
+
+
+def test_whitening_a_single_token_only_centres_it():
+    single = torch.tensor([[2.5, 0.0]])
+    mask = torch.tensor([[1.0, 0.0]])
+    assert ppo.masked_whiten(single, mask).tolist() == [[0.0, 0.0]]
+    assert ppo.masked_whiten(single, mask, shift_mean=False).tolist() == [[2.5, 0.0]]
