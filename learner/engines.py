@@ -50,6 +50,10 @@ def init_distributed(config: TetherConfig) -> None:
         if getattr(config.learner, key) % world:
             raise ConfigError(f"learner.{key} ({getattr(config.learner, key)}) must be a multiple of the learner's "
                               f"{world} ranks (learner.ranks x hosts)")
+    per_rank, micro_batch = config.learner.minibatch_size // world, config.learner.micro_batch_size
+    if micro_batch is not None and per_rank % micro_batch:
+        raise ConfigError(f"learner.micro_batch_size ({micro_batch}) must divide each rank's share of a minibatch "
+                          f"(learner.minibatch_size {config.learner.minibatch_size} / {world} ranks = {per_rank})")
     timeout = datetime.timedelta(seconds=config.learner.dist_timeout_s)
     parallel.set_timeout(timeout)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
@@ -136,14 +140,17 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
     import deepspeed
 
     learner = config.learner
+    per_rank = learner.minibatch_size // int(os.environ.get("WORLD_SIZE", 1))
+    micro_batch = learner.micro_batch_size or per_rank
     if learner.gradient_checkpointing:
         body = model.body if isinstance(model, ValueModel) else model
         body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in training mode (dropout is off in every tether model)
     ds_config = {
-        # a minibatch is split evenly between the ranks (data parallel); DeepSpeed averages their gradients
-        "train_micro_batch_size_per_gpu": learner.minibatch_size // int(os.environ.get("WORLD_SIZE", 1)),
-        "gradient_accumulation_steps": 1,
+        # a minibatch is split evenly between the ranks (data parallel), each rank's share into micro-batches
+        # whose gradients accumulate; DeepSpeed averages the ranks' gradients
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": per_rank // micro_batch,
         "gradient_clipping": learner.grad_clip,
         "zero_optimization": {"stage": learner.zero_stage},
         "bf16": {"enabled": torch.cuda.is_available() and config.rollout.dtype == "bfloat16"},

@@ -106,59 +106,66 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
 
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step.
     #    The shuffle is seeded by (seed, version): every rank draws the same minibatches and
-    #    trains its share of each; scaling the loss makes DeepSpeed's gradient average the
-    #    gradient of the whole minibatch.
+    #    trains its share of each, in micro-batches whose gradients DeepSpeed accumulates;
+    #    scaling the loss makes the gradient DeepSpeed steps with that of the whole minibatch.
     totals: dict[str, float] = {}
     updates = 0
     shuffle = torch.Generator().manual_seed(seed * 1_000_003 + policy_version)
+    micro_batch = cfg.micro_batch_size or cfg.minibatch_size // world
     for _ in range(cfg.ppo_epochs):
         for all_rows in torch.randperm(len(samples), generator=shuffle).to(device).split(cfg.minibatch_size):
-            rows = all_rows[parallel.local_rows(len(all_rows))]
-            minibatch = batch.select(rows)
-            scale = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], cfg.loss_aggregation, world)
-            # token means over this rank's rows, scaled so that their mean over ranks is the minibatch's
-            token_scale = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], "token-mean", world)
-            logits = forward_logits(actor, minibatch)
-            logprobs = logprobs_from_logits(logits, minibatch.response_tokens, temperature)
-            policy_loss, policy_stats = ppo.ppo_policy_loss(
-                logprobs, old_logprobs[rows], advantages[rows], minibatch.response_mask,
-                clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-                behavior_logprobs=behavior_logprobs[rows], behavior_weight_cap=cfg.behavior_weight_cap,
-                aggregation=cfg.loss_aggregation)
-            losses = {"policy_loss": policy_loss}
-            if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
-                losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
-                    ppo.kl_per_token(logprobs, ref_logprobs[rows], cfg.kl_estimator), minibatch.response_mask,
-                    cfg.loss_aggregation)
-            # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
-            entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(), temperature)
-            if cfg.entropy_coef > 0:
-                losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(
-                    entropy_per_token, minibatch.response_mask, cfg.loss_aggregation)
-            actor_loss = sum(losses.values())
-            if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay the last good ones
-                raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
-            actor.backward(scale * actor_loss)
-            actor_grad_norm = _grad_norm_before_step(actor)
-            actor.step()
-            actor_grad_norm = _grad_norm_after_step(actor, actor_grad_norm)
+            parts = all_rows[parallel.local_rows(len(all_rows))].split(micro_batch)
+            for index, rows in enumerate(parts):
+                minibatch = batch.select(rows)
+                # this part's share of the minibatch loss, such that the shares' sum over parts and mean over
+                # ranks is the minibatch's; DeepSpeed divides each part's gradient by the parts: x len(parts)
+                share = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], cfg.loss_aggregation, world)
+                token_share = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], "token-mean", world)
+                scale = share * len(parts)
+                logits = forward_logits(actor, minibatch)
+                logprobs = logprobs_from_logits(logits, minibatch.response_tokens, temperature)
+                policy_loss, policy_stats = ppo.ppo_policy_loss(
+                    logprobs, old_logprobs[rows], advantages[rows], minibatch.response_mask,
+                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
+                    behavior_logprobs=behavior_logprobs[rows], behavior_weight_cap=cfg.behavior_weight_cap,
+                    aggregation=cfg.loss_aggregation)
+                losses = {"policy_loss": policy_loss}
+                if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
+                    losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
+                        ppo.kl_per_token(logprobs, ref_logprobs[rows], cfg.kl_estimator), minibatch.response_mask,
+                        cfg.loss_aggregation)
+                # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
+                entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(),
+                                                        temperature)
+                if cfg.entropy_coef > 0:
+                    losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(
+                        entropy_per_token, minibatch.response_mask, cfg.loss_aggregation)
+                actor_loss = sum(losses.values())
+                if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay
+                    raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
+                actor.backward(scale * actor_loss)
+                last = index == len(parts) - 1  # DeepSpeed's step applies the update at the last part only
+                norm = _grad_norm_before_step(actor) if last else None
+                actor.step()
+                if last:
+                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + _grad_norm_after_step(actor, norm)
 
-            value_stats = {}
-            if critic is not None:
-                values = forward_values(critic, minibatch)
-                value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows],
-                                                         minibatch.response_mask, cfg.value_clip, cfg.loss_aggregation)
-                if parallel.any_rank(not bool(torch.isfinite(value_loss))):
-                    raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
-                critic.backward(scale * cfg.value_loss_coef * value_loss)
-                critic.step()
-                losses["value_loss"] = value_loss
+                value_stats = {}
+                if critic is not None:
+                    values = forward_values(critic, minibatch)
+                    value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows],
+                                                             minibatch.response_mask, cfg.value_clip,
+                                                             cfg.loss_aggregation)
+                    if parallel.any_rank(not bool(torch.isfinite(value_loss))):
+                        raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
+                    critic.backward(scale * cfg.value_loss_coef * value_loss)
+                    critic.step()
+                    losses["value_loss"] = value_loss
 
-            entropy = ppo.masked_mean(entropy_per_token.detach(), minibatch.response_mask)
-            for name, value in {**{k: scale * v for k, v in losses.items()},
-                                "entropy": token_scale * entropy, "grad_norm": actor_grad_norm,
-                                **{k: token_scale * v for k, v in {**policy_stats, **value_stats}.items()}}.items():
-                totals[name] = totals.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+                entropy = ppo.masked_mean(entropy_per_token.detach(), minibatch.response_mask)
+                for name, value in {**{k: share * v for k, v in losses.items()}, "entropy": token_share * entropy,
+                                    **{k: token_share * v for k, v in {**policy_stats, **value_stats}.items()}}.items():
+                    totals[name] = totals.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
             updates += 1
 
     stats = parallel.mean_over_ranks({name: total / updates for name, total in totals.items()})

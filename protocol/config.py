@@ -88,6 +88,9 @@ class LearnerConfig(_Strict):
     total_steps: int = Field(20, ge=1, description="learner steps (policy versions) to train")
     batch_size: int = Field(64, ge=1, description="samples per learner step")
     minibatch_size: int = Field(16, ge=1, description="samples per optimizer step")
+    micro_batch_size: int | None = Field(None, ge=1, description="samples per forward/backward pass on each rank, "
+                                                                 "gradients accumulated over the minibatch; "
+                                                                 "default: minibatch_size / ranks")
     ppo_epochs: int = Field(2, ge=1, description="passes over each batch, all within one step")
     actor_lr: float = Field(1e-4, gt=0)
     critic_lr: float = Field(1e-4, gt=0)
