@@ -12,6 +12,7 @@ import torch
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
+from learner.ptx import PtxStream, read_ptx
 from learner.schedule import lr_factor, set_lr
 from protocol.codec import decode, encode
 from protocol.config import TetherConfig
@@ -160,6 +161,12 @@ def run(config: TetherConfig) -> str:
     # only GAE needs values; the critic-free estimators take their baseline from the rewards
     critic = (make_engine(load_critic(critic_source(config)), cfg.critic_lr, config)
               if cfg.advantage_estimator == "gae" else None)
+    ptx = None
+    if config.data.ptx:
+        from transformers import AutoTokenizer
+
+        ptx = PtxStream(read_ptx(config.data.ptx, AutoTokenizer.from_pretrained(config.models.policy),
+                                 config.rollout.max_model_len), cfg.ptx_batch_size or cfg.minibatch_size, config.seed)
     kl_controller = make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     moments = ppo.RunningMoments() if cfg.normalize_rewards else None
     checkpoints = os.path.join(config.run_dir, "checkpoints")
@@ -191,6 +198,8 @@ def run(config: TetherConfig) -> str:
     policy_version = 0
     if config.resume_from:
         policy_version = load_state(config.resume_from, actor, critic, kl_controller, moments)
+        if ptx is not None:  # where the stream would be: one ptx batch per optimizer step
+            ptx.position = policy_version * cfg.ppo_epochs * (cfg.batch_size // cfg.minibatch_size) * ptx.batch_size
         publish(policy_version)  # the rollouts start from the SFT weights
         log.info("resumed from %s at policy version %d", config.resume_from, policy_version)
     run_started = time.monotonic()
@@ -205,7 +214,7 @@ def run(config: TetherConfig) -> str:
             set_lr(critic, cfg.critic_lr * factor)
         try:
             stats = ppo_step(actor, critic, samples, batch, cfg, config.rollout.temperature, kl_controller.value,
-                             policy_version, moments, config.seed, config.rollout.samples_per_prompt)
+                             policy_version, moments, config.seed, config.rollout.samples_per_prompt, ptx)
         except FloatingPointError as error:
             saved = save_hf_checkpoint(actor, config.models.policy,
                                        os.path.join(checkpoints, f"nan-step-{policy_version:06d}"))

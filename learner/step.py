@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from learner import parallel, ppo
+from learner.ptx import PtxStream, ptx_token_losses
 from protocol.config import LearnerConfig
 from protocol.distributions import entropy_from_logits, logprobs_from_logits
 from protocol.samples import Sample
@@ -53,6 +54,26 @@ def _grad_norm_after_step(engine, before: float | None) -> float:
     return float(norm) if norm is not None else float("nan")
 
 
+def _ptx_parts(ptx: PtxStream, parts: int, device) -> list[tuple | None]:
+    """This rank's rows of the next ptx batch, split like its rows of the minibatch: per part
+    (input_ids, attention_mask, tokens of the whole ptx batch), or None for a part with no row."""
+    input_ids, attention_mask = ptx.next_batch()
+    total_tokens = float((attention_mask[:, 1:] * attention_mask[:, :-1]).sum())
+    mine = torch.arange(len(input_ids))[parallel.local_rows(len(input_ids))]
+    return [(input_ids[rows].to(device), attention_mask[rows].to(device), total_tokens) if len(rows) else None
+            for rows in torch.tensor_split(mine, parts)]
+
+
+def _ptx_loss(actor, input_ids: torch.Tensor, attention_mask: torch.Tensor, total_tokens: float,
+              world: int) -> tuple[float, torch.Tensor]:
+    """(share, loss): the mean next-token loss over these rows' tokens, and the share that makes the
+    shares' sum over parts and mean over ranks the mean over the whole ptx batch's tokens."""
+    logits = actor(input_ids=input_ids, attention_mask=attention_mask).logits
+    losses, mask = ptx_token_losses(_finite("actor logits on data.ptx", logits), input_ids, attention_mask)
+    tokens = float(mask.sum())
+    return world * tokens / total_tokens, ppo.masked_sum(losses, mask) / max(tokens, 1.0)
+
+
 def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: torch.Tensor, cfg: LearnerConfig,
                   group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns [B, T] by ``cfg.advantage_estimator`` from token rewards [B, T]
@@ -72,11 +93,12 @@ def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: 
 
 def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: LearnerConfig, temperature: float,
              kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None, seed: int = 0,
-             group_size: int = 1) -> dict[str, float]:
+             group_size: int = 1, ptx: PtxStream | None = None) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
     the rows (``learner.parallel``); the result is what one rank computes on the whole batch.
     ``critic``: None unless ``cfg.advantage_estimator`` is gae. ``group_size``: the responses to
-    one prompt (``rollout.samples_per_prompt``), contiguous in the batch."""
+    one prompt (``rollout.samples_per_prompt``), contiguous in the batch. ``ptx``: batches of
+    PPO-ptx text, one per optimizer step (``cfg.ptx_coef``)."""
     device = batch.input_ids.device
     world = parallel.world_size()
     mask = batch.response_mask
@@ -115,6 +137,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     for _ in range(cfg.ppo_epochs):
         for all_rows in torch.randperm(len(samples), generator=shuffle).to(device).split(cfg.minibatch_size):
             parts = all_rows[parallel.local_rows(len(all_rows))].split(micro_batch)
+            ptx_parts = _ptx_parts(ptx, len(parts), device) if ptx is not None and cfg.ptx_coef > 0 else None
             for index, rows in enumerate(parts):
                 minibatch = batch.select(rows)
                 # this part's share of the minibatch loss, such that the shares' sum over parts and mean over
@@ -143,7 +166,12 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                 actor_loss = sum(losses.values())
                 if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay
                     raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
-                actor.backward(scale * actor_loss)
+                actor_objective = scale * actor_loss
+                if ptx_parts is not None and ptx_parts[index] is not None:
+                    ptx_share, ptx_loss = _ptx_loss(actor, *ptx_parts[index], world)
+                    actor_objective = actor_objective + ptx_share * len(parts) * cfg.ptx_coef * ptx_loss
+                    totals["ptx_loss"] = totals.get("ptx_loss", 0.0) + float(ptx_share * ptx_loss.detach())
+                actor.backward(actor_objective)
                 last = index == len(parts) - 1  # DeepSpeed's step applies the update at the last part only
                 norm = _grad_norm_before_step(actor) if last else None
                 actor.step()

@@ -43,6 +43,7 @@ class DataConfig(_Strict):
                                      '(text, tokenized as is) or "messages" (a chat, rendered by the policy '
                                      "tokenizer's chat template with the generation prompt)")
     system_prompt: str | None = Field(None, description="system message put first in every chat that has none")
+    ptx: str | None = Field(None, description='PPO-ptx text (learner.ptx_coef): JSON lines or Parquet of {"text": ...}')
 
 
 class RewardFunction(_Strict):
@@ -116,6 +117,10 @@ class LearnerConfig(_Strict):
         "reward", description="where the KL tether enters: reward: -kl_coef * KL per token in the rewards "
                               "(InstructGPT); loss: kl_coef * KL (kl_estimator) added to the policy loss (GRPO)")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus: the policy loss minus this x entropy")
+    ptx_coef: float = Field(0.0, ge=0, description="PPO-ptx: this x the language-modelling loss on data.ptx is added "
+                                                   "to the policy loss")
+    ptx_batch_size: int | None = Field(None, ge=1, description="data.ptx sequences per optimizer step; default: "
+                                                               "minibatch_size")
     gamma: float = Field(1.0, ge=0, le=1)
     lam: float = Field(0.95, ge=0, le=1)
     kl_coef: float = Field(0.05, ge=0, description="beta, the strength of the tether")
@@ -215,6 +220,8 @@ class TetherConfig(_Strict):
         learner, rollout = self.learner, self.rollout
         if self.models.reward is None and not self.scorer.reward_functions:
             raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or both")
+        if (learner.ptx_coef > 0) != (self.data.ptx is not None):
+            raise ValueError("learner.ptx_coef > 0 and data.ptx go together (PPO-ptx needs its text)")
         if self.models.reward is None and self.models.critic_init == "reward":
             raise ValueError("models.critic_init is reward but there is no models.reward")
         specs = [f.function for f in self.scorer.reward_functions]

@@ -41,15 +41,22 @@ def dataset_row(seed: int, size: int, prompt_index: int) -> int:
 
 def read_rows(path: str) -> list[dict[str, Any]]:
     """Every row of a prompt file (``data.prompts``), checked: each has a text ``prompt`` or a
-    ``messages`` chat. JSON lines (a ``.json`` file may also hold one list of rows) or Parquet.
-    The error names the key, the file and the line or row."""
+    ``messages`` chat. The error names the key, the file and the line or row."""
+    return read_records(path, "data.prompts", _valid_row,
+                        'has neither "prompt" (text) nor "messages" (a list of {"role": ..., "content": ...})')
+
+
+def read_records(path: str, key: str, valid, problem: str) -> list[dict[str, Any]]:
+    """The rows of a data file (config key ``key``): JSON lines (a ``.json`` file may also hold one
+    list of rows) or Parquet. A row for which ``valid(row)`` is false is an error saying ``problem``,
+    naming the key, the file and the line or row."""
     if path.endswith(".parquet"):
         import pyarrow.parquet
 
         try:
             rows = pyarrow.parquet.read_table(path).to_pylist()
         except Exception as error:  # not Parquet, damaged
-            raise ConfigError(f"data.prompts: {path} does not read as Parquet: {error}") from None
+            raise ConfigError(f"{key}: {path} does not read as Parquet: {error}") from None
         numbered = [(f"row {number}", row) for number, row in enumerate(rows, 1)]
     else:
         with open(path, encoding="utf-8") as file:
@@ -58,7 +65,7 @@ def read_rows(path: str) -> list[dict[str, Any]]:
             try:
                 numbered = [(f"row {number}", row) for number, row in enumerate(json.loads(text), 1)]
             except json.JSONDecodeError as error:
-                raise ConfigError(f"data.prompts: {path} is not JSON: {error}") from None
+                raise ConfigError(f"{key}: {path} is not JSON: {error}") from None
         else:
             numbered = []
             for number, line in enumerate(text.splitlines(), 1):
@@ -66,13 +73,12 @@ def read_rows(path: str) -> list[dict[str, Any]]:
                     try:
                         numbered.append((f"line {number}", json.loads(line)))
                     except json.JSONDecodeError as error:
-                        raise ConfigError(f"data.prompts: {path} line {number} is not JSON: {error}") from None
+                        raise ConfigError(f"{key}: {path} line {number} is not JSON: {error}") from None
     for where, row in numbered:
-        if not _valid_row(row):
-            raise ConfigError(f'data.prompts: {path} {where} has neither "prompt" (text) nor "messages" '
-                              '(a list of {"role": ..., "content": ...})')
+        if not valid(row):
+            raise ConfigError(f"{key}: {path} {where} {problem}")
     if not numbered:
-        raise ConfigError(f"data.prompts: {path} holds no prompt")
+        raise ConfigError(f"{key}: {path} holds no row")
     return [row for _, row in numbered]
 
 

@@ -116,7 +116,7 @@ def test_stale_build_locks_are_removed_and_fresh_ones_kept(tmp_path, monkeypatch
 # --------------------------------------------------------------------------- the recipe's options
 
 
-def one_step(tmp_path, tiny_assets, samples, *overrides):
+def one_step(tmp_path, tiny_assets, samples, *overrides, ptx=None):
     """Fresh engines from the tiny assets, one ppo_step with ``overrides``; returns the stats, the
     actor's weights after the step and the actor."""
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
@@ -127,7 +127,8 @@ def one_step(tmp_path, tiny_assets, samples, *overrides):
     critic = (make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
               if config.learner.advantage_estimator == "gae" else None)
     stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
-                     kl_coef=0.05, policy_version=0, moments=None, group_size=config.rollout.samples_per_prompt)
+                     kl_coef=0.05, policy_version=0, moments=None, group_size=config.rollout.samples_per_prompt,
+                     ptx=ptx)
     writer = ShmWeightWriter(str(tmp_path / f"w{len(os.listdir(tmp_path))}"), bucket_bytes=1 << 16)
     with read_manifest(publish_weights(actor, 1, writer)) as published:
         weights = {name: tensor.clone() for name, tensor in published.items()}
@@ -190,3 +191,51 @@ def test_micro_batches_accumulate_to_the_minibatchs_step(tmp_path, tiny_assets, 
     # Adam's first update is about lr x sign(gradient): summing in another order moved a few weights
     # by ~3e-6 here; a wrong scale would move them by ~lr (1e-3)
     assert all(torch.allclose(whole_weights[k], parts_weights[k], atol=1e-5) for k in whole_weights)
+
+
+PTX_TEXTS = ["even 2 4 6 : 8 0 2", "odd 1 3 5 : 7 9 1 3", "even 0 0 0 : 2 2", "odd 9 9 : 5", "even 8 : 6 4 2 0",
+             "odd 3 : 1 1 1", "even 4 4 : 8", "odd 7 7 7 : 3 5 7 9"]
+
+
+def ptx_stream(tiny_assets, tmp_path):
+    import json
+
+    from learner.ptx import PtxStream, read_ptx
+
+    path = tmp_path / "ptx.jsonl"
+    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in PTX_TEXTS))
+    return str(path), PtxStream(read_ptx(str(path), AutoTokenizer.from_pretrained(tiny_assets["policy"]), 64),
+                                batch_size=8, seed=0)
+
+
+def hf_nll(model_dir_or_model, tiny_assets, texts):
+    """The mean next-token loss over every token of ``texts``, as transformers computes it."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
+    model = (AutoModelForCausalLM.from_pretrained(model_dir_or_model) if isinstance(model_dir_or_model, str)
+             else model_dir_or_model).eval()
+    rows = [tokenizer(text)["input_ids"] for text in texts]
+    ids = torch.zeros((len(rows), max(map(len, rows))), dtype=torch.long)
+    labels = torch.full_like(ids, -100)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = labels[i, :len(row)] = torch.tensor(row)
+    with torch.no_grad():
+        return float(model(input_ids=ids, attention_mask=(labels != -100).long(), labels=labels).loss)
+
+
+def test_ppo_ptx_adds_the_language_modelling_loss_of_its_text(tmp_path, tiny_assets, samples, restore_environment):
+    path, stream = ptx_stream(tiny_assets, tmp_path)
+    before = hf_nll(tiny_assets["policy"], tiny_assets, PTX_TEXTS)
+    with_ptx, weights, actor = one_step(tmp_path, tiny_assets, samples, "learner.ptx_coef=5.0", f"data.ptx={path}",
+                                        ptx=stream)
+    # the logged loss is transformers' own loss on the same text, with the weights before the step
+    assert with_ptx["ptx_loss"] == pytest.approx(before, rel=1e-4)
+    after_ptx = hf_nll(actor.module, tiny_assets, PTX_TEXTS)
+    _, _, plain_actor = one_step(tmp_path, tiny_assets, samples)
+    after_plain = hf_nll(plain_actor.module, tiny_assets, PTX_TEXTS)
+    assert after_ptx < after_plain  # the step also learned the text
+    # in micro-batches: the same loss
+    _, stream = ptx_stream(tiny_assets, tmp_path)
+    parts, _, _ = one_step(tmp_path, tiny_assets, samples, "learner.ptx_coef=5.0", f"data.ptx={path}",
+                           "learner.micro_batch_size=2", ptx=stream)
+    assert parts["ptx_loss"] == pytest.approx(with_ptx["ptx_loss"], rel=1e-4)
+    assert parts["grad_norm"] == pytest.approx(with_ptx["grad_norm"], rel=1e-4)
