@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from learner import parallel
+from learner.lora import is_lora, merged_named_tensors
 from protocol.config import ConfigError, TetherConfig
 from protocol.sequences import classification_head, disable_dropout
 from protocol.transport import free_port
@@ -157,7 +158,8 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=learner.weight_decay, eps=1e-8)
+    trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapters
+    optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=learner.weight_decay, eps=1e-8)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     return engine
 
@@ -184,9 +186,10 @@ def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_buc
     parameters of one bucket at a time are gathered, so no rank holds the whole model twice."""
     import deepspeed
 
-    named = without_tied_duplicates(engine.module.state_dict(keep_vars=True).items())
-    if engine.zero_optimization_stage() != 3:
+    if engine.zero_optimization_stage() != 3:  # LoRA (never with ZeRO-3): merged under the base names
+        named = without_tied_duplicates(merged_named_tensors(engine.module))
         return writer.publish(version, named, on_bucket) if writer is not None else None
+    named = without_tied_duplicates(engine.module.state_dict(keep_vars=True).items())
     # a partitioned parameter's full shape is ds_shape; its data is empty until gathered
     layout = plan_buckets([(name, getattr(t, "ds_shape", t.shape), t.dtype) for name, t in named],
                           writer.bucket_bytes if writer is not None else bucket_bytes)
@@ -215,7 +218,12 @@ def save_hf_checkpoint(engine, policy_path: str, directory: str) -> str:
         if not parallel.is_main():
             return directory
         shutil.rmtree(temporary, ignore_errors=True)
-        module.save_pretrained(temporary, safe_serialization=True)
+        if is_lora(module):  # the merged model, as the rollout has it, and the adapters on their own
+            module.get_base_model().save_pretrained(temporary, state_dict=dict(merged_named_tensors(module)),
+                                                    safe_serialization=True)
+            module.save_pretrained(os.path.join(temporary, "adapter"), safe_serialization=True)
+        else:
+            module.save_pretrained(temporary, safe_serialization=True)
     for name in TOKENIZER_FILES:
         source = os.path.join(policy_path, name)
         if os.path.exists(source):

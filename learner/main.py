@@ -12,6 +12,7 @@ import torch
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
+from learner.lora import critic_with_lora, with_lora
 from learner.ptx import PtxStream, read_ptx
 from learner.schedule import lr_factor, set_lr
 from protocol.codec import decode, encode
@@ -155,11 +156,11 @@ def run(config: TetherConfig) -> str:
     cfg = config.learner
     init_distributed(config)
     main = parallel.rank() == 0
-    actor_model = load_actor(config.models.policy)
+    actor_model = with_lora(load_actor(config.models.policy), cfg)
     pad_token_id = actor_model.config.pad_token_id if actor_model.config.pad_token_id is not None else 0
     actor = make_engine(actor_model, cfg.actor_lr, config)
     # only GAE needs values; the critic-free estimators take their baseline from the rewards
-    critic = (make_engine(load_critic(critic_source(config)), cfg.critic_lr, config)
+    critic = (make_engine(critic_with_lora(load_critic(critic_source(config)), cfg), cfg.critic_lr, config)
               if cfg.advantage_estimator == "gae" else None)
     ptx = None
     if config.data.ptx:
@@ -231,6 +232,9 @@ def run(config: TetherConfig) -> str:
         if main:
             write_step_record(metrics, monitor, log, stats, cfg.total_steps, policy_version, len(samples),
                               int(batch.response_mask.sum()), wait_started, train_started, sync_started, run_started)
+        if config.eval.every and policy_version % config.eval.every == 0 and policy_version < cfg.total_steps:
+            # for `tether run` to evaluate beside training (evaluator/); the final policy is evaluated too
+            save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"eval-step-{policy_version:06d}"))
         if cfg.checkpoint_every and policy_version % cfg.checkpoint_every == 0 and policy_version < cfg.total_steps:
             save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"step-{policy_version:06d}"))
             save_state(checkpoints, policy_version, actor, critic, kl_controller, moments, client)

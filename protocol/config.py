@@ -100,6 +100,11 @@ class LearnerConfig(_Strict):
     lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 1/N of the rate")
     lr_min_ratio: float = Field(0.0, ge=0, le=1, description="the rate at the end of a linear or cosine decay, "
                                                               "as a share of actor_lr / critic_lr")
+    lora_rank: int = Field(0, ge=0, description="LoRA adapters of this rank on actor and critic (peft), only they "
+                                                "train; 0: full fine-tuning")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling: alpha / rank")
+    lora_target_modules: list[str] = Field(["all-linear"], description='module names to adapt; ["all-linear"]: '
+                                                                       "every linear layer but the output head")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
                                                             "memory, about a third more compute")
     weight_decay: float = Field(0.0, ge=0)
@@ -194,6 +199,17 @@ class PlacementConfig(_Strict):
         return self
 
 
+class EvalConfig(_Strict):
+    prompts: str | None = Field(None, description="held-out prompts (like data.prompts) to evaluate on; None: no "
+                                                  "evaluation during training")
+    every: int = Field(0, ge=0, description="evaluate the policy every N learner steps (and the final one); 0: only "
+                                            "with tether eval")
+    max_prompts: int = Field(256, ge=1, description="the first N prompts of eval.prompts")
+    seed: int = Field(1234, description="sampling seed: the same checkpoint gives the same figures")
+    worst_cases: int = Field(5, ge=0, description="responses written as text per evaluation: lowest reward, "
+                                                  "highest KL")
+
+
 class LaunchConfig(_Strict):
     max_restarts: int = Field(3, ge=0, description="restarts of a rollout or scorer that dies, each")
     restart_backoff_s: float = Field(2.0, ge=0, description="wait before the first restart; doubles each time")
@@ -212,6 +228,7 @@ class TetherConfig(_Strict):
     health: HealthConfig = Field(default_factory=HealthConfig)
     transport: TransportConfig = Field(default_factory=TransportConfig)
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     resume_from: str | None = Field(None, description="a checkpoints/state-* directory (set by tether run --resume)")
 
@@ -220,6 +237,11 @@ class TetherConfig(_Strict):
         learner, rollout = self.learner, self.rollout
         if self.models.reward is None and not self.scorer.reward_functions:
             raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or both")
+        if learner.lora_rank and learner.zero_stage == 3:
+            raise ValueError("learner.lora_rank with learner.zero_stage 3 is not supported: use ZeRO 0-2 (the "
+                             "adapters are small; the frozen base is not partitioned)")
+        if self.eval.every and not self.eval.prompts:
+            raise ValueError("eval.every needs eval.prompts")
         if (learner.ptx_coef > 0) != (self.data.ptx is not None):
             raise ValueError("learner.ptx_coef > 0 and data.ptx go together (PPO-ptx needs its text)")
         if self.models.reward is None and self.models.critic_init == "reward":

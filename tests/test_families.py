@@ -2,7 +2,8 @@
 transformers and vLLM support, each with a reward model of its own family, at max_staleness 0.
 After every weight reload the rollout's logprobs must be the learner's for the same weights.
 
-- llama: the reference layout, given as a hub id found in the local Hugging Face cache;
+- llama: the reference layout, given as a hub id found in the local Hugging Face cache, trained
+  with LoRA (the rollout gets the merged weights under the base names);
 - qwen2: grouped-query attention, tied embeddings, chat prompts through its chat template;
 - gpt2: Conv1D (transposed) projections, fused qkv in vLLM, tied lm_head;
 - opt: no token-classification class in transformers (the critic is tether's own);
@@ -91,13 +92,15 @@ def test_a_family_trains_and_the_rollout_logprobs_stay_the_learners(tmp_path, ti
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         policy = "tether-tests/tiny-llama"
 
-    scorer = {}
+    scorer, learner = {}, {"total_steps": STEPS, "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1}
+    if family == "llama":
+        learner.update(lora_rank=8, actor_lr=1e-2)  # LoRA starts at the base weights: a rate that moves them
     if family == "qwen2":
         scorer["reward_functions"] = [{"function": "tests.test_families:prompt_is_the_chat_template", "weight": 0.0}]
         monkeypatch.setenv("TETHER_TEST_POLICY", policy)
     config = base_config(tmp_path, {"policy": policy, "reward": reward, "prompts": prompts}, scorer=scorer,
                          rollout={"max_new_tokens": 4, "prompts_per_generate": 8, "max_model_len": 64},
-                         learner={"total_steps": STEPS, "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1},
+                         learner=learner,
                          buffer={"max_staleness": 0})
     run_to_the_end(tmp_path, config)
 
@@ -105,6 +108,7 @@ def test_a_family_trains_and_the_rollout_logprobs_stay_the_learners(tmp_path, ti
     assert [record["step"] for record in steps] == list(range(1, STEPS + 1))
     gaps = [record["behavior_logprob_gap"] for record in steps[1:]]
     assert None not in gaps and max(gaps) < LOGPROB_TOLERANCE, gaps
+    assert abs(steps[-1]["kl"]) > 1e-6  # the policy did move away from the reference
     with open(os.path.join(config["run_dir"], "logs", "rollout0.log")) as file:
         log = file.read()
     assert all(f"now generating with policy version {v} " in log for v in range(1, STEPS)), log[-2000:]

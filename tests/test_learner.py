@@ -239,3 +239,37 @@ def test_ppo_ptx_adds_the_language_modelling_loss_of_its_text(tmp_path, tiny_ass
                            "learner.micro_batch_size=2", ptx=stream)
     assert parts["ptx_loss"] == pytest.approx(with_ptx["ptx_loss"], rel=1e-4)
     assert parts["grad_norm"] == pytest.approx(with_ptx["grad_norm"], rel=1e-4)
+
+
+def test_lora_trains_only_adapters_and_publishes_merged_weights(tmp_path, tiny_assets, samples, restore_environment):
+    from learner.lora import critic_with_lora, with_lora
+
+    config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
+                                "learner.actor_lr=1e-2", "learner.lora_rank=4"], base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor = make_engine(with_lora(load_actor(tiny_assets["policy"]), config.learner), 1e-2, config)
+    critic = make_engine(critic_with_lora(load_critic(tiny_assets["reward"]), config.learner), 1e-3, config)
+    trainable = {name for name, p in actor.module.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_" in name for name in trainable)
+    assert any(".lora_" in n for n, p in critic.module.named_parameters() if p.requires_grad)
+    assert all(p.requires_grad for p in critic.module.head.parameters())  # the value head trains whole
+
+    sft = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).state_dict()
+    writer = ShmWeightWriter(str(tmp_path / "w"), bucket_bytes=1 << 16)
+    with read_manifest(publish_weights(actor, 0, writer)) as published:
+        assert set(published) == set(sft)  # the base model's names: what vLLM loads
+        assert all(torch.equal(published[k], sft[k]) for k in sft)  # B starts at 0: merged = base
+    base_before = {n: p.detach().clone() for n, p in actor.module.named_parameters() if not p.requires_grad}
+    ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
+             kl_coef=0.05, policy_version=0, moments=None)
+    assert all(torch.equal(p, base_before[n]) for n, p in actor.module.named_parameters() if not p.requires_grad)
+    with read_manifest(publish_weights(actor, 1, writer)) as published:
+        after = {name: tensor.clone() for name, tensor in published.items()}
+    changed = [k for k in sft if not torch.equal(after[k], sft[k])]
+    assert changed and all(k.endswith("proj.weight") for k in changed)  # the adapted linear layers, merged
+
+    checkpoint = save_hf_checkpoint(actor, tiny_assets["policy"], str(tmp_path / "final"))
+    reloaded = AutoModelForCausalLM.from_pretrained(checkpoint).state_dict()
+    assert all(torch.equal(reloaded[k], after[k]) for k in after)
+    assert os.path.exists(os.path.join(checkpoint, "adapter", "adapter_model.safetensors"))
+    writer.close(remove=True)

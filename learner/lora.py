@@ -1,0 +1,62 @@
+"""LoRA (peft) on the actor and the critic: only the adapters (and the critic's value head) train;
+the rollout and the HF export get the merged weights under the base model's own names, so vLLM
+loads them as it loads any checkpoint of the family. The reference stays the frozen base on disk.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from protocol.config import LearnerConfig
+
+ADAPTER = "default"  # peft's name for the one adapter tether trains
+
+
+def with_lora(model: nn.Module, cfg: LearnerConfig) -> nn.Module:
+    """``model`` with LoRA adapters on ``cfg.lora_target_modules`` ("all-linear": every linear layer
+    but the output head), everything else frozen; ``model`` itself when ``cfg.lora_rank`` is 0."""
+    if cfg.lora_rank == 0:
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    target = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
+    return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
+                                            target_modules=target))
+
+
+def critic_with_lora(critic: nn.Module, cfg: LearnerConfig) -> nn.Module:
+    """A ``ValueModel`` with LoRA on its body; its value head trains whole (it is new or the RM's)."""
+    if cfg.lora_rank:
+        critic.body = with_lora(critic.body, cfg)
+    return critic
+
+
+def is_lora(model: nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+@torch.no_grad()
+def merged_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The model's tensors as the base model names them, each LoRA layer's weight merged
+    (W + B A x scaling) out of place: merging in place and back would drift the base weights by
+    rounding, version after version. A model without LoRA: its state dict as it is."""
+    if not is_lora(model):
+        return list(model.state_dict(keep_vars=True).items())
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
+    merged = []
+    for name, tensor in base.state_dict(keep_vars=True).items():
+        if ".lora_" in name:
+            continue
+        if ".base_layer." in name:
+            layer_name, _, parameter = name.rpartition(".base_layer.")
+            if parameter == "weight":
+                tensor = tensor.detach() + layers[layer_name].get_delta_weight(ADAPTER).to(tensor.dtype)
+            name = f"{layer_name}.{parameter}"
+        merged.append((name, tensor))
+    return merged
