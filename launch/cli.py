@@ -119,6 +119,30 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
     raise typer.Exit(run_demo(assets, override or []))
 
 
+@app.command("eval")
+def evaluate(checkpoint: Path = typer.Argument(..., help="an HF model directory (checkpoints/final, an export)"),
+             config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
+             step: int = typer.Option(0, help="the learner step the checkpoint belongs to (metrics' x axis)"),
+             remove: bool = typer.Option(False, help="delete the checkpoint once evaluated (tether run's exports)")
+             ) -> None:
+    """Evaluate a checkpoint on eval.prompts: reward (RM and reward functions), KL to the reference,
+    length and repetition into RUN_DIR/metrics/eval.jsonl, the worst responses into RUN_DIR/eval/."""
+    from evaluator.main import run
+    from protocol.config import ConfigError
+
+    try:
+        figures = run(_load(config, override), str(checkpoint), step)
+    except ConfigError as error:
+        typer.echo(f"error: {error}", err=True)
+        raise typer.Exit(2)
+    typer.echo(" ".join(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
+                        for key, value in figures.items()))
+    if remove:
+        import shutil
+
+        shutil.rmtree(checkpoint, ignore_errors=True)
+
+
 @app.command()
 def plot(run_dir: Path = typer.Argument(..., help="a run directory"),
          output: Optional[Path] = typer.Option(None, help="PNG path; default RUN_DIR/dashboard.png")) -> None:

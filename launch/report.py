@@ -20,8 +20,9 @@ TIME_CATEGORIES = {
 }
 
 PANELS = (
-    ("reward", (("learner", "reward", "score (RM + functions)"), ("learner", "gold_reward", "gold"))),
-    ("KL to reference", (("learner", "kl", "kl"),)),
+    ("reward", (("learner", "reward", "score (RM + functions)"), ("eval", "reward", "held-out (eval)"),
+                ("learner", "gold_reward", "gold"))),
+    ("KL to reference", (("learner", "kl", "kl"), ("eval", "kl_to_reference", "held-out (eval)"))),
     ("response length", (("learner", "response_length", "tokens"),)),
     ("entropy", (("learner", "entropy", "nats/token"),)),
     ("value loss", (("learner", "value_loss", "value loss"),)),

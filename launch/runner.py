@@ -123,6 +123,70 @@ def _remove_shared_memory(config: TetherConfig) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+class Evaluations:
+    """``tether eval`` on the learner's exports (``checkpoints/eval-step-N``, every ``eval.every``
+    steps), one at a time beside training, each export removed once evaluated; then on
+    ``checkpoints/final``. An evaluation that fails is reported, and training goes on."""
+
+    def __init__(self, config: TetherConfig, config_path: str) -> None:
+        self.config, self.config_path = config, config_path
+        self.enabled = bool(config.eval.every and config.eval.prompts)
+        self.log_path = os.path.join(config.run_dir, "logs", "eval.log")
+        self.current: subprocess.Popen | None = None
+        self.started: set[str] = set()
+
+    def poll(self) -> None:
+        """Start the next export's evaluation when none runs."""
+        if not self.enabled or self._running():
+            return
+        pending = sorted(path for path in glob.glob(os.path.join(self.config.run_dir, "checkpoints", "eval-step-*"))
+                         if not path.endswith(".tmp") and path not in self.started)
+        if pending:
+            self._start(pending[0], int(pending[0].rsplit("-", 1)[1]), remove=True)
+
+    def finish(self) -> None:
+        """Evaluate what is left, then the final policy; waits for each."""
+        if not self.enabled:
+            return
+        while True:
+            self.poll()
+            if not self._running():
+                break
+            self.current.wait()
+        final = os.path.join(self.config.run_dir, "checkpoints", "final")
+        if os.path.isdir(final):
+            self._start(final, self.config.learner.total_steps, remove=False)
+            self.current.wait()
+            self._running()
+
+    def stop(self) -> None:
+        if self.current is not None and self.current.poll() is None:
+            os.killpg(self.current.pid, signal.SIGKILL)
+            self.current.wait()
+
+    def _running(self) -> bool:
+        if self.current is None:
+            return False
+        code = self.current.poll()
+        if code is None:
+            return True
+        if code != 0:
+            print(f"tether run: an evaluation exited with code {code}; last lines of {self.log_path}:\n"
+                  f"{_tail(self.log_path, 8)}", file=sys.stderr, flush=True)
+        self.current = None
+        return False
+
+    def _start(self, checkpoint: str, step: int, remove: bool) -> None:
+        self.started.add(checkpoint)
+        command = [sys.executable, "-m", "launch.cli", "eval", checkpoint, "--config", self.config_path,
+                   "--step", str(step), *(["--remove"] if remove else [])]
+        cores = self.config.cores_of("rollout")
+        with open(self.log_path, "ab") as log_file:
+            self.current = subprocess.Popen(
+                command, stdout=log_file, stderr=subprocess.STDOUT, env=_role_env(self.config, "rollout", 0),
+                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None, start_new_session=True)
+
+
 def _progress_line(record: dict, total_steps: int) -> str:
     return (f"step {record['step']}/{total_steps} | reward {record['reward']:+.3f} | kl {record['kl']:.4f} | "
             f"len {record['response_length']:.1f} | samples/s {record['samples_per_s']:.1f} | "
@@ -172,9 +236,11 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
 
     shown_steps = len(read_metrics(run_dir, "learner")) if resume else 0
     learner_done_at: float | None = None
+    evaluations = Evaluations(config, config_path)
     try:
         while True:
             time.sleep(0.5)
+            evaluations.poll()
             records = read_metrics(run_dir, "learner")
             for record in records[shown_steps:]:
                 print(_progress_line(record, config.learner.total_steps), flush=True)
@@ -201,6 +267,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                 print(f"tether run: {role.name} exited with code {code}; last lines of {role.log_path}:\n"
                       f"{_tail(role.log_path)}", file=sys.stderr, flush=True)
                 _stop(roles)
+                evaluations.stop()
                 _remove_shared_memory(config)
                 return 1
             if learner.process.poll() == 0 and learner_done_at is None:
@@ -208,6 +275,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
             if learner_done_at is not None:
                 if all(role.process.poll() is not None for role in roles):
                     _remove_shared_memory(config)
+                    evaluations.finish()
                     print(f"tether run: done; final policy in {run_dir}/checkpoints/final", flush=True)
                     return 0
                 if time.monotonic() - learner_done_at > SHUTDOWN_GRACE_S:
@@ -216,9 +284,11 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                           "terminating", file=sys.stderr, flush=True)
                     _stop(roles)
                     _remove_shared_memory(config)
+                    evaluations.finish()
                     return 0
     except KeyboardInterrupt:
         print("tether run: interrupted, stopping every role", file=sys.stderr, flush=True)
         _stop(roles)
+        evaluations.stop()
         _remove_shared_memory(config)
         return 130

@@ -143,6 +143,10 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
     (["models.reward=null", "models.critic_init=reward", "scorer.reward_functions=[{function: 'a:b'}]"],
      "models.critic_init is reward but there is no models.reward"),
     (["scorer.reward_functions=[{function: 'a:b', wieght: 2}]"], r"scorer.reward_functions.0.wieght: unknown key"),
+    (["eval.every=5"], "eval.every needs eval.prompts"),
+    (["learner.ptx_coef=0.5"], "learner.ptx_coef > 0 and data.ptx go together"),
+    (["learner.lora_rank=8", "learner.zero_stage=3"], "learner.lora_rank with learner.zero_stage 3"),
+    (["learner.advantage_estimator=grpo"], "rollout.samples_per_prompt must be >= 2"),
 ])
 def test_what_is_trained_on_is_checked_at_load(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

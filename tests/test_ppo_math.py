@@ -423,3 +423,12 @@ def test_whitening_a_single_token_only_centres_it():
     mask = torch.tensor([[1.0, 0.0]])
     assert ppo.masked_whiten(single, mask).tolist() == [[0.0, 0.0]]
     assert ppo.masked_whiten(single, mask, shift_mean=False).tolist() == [[2.5, 0.0]]
+
+
+def test_the_repetition_rate_counts_repeated_ngrams():
+    from evaluator.main import repetition_rate
+
+    assert repetition_rate([1, 2, 3, 4, 5]) == 0.0
+    assert repetition_rate([7, 7, 7, 7, 7]) == pytest.approx(2 / 3)  # 3 trigrams, 1 distinct
+    assert repetition_rate([1, 2, 3, 1, 2, 3]) == pytest.approx(1 / 4)  # (1,2,3) twice of 4 trigrams
+    assert repetition_rate([1, 2]) == 0.0

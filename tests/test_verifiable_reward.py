@@ -9,7 +9,7 @@ import pytest
 from launch.demo import evaluate
 from protocol.runlog import read_metrics
 from tests.conftest import base_config
-from tests.test_pipeline_e2e import run_to_the_end
+from tests.test_pipeline_e2e import run_to_the_end, tether
 
 STEPS = 12
 
@@ -23,7 +23,8 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
                                   "samples_per_prompt": 4},
                          learner={"total_steps": STEPS, "batch_size": 32, "minibatch_size": 16, "ppo_epochs": 2,
                                   "actor_lr": 5e-4, "kl_coef": 0.01, "advantage_estimator": "grpo",
-                                  "kl_in": "loss"})
+                                  "kl_in": "loss"},
+                         eval={"prompts": tiny_assets["eval_prompts"], "every": 6, "max_prompts": 32})
     run_to_the_end(tmp_path, config)
 
     steps = read_metrics(config["run_dir"], "learner")
@@ -37,3 +38,22 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
                      max_new_tokens=8)
     print(f"held-out verifiable reward: {before['gold_reward']:.3f} -> {after['gold_reward']:.3f}")
     assert after["gold_reward"] > before["gold_reward"] + 0.1, (before, after)
+
+    # evaluation during training: the export of step 6, then the final policy, each evaluated once
+    # (vLLM, the scorer's reference and reward functions) and the export removed
+    evaluations = read_metrics(config["run_dir"], "eval")
+    assert [record["step"] for record in evaluations] == [6, STEPS]
+    for record in evaluations:
+        assert record["prompts"] == 32 and 0.0 <= record["repetition_rate"] <= 1.0
+        assert record["reward"] == pytest.approx(record["launch.demo:gold_reward"])  # the only reward
+    assert not any(name.startswith("eval-step") for name in os.listdir(os.path.join(config["run_dir"], "checkpoints")))
+    with open(os.path.join(config["run_dir"], "eval", f"step-{STEPS:06d}.md")) as file:
+        text = file.read()
+    assert "## Lowest reward" in text and "## Highest KL to the reference" in text and "- response: `" in text
+    # the same checkpoint evaluated twice (tether eval) gives the same figures: sampling is seeded
+    for step in ("98", "99"):
+        result = tether("eval", final, "--config", os.path.join(config["run_dir"], "config.yaml"), "--step", step)
+        assert result.returncode == 0, result.stderr[-2000:]
+    first, second = read_metrics(config["run_dir"], "eval")[-2:]
+    for key in ("reward", "kl_to_reference", "response_length", "repetition_rate"):
+        assert first[key] == second[key], key

@@ -1,0 +1,117 @@
+"""Evaluation of a policy checkpoint on held-out prompts: vLLM generates (seeded), the scorer's
+models score (reference logprobs, reward model, reward functions), and the figures go to
+``metrics/eval.jsonl`` (and TensorBoard) with the step they belong to; the worst responses are
+written as text to ``eval/step-N.md`` so a person can read what the policy does.
+
+``tether eval CHECKPOINT -c CONFIG`` runs it on any HF checkpoint; with ``eval.every`` set,
+``tether run`` runs it on the learner's exports as training goes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from protocol.config import ConfigError, TetherConfig
+from protocol.models import resolve_models
+from protocol.prompts import prompt_token_ids, read_rows
+from protocol.runlog import MetricsWriter, setup_logging
+from protocol.samples import Sample
+
+
+def repetition_rate(tokens: list[int], n: int = 3) -> float:
+    """Share of a response's n-grams that repeat an earlier n-gram of it (0: none repeats)."""
+    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
+    return 1.0 - len(set(grams)) / len(grams) if grams else 0.0
+
+
+def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sample], dict[str, np.ndarray]]:
+    """Figures of ``checkpoint`` on ``eval.prompts``; also the samples and per-sample KL and
+    repetition, for the worst cases."""
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams, TokensPrompt
+
+    from rollout.main import make_engine, to_samples
+    from scorer.main import Scorer
+
+    if not config.eval.prompts:
+        raise ConfigError("eval.prompts: no held-out prompts to evaluate on")
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    limit = config.rollout.max_model_len - config.rollout.max_new_tokens
+    rows = read_rows(config.eval.prompts)[:config.eval.max_prompts]
+    kept = [(index, ids) for index, ids in ((i, prompt_token_ids(row, tokenizer, config.data.system_prompt))
+                                            for i, row in enumerate(rows)) if 0 < len(ids) <= limit]
+    engine = make_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
+    try:
+        sampling = [SamplingParams(n=1, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
+                                   max_tokens=config.rollout.max_new_tokens, logprobs=0, seed=config.eval.seed + i)
+                    for i in range(len(kept))]
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in kept], sampling, use_tqdm=False)
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+    samples = to_samples(outputs, list(range(len(kept))), [index for index, _ in kept], 0, "eval", 0)
+    # the scorer reads the eval rows (reward functions get their row) and scores as in training
+    scorer = Scorer(config.model_copy(update={"data": config.data.model_copy(update={"prompts": config.eval.prompts})}),
+                    log)
+    parts = scorer.score(samples)
+    kl = np.array([float(np.sum(s.behavior_logprobs - s.ref_logprobs)) for s in samples])
+    repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])
+    figures = {
+        "reward": float(np.mean([s.score for s in samples])),
+        **{name: value for name, value in parts.items() if name != "reward_function_failures"},
+        "reward_function_failures": parts["reward_function_failures"],
+        "kl_to_reference": float(kl.mean()),
+        "response_length": float(np.mean([len(s.response_tokens) for s in samples])),
+        "repetition_rate": float(repetition.mean()),
+        "prompts": len(samples),
+        "prompts_skipped": len(rows) - len(kept),
+    }
+    if samples[0].gold_score is not None:
+        figures["gold_reward"] = float(np.mean([s.gold_score for s in samples]))
+    return figures, samples, {"kl": kl, "repetition": repetition}
+
+
+def worst_cases_text(samples: list[Sample], per_sample: dict[str, np.ndarray], tokenizer, count: int,
+                     step: int) -> str:
+    """Markdown: the ``count`` lowest-reward and highest-KL responses with their prompts."""
+    lines = [f"# Evaluation at step {step}", ""]
+    for title, order in (("Lowest reward", np.argsort([s.score for s in samples])),
+                         ("Highest KL to the reference", np.argsort(-per_sample["kl"]))):
+        lines += [f"## {title}", ""]
+        for i in order[:count]:
+            sample = samples[i]
+            lines += [f"- reward {sample.score:+.3f}, KL {per_sample['kl'][i]:.3f}, "
+                      f"{len(sample.response_tokens)} tokens, repetition {per_sample['repetition'][i]:.2f}",
+                      f"  - prompt: `{tokenizer.decode(sample.prompt_tokens.tolist(), skip_special_tokens=True)}`",
+                      f"  - response: `{tokenizer.decode(sample.response_tokens.tolist(), skip_special_tokens=True)}`",
+                      ""]
+    return "\n".join(lines)
+
+
+def run(config: TetherConfig, checkpoint: str, step: int) -> dict:
+    """Evaluate ``checkpoint`` as the policy of learner step ``step``: one record in
+    ``metrics/eval.jsonl``, the worst cases in ``eval/step-N.md``. Returns the figures."""
+    from transformers import AutoTokenizer
+
+    log = setup_logging("eval", config.log_level)
+    config = resolve_models(config.model_copy(update={"data": config.data.model_copy(
+        update={"prompts": config.eval.prompts or config.data.prompts})}), "scorer")
+    if not os.path.isdir(checkpoint):
+        raise ConfigError(f"checkpoint {checkpoint} is not a model directory")
+    started = time.monotonic()
+    figures, samples, per_sample = evaluate(config, checkpoint, log)
+    figures["eval_s"] = time.monotonic() - started
+    metrics = MetricsWriter(config.run_dir, "eval")
+    metrics.write({"step": step, "checkpoint": os.path.abspath(checkpoint), **figures})
+    metrics.close()
+    directory = os.path.join(config.run_dir, "eval")
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"step-{step:06d}.md"), "w") as file:
+        file.write(worst_cases_text(samples, per_sample, AutoTokenizer.from_pretrained(checkpoint),
+                                    config.eval.worst_cases, step))
+    log.info("step %d: reward %.3f, kl %.3f, length %.1f, repetition %.3f on %d prompts (%.0fs)", step,
+             figures["reward"], figures["kl_to_reference"], figures["response_length"], figures["repetition_rate"],
+             figures["prompts"], figures["eval_s"])
+    return figures
