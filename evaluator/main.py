@@ -85,7 +85,7 @@ def worst_cases_text(samples: list[Sample], per_sample: dict[str, np.ndarray], t
             lines += [f"- reward {sample.score:+.3f}, KL {per_sample['kl'][i]:.3f}, "
                       f"{len(sample.response_tokens)} tokens, repetition {per_sample['repetition'][i]:.2f}",
                       f"  - prompt: `{tokenizer.decode(sample.prompt_tokens.tolist(), skip_special_tokens=True)}`",
-                      f"  - response: `{tokenizer.decode(sample.response_tokens.tolist(), skip_special_tokens=True)}`",
+                      f"  - response: `{tokenizer.decode(sample.response_tokens.tolist())}`",  # <eos> shows
                       ""]
     return "\n".join(lines)
 
