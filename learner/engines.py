@@ -91,10 +91,10 @@ def remove_stale_build_locks(max_age_s: float = 900.0) -> list[str]:
     return removed
 
 
-def load_actor(path: str) -> nn.Module:
+def load_actor(path: str, dtype: str = "float32") -> nn.Module:
     from transformers import AutoModelForCausalLM
 
-    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32))
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
 
 
 class ValueModel(nn.Module):
@@ -114,7 +114,7 @@ class ValueModel(nn.Module):
         return TokenClassifierOutput(logits=self.head(hidden))
 
 
-def load_critic(path: str) -> nn.Module:
+def load_critic(path: str, dtype: str = "float32") -> nn.Module:
     """The critic from ``path``: the transformer body of the model there with a one-output head on
     every position. From a reward model the head starts as the RM's score head (found by
     ``classification_head``, whatever its name); from a policy it starts fresh. A bias starts at
@@ -122,10 +122,10 @@ def load_critic(path: str) -> nn.Module:
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     try:
-        source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch.float32)
+        source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
     except ValueError:  # a family without a sequence-classification class: its body and a new head
-        body = AutoModel.from_pretrained(path, dtype=torch.float32)
-        head = nn.Linear(body.config.hidden_size, 1)
+        body = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
+        head = nn.Linear(body.config.hidden_size, 1, dtype=getattr(torch, dtype))
         with torch.no_grad():
             head.weight.normal_(0.0, 1.0 / (body.config.hidden_size + 1))  # HF's score-head init
             head.bias.zero_()
@@ -154,7 +154,9 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
         "gradient_accumulation_steps": per_rank // micro_batch,
         "gradient_clipping": learner.grad_clip,
         "zero_optimization": {"stage": learner.zero_stage},
-        "bf16": {"enabled": torch.cuda.is_available() and config.rollout.dtype == "bfloat16"},
+        # DeepSpeed keeps fp32 master weights and optimizer state for a bf16 / fp16 model
+        "bf16": {"enabled": learner.dtype == "bfloat16"},
+        "fp16": {"enabled": learner.dtype == "float16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }

@@ -156,11 +156,11 @@ def run(config: TetherConfig) -> str:
     cfg = config.learner
     init_distributed(config)
     main = parallel.rank() == 0
-    actor_model = with_lora(load_actor(config.models.policy), cfg)
+    actor_model = with_lora(load_actor(config.models.policy, cfg.dtype), cfg)
     pad_token_id = actor_model.config.pad_token_id if actor_model.config.pad_token_id is not None else 0
     actor = make_engine(actor_model, cfg.actor_lr, config)
     # only GAE needs values; the critic-free estimators take their baseline from the rewards
-    critic = (make_engine(critic_with_lora(load_critic(critic_source(config)), cfg), cfg.critic_lr, config)
+    critic = (make_engine(critic_with_lora(load_critic(critic_source(config), cfg.dtype), cfg), cfg.critic_lr, config)
               if cfg.advantage_estimator == "gae" else None)
     ptx = None
     if config.data.ptx:

@@ -139,6 +139,9 @@ class LearnerConfig(_Strict):
     normalize_rewards: bool = Field(False, description="scale RM scores by their running std")
     score_clip: float | None = Field(None, gt=0)
     truncation_penalty: float = Field(0.0, le=0, description="added to the score of a response cut at max_new_tokens")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the learner's and the scorer's models (DeepSpeed keeps fp32 master weights); "
+                               "logprobs, values and losses are computed in fp32 either way")
     zero_stage: Literal[0, 1, 2, 3] = 0
     ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks per node (torch.distributed's launcher)")
     dist_timeout_s: float = Field(1800.0, gt=0, description="a collective between learner ranks fails after this")

@@ -39,13 +39,13 @@ class Scorer:
         self.log, self.temperature = log, config.rollout.temperature
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.reference = disable_dropout(AutoModelForCausalLM.from_pretrained(
-            config.reference_path, dtype=torch.float32)).to(self.device).eval()
+            config.reference_path, dtype=getattr(torch, config.learner.dtype))).to(self.device).eval()
         self.pad_token_id = self.reference.config.pad_token_id if self.reference.config.pad_token_id is not None else 0
         self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
         self.reward_model = self.rm_tokenizer = None
         if config.models.reward:
             self.reward_model = disable_dropout(AutoModelForSequenceClassification.from_pretrained(
-                config.models.reward, num_labels=1, dtype=torch.float32)).to(self.device).eval()
+                config.models.reward, num_labels=1, dtype=getattr(torch, config.learner.dtype))).to(self.device).eval()
             try:
                 classification_head(self.reward_model)
             except ValueError as error:

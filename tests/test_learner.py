@@ -123,8 +123,8 @@ def one_step(tmp_path, tiny_assets, samples, *overrides, ptx=None):
                                 "learner.actor_lr=1e-3", *overrides], base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
     torch.manual_seed(0)
-    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
-    critic = (make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    actor = make_engine(load_actor(tiny_assets["policy"], config.learner.dtype), config.learner.actor_lr, config)
+    critic = (make_engine(load_critic(tiny_assets["reward"], config.learner.dtype), config.learner.critic_lr, config)
               if config.learner.advantage_estimator == "gae" else None)
     stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
                      kl_coef=0.05, policy_version=0, moments=None, group_size=config.rollout.samples_per_prompt,
@@ -273,3 +273,14 @@ def test_lora_trains_only_adapters_and_publishes_merged_weights(tmp_path, tiny_a
     assert all(torch.equal(reloaded[k], after[k]) for k in after)
     assert os.path.exists(os.path.join(checkpoint, "adapter", "adapter_model.safetensors"))
     writer.close(remove=True)
+
+
+def test_the_learner_trains_in_the_dtype_it_is_given(tmp_path, tiny_assets, samples, restore_environment):
+    """bf16 weights (DeepSpeed keeps fp32 masters): the step's figures are the fp32 step's to bf16
+    precision, and the weights the rollout gets are bf16."""
+    full, full_weights, _ = one_step(tmp_path, tiny_assets, samples)
+    half, half_weights, actor = one_step(tmp_path, tiny_assets, samples, "learner.dtype=bfloat16")
+    assert all(p.dtype == torch.bfloat16 for p in actor.module.parameters())
+    assert all(w.dtype == torch.bfloat16 for w in half_weights.values())
+    for key in ("policy_loss", "value_loss", "entropy", "grad_norm"):
+        assert half[key] == pytest.approx(full[key], rel=0.05, abs=1e-3), key

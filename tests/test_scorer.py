@@ -230,3 +230,14 @@ def test_a_reference_that_reads_other_tokens_is_refused_naming_the_key(tmp_path,
     own_tokenizer_reward_model(rm_dir)
     with pytest.raises(ConfigError, match="models.reference: .* reads other tokens than the policy"):
         make_scorer(tmp_path, tiny_assets, models={"reference": rm_dir})
+
+
+def test_the_scorer_runs_its_models_in_the_learners_dtype(tmp_path, tiny_assets):
+    full = scored_samples(make_scorer(tmp_path, tiny_assets))[0]
+    half_scorer = make_scorer(tmp_path, tiny_assets, learner={"dtype": "bfloat16"})
+    assert next(half_scorer.reference.parameters()).dtype == torch.bfloat16
+    half = scored_samples(half_scorer)[0]
+    for a, b in zip(half, full):
+        assert a.ref_logprobs.dtype == np.float32  # on the wire in fp32 whatever the models' dtype
+        np.testing.assert_allclose(a.ref_logprobs, b.ref_logprobs, atol=0.1)
+        assert a.score == pytest.approx(b.score, abs=0.1)
