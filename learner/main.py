@@ -234,7 +234,8 @@ def run(config: TetherConfig) -> str:
                               int(batch.response_mask.sum()), wait_started, train_started, sync_started, run_started)
         if config.eval.every and policy_version % config.eval.every == 0 and policy_version < cfg.total_steps:
             # for `tether run` to evaluate beside training (evaluator/); the final policy is evaluated too
-            save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"eval-step-{policy_version:06d}"))
+            save_hf_checkpoint(actor, config.models.policy,
+                               os.path.join(checkpoints, f"eval-step-{policy_version:06d}"))
         if cfg.checkpoint_every and policy_version % cfg.checkpoint_every == 0 and policy_version < cfg.total_steps:
             save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"step-{policy_version:06d}"))
             save_state(checkpoints, policy_version, actor, critic, kl_controller, moments, client)

@@ -35,7 +35,8 @@ class PtxStream:
         rows = []
         for _ in range(self.batch_size):
             epoch, offset = divmod(self.position, len(self.sequences))
-            order = torch.randperm(len(self.sequences), generator=torch.Generator().manual_seed(self.seed * 7919 + epoch))
+            shuffle = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+            order = torch.randperm(len(self.sequences), generator=shuffle)
             rows.append(self.sequences[int(order[offset])])
             self.position += 1
         width = max(len(row) for row in rows)

@@ -1,6 +1,7 @@
 """One PPO step on one batch: recompute, rewards, GAE, ``ppo_epochs`` passes over minibatches.
 
-Reads top to bottom like the InstructGPT recipe; every formula lives in ``learner.ppo`` (and the sampled distribution in ``protocol.distributions``).
+Reads top to bottom like the InstructGPT recipe; every formula lives in ``learner.ppo`` (and the
+sampled distribution in ``protocol.distributions``).
 """
 
 from __future__ import annotations
@@ -185,7 +186,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                                                              minibatch.response_mask, cfg.value_clip,
                                                              cfg.loss_aggregation)
                     if parallel.any_rank(not bool(torch.isfinite(value_loss))):
-                        raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
+                        raise FloatingPointError(f"value loss is {value_loss.item()} at policy version "
+                                                 f"{policy_version}")
                     critic.backward(scale * cfg.value_loss_coef * value_loss)
                     critic.step()
                     losses["value_loss"] = value_loss

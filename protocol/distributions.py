@@ -26,7 +26,8 @@ def logprobs_from_logits(
     if logits.dim() != 3:
         raise ValueError(f"logits must be [batch, resp_len, vocab], got shape {tuple(logits.shape)}")
     if tokens.shape != logits.shape[:2]:
-        raise ValueError(f"tokens has shape {tuple(tokens.shape)} but logits[..., 0] has shape {tuple(logits.shape[:2])}")
+        raise ValueError(f"tokens has shape {tuple(tokens.shape)} but logits[..., 0] has shape "
+                         f"{tuple(logits.shape[:2])}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
     scaled = logits.float() / temperature

@@ -112,7 +112,8 @@ def unpack_samples(message: Message) -> list[Sample]:
     """Samples from a decoded message; lengths must add up to the flat tensors exactly."""
     fields, tensors = message.fields, message.tensors
     count = len(fields["sample_ids"])
-    for name in ("prompt_indices", "data_rows", "behavior_versions", "prompt_lengths", "response_lengths", "finish_reasons"):
+    for name in ("prompt_indices", "data_rows", "behavior_versions", "prompt_lengths", "response_lengths",
+                 "finish_reasons"):
         if len(fields[name]) != count:
             raise ProtocolError(f"{message.type}: {name} has {len(fields[name])} entries for {count} samples")
     prompt_lengths, response_lengths = fields["prompt_lengths"], fields["response_lengths"]

@@ -26,8 +26,9 @@ class IncompatibleWeights(ConfigError):
 
 def prompts_that_fit(config: TetherConfig, tokenizer, log) -> tuple[list[list[int]], list[int], int]:
     """Token ids of every prompt of ``data.prompts`` that leaves room for ``max_new_tokens`` in
-    ``max_model_len``, their rows in the file, and how many were skipped. Longer ones are skipped and counted (vLLM would
-    refuse them); every engine skips the same ones, so the prompt stream means the same to all."""
+    ``max_model_len``, their rows in the file, and how many were skipped. Longer ones are skipped
+    and counted (vLLM would refuse them); every engine skips the same ones, so the prompt stream
+    means the same to all."""
     started = time.monotonic()
     rows = read_rows(config.data.prompts)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens

@@ -245,7 +245,8 @@ def test_lora_trains_only_adapters_and_publishes_merged_weights(tmp_path, tiny_a
     from learner.lora import critic_with_lora, with_lora
 
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
-                                "learner.actor_lr=1e-2", "learner.lora_rank=4"], base=base_config(tmp_path, tiny_assets))
+                                "learner.actor_lr=1e-2", "learner.lora_rank=4"],
+                         base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
     actor = make_engine(with_lora(load_actor(tiny_assets["policy"]), config.learner), 1e-2, config)
     critic = make_engine(critic_with_lora(load_critic(tiny_assets["reward"]), config.learner), 1e-3, config)
