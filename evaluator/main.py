@@ -43,6 +43,9 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     rows = read_rows(config.eval.prompts)[:config.eval.max_prompts]
     kept = [(index, ids) for index, ids in ((i, prompt_token_ids(row, tokenizer, config.data.system_prompt))
                                             for i, row in enumerate(rows)) if 0 < len(ids) <= limit]
+    if not kept:
+        raise ConfigError(f"eval.prompts: none of the first {len(rows)} prompts fits in rollout.max_model_len - "
+                          f"rollout.max_new_tokens = {limit} tokens")
     engine = make_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
     try:
         sampling = [SamplingParams(n=1, temperature=config.rollout.temperature, top_p=config.rollout.top_p,

@@ -133,6 +133,7 @@ class Evaluations:
         self.enabled = bool(config.eval.every and config.eval.prompts)
         self.log_path = os.path.join(config.run_dir, "logs", "eval.log")
         self.current: subprocess.Popen | None = None
+        self.current_export: str | None = None
         self.started: set[str] = set()
 
     def poll(self) -> None:
@@ -160,7 +161,7 @@ class Evaluations:
             self._running()
 
     def stop(self) -> None:
-        if self.current is not None and self.current.poll() is None:
+        if self.current is not None and _group_alive(self.current.pid):  # vLLM's workers too
             os.killpg(self.current.pid, signal.SIGKILL)
             self.current.wait()
 
@@ -173,11 +174,14 @@ class Evaluations:
         if code != 0:
             print(f"tether run: an evaluation exited with code {code}; last lines of {self.log_path}:\n"
                   f"{_tail(self.log_path, 8)}", file=sys.stderr, flush=True)
+            if self.current_export is not None:  # a full copy of the model: not left behind
+                shutil.rmtree(self.current_export, ignore_errors=True)
         self.current = None
         return False
 
     def _start(self, checkpoint: str, step: int, remove: bool) -> None:
         self.started.add(checkpoint)
+        self.current_export = checkpoint if remove else None
         command = [sys.executable, "-m", "launch.cli", "eval", checkpoint, "--config", self.config_path,
                    "--step", str(step), *(["--remove"] if remove else [])]
         cores = self.config.cores_of("rollout")
@@ -194,14 +198,18 @@ def _progress_line(record: dict, total_steps: int) -> str:
 
 
 def _forget_steps_after(run_dir: str, version: int) -> None:
-    """On resume, the learner's records past the checkpoint belong to the lost future: drop them
-    so that its metrics read as one run."""
-    path = os.path.join(run_dir, "metrics", "learner.jsonl")
-    if os.path.exists(path):
-        kept = [record for record in read_metrics(run_dir, "learner") if record.get("step", 0) <= version]
-        with open(path + ".tmp", "w") as file:
-            file.writelines(json.dumps(record) + "\n" for record in kept)
-        os.replace(path + ".tmp", path)
+    """On resume, the learner's records and evaluations past the checkpoint belong to the lost
+    future: drop them (and the policy exports waiting for evaluation) so the run reads as one."""
+    for name in ("learner", "eval"):
+        path = os.path.join(run_dir, "metrics", f"{name}.jsonl")
+        if os.path.exists(path):
+            kept = [record for record in read_metrics(run_dir, name) if record.get("step", 0) <= version]
+            with open(path + ".tmp", "w") as file:
+                file.writelines(json.dumps(record) + "\n" for record in kept)
+            os.replace(path + ".tmp", path)
+    for export in glob.glob(os.path.join(run_dir, "checkpoints", "eval-step-*")):
+        if export.endswith(".tmp") or int(export.rsplit("-", 1)[1]) > version:
+            shutil.rmtree(export, ignore_errors=True)
 
 
 def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = False) -> int:

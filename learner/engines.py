@@ -51,6 +51,9 @@ def init_distributed(config: TetherConfig) -> None:
         if getattr(config.learner, key) % world:
             raise ConfigError(f"learner.{key} ({getattr(config.learner, key)}) must be a multiple of the learner's "
                               f"{world} ranks (learner.ranks x hosts)")
+    ptx_batch = config.learner.ptx_batch_size
+    if config.data.ptx and ptx_batch is not None and ptx_batch % world:
+        raise ConfigError(f"learner.ptx_batch_size ({ptx_batch}) must be a multiple of the learner's {world} ranks")
     per_rank, micro_batch = config.learner.minibatch_size // world, config.learner.micro_batch_size
     if micro_batch is not None and per_rank % micro_batch:
         raise ConfigError(f"learner.micro_batch_size ({micro_batch}) must divide each rank's share of a minibatch "
@@ -188,9 +191,10 @@ def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_buc
     parameters of one bucket at a time are gathered, so no rank holds the whole model twice."""
     import deepspeed
 
-    if engine.zero_optimization_stage() != 3:  # LoRA (never with ZeRO-3): merged under the base names
-        named = without_tied_duplicates(merged_named_tensors(engine.module))
-        return writer.publish(version, named, on_bucket) if writer is not None else None
+    if engine.zero_optimization_stage() != 3:  # whole on rank 0; LoRA (never with ZeRO-3): merged there only
+        if writer is None:
+            return None
+        return writer.publish(version, without_tied_duplicates(merged_named_tensors(engine.module)), on_bucket)
     named = without_tied_duplicates(engine.module.state_dict(keep_vars=True).items())
     # a partitioned parameter's full shape is ds_shape; its data is empty until gathered
     layout = plan_buckets([(name, getattr(t, "ds_shape", t.shape), t.dtype) for name, t in named],

@@ -2,7 +2,7 @@
 
 Linear warm-up over ``warmup_steps`` steps (step ``s`` < warm-up: ``(s + 1) / warmup_steps``), then
 ``constant``, ``linear`` or ``cosine`` decay from 1 to ``min_ratio`` at the last step:
-``progress = (s - warmup_steps) / (total_steps - warmup_steps)``, linear ``min + (1 - min)(1 -
+``progress = (s - warmup_steps) / (total_steps - warmup_steps - 1)``, linear ``min + (1 - min)(1 -
 progress)``, cosine ``min + (1 - min)(1 + cos(pi progress)) / 2``. A step is one policy version.
 """
 
@@ -24,7 +24,7 @@ def lr_factor(step: int, total_steps: int, warmup_steps: int = 0, schedule: Sche
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps - 1))  # 1 at the last step
     if schedule == "linear":
         return min_ratio + (1.0 - min_ratio) * (1.0 - progress)
     if schedule == "cosine":

@@ -47,12 +47,13 @@ def _grad_norm_before_step(engine) -> float | None:
 
 
 def _grad_norm_after_step(engine, before: float | None) -> float:
-    """ZeRO 1-3 compute the (partitioned) gradient norm inside ``step()``: read before it, the norm
-    would be the previous step's."""
-    if before is not None:
-        return before
+    """The norm DeepSpeed computed inside ``step()`` (ZeRO 1-3, and bf16 / fp16 at any stage, where
+    ``p.grad`` holds a scaled or partial gradient): read before the step it would be the previous
+    step's. ``before``: the norm of the plain gradients, for fp32 ZeRO-0, which computes none."""
     norm = engine.get_global_grad_norm()
-    return float(norm) if norm is not None else float("nan")
+    if norm is not None:
+        return float(norm)
+    return before if before is not None else float("nan")
 
 
 def _ptx_parts(ptx: PtxStream, parts: int, device) -> list[tuple | None]:
@@ -110,11 +111,14 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
 
     # 1. proximal logprobs and old values, at the start of the step (no gradient), each rank its
     #    share of the rows, gathered so that every rank holds them for the whole batch
-    with torch.no_grad():
-        mine = batch.select(torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))])
-        old_logprobs = parallel.gather_rows(
-            logprobs_from_logits(forward_logits(actor, mine), mine.response_tokens, temperature))
-        old_values = parallel.gather_rows(forward_values(critic, mine)) if critic is not None else None
+    micro_batch = cfg.micro_batch_size or cfg.minibatch_size // world
+    with torch.no_grad():  # in micro-batches too: [b, T, V] logits are what memory peaks on
+        mine = torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))]
+        parts = [batch.select(rows) for rows in mine.split(micro_batch)]
+        old_logprobs = parallel.gather_rows(torch.cat([
+            logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature) for part in parts]))
+        old_values = (parallel.gather_rows(torch.cat([forward_values(critic, part) for part in parts]))
+                      if critic is not None else None)
 
     # 2. token rewards (the score at the last token, -beta KL at every token unless the KL goes
     #    into the loss) and advantages
@@ -125,6 +129,11 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     reward_kl_coef = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, reward_kl_coef,
                                     cfg.kl_estimator, truncated, cfg.truncation_penalty, cfg.score_clip)
+    if cfg.advantage_estimator in ("grpo", "rloo"):  # the buffer serves whole groups, each together
+        groups = [{s.prompt_index for s in samples[i:i + group_size]} for i in range(0, len(samples), group_size)]
+        if any(len(group) != 1 for group in groups):
+            raise ValueError(f"a batch for {cfg.advantage_estimator} must hold the {group_size} responses of each "
+                             "prompt together")
     advantages, returns = advantages_of(rewards, old_values, mask, cfg, group_size)
 
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step.
@@ -134,7 +143,6 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     totals: dict[str, float] = {}
     updates = 0
     shuffle = torch.Generator().manual_seed(seed * 1_000_003 + policy_version)
-    micro_batch = cfg.micro_batch_size or cfg.minibatch_size // world
     for _ in range(cfg.ppo_epochs):
         for all_rows in torch.randperm(len(samples), generator=shuffle).to(device).split(cfg.minibatch_size):
             parts = all_rows[parallel.local_rows(len(all_rows))].split(micro_batch)

@@ -156,7 +156,10 @@ def test_gradient_checkpointing_trains_the_same_weights(tmp_path, tiny_assets, s
 
 @pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp"])
 def test_a_critic_free_step_trains_without_a_critic(tmp_path, tiny_assets, samples, estimator, restore_environment):
-    stats, _, _ = one_step(tmp_path, tiny_assets, samples, f"learner.advantage_estimator={estimator}",
+    import dataclasses
+
+    grouped = [dataclasses.replace(s, prompt_index=i // 2) for i, s in enumerate(samples)]  # pairs, as served
+    stats, _, _ = one_step(tmp_path, tiny_assets, grouped, f"learner.advantage_estimator={estimator}",
                               "rollout.samples_per_prompt=2", "learner.kl_in=loss", "learner.entropy_coef=0.01")
     assert "value_loss" not in stats and np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
     # on-policy, reference = policy: the KL term is 0; the entropy bonus is its coefficient x the entropy
@@ -285,3 +288,9 @@ def test_the_learner_trains_in_the_dtype_it_is_given(tmp_path, tiny_assets, samp
     assert all(w.dtype == torch.bfloat16 for w in half_weights.values())
     for key in ("policy_loss", "value_loss", "entropy", "grad_norm"):
         assert half[key] == pytest.approx(full[key], rel=0.05, abs=1e-3), key
+
+
+def test_a_group_estimator_refuses_a_batch_whose_groups_are_apart(tmp_path, tiny_assets, samples,
+                                                                   restore_environment):
+    with pytest.raises(ValueError, match="must hold the 2 responses of each prompt together"):
+        one_step(tmp_path, tiny_assets, samples, "learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2")

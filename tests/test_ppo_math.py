@@ -387,9 +387,9 @@ def test_nan_inputs_are_errors():
 
 @pytest.mark.parametrize("step, schedule, expected", [
     (0, "constant", 1 / 4), (3, "constant", 1.0), (9, "constant", 1.0),  # warm-up: (s + 1) / 4
-    (4, "linear", 0.1 + 0.9 * (1 - 0 / 6)), (7, "linear", 0.1 + 0.9 * (1 - 3 / 6)),
-    (4, "cosine", 1.0), (7, "cosine", 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 6))),
-    (9, "cosine", 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 5 / 6))),
+    (4, "linear", 0.1 + 0.9 * (1 - 0 / 5)), (7, "linear", 0.1 + 0.9 * (1 - 3 / 5)), (9, "linear", 0.1),
+    (4, "cosine", 1.0), (7, "cosine", 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 5))),
+    (9, "cosine", 0.1),  # the last step (9 of 0..9) runs at lr_min_ratio
 ])
 def test_the_learning_rate_at_a_step_is_its_formula(step, schedule, expected):
     from learner.schedule import lr_factor
