@@ -29,15 +29,17 @@ class PtxStream:
             raise ValueError("data.ptx holds no sequence of two tokens or more")
         self.sequences, self.batch_size, self.seed = sequences, batch_size, seed
         self.position = 0
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its shuffle), drawn once a pass
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [P, L] right-padded with 0, attention_mask [P, L]."""
         rows = []
         for _ in range(self.batch_size):
             epoch, offset = divmod(self.position, len(self.sequences))
-            shuffle = torch.Generator().manual_seed(self.seed * 7919 + epoch)
-            order = torch.randperm(len(self.sequences), generator=shuffle)
-            rows.append(self.sequences[int(order[offset])])
+            if self._order is None or self._order[0] != epoch:
+                shuffle = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+                self._order = (epoch, torch.randperm(len(self.sequences), generator=shuffle))
+            rows.append(self.sequences[int(self._order[1][offset])])
             self.position += 1
         width = max(len(row) for row in rows)
         input_ids = torch.zeros((len(rows), width), dtype=torch.long)

@@ -1,20 +1,13 @@
 """CURVE on TCP endpoints: only allowed keys get in; nobody else is answered or heard."""
 
 import shutil
-import socket
 import threading
 
 import pytest
 
 from protocol.config import CurveConfig
 from protocol.security import make_keys
-from protocol.transport import BufferClient, BufferServer
-
-
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from protocol.transport import BufferClient, BufferServer, free_port
 
 
 @pytest.fixture
