@@ -115,12 +115,37 @@ def _stop(roles: list[RoleProcess]) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(role.process.pid, signal.SIGKILL)
             role.process.wait()
+    # the leader's children (vLLM's engine and workers) may outlive it by a moment, or ignore SIGTERM;
+    # a zombie nobody reaps (a container whose init does not) would keep its group: give up after a kill
+    for role in roles:
+        killed = False
+        while _group_alive(role.process.pid):
+            if time.monotonic() > deadline:
+                if killed:
+                    print(f"tether run: processes of {role.name}'s group {role.process.pid} are still listed after "
+                          "SIGKILL (zombies?)", file=sys.stderr, flush=True)
+                    break
+                os.killpg(role.process.pid, signal.SIGKILL)
+                killed, deadline = True, time.monotonic() + TERMINATE_GRACE_S
+            time.sleep(0.1)
 
 
 def _remove_shared_memory(config: TetherConfig) -> None:
     """Published weights live in RAM (/dev/shm) until deleted; a stopped run needs none of them."""
     for directory in [config.weights_dir, *glob.glob(config.weights_dir + "-rollout*")]:
         shutil.rmtree(directory, ignore_errors=True)
+
+
+class Stopped(Exception):
+    """tether run got SIGTERM or SIGHUP."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(f"got {signal.Signals(number).name}")
+        self.signal = number
+
+
+def _raise_stopped(number: int, frame) -> None:
+    raise Stopped(number)
 
 
 class Evaluations:
@@ -245,6 +270,8 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
     shown_steps = len(read_metrics(run_dir, "learner")) if resume else 0
     learner_done_at: float | None = None
     evaluations = Evaluations(config, config_path)
+    # what a scheduler, `timeout` or a closed terminal sends: stop every role as Ctrl-C does
+    previous_handlers = {number: signal.signal(number, _raise_stopped) for number in (signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
             time.sleep(0.5)
@@ -294,9 +321,12 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                     _remove_shared_memory(config)
                     evaluations.finish()
                     return 0
-    except KeyboardInterrupt:
-        print("tether run: interrupted, stopping every role", file=sys.stderr, flush=True)
+    except (KeyboardInterrupt, Stopped) as stop:
+        print(f"tether run: {stop or 'interrupted'}, stopping every role", file=sys.stderr, flush=True)
         _stop(roles)
         evaluations.stop()
         _remove_shared_memory(config)
-        return 130
+        return 128 + stop.signal if isinstance(stop, Stopped) else 130
+    finally:
+        for number, handler in previous_handlers.items():
+            signal.signal(number, handler)

@@ -90,6 +90,31 @@ def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max
 
 
 @pytest.mark.slow
+def test_sigterm_to_tether_run_stops_every_role_and_leaves_nothing_behind(tmp_path, tiny_assets):
+    """What a scheduler or `timeout` sends: every role's process group goes, vLLM's included, and
+    the weights in shared memory with them."""
+    import signal
+    import time
+
+    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": 200})
+    runner = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", str(path)], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not read_metrics(run_dir, "learner"):  # training is under way: every role is up
+        assert runner.poll() is None and time.monotonic() < deadline, runner.communicate()
+        time.sleep(0.5)
+    with open(os.path.join(run_dir, "pids.json")) as file:
+        groups = json.load(file)
+    runner.send_signal(signal.SIGTERM)
+    _, stderr = runner.communicate(timeout=120)
+    assert runner.returncode == 128 + signal.SIGTERM and "got SIGTERM, stopping every role" in stderr
+    for name, pgid in groups.items():
+        with pytest.raises(ProcessLookupError):
+            os.killpg(pgid, 0)  # nothing of that role's group is left
+    assert not os.path.exists(load_config(path).weights_dir)
+
+
+@pytest.mark.slow
 def test_a_role_that_dies_stops_the_run_with_its_last_lines(tmp_path, tiny_assets):
     not_a_model = tmp_path / "not_a_model"
     not_a_model.mkdir()
