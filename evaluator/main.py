@@ -16,7 +16,7 @@ import numpy as np
 
 from protocol.config import ConfigError, TetherConfig
 from protocol.models import resolve_models
-from protocol.prompts import prompt_token_ids, read_rows
+from protocol.prompts import prompts_within, read_rows
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import Sample
 
@@ -28,37 +28,30 @@ def repetition_rate(tokens: list[int], n: int = 3) -> float:
 
 
 def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sample], dict[str, np.ndarray]]:
-    """Figures of ``checkpoint`` on ``eval.prompts``; also the samples and per-sample KL and
-    repetition, for the worst cases."""
+    """Figures of ``checkpoint`` on the prompts of ``config.data.prompts`` (``run`` puts
+    ``eval.prompts`` there, where the scorer reads rows from); also the samples and per-sample KL
+    and repetition, for the worst cases."""
     from transformers import AutoTokenizer
     from vllm import SamplingParams, TokensPrompt
 
     from rollout.main import make_engine, to_samples
     from scorer.main import Scorer
 
-    if not config.eval.prompts:
-        raise ConfigError("eval.prompts: no held-out prompts to evaluate on")
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
-    rows = read_rows(config.eval.prompts)[:config.eval.max_prompts]
-    kept = [(index, ids) for index, ids in ((i, prompt_token_ids(row, tokenizer, config.data.system_prompt))
-                                            for i, row in enumerate(rows)) if 0 < len(ids) <= limit]
-    if not kept:
-        raise ConfigError(f"eval.prompts: none of the first {len(rows)} prompts fits in rollout.max_model_len - "
-                          f"rollout.max_new_tokens = {limit} tokens")
+    rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
+    token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "eval.prompts",
+                                     config.data.prompts)
     engine = make_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
     try:
         sampling = [SamplingParams(n=1, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
                                    max_tokens=config.rollout.max_new_tokens, logprobs=0, seed=config.eval.seed + i)
                     for i in range(len(kept))]
-        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for _, ids in kept], sampling, use_tqdm=False)
+        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling, use_tqdm=False)
     finally:
         engine.llm_engine.engine_core.shutdown()
-    samples = to_samples(outputs, list(range(len(kept))), [index for index, _ in kept], 0, "eval", 0)
-    # the scorer reads the eval rows (reward functions get their row) and scores as in training
-    scorer = Scorer(config.model_copy(update={"data": config.data.model_copy(update={"prompts": config.eval.prompts})}),
-                    log)
-    parts = scorer.score(samples)
+    samples = to_samples(outputs, list(range(len(kept))), kept, 0, "eval", 0)
+    parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row
     kl = np.array([float(np.sum(s.behavior_logprobs - s.ref_logprobs)) for s in samples])
     repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])
     figures = {
@@ -99,8 +92,10 @@ def run(config: TetherConfig, checkpoint: str, step: int) -> dict:
     from transformers import AutoTokenizer
 
     log = setup_logging("eval", config.log_level)
+    if not config.eval.prompts:
+        raise ConfigError("eval.prompts: no held-out prompts to evaluate on")
     config = resolve_models(config.model_copy(update={"data": config.data.model_copy(
-        update={"prompts": config.eval.prompts or config.data.prompts})}), "scorer")
+        update={"prompts": config.eval.prompts})}), "scorer")
     if not os.path.isdir(checkpoint):
         raise ConfigError(f"checkpoint {checkpoint} is not a model directory")
     started = time.monotonic()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from protocol.sequences import pad_rows
+
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = ["<pad>", "<bos>", "<eos>", "even", "odd", ":"] + [str(d) for d in range(10)]
 DIGIT0 = VOCAB.index("0")
@@ -80,16 +82,6 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**settings)
 
 
-def _pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
-        mask[i, :len(row)] = 1
-    return ids, mask
-
-
 def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
     """Next-token SFT on (prompt, response) pairs; the loss covers response tokens only."""
     from transformers import LlamaForCausalLM
@@ -107,8 +99,8 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
             response_ids = tokenizer(sft_response(prompt, rng), add_special_tokens=False)["input_ids"] + [EOS]
             rows.append(prompt_ids + response_ids)
             labels.append([-100] * len(prompt_ids) + response_ids)
-        input_ids, attention_mask = _pad(rows)
-        label_ids, _ = _pad(labels)
+        input_ids, attention_mask = pad_rows(rows, PAD)
+        label_ids, _ = pad_rows(labels, PAD)
         label_ids[attention_mask == 0] = -100
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
         optimizer.zero_grad()
@@ -131,7 +123,7 @@ def sample_responses(model, prompt_ids: list[list[int]], max_new_tokens: int, se
     done = [False] * len(prompt_ids)
     for _ in range(max_new_tokens):
         rows = [p + r for p, r in zip(prompt_ids, responses)]
-        input_ids, attention_mask = _pad(rows)
+        input_ids, attention_mask = pad_rows(rows, PAD)
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         last = attention_mask.sum(dim=1) - 1
         next_logits = logits[torch.arange(len(rows)), last] / temperature
@@ -168,7 +160,7 @@ def train_reward_model(directory: str, sft_dir: str, tokenizer, prompts: int, re
     optimizer = torch.optim.AdamW(rm.parameters(), lr=1e-3)
 
     def scores(indices: list[int]) -> torch.Tensor:
-        input_ids, attention_mask = _pad([prompt_ids[i] + responses[i] for i in indices])
+        input_ids, attention_mask = pad_rows([prompt_ids[i] + responses[i] for i in indices], PAD)
         hidden = rm.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
         last = hidden[torch.arange(len(indices)), attention_mask.sum(dim=1) - 1]
         return rm.score(last).squeeze(-1)

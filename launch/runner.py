@@ -66,18 +66,22 @@ def role_name(role: str, worker_index: int = 0) -> str:
 def start_role(config: TetherConfig, role: str, config_path: str, worker_index: int = 0) -> RoleProcess:
     name = role_name(role, worker_index)
     log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
+    process = _spawn(_role_command(role, config_path, worker_index), log_path, config, role, worker_index)
+    return RoleProcess(name, role, worker_index, process, log_path)
+
+
+def _spawn(command: list[str], log_path: str, config: TetherConfig, role: str, worker_index: int) -> subprocess.Popen:
+    """``command`` placed as worker ``worker_index`` of ``role`` (cores, environment), its output
+    appended to ``log_path``, in a process group of its own: vLLM's workers die with it."""
     cores = config.cores_of(role, worker_index)
 
     def place() -> None:  # runs in the child before exec
         if cores:
             os.sched_setaffinity(0, cores)
 
-    log_file = open(log_path, "ab")
-    process = subprocess.Popen(_role_command(role, config_path, worker_index), stdout=log_file,
-                               stderr=subprocess.STDOUT, env=_role_env(config, role, worker_index), preexec_fn=place,
-                               start_new_session=True)  # its own group: vLLM's workers die with it
-    log_file.close()
-    return RoleProcess(name, role, worker_index, process, log_path)
+    with open(log_path, "ab") as log_file:
+        return subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT,
+                                env=_role_env(config, role, worker_index), preexec_fn=place, start_new_session=True)
 
 
 def _write_pids(run_dir: str, roles: list[RoleProcess]) -> None:
@@ -209,11 +213,7 @@ class Evaluations:
         self.current_export = checkpoint if remove else None
         command = [sys.executable, "-m", "launch.cli", "eval", checkpoint, "--config", self.config_path,
                    "--step", str(step), *(["--remove"] if remove else [])]
-        cores = self.config.cores_of("rollout")
-        with open(self.log_path, "ab") as log_file:
-            self.current = subprocess.Popen(
-                command, stdout=log_file, stderr=subprocess.STDOUT, env=_role_env(self.config, "rollout", 0),
-                preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None, start_new_session=True)
+        self.current = _spawn(command, self.log_path, self.config, "rollout", 0)  # beside the first engine
 
 
 def _progress_line(record: dict, total_steps: int) -> str:

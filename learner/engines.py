@@ -54,8 +54,8 @@ def init_distributed(config: TetherConfig) -> None:
     ptx_batch = config.learner.ptx_batch_size
     if config.data.ptx and ptx_batch is not None and ptx_batch % world:
         raise ConfigError(f"learner.ptx_batch_size ({ptx_batch}) must be a multiple of the learner's {world} ranks")
-    per_rank, micro_batch = config.learner.minibatch_size // world, config.learner.micro_batch_size
-    if micro_batch is not None and per_rank % micro_batch:
+    per_rank, micro_batch = config.learner.minibatch_size // world, config.learner.micro_batch(world)
+    if per_rank % micro_batch:
         raise ConfigError(f"learner.micro_batch_size ({micro_batch}) must divide each rank's share of a minibatch "
                           f"(learner.minibatch_size {config.learner.minibatch_size} / {world} ranks = {per_rank})")
     timeout = datetime.timedelta(seconds=config.learner.dist_timeout_s)
@@ -144,8 +144,8 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
     import deepspeed
 
     learner = config.learner
-    per_rank = learner.minibatch_size // int(os.environ.get("WORLD_SIZE", 1))
-    micro_batch = learner.micro_batch_size or per_rank
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    micro_batch = learner.micro_batch(world)
     if learner.gradient_checkpointing:
         body = model.body if isinstance(model, ValueModel) else model
         body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -154,7 +154,7 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
         # a minibatch is split evenly between the ranks (data parallel), each rank's share into micro-batches
         # whose gradients accumulate; DeepSpeed averages the ranks' gradients
         "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": per_rank // micro_batch,
+        "gradient_accumulation_steps": learner.minibatch_size // world // micro_batch,
         "gradient_clipping": learner.grad_clip,
         "zero_optimization": {"stage": learner.zero_stage},
         # DeepSpeed keeps fp32 master weights and optimizer state for a bf16 / fp16 model

@@ -9,6 +9,7 @@ import torch
 
 from protocol.distributions import logprobs_from_logits
 from protocol.prompts import read_records
+from protocol.sequences import pad_rows
 
 
 def read_ptx(path: str, tokenizer, max_tokens: int) -> list[list[int]]:
@@ -41,13 +42,7 @@ class PtxStream:
                 self._order = (epoch, torch.randperm(len(self.sequences), generator=shuffle))
             rows.append(self.sequences[int(self._order[1][offset])])
             self.position += 1
-        width = max(len(row) for row in rows)
-        input_ids = torch.zeros((len(rows), width), dtype=torch.long)
-        attention_mask = torch.zeros_like(input_ids)
-        for i, row in enumerate(rows):
-            input_ids[i, :len(row)] = torch.tensor(row)
-            attention_mask[i, :len(row)] = 1
-        return input_ids, attention_mask
+        return pad_rows(rows)
 
 
 def ptx_token_losses(logits: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor

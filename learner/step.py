@@ -111,7 +111,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
 
     # 1. proximal logprobs and old values, at the start of the step (no gradient), each rank its
     #    share of the rows, gathered so that every rank holds them for the whole batch
-    micro_batch = cfg.micro_batch_size or cfg.minibatch_size // world
+    micro_batch = cfg.micro_batch(world)
     with torch.no_grad():  # in micro-batches too: [b, T, V] logits are what memory peaks on
         mine = torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))]
         parts = [batch.select(rows) for rows in mine.split(micro_batch)]

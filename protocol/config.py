@@ -152,6 +152,12 @@ class LearnerConfig(_Strict):
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 picks a free one")
 
 
+    def micro_batch(self, ranks: int) -> int:
+        """Samples per forward/backward pass on each of ``ranks`` ranks: ``micro_batch_size``, or a
+        rank's whole share of a minibatch (no accumulation)."""
+        return self.micro_batch_size or self.minibatch_size // ranks
+
+
 class HealthConfig(_Strict):
     """Thresholds of the learner's health monitor (learner/health.py)."""
     warmup_steps: int = Field(3, ge=1, description="steps averaged into the baselines; no alert before")

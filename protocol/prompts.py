@@ -121,3 +121,20 @@ def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None =
         raise ConfigError(f"data.prompts: the policy tokenizer's chat template refuses a chat{with_system}: "
                           f"{type(error).__name__}: {error}; chat: {json.dumps(chat)[:300]}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def prompts_within(rows: list[dict[str, Any]], tokenizer, limit: int, system_prompt: str | None, key: str,
+                   path: str) -> tuple[list[list[int]], list[int]]:
+    """Token ids of the rows (of ``path``, config key ``key``) whose prompt is at most ``limit``
+    tokens long, and those rows' indices; the others are left out (vLLM would refuse them). None
+    fitting is an error naming the key and the file."""
+    token_ids, kept = [], []
+    for row_index, row in enumerate(rows):
+        ids = prompt_token_ids(row, tokenizer, system_prompt)
+        if 0 < len(ids) <= limit:
+            token_ids.append(ids)
+            kept.append(row_index)
+    if not kept:
+        raise ConfigError(f"{key}: none of the {len(rows)} prompts of {path} fits in rollout.max_model_len - "
+                          f"rollout.max_new_tokens = {limit} tokens")
+    return token_ids, kept

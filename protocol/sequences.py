@@ -57,6 +57,16 @@ def collate(samples: list[Sample], pad_token_id: int) -> SequenceBatch:
     return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions)
 
 
+def pad_rows(rows: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id rows right-padded into input_ids [B, L] (long) and attention_mask [B, L] (long)."""
+    input_ids = torch.full((len(rows), max(len(row) for row in rows)), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = torch.as_tensor(row, dtype=torch.long)
+        attention_mask[i, :len(row)] = 1
+    return input_ids, attention_mask
+
+
 def gather_response(per_position: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """per_position: [B, L, ...] (logits [B, L, V] or values [B, L]); positions: [B, T].
     Returns [B, T, ...]: the entries that score each response token."""

@@ -9,7 +9,7 @@ import uuid
 
 from protocol.config import ConfigError, TetherConfig
 from protocol.models import resolve_models
-from protocol.prompts import dataset_row, prompt_token_ids, read_rows
+from protocol.prompts import dataset_row, prompts_within, read_rows
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import BufferClient
@@ -32,16 +32,9 @@ def prompts_that_fit(config: TetherConfig, tokenizer, log) -> tuple[list[list[in
     started = time.monotonic()
     rows = read_rows(config.data.prompts)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
-    token_ids, kept = [], []
-    for row_index, row in enumerate(rows):
-        ids = prompt_token_ids(row, tokenizer, config.data.system_prompt)
-        if 0 < len(ids) <= limit:
-            token_ids.append(ids)
-            kept.append(row_index)
+    token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "data.prompts",
+                                     config.data.prompts)
     skipped = len(rows) - len(kept)
-    if not kept:
-        raise ConfigError(f"data.prompts: none of the {len(rows)} prompts of {config.data.prompts} fits in "
-                          f"rollout.max_model_len - rollout.max_new_tokens = {limit} tokens")
     log.info("%d prompts tokenized in %.1fs%s", len(rows), time.monotonic() - started,
              f"; {skipped} skipped: longer than {limit} tokens (rollout.max_model_len - max_new_tokens)"
              if skipped else "")

@@ -7,7 +7,7 @@ from torch import nn
 
 from protocol.distributions import logprobs_from_logits
 from protocol.samples import Sample
-from protocol.sequences import classification_head, collate, gather_response
+from protocol.sequences import classification_head, collate, gather_response, pad_rows
 
 REWARD_OFFSET_KEY = "tether_reward_offset"  # in the RM's config.json: subtracted from every raw score
 
@@ -38,11 +38,7 @@ def reward_scores_of_tokens(reward_model: nn.Module, rows: list[list[int]]) -> t
     """One scalar per row of the reward model's own token ids (``reward_model_tokens``): for an RM
     whose vocabulary is not the policy's. Pooled as ``reward_scores``."""
     device = next(reward_model.parameters()).device
-    input_ids = torch.zeros((len(rows), max(len(row) for row in rows)), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for i, row in enumerate(rows):
-        input_ids[i, :len(row)] = torch.tensor(row)
-        attention_mask[i, :len(row)] = 1
+    input_ids, attention_mask = pad_rows(rows)
     return _pooled_scores(reward_model, input_ids.to(device), attention_mask.to(device),
                           (attention_mask.sum(dim=1) - 1).to(device))
 
