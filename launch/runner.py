@@ -163,6 +163,7 @@ class Evaluations:
         self.log_path = os.path.join(config.run_dir, "logs", "eval.log")
         self.current: subprocess.Popen | None = None
         self.current_export: str | None = None
+        self.deadline = 0.0  # when the running evaluation is stopped
         self.started: set[str] = set()
 
     def poll(self) -> None:
@@ -182,11 +183,18 @@ class Evaluations:
             self.poll()
             if not self._running():
                 break
-            self.current.wait()
+            self._wait()
         final = os.path.join(self.config.run_dir, "checkpoints", "final")
         if os.path.isdir(final):
             self._start(final, self.config.learner.total_steps, remove=False)
-            self.current.wait()
+            self._wait()
+            self._running()
+
+    def _wait(self) -> None:
+        """Until the running evaluation ends, or its ``eval.deadline_s`` passes (then it is stopped)."""
+        try:
+            self.current.wait(timeout=max(0.1, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
             self._running()
 
     def stop(self) -> None:
@@ -198,6 +206,11 @@ class Evaluations:
         if self.current is None:
             return False
         code = self.current.poll()
+        if code is None and time.monotonic() > self.deadline:
+            print(f"tether run: an evaluation ran past eval.deadline_s ({self.config.eval.deadline_s:.0f}s); "
+                  "stopping it", file=sys.stderr, flush=True)
+            self.stop()
+            code = self.current.poll()
         if code is None:
             return True
         if code != 0:
@@ -214,6 +227,7 @@ class Evaluations:
         command = [sys.executable, "-m", "launch.cli", "eval", checkpoint, "--config", self.config_path,
                    "--step", str(step), *(["--remove"] if remove else [])]
         self.current = _spawn(command, self.log_path, self.config, "rollout", 0)  # beside the first engine
+        self.deadline = time.monotonic() + self.config.eval.deadline_s
 
 
 def _progress_line(record: dict, total_steps: int) -> str:

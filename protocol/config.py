@@ -218,6 +218,7 @@ class EvalConfig(_Strict):
     seed: int = Field(1234, description="sampling seed: the same checkpoint gives the same figures")
     worst_cases: int = Field(5, ge=0, description="responses written as text per evaluation: lowest reward, "
                                                   "highest KL")
+    deadline_s: float = Field(1800.0, gt=0, description="an evaluation running longer is stopped and reported")
 
 
 class LaunchConfig(_Strict):

@@ -276,3 +276,24 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
         partitions = os.listdir(os.path.join(newest, "actor", "state"))
         assert sum("optim_states" in name for name in partitions) == 2, partitions
         assert all(r["ranks"] == 2 for r in read_metrics(run_dir, "learner"))
+
+
+def test_an_evaluation_past_its_deadline_is_stopped_and_its_export_removed(tmp_path, tiny_assets):
+    """tether run waits for evaluations at the end: one that hangs must not hang the run."""
+    import signal
+    import time
+
+    from launch.runner import Evaluations, _spawn
+
+    path, run_dir = write_config(tmp_path, tiny_assets, eval={"prompts": tiny_assets["eval_prompts"], "every": 1,
+                                                              "deadline_s": 1.0})
+    os.makedirs(os.path.join(run_dir, "logs"))
+    export = tmp_path / "eval-step-000001"
+    export.mkdir()
+    evaluations = Evaluations(load_config(path), str(path))
+    evaluations.current = _spawn(["sleep", "60"], evaluations.log_path, evaluations.config, "rollout", 0)
+    evaluations.current_export, evaluations.deadline = str(export), time.monotonic() + 1.0
+    hanging = evaluations.current
+    evaluations._wait()
+    assert hanging.returncode == -signal.SIGKILL  # stopped at its deadline, not after sleep's 60 s
+    assert evaluations.current is None and not export.exists()
