@@ -166,7 +166,57 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
     trainable = [parameter for parameter in model.parameters() if parameter.requires_grad]  # LoRA: the adapters
     optimizer = torch.optim.AdamW(trainable, lr=lr, weight_decay=learner.weight_decay, eps=1e-8)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    engine.gradient_guard = GradientGuard(model, enabled=learner.dtype != "float16")
     return engine
+
+
+class GradientGuard:
+    """Sees each gradient as the backward pass computes it, before DeepSpeed reduces, partitions or
+    accumulates it: notes whether any is NaN or inf, and passes it on with those entries 0, so that a
+    step found bad (``take``) can be skipped without NaN reaching the optimizer's state. Off under
+    fp16, where inf gradients are DeepSpeed's loss scaler's business: it skips those steps itself."""
+
+    def __init__(self, model: nn.Module, enabled: bool = True) -> None:
+        self.bad: torch.Tensor | None = None  # on the gradients' device: no sync per gradient
+        if enabled:
+            for parameter in model.parameters():
+                if parameter.requires_grad:
+                    parameter.register_hook(self._see)
+
+    def _see(self, grad: torch.Tensor) -> torch.Tensor:
+        nonfinite = ~torch.isfinite(grad).all()
+        self.bad = nonfinite if self.bad is None else self.bad | nonfinite
+        return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
+
+    def take(self) -> bool:
+        """Whether a gradient since the last ``take`` was NaN or inf; starts over."""
+        bad, self.bad = self.bad, None
+        return bool(bad) if bad is not None else False
+
+
+def skip_step(engine) -> None:
+    """End the minibatch without an update: DeepSpeed's step at learning rate 0 clears the gradients
+    and keeps its counters in line (on every ZeRO stage alike), and the optimizer's moments and step
+    count are put back as they were, so the weights and the state are those before the minibatch.
+    The guard made the gradients finite, so 0 x gradient changes no weight."""
+    optimizer = engine.basic_optimizer  # the AdamW of make_engine; under ZeRO it holds the fp32 partitions
+    saved = {parameter: {key: value.clone() if torch.is_tensor(value) else value for key, value in state.items()}
+             for parameter, state in optimizer.state.items()}
+    rates = [group["lr"] for group in engine.optimizer.param_groups]
+    for group in engine.optimizer.param_groups:
+        group["lr"] = 0.0
+    engine.step()
+    for group, rate in zip(engine.optimizer.param_groups, rates):
+        group["lr"] = rate
+    for parameter in list(optimizer.state):
+        if parameter not in saved:  # its first step: it had no state
+            del optimizer.state[parameter]
+            continue
+        for key, value in saved[parameter].items():
+            if torch.is_tensor(value):
+                optimizer.state[parameter][key].copy_(value)
+            else:
+                optimizer.state[parameter][key] = value
 
 
 @contextmanager
@@ -234,7 +284,51 @@ def save_hf_checkpoint(engine, policy_path: str, directory: str) -> str:
         source = os.path.join(policy_path, name)
         if os.path.exists(source):
             shutil.copy(source, temporary)
-    if os.path.exists(directory):
-        shutil.rmtree(directory)
-    os.replace(temporary, directory)
+    fsync_tree(temporary)
+    replace_directory(temporary, directory)
     return directory
+
+
+def fsync_tree(directory: str, files: bool = True) -> None:
+    """Every file (with ``files``) and directory under ``directory`` on disk before a rename makes
+    it visible: a rename that reaches the disk before the data would name a torn checkpoint."""
+    for root, _, names in os.walk(directory, topdown=False):
+        for name in names if files else ():
+            with open(os.path.join(root, name), "rb") as file:
+                os.fsync(file.fileno())
+        descriptor = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+        if not files:
+            return
+
+
+def replace_directory(source: str, target: str) -> None:
+    """Put the directory ``source`` at ``target`` in one step: at every moment ``target`` is the old
+    directory or the new one, whole (Linux's renameat2 exchange; where the file system has none,
+    the old one is moved aside first, so a crash leaves it as ``target.old``). Then on disk."""
+    parent = os.path.dirname(os.path.abspath(target))
+    if not os.path.exists(target):
+        os.replace(source, target)
+    elif _exchange(source, target):
+        shutil.rmtree(source)  # now the old one
+    else:
+        aside = target + ".old"
+        shutil.rmtree(aside, ignore_errors=True)
+        os.replace(target, aside)
+        os.replace(source, target)
+        shutil.rmtree(aside)
+    fsync_tree(parent, files=False)
+
+
+def _exchange(first: str, second: str) -> bool:
+    """Swap two paths atomically (renameat2 with RENAME_EXCHANGE); False where it is not supported."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if not hasattr(libc, "renameat2"):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return libc.renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0

@@ -37,6 +37,8 @@ def save_state(checkpoints: str, version: int, actor, critic, kl_controller, mom
     samples and accounting, written into a temporary directory that becomes ``state-N`` by one
     rename once all of it is there and on disk, so a half-written checkpoint is never picked.
     Called on every rank; rank 0 (``client`` given) does the rest."""
+    from learner.engines import fsync_tree
+
     final = os.path.join(checkpoints, f"state-{version:06d}")
     temporary = final + ".tmp"
     if client is not None:
@@ -54,28 +56,12 @@ def save_state(checkpoints: str, version: int, actor, critic, kl_controller, mom
                    "reward_moments": moments.state_dict() if moments is not None else None}, file)
     with open(os.path.join(temporary, "COMPLETE"), "w") as file:
         file.write(str(version))
-    _fsync_tree(temporary)
+    fsync_tree(temporary)
     os.replace(temporary, final)
-    _fsync_tree(checkpoints, files=False)
+    fsync_tree(checkpoints, files=False)
     for old in sorted(d for d in os.listdir(checkpoints) if d.startswith("state-") and not d.endswith(".tmp"))[:-keep]:
         shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
     return final
-
-
-def _fsync_tree(directory: str, files: bool = True) -> None:
-    """Every file (with ``files``) and directory under ``directory`` on disk before a rename makes
-    it visible: a rename that reaches the disk before the data would name a torn checkpoint."""
-    for root, _, names in os.walk(directory, topdown=False):
-        for name in names if files else ():
-            with open(os.path.join(root, name), "rb") as file:
-                os.fsync(file.fileno())
-        descriptor = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
-        if not files:
-            return
 
 
 def load_state(directory: str, actor, critic, kl_controller, moments) -> int:
@@ -98,6 +84,31 @@ def newest_state(run_dir: str) -> str | None:
     complete = [d for d in os.listdir(checkpoints) if d.startswith("state-") and not d.endswith(".tmp")
                 and os.path.exists(os.path.join(checkpoints, d, "COMPLETE"))]
     return os.path.join(checkpoints, max(complete)) if complete else None
+
+
+def stop_on_nonfinite(error: FloatingPointError, actor, config: TetherConfig, policy_version: int, metrics,
+                      log) -> None:
+    """A NaN loss or output, or non-finite gradients step after step: save the weights the actor
+    holds if they are still finite (a skipped step leaves them as they were: the last good ones),
+    and stop with ``TrainingStopped`` (exit 3). Weights that hold NaN themselves are not saved:
+    the last good policy is then the newest checkpoint. Every rank calls it (the save is collective)."""
+    from learner.engines import full_parameters, save_hf_checkpoint
+
+    with full_parameters(actor) as module:
+        finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())
+    finite = not parallel.any_rank(not finite)
+    checkpoints = os.path.join(config.run_dir, "checkpoints")
+    if finite:
+        saved = save_hf_checkpoint(actor, config.models.policy,
+                                   os.path.join(checkpoints, f"nan-step-{policy_version:06d}"))
+        where = f"the last good policy is saved in {saved}"
+    else:
+        where = (f"the weights themselves hold NaN and are not saved; the last good policy is the newest checkpoint "
+                 f"in {checkpoints}")
+    if metrics is not None:
+        metrics.write({"step": policy_version, "alerts": ["nan_loss"], "alert_nan_loss": 1})
+        log.error("ALERT nan_loss: %s; %s; stopping", error, where)
+    raise TrainingStopped(f"{error} (policy version {policy_version}); {where}") from None
 
 
 def receive_batch(client, policy_version: int, config: TetherConfig, log):
@@ -151,7 +162,7 @@ def run(config: TetherConfig) -> str:
     torch.manual_seed(config.seed)
     from learner.engines import (device, init_distributed, load_actor, load_critic, make_engine, publish_weights,
                                  save_hf_checkpoint)
-    from learner.step import ppo_step
+    from learner.step import SkippedSteps, ppo_step
 
     cfg = config.learner
     init_distributed(config)
@@ -204,6 +215,7 @@ def run(config: TetherConfig) -> str:
         publish(policy_version)  # the rollouts start from the SFT weights
         log.info("resumed from %s at policy version %d", config.resume_from, policy_version)
     run_started = time.monotonic()
+    skipped = SkippedSteps(cfg.max_skipped_steps)
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
         samples = unpack_samples(receive_batch(client, policy_version, config, log))
@@ -215,15 +227,10 @@ def run(config: TetherConfig) -> str:
             set_lr(critic, cfg.critic_lr * factor)
         try:
             stats = ppo_step(actor, critic, samples, batch, cfg, config.rollout.temperature, kl_controller.value,
-                             policy_version, moments, config.seed, config.rollout.samples_per_prompt, ptx)
+                             policy_version, moments, config.seed, config.rollout.samples_per_prompt, ptx, skipped)
         except FloatingPointError as error:
-            saved = save_hf_checkpoint(actor, config.models.policy,
-                                       os.path.join(checkpoints, f"nan-step-{policy_version:06d}"))
-            if main:
-                metrics.write({"step": policy_version, "alerts": ["nan_loss"], "alert_nan_loss": 1})
-                log.error("ALERT nan_loss: %s; the last good policy is saved in %s; stopping", error, saved)
-            raise TrainingStopped(f"NaN loss at policy version {policy_version} ({error}); "
-                                  f"the last good policy is in {saved}") from None
+            stop_on_nonfinite(error, actor, config, policy_version, metrics if main else None, log)
+        stats["skipped_steps_total"] = skipped.total
         stats["actor_lr"] = cfg.actor_lr * factor
         kl_controller.update(stats["kl"], n_steps=len(samples))
         policy_version += 1

@@ -6,14 +6,20 @@ sampled distribution in ``protocol.distributions``).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 
 from learner import parallel, ppo
+from learner.engines import skip_step
 from learner.ptx import PtxStream, ptx_token_losses
 from protocol.config import LearnerConfig
 from protocol.distributions import entropy_from_logits, logprobs_from_logits
 from protocol.samples import Sample
 from protocol.sequences import SequenceBatch, gather_response
+
+log = logging.getLogger("learner")
 
 
 def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -56,6 +62,41 @@ def _grad_norm_after_step(engine, before: float | None) -> float:
     return before if before is not None else float("nan")
 
 
+class NonFiniteGradients(FloatingPointError):
+    """Optimizer steps kept finding NaN or inf gradients: ``learner.max_skipped_steps`` in a row."""
+
+
+@dataclass
+class SkippedSteps:
+    """Optimizer steps skipped for non-finite gradients, in all and in a row; ``limit`` in a row
+    stops the learner (a model that keeps producing them will not recover by itself)."""
+    limit: int
+    total: int = 0
+    in_a_row: int = 0
+
+
+def step_unless_nonfinite(engines: list, skipped: SkippedSteps, policy_version: int) -> bool:
+    """At the last micro-batch of a minibatch: step every engine, or, if any rank saw a NaN or inf
+    gradient in any of them, step none (``skip_step``: weights and optimizer state stay as they
+    were, the gradients are cleared) and count it. Returns whether the step was applied."""
+    bad = parallel.any_rank(any(engine.gradient_guard.take() for engine in engines))
+    if not bad:
+        for engine in engines:
+            engine.step()
+        skipped.in_a_row = 0
+        return True
+    for engine in engines:
+        skip_step(engine)
+    skipped.total += 1
+    skipped.in_a_row += 1
+    log.warning("non-finite gradients at policy version %d: optimizer step skipped (%d in a row, %d in all)",
+                policy_version, skipped.in_a_row, skipped.total)
+    if skipped.in_a_row >= skipped.limit:
+        raise NonFiniteGradients(f"{skipped.in_a_row} optimizer steps in a row had NaN or inf gradients "
+                                 f"(learner.max_skipped_steps {skipped.limit}) at policy version {policy_version}")
+    return False
+
+
 def _ptx_parts(ptx: PtxStream, parts: int, device) -> list[tuple | None]:
     """This rank's rows of the next ptx batch, split like its rows of the minibatch: per part
     (input_ids, attention_mask, tokens of the whole ptx batch), or None for a part with no row."""
@@ -95,12 +136,15 @@ def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: 
 
 def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: LearnerConfig, temperature: float,
              kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None, seed: int = 0,
-             group_size: int = 1, ptx: PtxStream | None = None) -> dict[str, float]:
+             group_size: int = 1, ptx: PtxStream | None = None,
+             skipped: SkippedSteps | None = None) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
     the rows (``learner.parallel``); the result is what one rank computes on the whole batch.
     ``critic``: None unless ``cfg.advantage_estimator`` is gae. ``group_size``: the responses to
     one prompt (``rollout.samples_per_prompt``), contiguous in the batch. ``ptx``: batches of
-    PPO-ptx text, one per optimizer step (``cfg.ptx_coef``)."""
+    PPO-ptx text, one per optimizer step (``cfg.ptx_coef``). ``skipped``: the count of optimizer
+    steps skipped for non-finite gradients, kept across steps by the caller."""
+    skipped = skipped if skipped is not None else SkippedSteps(cfg.max_skipped_steps)
     device = batch.input_ids.device
     world = parallel.world_size()
     mask = batch.response_mask
@@ -141,7 +185,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     #    trains its share of each, in micro-batches whose gradients DeepSpeed accumulates;
     #    scaling the loss makes the gradient DeepSpeed steps with that of the whole minibatch.
     totals: dict[str, float] = {}
-    updates = 0
+    updates, grad_norms = 0, []
+    engines = [actor] if critic is None else [actor, critic]
     shuffle = torch.Generator().manual_seed(seed * 1_000_003 + policy_version)
     for _ in range(cfg.ppo_epochs):
         for all_rows in torch.randperm(len(samples), generator=shuffle).to(device).split(cfg.minibatch_size):
@@ -181,14 +226,9 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                     actor_objective = actor_objective + ptx_share * len(parts) * cfg.ptx_coef * ptx_loss
                     totals["ptx_loss"] = totals.get("ptx_loss", 0.0) + float(ptx_share * ptx_loss.detach())
                 actor.backward(actor_objective)
-                last = index == len(parts) - 1  # DeepSpeed's step applies the update at the last part only
-                norm = _grad_norm_before_step(actor) if last else None
-                actor.step()
-                if last:
-                    totals["grad_norm"] = totals.get("grad_norm", 0.0) + _grad_norm_after_step(actor, norm)
 
                 value_stats = {}
-                if critic is not None:
+                if critic is not None:  # its loss is checked before either engine steps
                     values = forward_values(critic, minibatch)
                     value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows],
                                                              minibatch.response_mask, cfg.value_clip,
@@ -197,8 +237,15 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                         raise FloatingPointError(f"value loss is {value_loss.item()} at policy version "
                                                  f"{policy_version}")
                     critic.backward(scale * cfg.value_loss_coef * value_loss)
-                    critic.step()
                     losses["value_loss"] = value_loss
+
+                if index < len(parts) - 1:  # DeepSpeed accumulates; its step updates at the last part only
+                    for engine in engines:
+                        engine.step()
+                else:
+                    norm = _grad_norm_before_step(actor)
+                    if step_unless_nonfinite(engines, skipped, policy_version):
+                        grad_norms.append(_grad_norm_after_step(actor, norm))
 
                 entropy = ppo.masked_mean(entropy_per_token.detach(), minibatch.response_mask)
                 for name, value in {**{k: share * v for k, v in losses.items()}, "entropy": token_share * entropy,
@@ -207,6 +254,9 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
             updates += 1
 
     stats = parallel.mean_over_ranks({name: total / updates for name, total in totals.items()})
+    # DeepSpeed's norm, the same on every rank; NaN when every step of this batch was skipped
+    stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
+    stats["skipped_steps"] = updates - len(grad_norms)
     response_lengths = mask.sum(dim=1)
     staleness = torch.tensor([policy_version - s.behavior_version for s in samples], dtype=torch.float32)
     on_version = torch.tensor([s.behavior_version == policy_version for s in samples], device=device)

@@ -110,6 +110,9 @@ class LearnerConfig(_Strict):
                                                             "memory, about a third more compute")
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
+    max_skipped_steps: int = Field(5, ge=1, description="optimizer steps with NaN or inf gradients are skipped; "
+                                                        "this many in a row stop the learner (exit 3) with the "
+                                                        "last good weights saved")
     clip_eps: float = Field(0.2, gt=0)
     clip_eps_high: float | None = Field(None, gt=0, description="DAPO clip-higher; default clip_eps")
     dual_clip: float | None = Field(None, gt=1)

@@ -101,6 +101,149 @@ def test_a_nan_in_the_actor_stops_the_step_before_any_update(tmp_path, tiny_asse
     assert all(torch.equal(v, critic_before[k]) for k, v in critic.module.state_dict().items())
 
 
+class _NanBackward(torch.autograd.Function):
+    """The identity forward, NaN gradients backward: a finite loss whose gradients are not."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+def _nan_gradients_from(module: torch.nn.Module, when=lambda: True):
+    """Make the gradients through ``module``'s output NaN while ``when()`` holds."""
+    return module.register_forward_hook(
+        lambda _, __, out: (_NanBackward.apply(out[0]), *out[1:]) if isinstance(out, tuple) and when()
+        else _NanBackward.apply(out) if torch.is_tensor(out) and when() else out)
+
+
+def _weights(engine) -> dict[str, torch.Tensor]:
+    from learner.engines import full_parameters
+
+    with full_parameters(engine) as module:
+        return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+def _adam_state(engine) -> list[torch.Tensor]:
+    return [value.clone() for state in engine.basic_optimizer.state.values() for value in state.values()]
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2, 3])
+def test_nan_gradients_from_a_finite_loss_skip_the_step_and_keep_weights_and_adam_state(
+        tmp_path, tiny_assets, samples, zero_stage, restore_environment):
+    """One good step (so Adam holds moments), then a step whose loss is finite and whose gradients
+    are NaN: skipped and counted, the weights and Adam's moments and step count exactly as before;
+    the step after it, with good gradients, trains again."""
+    from learner.step import SkippedSteps
+
+    config = load_config(None, [f"learner.zero_stage={zero_stage}", "learner.batch_size=8", "learner.minibatch_size=8",
+                                "learner.ppo_epochs=1", "learner.actor_lr=1e-3"],
+                         base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor_model = load_actor(tiny_assets["policy"])
+    poisoned = {"on": False}
+    _nan_gradients_from(actor_model.get_input_embeddings(), lambda: poisoned["on"])
+    actor = make_engine(actor_model, config.learner.actor_lr, config)
+    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    batch, skipped = collate(samples, pad_token_id=0), SkippedSteps(limit=3)
+    step = lambda version: ppo_step(actor, critic, samples, batch, config.learner, temperature=1.0, kl_coef=0.05,
+                                    policy_version=version, moments=None, skipped=skipped)
+    first = step(0)
+    assert first["skipped_steps"] == 0 and np.isfinite(first["grad_norm"])
+    weights, actor_state, critic_state = _weights(actor), _adam_state(actor), _adam_state(critic)
+    assert actor_state and all(torch.isfinite(t).all() for t in actor_state)
+
+    poisoned["on"] = True
+    bad = step(1)
+    assert np.isfinite(bad["policy_loss"]) and bad["skipped_steps"] == 1 and np.isnan(bad["grad_norm"])
+    assert (skipped.total, skipped.in_a_row) == (1, 1)
+    assert all(torch.equal(weights[k], v) for k, v in _weights(actor).items())
+    assert all(torch.equal(a, b) for a, b in zip(actor_state, _adam_state(actor)))
+    assert all(torch.equal(a, b) for a, b in zip(critic_state, _adam_state(critic)))  # both engines skip together
+
+    poisoned["on"] = False
+    good = step(2)
+    assert good["skipped_steps"] == 0 and skipped.in_a_row == 0 and skipped.total == 1
+    assert any(not torch.equal(weights[k], v) for k, v in _weights(actor).items())
+    assert all(torch.isfinite(v).all() for v in _weights(actor).values())
+
+
+def test_nan_gradients_step_after_step_stop_at_the_limit(tmp_path, tiny_assets, samples, restore_environment):
+    from learner.step import NonFiniteGradients, SkippedSteps
+
+    config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=4", "learner.ppo_epochs=2",
+                                "learner.max_skipped_steps=3"], base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor_model = load_actor(tiny_assets["policy"])
+    _nan_gradients_from(actor_model.get_input_embeddings())
+    actor = make_engine(actor_model, config.learner.actor_lr, config)
+    before = _weights(actor)
+    skipped = SkippedSteps(config.learner.max_skipped_steps)
+    with pytest.raises(NonFiniteGradients, match="3 optimizer steps in a row had NaN or inf gradients"):
+        ppo_step(actor, None, samples, collate(samples, pad_token_id=0),
+                 config.learner.model_copy(update={"advantage_estimator": "reinforce_pp"}), temperature=1.0,
+                 kl_coef=0.05, policy_version=0, moments=None, skipped=skipped)
+    assert skipped.total == 3  # of the 4 minibatches, the fourth never ran
+    assert all(torch.equal(before[k], v) for k, v in _weights(actor).items())
+
+
+def test_a_nan_value_loss_stops_the_step_before_the_actor_steps(tmp_path, tiny_assets, samples,
+                                                               restore_environment):
+    """The critic's values are finite without a gradient (the proximal pass) and NaN with one: the
+    learner finds it before the actor's optimizer steps on that minibatch."""
+    config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1"],
+                         base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    critic_model = load_critic(tiny_assets["reward"])
+    critic_model.head.register_forward_hook(lambda _, __, out: out * float("nan") if torch.is_grad_enabled() else out)
+    critic = make_engine(critic_model, config.learner.critic_lr, config)
+    before = _weights(actor)
+    with pytest.raises(FloatingPointError, match="critic values hold NaN"):
+        ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
+                 kl_coef=0.05, policy_version=0, moments=None)
+    assert all(torch.equal(before[k], v) for k, v in _weights(actor).items())
+
+
+def test_final_is_replaced_whole_and_a_crash_before_the_rename_keeps_the_old_one(
+        tmp_path, tiny_assets, samples, restore_environment, monkeypatch):
+    import learner.engines as engines
+
+    config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
+                                "learner.actor_lr=1e-2"], base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    final = str(tmp_path / "checkpoints" / "final")
+    save_hf_checkpoint(actor, tiny_assets["policy"], final)
+    first = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    ppo_step(actor, None, samples, collate(samples, pad_token_id=0),
+             config.learner.model_copy(update={"advantage_estimator": "reinforce_pp"}), temperature=1.0,
+             kl_coef=0.05, policy_version=0, moments=None)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+
+    def crash(source, target):
+        raise KeyboardInterrupt("killed between write and rename")
+
+    monkeypatch.setattr(engines, "replace_directory", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_hf_checkpoint(actor, tiny_assets["policy"], final)
+    # everything written was on disk before the rename would have named it: each file and the directory
+    written = os.listdir(final + ".tmp")
+    assert {os.path.join(final + ".tmp", name) for name in written} <= set(synced) and final + ".tmp" in synced
+    assert all(torch.equal(v, first[k]) for k, v in AutoModelForCausalLM.from_pretrained(final).state_dict().items())
+
+    monkeypatch.undo()
+    save_hf_checkpoint(actor, tiny_assets["policy"], final)
+    trained = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    assert any(not torch.equal(v, first[k]) for k, v in trained.items())
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["final"]  # no .tmp, no .old left
+
+
 def test_stale_build_locks_are_removed_and_fresh_ones_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     stale, fresh = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "other" / "lock"
