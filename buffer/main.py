@@ -9,6 +9,7 @@ import gc
 import json
 import os
 import time
+import uuid
 from collections import deque
 from dataclasses import dataclass
 
@@ -61,6 +62,8 @@ class Buffer:
         self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve)
         self.metrics = MetricsWriter(config.run_dir, "buffer")
         self.run_id = os.path.basename(os.path.abspath(config.run_dir))
+        self.incarnation = uuid.uuid4().hex[:12]  # a restarted buffer is told from this one by its clients
+        self.weight_failures: dict[str, tuple[int, int, str]] = {}  # rollout -> (failures, version, reason)
         self.checkpoints = os.path.realpath(os.path.join(config.run_dir, "checkpoints"))
         self.credit_waits: list[Pending] = []
         self.score_waits: list[Pending] = []
@@ -136,7 +139,7 @@ class Buffer:
         self.workers[identity] = worker
         self.log.info("%s connected", worker)
         self.server.reply(identity, message.id, "welcome", {
-            "run_id": self.run_id, "max_staleness": self.state.max_staleness, "batch_size": self.state.batch_size})
+            "run_id": self.run_id, "incarnation": self.incarnation, "max_staleness": self.state.max_staleness, "batch_size": self.state.batch_size})
 
     def _forget_old_process(self, worker: str) -> None:
         """The same worker from a new process: what the old one held goes back to the pool."""
@@ -150,7 +153,19 @@ class Buffer:
             for waits in (self.credit_waits, self.score_waits, self.batch_waits):
                 waits[:] = [wait for wait in waits if wait.identity != old]
 
+    def on_ping(self, identity: bytes, message: Message) -> None:
+        self.server.reply(identity, message.id, "pong", {"run_id": self.run_id, "incarnation": self.incarnation})
+
+    def on_weights_refused(self, identity: bytes, message: Message) -> None:
+        worker, fields = self.workers[identity], message.fields
+        self.weight_failures[worker] = (fields["failures"], fields["policy_version"], fields["reason"])
+        self.log.warning("%s could not load policy version %d (%d time(s) in a row): %s", worker,
+                         fields["policy_version"], fields["failures"], fields["reason"])
+        self.server.reply(identity, message.id, "ack", {"accepted": 1})
+
     def on_credit_request(self, identity: bytes, message: Message) -> None:
+        if message.fields["wanted"] > 0:  # an engine that asks for work again has loaded its weights
+            self.weight_failures.pop(self.workers[identity], None)
         self.credit_waits.append(Pending(identity, message.id, message.fields["policy_version"],
                                          message.fields["wanted"]))
 
@@ -181,6 +196,12 @@ class Buffer:
         if os.path.commonpath([path, self.checkpoints]) != self.checkpoints:
             raise PermissionError(f"a snapshot goes inside this run's checkpoint directory {self.checkpoints}, "
                                   f"not {message.fields['path']}")
+        # a learner that checkpoints waits for no batch: one it asked for is not sent, one on its way goes back
+        self.batch_waits[:] = [wait for wait in self.batch_waits if wait.identity != identity]
+        returned = self.state.return_untrained(message.fields["policy_version"])
+        if returned:
+            self.log.info("the learner stopped at policy version %d before training the batch it was sent: "
+                          "its %d samples wait again", message.fields["policy_version"], returned)
         save_snapshot(self.state, path)
         self.server.reply(identity, message.id, "ack", {"accepted": 1})
 
@@ -255,7 +276,8 @@ class Buffer:
                     holding = self.state.scorer_load[worker]
                     self.log.warning("%s silent for %.0fs since its %s%s", worker, silent, kind,
                                      f", holding {holding} samples to score" if holding else "")
-        return stalled
+        # it holds a request, yet generates nothing until a load succeeds (on_weights_refused says why)
+        return stalled + list(self.weight_failures)
 
     def reclaim_silent_engines(self, now: float) -> None:
         """An engine that holds credits and has sent nothing for rollout.deadline_s is taken for

@@ -64,6 +64,7 @@ class BufferState:
         self.in_scoring: dict[str, tuple[Sample, str, float]] = {}  # id -> (sample, scorer, deadline)
         self.scorer_load: Counter = Counter()  # scorer -> samples it holds
         self.scored: dict[str, Sample] = {}  # insertion order = arrival order
+        self.last_batch: tuple[int, list[Sample]] | None = None  # (learner version, samples) last served
         # ids seen, to drop a sample that arrives twice; the oldest are forgotten past the window,
         # so memory stays bounded. A sample of version v came after v*B grants, and W grants later
         # the learner is at least at v + W/B - k - 1: past W = (2k+1)*B a late duplicate is stale
@@ -249,7 +250,23 @@ class BufferState:
             del self.scored[sample.sample_id]
             self.accounting.trained += 1
             self.accounting.staleness_histogram[policy_version - sample.behavior_version] += 1
+        self.last_batch = (policy_version, ordered)
         return ordered
+
+    def return_untrained(self, learner_version: int) -> int:
+        """The learner says it is at ``learner_version`` (a checkpoint): a batch served for that
+        version or a later one was not trained (it stopped while the batch was on its way), so its
+        samples are scored and waiting again. Returns how many."""
+        if self.last_batch is None or self.last_batch[0] < learner_version:
+            return 0
+        version, batch = self.last_batch
+        self.last_batch = None
+        for sample in batch:
+            self.scored[sample.sample_id] = sample
+            self.accounting.trained -= 1
+            self.accounting.staleness_histogram[version - sample.behavior_version] -= 1
+        self.accounting.staleness_histogram += Counter()  # drops the ages counted 0 now
+        return len(batch)
 
     def _oldest_whole_groups(self, batch_size: int) -> list[Sample] | None:
         """``batch_size`` scored samples made of whole groups (the ``samples_per_prompt`` responses

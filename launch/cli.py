@@ -66,12 +66,15 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             from launch.ranks import launch_ranks
             raise typer.Exit(launch_ranks(resolved, sys.argv[1:], nnodes, node_rank, master_addr, master_port))
         else:
-            from learner.main import TrainingStopped, run
+            from learner.main import Preempted, TrainingStopped, run
             try:
                 run(resolved)
             except TrainingStopped as error:
                 typer.echo(f"stopped: {error}", err=True)
                 raise typer.Exit(3)
+            except Preempted as error:
+                typer.echo(f"stopped: {error}", err=True)
+                raise typer.Exit(128 + error.signal)
     except (ConfigError, BufferUnreachable) as error:
         typer.echo(f"error: {error}", err=True)
         raise typer.Exit(2 if isinstance(error, ConfigError) else 1)

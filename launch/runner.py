@@ -108,6 +108,23 @@ def _tail(path: str, lines: int = 20) -> str:
         return ""
 
 
+def _stop_learner_first(roles: list[RoleProcess], grace_s: float) -> None:
+    """Stop the learner first, as a scheduler that preempts the run would: on SIGTERM it writes a
+    checkpoint (through the buffer, which must still be there) and exits; ``tether run --resume``
+    continues from it. Then every other role."""
+    learners = [role for role in roles if role.role == "learner" and role.process.poll() is None]
+    for role in learners:
+        print(f"tether run: asking {role.name} to checkpoint and stop (up to {grace_s:.0f}s)", file=sys.stderr,
+              flush=True)
+        os.killpg(role.process.pid, signal.SIGTERM)
+        try:
+            role.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            print(f"tether run: {role.name} did not stop within {grace_s:.0f}s (launch.checkpoint_grace_s)",
+                  file=sys.stderr, flush=True)
+    _stop(roles)
+
+
 def _stop(roles: list[RoleProcess]) -> None:
     for role in roles:
         if role.process.poll() is None or _group_alive(role.process.pid):
@@ -337,7 +354,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                     return 0
     except (KeyboardInterrupt, Stopped) as stop:
         print(f"tether run: {stop or 'interrupted'}, stopping every role", file=sys.stderr, flush=True)
-        _stop(roles)
+        _stop_learner_first(roles, config.launch.checkpoint_grace_s)
         evaluations.stop()
         _remove_shared_memory(config)
         return 128 + stop.signal if isinstance(stop, Stopped) else 130

@@ -21,7 +21,7 @@ from protocol.models import critic_source, resolve_models
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import unpack_samples
 from protocol.sequences import collate
-from protocol.transport import BufferClient
+from protocol.transport import connect_to_buffer
 from protocol.weight_server import WeightServer
 from protocol.weight_stream import WeightStreamPublisher
 from protocol.weights import ShmWeightWriter
@@ -29,6 +29,34 @@ from protocol.weights import ShmWeightWriter
 
 class TrainingStopped(RuntimeError):
     """The learner stopped on purpose (a NaN loss); the message says why and where it saved."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or SIGHUP (a scheduler taking the machine back): the learner saved a checkpoint to
+    resume from and stopped; ``signal``: the number, for the exit code 128 + it."""
+
+    def __init__(self, message: str, number: int) -> None:
+        super().__init__(message)
+        self.signal = number
+
+
+class StopSignal:
+    """Notes SIGTERM / SIGHUP instead of dying of it, so the learner ends at the next point where
+    its state is whole (between steps, or while it waits for a batch) and checkpoints there."""
+
+    def __init__(self) -> None:
+        import signal
+
+        self.number = 0
+        for number in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(number, self._note)
+
+    def _note(self, number: int, frame) -> None:
+        self.number = number
+
+    def requested(self) -> bool:
+        """Whether any rank got the signal (every rank calls it at the same point)."""
+        return parallel.any_rank(self.number != 0)
 
 
 def save_state(checkpoints: str, version: int, actor, critic, kl_controller, moments, client, keep: int = 2) -> str:
@@ -41,6 +69,8 @@ def save_state(checkpoints: str, version: int, actor, critic, kl_controller, mom
 
     final = os.path.join(checkpoints, f"state-{version:06d}")
     temporary = final + ".tmp"
+    if os.path.exists(os.path.join(final, "COMPLETE")):  # this version is saved (a stop right after a checkpoint)
+        return final
     if client is not None:
         shutil.rmtree(temporary, ignore_errors=True)
     parallel.barrier()  # nobody writes into the directory before it is emptied
@@ -50,7 +80,8 @@ def save_state(checkpoints: str, version: int, actor, critic, kl_controller, mom
     parallel.barrier()  # every rank's partition is written
     if client is None:
         return final
-    client.request("snapshot", {"path": os.path.abspath(os.path.join(temporary, "buffer.snapshot"))})
+    client.request("snapshot", {"path": os.path.abspath(os.path.join(temporary, "buffer.snapshot")),
+                                "policy_version": version})
     with open(os.path.join(temporary, "learner.json"), "w") as file:
         json.dump({"policy_version": version, "kl_controller": kl_controller.state_dict(),
                    "reward_moments": moments.state_dict() if moments is not None else None}, file)
@@ -111,23 +142,33 @@ def stop_on_nonfinite(error: FloatingPointError, actor, config: TetherConfig, po
     raise TrainingStopped(f"{error} (policy version {policy_version}); {where}") from None
 
 
-def receive_batch(client, policy_version: int, config: TetherConfig, log):
-    """The batch for ``policy_version`` on every rank: rank 0 asks the buffer for it; the others
-    hear "not yet" at least every ``dist_timeout_s / 4`` while it waits (a collective left
-    waiting longer fails), then get its message frames, the same bytes decoded by the same codec."""
+def signal_name(number: int) -> str:
+    import signal
+
+    return signal.Signals(number).name
+
+
+def receive_batch(client, policy_version: int, config: TetherConfig, log, stop: StopSignal | None = None):
+    """The batch for ``policy_version`` on every rank, or None if a stop signal came while waiting:
+    rank 0 asks the buffer for it; every rank hears "not yet" each second while it waits (and
+    whether to stop), then gets its message frames, the same bytes decoded by the same codec."""
     fields = {"policy_version": policy_version, "batch_size": config.learner.batch_size}
-    if parallel.world_size() == 1:
-        return client.request("batch_request", fields, waiting_for=f"batch {policy_version}")
     main = client is not None
     request_id = client.send("batch_request", fields) if main else None
-    poll_s, started, reply = min(30.0, config.learner.dist_timeout_s / 4), time.monotonic(), None
+    started = last_log = time.monotonic()
+    reply = None
     while True:
         if main:
-            reply = client.reply_to(request_id, "batch_request", poll_s)
+            reply = client.reply_to(request_id, "batch_request", 1.0)
         if parallel.any_rank(reply is not None):
             break
-        if main:
-            log.info("learner: waiting %.0fs for batch %d from the buffer", time.monotonic() - started, policy_version)
+        if stop is not None and stop.requested():
+            return None  # the buffer puts the batch back if it was already on its way (on_snapshot)
+        if main and time.monotonic() - last_log >= 30.0:
+            last_log = time.monotonic()
+            log.info("learner: waiting %.0fs for batch %d from the buffer", last_log - started, policy_version)
+    if parallel.world_size() == 1:
+        return reply
     frames = parallel.broadcast_frames(encode("batch", reply.fields, reply.tensors) if main else None)
     return decode(frames, config.transport.max_frame_bytes)
 
@@ -193,9 +234,7 @@ def run(config: TetherConfig) -> str:
                                          config.transport.max_frame_bytes, config.transport.curve)
         else:  # rollouts on this host check each bucket as soon as it is written
             weight_stream = WeightStreamPublisher(config.weights_stream_address)
-        client = BufferClient(config.buffer_address, "learner", "0", config.transport.max_frame_bytes,
-                              config.transport.curve)
-        client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
+        client = connect_to_buffer(config, "learner", "0")
         log.info("training %s for %d steps (%s, batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), "
                  "max_staleness %d)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
                  cfg.minibatch_size, cfg.ppo_epochs,
@@ -216,9 +255,17 @@ def run(config: TetherConfig) -> str:
         log.info("resumed from %s at policy version %d", config.resume_from, policy_version)
     run_started = time.monotonic()
     skipped = SkippedSteps(cfg.max_skipped_steps)
+    stop = StopSignal()
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
-        samples = unpack_samples(receive_batch(client, policy_version, config, log))
+        reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop)
+        if reply is None:
+            saved = save_state(checkpoints, policy_version, actor, critic, kl_controller, moments, client)
+            message = (f"got {signal_name(stop.number)} at policy version {policy_version}: saved {saved}; "
+                       "`tether run --resume` continues from there")
+            log.warning("%s", message)
+            raise Preempted(message, stop.number)
+        samples = unpack_samples(reply)
         train_started = time.monotonic()
         batch = collate(samples, pad_token_id).to(device())
         factor = lr_factor(policy_version, cfg.total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
@@ -237,6 +284,7 @@ def run(config: TetherConfig) -> str:
         sync_started = time.monotonic()
         publish(policy_version)
         if main:
+            stats.update(client.counters)  # heartbeats missed, buffer restarts: 0 on a healthy run
             write_step_record(metrics, monitor, log, stats, cfg.total_steps, policy_version, len(samples),
                               int(batch.response_mask.sum()), wait_started, train_started, sync_started, run_started)
         if config.eval.every and policy_version % config.eval.every == 0 and policy_version < cfg.total_steps:

@@ -55,6 +55,9 @@ class RewardFunction(_Strict):
 
 class RolloutConfig(_Strict):
     engines: int = Field(1, ge=1, description="rollout processes (vLLM engines) in the pool")
+    max_weight_load_failures: int = Field(5, ge=1, description="loads of the learner's weights failed in a row "
+                                                               "before the rollout stops the run with the "
+                                                               "loader's error")
     deadline_s: float = Field(600.0, gt=0, description="an engine that holds credits and sends nothing this long "
                                                        "is taken for dead: its prompts go to the others")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside each engine")
@@ -195,6 +198,11 @@ class TransportConfig(_Strict):
                                         description="bucket notices, so the rollout checks a version as it is written")
     connect_retries: int = Field(30, ge=1)
     connect_interval_s: float = Field(1.0, gt=0)
+    heartbeat_s: float = Field(5.0, gt=0, description="a role waiting on the buffer pings it this often")
+    peer_deadline_s: float = Field(60.0, gt=0, description="a buffer that answers no ping this long is lost: the "
+                                                           "role exits non-zero with the reason")
+    request_deadline_s: float = Field(120.0, gt=0, description="a request the buffer answers at once (samples, "
+                                                               "scores, a snapshot...) unanswered this long is lost")
     max_frame_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     curve: CurveConfig = Field(default_factory=CurveConfig)
 
@@ -227,6 +235,9 @@ class EvalConfig(_Strict):
 class LaunchConfig(_Strict):
     max_restarts: int = Field(3, ge=0, description="restarts of a rollout or scorer that dies, each")
     restart_backoff_s: float = Field(2.0, ge=0, description="wait before the first restart; doubles each time")
+    checkpoint_grace_s: float = Field(300.0, gt=0, description="on Ctrl-C, SIGTERM or SIGHUP, how long the learner "
+                                                               "may take to write its checkpoint before every role "
+                                                               "is stopped")
 
 
 class TetherConfig(_Strict):

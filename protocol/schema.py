@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -37,7 +37,12 @@ _SCORED_TENSORS = {**_SAMPLE_TENSORS, "ref_logprobs": "float32", "scores": "floa
 MESSAGES: dict[str, MessageSchema] = {
     # any role -> buffer: first contact; the reply says the buffer is there and its run id
     "hello": MessageSchema(fields={"role": "str", "worker_id": "str"}),
-    "welcome": MessageSchema(fields={"run_id": "str", "max_staleness": "int", "batch_size": "int"}),
+    # incarnation: this buffer process's own id; a new one means the buffer restarted and lost what it held
+    "welcome": MessageSchema(fields={"run_id": "str", "incarnation": "str", "max_staleness": "int",
+                                     "batch_size": "int"}),
+    # any role -> buffer, while it waits for a held request: are you there? (no hello needed)
+    "ping": MessageSchema(),
+    "pong": MessageSchema(fields={"run_id": "str", "incarnation": "str"}),
     # rollout -> buffer: how many samples may I generate? (held until credits or new weights exist)
     # policy_version: the version of the weights the engine holds now
     "credit_request": MessageSchema(fields={"policy_version": "int", "wanted": "int"}),
@@ -48,6 +53,9 @@ MESSAGES: dict[str, MessageSchema] = {
         fields={"credits": "int", "prompt_indices": "list[int]", "policy_version": "int",
                 "weights_manifest": "dict?", "stop": "bool"}
     ),
+    # rollout -> buffer: the weights of policy_version could not be loaded, ``failures`` times in a row;
+    # the engine generates nothing until a load succeeds (the buffer names it among the stalled)
+    "weights_refused": MessageSchema(fields={"policy_version": "int", "failures": "int", "reason": "str"}),
     # rollout -> buffer: generated, unscored samples
     "samples": MessageSchema(fields=dict(_SAMPLE_FIELDS), tensors=dict(_SAMPLE_TENSORS)),
     # scorer -> buffer: give me work (held until there is some); buffer -> scorer: the work
@@ -64,8 +72,9 @@ MESSAGES: dict[str, MessageSchema] = {
     "weights_published": MessageSchema(fields={"policy_version": "int", "manifest": "dict"}),
     # learner -> buffer: training is over; the buffer tells the other roles to stop
     "finish": MessageSchema(fields={"policy_version": "int"}),
-    # learner -> buffer: write your state to ``path`` (part of an atomic checkpoint)
-    "snapshot": MessageSchema(fields={"path": "str"}),
+    # learner -> buffer: write your state to ``path`` (part of an atomic checkpoint); policy_version:
+    # the learner's, so a batch served for it and never trained goes back with the samples waiting
+    "snapshot": MessageSchema(fields={"path": "str", "policy_version": "int"}),
     # learner -> rollouts (PUB): a bucket of a version is written and can be checked
     "weights_bucket_ready": MessageSchema(fields={"version": "int", "buckets_total": "int", "bucket": "dict"}),
     # rollout -> learner's weight server (across hosts): one bucket of a version, as a raw frame
@@ -80,7 +89,9 @@ MESSAGES: dict[str, MessageSchema] = {
 # against it). A learner of several ranks talks through rank 0 alone.
 SENDERS: dict[str, tuple[str, ...]] = {
     "hello": ("rollout", "scorer", "learner"),
+    "ping": ("rollout", "scorer", "learner", ""),  # "": a client the buffer does not know (yet, or any more)
     "credit_request": ("rollout",),
+    "weights_refused": ("rollout",),
     "samples": ("rollout",),
     "score_request": ("scorer",),
     "scored": ("scorer",),

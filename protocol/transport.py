@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import zmq
@@ -25,8 +26,18 @@ class BufferUnreachable(RuntimeError):
     """The buffer did not answer a hello after every retry."""
 
 
+class BufferLost(BufferUnreachable):
+    """The buffer stopped answering (heartbeats or a request past its deadline), came back as
+    another run, or restarted under a role that cannot carry on against a new buffer."""
+
+
 class RemoteError(RuntimeError):
     """The buffer refused a request and said why."""
+
+
+# Requests the buffer holds until it can serve them: waited for as long as it takes, while heartbeats
+# say the buffer is there. Every other request is answered at once, within ``request_deadline_s``.
+HELD = ("credit_request", "score_request", "batch_request")
 
 
 def free_port() -> int:
@@ -50,13 +61,27 @@ def prepare_endpoint(address: str) -> None:
                                       "users: name a private one (mode 700), e.g. the default under the run dir")
 
 
+@dataclass
+class Liveness:
+    """How a client watches the buffer while it waits: a ping every ``heartbeat_s``; no answer to
+    anything for ``peer_deadline_s`` and the buffer is lost; a request the buffer answers at once
+    gets ``request_deadline_s``. ``reconnect``: after a buffer restart, say hello again and ask
+    again (a rollout or scorer holds nothing a new buffer needs); otherwise stop with the reason."""
+    heartbeat_s: float = 5.0
+    peer_deadline_s: float = 60.0
+    request_deadline_s: float = 120.0
+    reconnect: bool = True
+
+
 class BufferClient:
-    """A role's connection to the buffer (DEALER)."""
+    """A role's connection to the buffer (DEALER). One request in flight at a time, as every
+    role's loop has it; while it waits, heartbeats tell a buffer that died or restarted."""
 
     def __init__(self, address: str, role: str, worker_id: str,
-                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve=None) -> None:
+                 max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve=None, liveness: Liveness | None = None) -> None:
         self.address, self.role, self.worker_id = address, role, worker_id
         self.max_frame_bytes = max_frame_bytes
+        self.liveness = liveness or Liveness()
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 1000)
@@ -64,15 +89,27 @@ class BufferClient:
         self.socket.setsockopt_string(zmq.IDENTITY, f"{role}:{worker_id}:{os.getpid()}")
         self.socket.connect(address)
         self._last_request_id = 0
+        self._outstanding: tuple[int, str, dict | None, dict | None] | None = None
+        # the ping in flight, when the last went out, and since when pings go unanswered (None: none do)
+        self._ping_id, self._last_ping, self._unanswered_since = 0, 0.0, None
+        self.run_id = self.incarnation = None
+        # for the roles' metrics: each stays 0 on a healthy run
+        self.counters = {"heartbeats_missed": 0, "buffer_restarts": 0}
 
     def connect(self, retries: int, interval_s: float) -> Message:
         """Say hello until the buffer answers; raise ``BufferUnreachable`` after ``retries`` tries."""
         for attempt in range(1, retries + 1):
             try:
-                return self.request("hello", {"role": self.role, "worker_id": self.worker_id}, timeout_s=interval_s)
+                welcome = self.request("hello", {"role": self.role, "worker_id": self.worker_id}, timeout_s=interval_s)
             except TimeoutError:
                 log.warning("%s: buffer not reachable at %s (try %d of %d), retrying",
                             self.role, self.address, attempt, retries)
+                continue
+            if self.run_id is not None and welcome.fields["run_id"] != self.run_id:
+                raise BufferLost(f"{self.role}: the buffer at {self.address} now serves run "
+                                 f"{welcome.fields['run_id']!r}, not {self.run_id!r}")
+            self.run_id, self.incarnation = welcome.fields["run_id"], welcome.fields["incarnation"]
+            return welcome
         raise BufferUnreachable(
             f"{self.role}: the buffer at {self.address} did not answer after {retries} tries; "
             f"is `tether launch buffer` running with the same transport.buffer_address?"
@@ -81,8 +118,12 @@ class BufferClient:
     def request(self, msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None,
                 timeout_s: float | None = None, waiting_for: str | None = None,
                 log_every_s: float = 30.0) -> Message:
-        """Send one request and wait for its reply. ``timeout_s=None`` waits as long as it takes,
-        logging every ``log_every_s`` what it waits for, so a stall is never silent."""
+        """Send one request and wait for its reply. A held request (``HELD``) waits as long as it
+        takes, logging every ``log_every_s`` what it waits for; any other gets ``timeout_s`` or the
+        request deadline. Either way heartbeats watch the buffer (``reply_to``)."""
+        lost_after_s = None  # a request answered at once that is not answered: the buffer is lost
+        if timeout_s is None and msg_type not in HELD:
+            timeout_s = lost_after_s = self.liveness.request_deadline_s
         request_id = self.send(msg_type, fields, tensors)
         started = last_log = time.monotonic()
         while True:
@@ -94,6 +135,9 @@ class BufferClient:
             if reply is not None:
                 return reply
             now = time.monotonic()
+            if lost_after_s is not None and now - started >= lost_after_s:
+                raise BufferLost(f"{self.role}: the buffer at {self.address} did not answer {msg_type} within "
+                                 f"{lost_after_s:.0f}s (transport.request_deadline_s); it is gone, or the run is over")
             if timeout_s is not None and now - started >= timeout_s:
                 raise TimeoutError(f"{self.role}: no reply to {msg_type} within {timeout_s:.1f}s")
             if now - last_log >= log_every_s:
@@ -103,22 +147,39 @@ class BufferClient:
     def send(self, msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None) -> int:
         """Send a request; returns its id, for ``reply_to``."""
         self._last_request_id += 1
-        self.socket.send_multipart(encode(msg_type, fields, tensors, msg_id=self._last_request_id), copy=False)
+        self._outstanding = (self._last_request_id, msg_type, fields, tensors)
+        self._send(self._last_request_id, msg_type, fields, tensors)
+        self._last_ping = time.monotonic()  # the first heartbeat is due one interval after the request
         return self._last_request_id
+
+    def _send(self, request_id: int, msg_type: str, fields, tensors) -> None:
+        self.socket.send_multipart(encode(msg_type, fields, tensors, msg_id=request_id), copy=False)
 
     def reply_to(self, request_id: int, msg_type: str, wait_s: float) -> Message | None:
         """The reply to request ``request_id`` if it comes within ``wait_s``, else None (the request
-        stays in flight: ask again later). Raises ``RemoteError`` if the buffer refused it."""
+        stays in flight: ask again later). Raises ``RemoteError`` if the buffer refused it, and
+        ``BufferLost`` if the buffer stopped answering heartbeats or came back as another run.
+        While waiting, a ping goes out every ``heartbeat_s`` (once a hello was answered)."""
         deadline = time.monotonic() + wait_s
         while True:
-            remaining_ms = max(0, int((deadline - time.monotonic()) * 1000))
-            if not self.socket.poll(remaining_ms, zmq.POLLIN):
-                return None
+            now = time.monotonic()
+            if self.incarnation is not None and msg_type != "hello":
+                self._heartbeat(now, msg_type)
+            remaining_ms = max(0, int((min(deadline, self._last_ping + self.liveness.heartbeat_s) - now) * 1000))
+            if not self.socket.poll(remaining_ms if self.incarnation is not None else
+                                    max(0, int((deadline - now) * 1000)), zmq.POLLIN):
+                if time.monotonic() >= deadline:
+                    return None
+                continue
             reply_frames = self.socket.recv_multipart(copy=False)
             try:
                 reply = decode(reply_frames, self.max_frame_bytes)
             except ProtocolError as error:
                 log.error("%s: refused a reply from the buffer: %s", self.role, error)
+                continue
+            self._unanswered_since = None  # anything from the buffer says it is there
+            if reply.type == "pong" and reply.id == self._ping_id:
+                self._pong(reply, request_id)
                 continue
             if reply.id != request_id:
                 continue  # an answer to an earlier, abandoned request
@@ -126,8 +187,54 @@ class BufferClient:
                 raise RemoteError(f"buffer refused {msg_type}: {reply.fields['reason']}")
             return reply
 
+    def _heartbeat(self, now: float, msg_type: str) -> None:
+        silent = now - self._unanswered_since if self._unanswered_since is not None else 0.0
+        if silent > self.liveness.peer_deadline_s:
+            raise BufferLost(f"{self.role}: the buffer at {self.address} has answered no heartbeat for {silent:.0f}s "
+                             f"(transport.peer_deadline_s {self.liveness.peer_deadline_s:.0f}) while this role "
+                             f"waited for {msg_type}")
+        if now - self._last_ping >= self.liveness.heartbeat_s:
+            if self._unanswered_since is not None:  # the last ping went unanswered
+                self.counters["heartbeats_missed"] += 1
+            else:
+                self._unanswered_since = now
+            self._ping_id = self._last_request_id = self._last_request_id + 1
+            self._send(self._ping_id, "ping", None, None)
+            self._last_ping = now
+
+    def _pong(self, pong: Message, request_id: int) -> None:
+        """A pong from another run, or from a buffer that restarted (and so lost the request in hand)."""
+        if pong.fields["run_id"] != self.run_id:
+            raise BufferLost(f"{self.role}: the buffer at {self.address} now serves run {pong.fields['run_id']!r}, "
+                             f"not {self.run_id!r}")
+        if pong.fields["incarnation"] == self.incarnation:
+            return
+        self.counters["buffer_restarts"] += 1
+        if not self.liveness.reconnect:
+            raise BufferLost(f"{self.role}: the buffer at {self.address} restarted and lost what it held for this "
+                             "run; start the run again from its last checkpoint (`tether run --resume`)")
+        log.warning("%s: the buffer restarted (incarnation %s -> %s); saying hello again and asking again",
+                    self.role, self.incarnation, pong.fields["incarnation"])
+        outstanding, self._ping_id = self._outstanding, 0
+        self.incarnation = None
+        self.connect(retries=10, interval_s=self.liveness.heartbeat_s)
+        if outstanding is not None and outstanding[0] == request_id:  # again, under the id the caller waits on
+            self._outstanding = outstanding
+            self._send(*outstanding)
+
     def close(self) -> None:
         self.socket.close()
+
+
+def connect_to_buffer(config, role: str, worker_id: str) -> BufferClient:
+    """A role's client, connected, watching the buffer as ``config.transport`` says. Only the learner
+    does not carry on against a restarted buffer: its batches and versions live in the buffer's state."""
+    transport = config.transport
+    client = BufferClient(config.buffer_address, role, worker_id, transport.max_frame_bytes, transport.curve,
+                          Liveness(transport.heartbeat_s, transport.peer_deadline_s, transport.request_deadline_s,
+                                   reconnect=role != "learner"))
+    client.connect(transport.connect_retries, transport.connect_interval_s)
+    return client
 
 
 class BufferServer:

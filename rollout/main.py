@@ -12,16 +12,21 @@ from protocol.models import resolve_models
 from protocol.prompts import dataset_row, prompts_within, read_rows
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import Sample, pack_samples
-from protocol.transport import BufferClient
+from protocol.transport import connect_to_buffer
 from protocol.weight_server import fetch_over_tcp
 from protocol.weight_stream import WeightPrefetcher
 from protocol.weights import ShmWeightWriter, WeightManifest, WeightStreamError
 
-REFUSED_WEIGHTS_BACKOFF_S = 1.0
+REFUSED_WEIGHTS_BACKOFF_S = 1.0  # doubled after each failed load in a row, up to 30 s
 
 
 class IncompatibleWeights(ConfigError):
     """vLLM's loader refuses the learner's weights themselves: no later version can load either."""
+
+
+class WeightsNotLoading(ConfigError):
+    """``rollout.max_weight_load_failures`` loads in a row failed: the engine cannot generate with
+    the learner's weights, and a restart would fail the same way (a ConfigError: not restarted)."""
 
 
 def prompts_that_fit(config: TetherConfig, tokenizer, log) -> tuple[list[list[int]], list[int], int]:
@@ -113,9 +118,10 @@ def sampling_params(config: TetherConfig):
                           max_tokens=rollout.max_new_tokens, ignore_eos=rollout.ignore_eos, logprobs=0)
 
 
-def apply_weights(engine, grant, version: int, staging, prefetcher, config: TetherConfig, log) -> int:
-    """Load the version the buffer announced; on any failure keep the old one. Returns the
-    version now in the engine."""
+def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log) -> tuple[int | None, str | None]:
+    """Load the version the buffer announced: (the version now in the engine, None), or (None, why)
+    when the load failed. After a failure the engine may hold a mix of versions (a load that failed
+    part-way): it is tagged with none, and must load a whole version before it generates again."""
     started = time.monotonic()
     try:
         manifest = WeightManifest.from_dict(grant.fields["weights_manifest"])
@@ -125,25 +131,24 @@ def apply_weights(engine, grant, version: int, staging, prefetcher, config: Teth
         checked = prefetcher is not None and prefetcher.checked(manifest)
         results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
         refusals = [result["refused"] for result in results if "refused" in result]
-        unreadable = [result["unreadable"] for result in results if "unreadable" in result]
-        if unreadable and not refusals:
-            raise WeightStreamError(unreadable[0])
+        failures = [result.get("partial") or result.get("unreadable") for result in results if "tensors" not in result]
         if refusals:
             raise IncompatibleWeights(
                 f"models.policy: vLLM's model of {config.models.policy} cannot load the learner's weights "
                 f"(policy version {manifest.version}): {refusals[0]}. Every version would be refused the same "
                 "way; the family's vLLM loader and the transformers model disagree on a parameter name")
+        if failures:
+            raise WeightStreamError(failures[0])
         how = ("fetch over tcp and load" if staging is not None else
                "load from shared memory, checked while written" if checked else "load from shared memory")
         log.info("now generating with policy version %d (%.2fs to %s)", manifest.version,
                  time.monotonic() - started, how)
-        return grant.fields["policy_version"]
+        return grant.fields["policy_version"], None
     except IncompatibleWeights:
         raise
-    except Exception as error:  # the old weights stay; a newer version comes with the next credits
-        log.warning("refused policy version %d, keeping version %d: %s", grant.fields["policy_version"], version, error)
-        time.sleep(REFUSED_WEIGHTS_BACKOFF_S)  # the buffer answers at once while newer weights exist
-        return version
+    except Exception as error:
+        log.warning("could not load policy version %d: %s", grant.fields["policy_version"], error)
+        return None, f"{type(error).__name__}: {error}"
     finally:
         if prefetcher is not None:
             prefetcher.release()
@@ -155,9 +160,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     name = f"rollout{worker_index}"
     log = setup_logging(name, config.log_level)
     config = resolve_models(config, "rollout")
-    client = BufferClient(config.buffer_address, "rollout", str(worker_index), config.transport.max_frame_bytes,
-                          config.transport.curve)
-    client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
+    client = connect_to_buffer(config, "rollout", str(worker_index))
 
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
@@ -180,16 +183,32 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
              rollout_cfg.samples_per_prompt)
 
     period_started, sync_s = time.monotonic(), 0.0  # a period: from one record to the next
+    failures = 0  # weight loads failed in a row; while any, the engine holds no whole version (version None)
+    carried: list[int] = []  # prompt indices granted with a version whose successor failed to load: kept
     while True:
-        grant = client.request("credit_request", {"policy_version": version, "wanted": wanted},
+        # an engine without a whole version asks for weights only: the buffer answers with the newest at once
+        grant = client.request("credit_request", {"policy_version": -1 if version is None else version,
+                                                  "wanted": 0 if version is None else wanted},
                                waiting_for="generation credits")
         if grant.fields["stop"]:
             break
-        if grant.fields["policy_version"] > version:
+        # positions in the run's prompt stream, each handed out once; a newer version may generate them
+        indices, carried = carried + grant.fields["prompt_indices"], []
+        if version is None or grant.fields["policy_version"] > version:
             sync_started = time.monotonic()
-            version = apply_weights(engine, grant, version, staging, prefetcher, config, log)
+            version, error = apply_weights(engine, grant, staging, prefetcher, config, log)
             sync_s += time.monotonic() - sync_started
-        indices = grant.fields["prompt_indices"]  # positions in the run's prompt stream, each handed out once
+            if error is not None:
+                failures, carried = failures + 1, indices
+                client.request("weights_refused", {"policy_version": grant.fields["policy_version"],
+                                                   "failures": failures, "reason": error})
+                if failures >= rollout_cfg.max_weight_load_failures:
+                    raise WeightsNotLoading(f"{failures} loads of the learner's weights in a row failed "
+                                            f"(rollout.max_weight_load_failures); the last, of policy version "
+                                            f"{grant.fields['policy_version']}: {error}")
+                time.sleep(min(30.0, REFUSED_WEIGHTS_BACKOFF_S * 2 ** (failures - 1)))
+                continue
+            failures = 0
         if not indices:
             continue
         busy_started = time.monotonic()
@@ -206,9 +225,9 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                        "response_tokens": tokens, "tokens_per_s": tokens / max(send_started - busy_started, 1e-9),
                        "busy_s": send_started - busy_started, "weight_sync_s": sync_s, "send_s": now - send_started,
                        "waiting_s": busy_started - period_started - sync_s, "iteration_s": now - period_started,
-                       "prompt_indices": indices, "prompts_skipped": skipped})
+                       "prompt_indices": indices, "prompts_skipped": skipped, **client.counters})
         period_started, sync_s = now, 0.0
-    log.info("stopping after %d samples at policy version %d", generated, version)
+    log.info("stopping after %d samples at policy version %s", generated, version)
     if staging is not None:
         staging.close(remove=True)
     if prefetcher is not None:

