@@ -18,7 +18,8 @@ from protocol.codec import Message, ProtocolError
 from protocol.config import TetherConfig
 from protocol.runlog import MetricsWriter, setup_logging
 from protocol.samples import pack_samples, unpack_samples
-from protocol.schema import SENDERS
+from protocol.schema import SENDER_ROLES, SENDERS
+from protocol.security import role_of_key
 from protocol.transport import BufferServer
 from protocol.weights import WeightManifest
 
@@ -115,6 +116,9 @@ class Buffer:
             if role not in SENDERS.get(message.type, ()):
                 who = self.workers.get(identity, "a client that has not said hello")
                 raise PermissionError(f"the buffer does not take {message.type!r} from {who}")
+            if self.config.transport.curve.enabled and role and role_of_key(message.key, SENDER_ROLES) != role:
+                raise PermissionError(f"the client key {message.key!r} may not speak as {role} (a key is bound to "
+                                      "the role its name starts with: learner, rollout-0, scorer-1...)")
             getattr(self, f"on_{message.type}")(identity, message)
         except (ProtocolError, ValueError, OSError) as error:  # PermissionError is an OSError
             self.server.refused += 1

@@ -31,6 +31,7 @@ class Message:
     fields: dict[str, Any] = field(default_factory=dict)
     tensors: dict[str, np.ndarray] = field(default_factory=dict)
     id: int = -1
+    key: str = ""  # with CURVE, the name of the client key it came with (set by the receiving server)
 
 
 def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None,

@@ -178,6 +178,9 @@ class HealthConfig(_Strict):
     clipfrac_high: float = Field(0.2, gt=0, le=1)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
 class CurveConfig(_Strict):
     enabled: bool = Field(False, description="CURVE-authenticate every TCP endpoint")
     server_key: str = Field("keys/server.key_secret", description="the buffer's (and weight server's) secret key")
@@ -205,6 +208,23 @@ class TransportConfig(_Strict):
                                                                "scores, a snapshot...) unanswered this long is lost")
     max_frame_bytes: int = Field(256 * 1024 * 1024, ge=1024)
     curve: CurveConfig = Field(default_factory=CurveConfig)
+    allow_plain_tcp: bool = Field(False, description="bind a TCP endpoint other than loopback without CURVE: "
+                                                     "anyone who reaches the port can speak as any role")
+
+    @model_validator(mode="after")
+    def _no_plain_tcp(self) -> "TransportConfig":
+        if self.curve.enabled or self.allow_plain_tcp:
+            return self
+        endpoints = [("buffer_address", self.buffer_address)]
+        if self.weight_transport == "tcp":
+            endpoints.append(("weights_address", self.weights_address))
+        for key, address in endpoints:
+            host = address[len("tcp://"):].rsplit(":", 1)[0].strip("[]") if address.startswith("tcp://") else None
+            if host is not None and host not in LOOPBACK:
+                raise ValueError(f"transport.{key} {address} is a TCP endpoint beyond this machine without CURVE: "
+                                 "set transport.curve.enabled (see `tether keys`), or transport.allow_plain_tcp: true "
+                                 "on a network you trust")
+        return self
 
 
 class PlacementConfig(_Strict):

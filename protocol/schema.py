@@ -87,6 +87,7 @@ MESSAGES: dict[str, MessageSchema] = {
 
 # Who may send each request to the buffer ("hello" says who one is; everything after is checked
 # against it). A learner of several ranks talks through rank 0 alone.
+SENDER_ROLES = ("rollout", "scorer", "learner")
 SENDERS: dict[str, tuple[str, ...]] = {
     "hello": ("rollout", "scorer", "learner"),
     "ping": ("rollout", "scorer", "learner", ""),  # "": a client the buffer does not know (yet, or any more)

@@ -13,9 +13,10 @@ import threading
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
 from zmq.auth.thread import ThreadAuthenticator
 
-_authenticators: dict[int, ThreadAuthenticator] = {}
+_authenticators: dict[int, tuple[ThreadAuthenticator, dict[bytes, str]]] = {}
 _lock = threading.Lock()
 
 
@@ -46,10 +47,44 @@ def secure_server(socket: zmq.Socket, curve) -> None:
         context = socket.context
         if id(context) not in _authenticators:
             authenticator = ThreadAuthenticator(context)
+            names: dict[bytes, str] = {}
+            # each message then carries its key's name as ZeroMQ's User-Id: who is speaking, proven
+            authenticator.curve_user_id = lambda public: names.get(z85.encode(public), "")
             authenticator.start()
-            authenticator.configure_curve(domain="*", location=curve.allowed_clients)
-            _authenticators[id(context)] = authenticator
+            _authenticators[id(context)] = (authenticator, names)
+        # a context has one ZAP handler: a later server (another run in the same process) sets the keys
+        authenticator, names = _authenticators[id(context)]
+        authenticator.configure_curve(domain="*", location=curve.allowed_clients)
+        names.clear()
+        names.update(key_names(curve.allowed_clients))
     socket.curve_secretkey, socket.curve_publickey, socket.curve_server = secret, public, True
+
+
+def key_names(directory: str) -> dict[bytes, str]:
+    """z85 public key -> the name of its file (``rollout-0.key`` -> ``rollout-0``) in ``directory``."""
+    names = {}
+    for entry in sorted(os.listdir(directory)):
+        if entry.endswith(".key"):
+            public, _ = zmq.auth.load_certificate(os.path.join(directory, entry))
+            names[public] = entry[:-len(".key")]
+    return names
+
+
+def role_of_key(name: str, roles: tuple[str, ...]) -> str | None:
+    """The role a client key is bound to, by its name: ``rollout``, ``rollout-0``, ``scorer-gpu3``
+    ... (the role, then ``-`` and anything); None for a name that starts with no role."""
+    for role in roles:
+        if name == role or name.startswith(role + "-"):
+            return role
+    return None
+
+
+def message_key(frame: zmq.Frame) -> str:
+    """The name of the CURVE key a received frame came with; "" without CURVE."""
+    try:
+        return frame.get("User-Id") or ""
+    except zmq.ZMQError:
+        return ""
 
 
 def secure_client(socket: zmq.Socket, curve) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 import zmq
 
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
-from protocol.security import secure_client, secure_server
+from protocol.security import message_key, secure_client, secure_server
 
 log = logging.getLogger(__name__)
 
@@ -262,7 +262,9 @@ class BufferServer:
         frames = self.socket.recv_multipart(copy=False)
         identity, body = frames[0].bytes, frames[1:]
         try:
-            return identity, decode(body, self.max_frame_bytes)
+            message = decode(body, self.max_frame_bytes)
+            message.key = message_key(body[0])
+            return identity, message
         except ProtocolError as error:
             self.refused += 1
             log.warning("buffer: refused a message from %r: %s", identity, error)

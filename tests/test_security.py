@@ -36,7 +36,8 @@ def server(keys):
             if received is not None:
                 identity, message = received
                 heard.append(message.fields["worker_id"])
-                server.reply(identity, message.id, "welcome", {"run_id": "r", "max_staleness": 1, "batch_size": 1})
+                server.reply(identity, message.id, "welcome", {"run_id": "r", "incarnation": "i", "max_staleness": 1,
+                                                               "batch_size": 1})
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
@@ -79,3 +80,59 @@ def test_an_ipc_endpoint_in_a_directory_others_can_enter_is_refused(tmp_path):
     private = tmp_path / "private" / "sockets"
     BufferServer(f"ipc://{private}/buffer").close()
     assert (private.stat().st_mode & 0o777) == 0o700
+
+
+def test_a_client_key_speaks_only_as_the_role_it_is_named_after(tmp_path):
+    """With CURVE the buffer knows which key sent each message: a scorer's key cannot say hello as
+    the learner, nor send finish; the learner's key can. A key named after no role speaks as none."""
+    from protocol.transport import RemoteError
+    from tests.conftest import start_buffer
+
+    make_keys(str(tmp_path), "server")
+    (tmp_path / "allowed").mkdir()
+    for name in ("scorer-0", "learner", "nobody"):
+        make_keys(str(tmp_path), name)
+        shutil.copy(tmp_path / f"{name}.key", tmp_path / "allowed")
+    curve = lambda name: CurveConfig(
+        enabled=True, server_key=str(tmp_path / "server.key_secret"), server_public_key=str(tmp_path / "server.key"),
+        client_key=str(tmp_path / f"{name}.key_secret"), allowed_clients=str(tmp_path / "allowed"))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config, result, thread = start_buffer(
+        tmp_path, f"transport.buffer_address={address}", "transport.curve.enabled=true",
+        f"transport.curve.server_key={tmp_path / 'server.key_secret'}",
+        f"transport.curve.server_public_key={tmp_path / 'server.key'}",
+        f"transport.curve.allowed_clients={tmp_path / 'allowed'}")
+
+    scorer = BufferClient(address, "scorer", "0", curve=curve("scorer-0"))
+    assert scorer.connect(retries=20, interval_s=0.5).type == "welcome"
+    with pytest.raises(RemoteError, match="does not take 'finish' from scorer:0"):
+        scorer.request("finish", {"policy_version": 0})
+    impostor = BufferClient(address, "learner", "0", curve=curve("scorer-0"))
+    with pytest.raises(RemoteError, match="the client key 'scorer-0' may not speak as learner"):
+        impostor.request("hello", {"role": "learner", "worker_id": "0"}, timeout_s=10)
+    nobody = BufferClient(address, "rollout", "0", curve=curve("nobody"))
+    with pytest.raises(RemoteError, match="the client key 'nobody' may not speak as rollout"):
+        nobody.request("hello", {"role": "rollout", "worker_id": "0"}, timeout_s=10)
+    impostor.close()
+    nobody.close()  # their identities (role, worker, pid) are the next clients'
+    learner = BufferClient(address, "learner", "0", curve=curve("learner"))
+    learner.connect(retries=20, interval_s=0.5)
+    assert learner.request("finish", {"policy_version": 0}).type == "ack"
+    assert scorer.request("score_request", {"max_samples": 4}).fields["stop"]
+    thread.join(timeout=40)
+    assert result["refused_messages"] == 3
+
+
+@pytest.mark.parametrize("address, refused", [("tcp://10.1.2.3:5555", True), ("tcp://0.0.0.0:5555", True),
+                                              ("tcp://127.0.0.1:5555", False), ("tcp://[::1]:5555", False)])
+def test_a_tcp_endpoint_beyond_loopback_needs_curve_or_an_explicit_setting(tmp_path, address, refused):
+    from protocol.config import ConfigError, load_config
+    from tests.conftest import base_config
+
+    base = base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"})
+    if refused:
+        with pytest.raises(ConfigError, match="transport.buffer_address .* without CURVE.*transport.allow_plain_tcp"):
+            load_config(None, [f"transport.buffer_address={address}"], base=base)
+        load_config(None, [f"transport.buffer_address={address}", "transport.allow_plain_tcp=true"], base=base)
+    else:
+        assert load_config(None, [f"transport.buffer_address={address}"], base=base).buffer_address == address
