@@ -57,8 +57,12 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             from buffer.main import run
             run(resolved)
         elif role is Role.rollout:
-            from rollout.main import run
-            run(resolved, worker_index)
+            from rollout.main import EngineNeedsRestart, run
+            try:
+                run(resolved, worker_index)
+            except EngineNeedsRestart as error:  # `tether run` starts it again
+                typer.echo(f"error: {error}", err=True)
+                raise typer.Exit(1)
         elif role is Role.scorer:
             from scorer.main import run
             run(resolved, worker_index)

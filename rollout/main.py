@@ -24,6 +24,12 @@ class IncompatibleWeights(ConfigError):
     """vLLM's loader refuses the learner's weights themselves: no later version can load either."""
 
 
+class EngineNeedsRestart(RuntimeError):
+    """A weight load failed part-way: the engine holds a mix of versions, and vLLM's reload does not
+    recover from it (measured: a whole version loaded next fails too). The rollout exits non-zero;
+    `tether run` starts it again, from the SFT weights and then the newest version."""
+
+
 class WeightsNotLoading(ConfigError):
     """``rollout.max_weight_load_failures`` loads in a row failed: the engine cannot generate with
     the learner's weights, and a restart would fail the same way (a ConfigError: not restarted)."""
@@ -120,8 +126,8 @@ def sampling_params(config: TetherConfig):
 
 def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log) -> tuple[int | None, str | None]:
     """Load the version the buffer announced: (the version now in the engine, None), or (None, why)
-    when the load failed. After a failure the engine may hold a mix of versions (a load that failed
-    part-way): it is tagged with none, and must load a whole version before it generates again."""
+    when nothing of it could be read: the engine is then tagged with no version and generates
+    nothing until a whole one loads. A load that failed part-way raises ``EngineNeedsRestart``."""
     started = time.monotonic()
     try:
         manifest = WeightManifest.from_dict(grant.fields["weights_manifest"])
@@ -131,12 +137,16 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
         checked = prefetcher is not None and prefetcher.checked(manifest)
         results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
         refusals = [result["refused"] for result in results if "refused" in result]
-        failures = [result.get("partial") or result.get("unreadable") for result in results if "tensors" not in result]
+        partial = [result["partial"] for result in results if "partial" in result]
+        failures = [result["unreadable"] for result in results if "unreadable" in result]
         if refusals:
             raise IncompatibleWeights(
                 f"models.policy: vLLM's model of {config.models.policy} cannot load the learner's weights "
                 f"(policy version {manifest.version}): {refusals[0]}. Every version would be refused the same "
                 "way; the family's vLLM loader and the transformers model disagree on a parameter name")
+        if partial:
+            raise EngineNeedsRestart(f"loading policy version {manifest.version} failed part-way ({partial[0]}): the "
+                                     "engine holds a mix of versions and cannot generate; it must be started again")
         if failures:
             raise WeightStreamError(failures[0])
         how = ("fetch over tcp and load" if staging is not None else
@@ -144,7 +154,7 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
         log.info("now generating with policy version %d (%.2fs to %s)", manifest.version,
                  time.monotonic() - started, how)
         return grant.fields["policy_version"], None
-    except IncompatibleWeights:
+    except (IncompatibleWeights, EngineNeedsRestart):
         raise
     except Exception as error:
         log.warning("could not load policy version %d: %s", grant.fields["policy_version"], error)

@@ -2,6 +2,7 @@
 logprobs then match transformers' for the same weights, and a damaged version is refused while
 the engine keeps the weights it had."""
 
+import json
 import logging
 
 import numpy as np
@@ -88,8 +89,72 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
     config = SimpleNamespace(models=SimpleNamespace(policy=tiny_assets["policy"]))
     log = logging.getLogger("test-rollout")
     grant = SimpleNamespace(fields={"weights_manifest": damaged.to_dict(), "policy_version": 2})
-    assert apply_weights(engine, grant, 1, None, None, config, log) == 1  # unreadable: kept, a later one may do
+    version, error = apply_weights(engine, grant, None, None, config, log)
+    assert version is None and "fails its checksum" in error  # no version to tag samples with until one loads
+
     alien = writer.publish(3, [*updated.state_dict().items(), ("not_a_parameter.weight", torch.zeros(4))])
     grant = SimpleNamespace(fields={"weights_manifest": alien.to_dict(), "policy_version": 3})
     with pytest.raises(IncompatibleWeights, match="models.policy: .*policy version 3.*not_a_parameter"):
-        apply_weights(engine, grant, 1, None, None, config, log)
+        apply_weights(engine, grant, None, None, config, log)
+
+    # a load that fails part-way (here a tensor of the wrong shape, after the others went in): the
+    # engine holds a mix and says so; vLLM's reload does not recover from it (a whole version loaded
+    # next fails too), so the rollout stops to be started again rather than generate with it
+    from rollout.main import EngineNeedsRestart
+
+    names = list(updated.state_dict())
+    mixed = dict(perturbed(tiny_assets["policy"], seed=3).state_dict())
+    mixed[names[-1]] = torch.zeros(3, 3)
+    partial = writer.publish(4, [(name, mixed[name]) for name in names])
+    grant = SimpleNamespace(fields={"weights_manifest": partial.to_dict(), "policy_version": 4})
+    with pytest.raises(EngineNeedsRestart, match="policy version 4 failed part-way"):
+        apply_weights(engine, grant, None, None, config, log)
+    whole = writer.publish(5, updated.state_dict().items())
+    results = engine.collective_rpc("load_published_weights", args=(whole.to_dict(),))
+    assert all("partial" in r for r in results), results
+
+
+def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path, tiny_assets, capfd):
+    """The rollout's loop against the real buffer, with a stand-in engine whose every load finds its
+    buckets unreadable (the real engine's answers to that are tested above): it generates nothing
+    with no whole version, the buffer names it among the stalled with the loader's reason, and after
+    rollout.max_weight_load_failures loads in a row it stops with that reason."""
+    import time
+
+    import rollout.main
+    from protocol.transport import BufferClient
+    from rollout.main import WeightsNotLoading
+    from tests.conftest import start_buffer
+
+    config, result, thread = start_buffer(
+        tmp_path, f"models.policy={tiny_assets['policy']}", f"data.prompts={tiny_assets['prompts']}",
+        "rollout.max_weight_load_failures=3", "buffer.max_staleness=1", "rollout.prompts_per_generate=2")
+    learner = BufferClient(config.buffer_address, "learner", "0")
+    learner.connect(retries=20, interval_s=0.5)
+    writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 14)
+    manifest = writer.publish(1, [("w", torch.zeros(4))])
+    learner.request("weights_published", {"policy_version": 1, "manifest": manifest.to_dict()})
+
+    loads = []
+
+    class Unreadable:
+        def collective_rpc(self, method, args):
+            loads.append(args[0]["version"])
+            return [{"unreadable": "WeightStreamError: version 1: bucket 0 missing"}]
+
+        def generate(self, *args, **kwargs):
+            raise AssertionError("an engine without a whole version generated")
+
+    rollout.main.REFUSED_WEIGHTS_BACKOFF_S = 0.05
+    with pytest.raises(WeightsNotLoading, match="3 loads of the learner's weights in a row failed .*bucket 0 missing"):
+        rollout.main.run(config, engine=Unreadable())
+    assert loads == [1, 1, 1]
+    time.sleep(2.5)  # a metrics record of the buffer's (every 2 s)
+    learner.request("finish", {"policy_version": 1})
+    thread.join(timeout=40)
+    writer.close(remove=True)
+    assert "rollout:0 could not load policy version 1 (3 time(s) in a row): WeightStreamError" in capfd.readouterr().err
+    metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics" / "buffer.jsonl")]
+    assert any("rollout:0" in record["stalled"] for record in metrics)
+    # the one grant that came with version 1 (2 prompts), kept for after a load: none since, none used
+    assert result["granted"] == 2 and result["generated"] == 0
