@@ -479,6 +479,31 @@ def test_a_snapshot_restores_samples_credits_prompts_and_accounting(tmp_path):
     assert restored.add_samples([sample(2, 0, 4)], "rollout:0") == 0  # the ids seen survive
 
 
+def test_a_batch_the_learner_was_sent_but_did_not_train_goes_back_with_the_checkpoint(tmp_path):
+    """The learner stops (SIGTERM) while batch 1 is on its way: its checkpoint says version 1, so the
+    batch served for version 1 waits again, in the live state and in the snapshot; a checkpoint after
+    training it (version 2) gives nothing back."""
+    from buffer.state import load_snapshot, save_snapshot
+
+    state = BufferState(batch_size=2, max_staleness=1)
+    generate(state, 4, 0)
+    score_all(state)
+    first = state.take_batch(0, 2)
+    state.publish_weights(1, None)
+    assert state.return_untrained(1) == 0  # batch 0 was trained: the learner is at version 1
+    sent = state.take_batch(1, 2)
+    assert state.return_untrained(1) == 2 and sorted(state.scored) == sorted(s.sample_id for s in sent)
+    report = state.report()
+    assert report["trained"] == 2 and report["in_flight"] == 2 and report["identity_holds"]
+    assert report["staleness_histogram"] == {"0": 2}  # batch 0's, at age 0; batch 1's ages are undone
+    save_snapshot(state, str(tmp_path / "buffer.snapshot"))
+    restored = load_snapshot(str(tmp_path / "buffer.snapshot"), batch_size=2, max_staleness=1)
+    again = restored.take_batch(1, 2)
+    assert [s.sample_id for s in again] == [s.sample_id for s in sent]
+    assert {s.sample_id for s in first}.isdisjoint(s.sample_id for s in again)
+    assert restored.return_untrained(2) == 0 and restored.report()["trained"] == 4
+
+
 # --------------------------------------------------------------------------- whole groups
 
 

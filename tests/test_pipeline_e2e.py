@@ -90,9 +90,11 @@ def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max
 
 
 @pytest.mark.slow
-def test_sigterm_to_tether_run_stops_every_role_and_leaves_nothing_behind(tmp_path, tiny_assets):
-    """What a scheduler or `timeout` sends: every role's process group goes, vLLM's included, and
-    the weights in shared memory with them."""
+def test_sigterm_to_tether_run_checkpoints_stops_every_role_and_leaves_nothing_behind(tmp_path, tiny_assets):
+    """What a scheduler or `timeout` sends: the learner checkpoints first (a preempted job), then
+    every role's process group goes, vLLM's included, and the weights in shared memory with them;
+    `tether run --resume` continues from that checkpoint with every sample accounted for (a batch
+    the learner was sent and never trained waits again)."""
     import signal
     import time
 
@@ -112,6 +114,26 @@ def test_sigterm_to_tether_run_stops_every_role_and_leaves_nothing_behind(tmp_pa
         with pytest.raises(ProcessLookupError):
             os.killpg(pgid, 0)  # nothing of that role's group is left
     assert not os.path.exists(load_config(path).weights_dir)
+    assert "asking learner to checkpoint" in stderr
+    from learner.main import newest_state
+
+    newest = newest_state(run_dir)
+    with open(os.path.join(run_dir, "logs", "learner.log")) as file:
+        learner_log = file.read()
+    assert newest is not None and f"got SIGTERM at policy version {int(newest[-6:])}: saved {newest}" in learner_log
+    stopped_at = int(newest[-6:])
+    assert stopped_at >= 1 and [r["step"] for r in read_metrics(run_dir, "learner")] == list(range(1, stopped_at + 1))
+
+    config = yaml.safe_load(path.read_text())
+    config["learner"]["total_steps"] = stopped_at + 2
+    path.write_text(yaml.safe_dump(config))
+    result = tether("run", "--resume", run_dir, "--config", str(path))
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir, "learner")] == list(range(1, stopped_at + 3))
+    with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
+        accounting = json.load(file)
+    assert accounting["identity_holds"] and accounting["trained"] == (stopped_at + 2) * BATCH
+    assert accounting["staleness_violations"] == 0 and not accounting["dropped"]
 
 
 @pytest.mark.slow
