@@ -152,9 +152,53 @@ def _stop(roles: list[RoleProcess]) -> None:
 
 
 def _remove_shared_memory(config: TetherConfig) -> None:
-    """Published weights live in RAM (/dev/shm) until deleted; a stopped run needs none of them."""
+    """Published weights live in RAM (/dev/shm) until deleted; a stopped run needs none of them. Nor
+    what a killed vLLM engine left there (``remove_orphan_shared_memory``)."""
     for directory in [config.weights_dir, *glob.glob(config.weights_dir + "-rollout*")]:
         shutil.rmtree(directory, ignore_errors=True)
+    remove_orphan_shared_memory()
+
+
+# Python's multiprocessing names its shared memory and semaphores so; vLLM's engine queues are of it
+ORPHAN_PREFIXES = ("psm_", "sem.mp-")
+
+
+def remove_orphan_shared_memory(directory: str = "/dev/shm", min_age_s: float = 10.0) -> list[str]:
+    """Remove this user's multiprocessing shared-memory files that no live process maps or holds
+    open: a killed engine never unlinks its queues (160-240 MiB each with vLLM), and they hold RAM
+    until the machine restarts. Younger than ``min_age_s``: kept (being created, not yet mapped).
+    Returns the paths removed."""
+    candidates = {}
+    now = time.time()
+    for name in os.listdir(directory) if os.path.isdir(directory) else ():
+        path = os.path.join(directory, name)
+        if name.startswith(ORPHAN_PREFIXES):
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if info.st_uid == os.getuid() and now - info.st_mtime >= min_age_s:
+                candidates[path] = info
+    if not candidates:
+        return []
+    in_use = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as maps:
+                in_use.update(line.split(None, 5)[-1].strip() for line in maps if directory in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                in_use.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except OSError:  # gone meanwhile, or another user's
+            continue
+    removed = []
+    for path in candidates:
+        if path not in in_use:
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 class Stopped(Exception):
@@ -325,6 +369,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                     time.sleep(delay)
                     if _group_alive(role.process.pid):  # what the dead one left (vLLM's engine process)
                         os.killpg(role.process.pid, signal.SIGKILL)
+                    remove_orphan_shared_memory()  # and its engine's queues in /dev/shm
                     replacement = start_role(config, role.role, config_path, role.worker_index)
                     replacement.restarts = role.restarts + 1
                     roles[index] = replacement

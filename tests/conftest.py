@@ -43,3 +43,13 @@ def start_buffer(tmp_path, *overrides):
     thread = threading.Thread(target=lambda: result.update(run_buffer(config)), daemon=True)
     thread.start()
     return config, result, thread
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Engines the tests killed leave their queues in /dev/shm; a machine that runs the suite often
+    would fill its RAM with them."""
+    from launch.runner import remove_orphan_shared_memory
+
+    removed = remove_orphan_shared_memory()
+    if removed:
+        print(f"\nremoved {len(removed)} shared-memory files that killed processes left in /dev/shm")

@@ -319,3 +319,32 @@ def test_an_evaluation_past_its_deadline_is_stopped_and_its_export_removed(tmp_p
     evaluations._wait()
     assert hanging.returncode == -signal.SIGKILL  # stopped at its deadline, not after sleep's 60 s
     assert evaluations.current is None and not export.exists()
+
+
+def test_shared_memory_a_killed_process_left_is_removed_and_live_ones_kept(tmp_path):
+    """What a killed vLLM engine leaves in /dev/shm (its queues: multiprocessing shared memory that
+    only its owner unlinks) is removed when no process maps it; one a live process holds is kept."""
+    import signal
+    from multiprocessing import shared_memory
+
+    from launch.runner import remove_orphan_shared_memory
+
+    child = subprocess.Popen([sys.executable, "-c", "from multiprocessing import shared_memory, resource_tracker;"
+                              "m = shared_memory.SharedMemory(create=True, size=1 << 20);"
+                              "resource_tracker.unregister(m._name, 'shared_memory');"  # as a killed engine: no cleanup
+                              "print(m.name, flush=True); import time; time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)
+    orphan = "/dev/shm/" + child.stdout.readline().strip()
+    live = shared_memory.SharedMemory(create=True, size=1 << 20)
+    try:
+        assert os.path.exists(orphan)
+        assert orphan not in remove_orphan_shared_memory(min_age_s=0)  # its owner still maps it
+        child.send_signal(signal.SIGKILL)
+        child.wait()
+        assert os.path.exists(orphan)  # nobody unlinked it
+        removed = remove_orphan_shared_memory(min_age_s=0)
+        assert orphan in removed and not os.path.exists(orphan)
+        assert f"/dev/shm/{live.name}" not in removed and os.path.exists(f"/dev/shm/{live.name}")
+    finally:
+        live.close()
+        live.unlink()
