@@ -194,6 +194,35 @@ class GradientGuard:
         return bool(bad) if bad is not None else False
 
 
+def _local_tensors(parameter) -> list[torch.Tensor]:
+    """What a rank holds of a parameter: its data, and under ZeRO-3 its partition (a parameter
+    kept whole on every rank has both; one gathered only for the forward pass has the partition)."""
+    return [t for t in (parameter.data, getattr(parameter, "ds_tensor", None)) if t is not None and t.numel()]
+
+
+def snapshot_weights(engine) -> list[torch.Tensor]:
+    """A CPU copy of what this rank holds of the trainable weights (frozen ones never change): the
+    weights of this version, for ``weights_swapped`` a step later."""
+    return [t.detach().to("cpu", copy=True) for p in engine.module.parameters() if p.requires_grad
+            for t in _local_tensors(p)]
+
+
+@contextmanager
+def weights_swapped(engine, snapshot: list[torch.Tensor]) -> Iterator[None]:
+    """Inside the block the engine's module computes with ``snapshot``'s weights; after it, with its
+    own again, bit for bit (the optimizer's state is never touched)."""
+    tensors = [t for p in engine.module.parameters() if p.requires_grad for t in _local_tensors(p)]
+    own = [t.detach().to("cpu", copy=True) for t in tensors]
+    with torch.no_grad():
+        for tensor, saved in zip(tensors, snapshot):
+            tensor.copy_(saved)
+        try:
+            yield
+        finally:
+            for tensor, saved in zip(tensors, own):
+                tensor.copy_(saved)
+
+
 def skip_step(engine) -> None:
     """End the minibatch without an update: DeepSpeed's step at learning rate 0 clears the gradients
     and keeps its counters in line (on every ZeRO stage alike), and the optimizer's moments and step

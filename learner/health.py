@@ -11,6 +11,7 @@ an alert (a log line and a metric) for each way it goes wrong.
 | clipfrac         | neither ~0 nor high             | < ``clipfrac_low`` for ``clipfrac_low_steps``; |
 |                  |                                 | > ``clipfrac_high`` (learning rate too high)   |
 | loss             | finite                          | NaN: the learner checkpoints and stops         |
+| behavior_logprob_gap | ~0 (the rollout's logprobs are the learner's for the same weights) | above ``behavior_gap_max``: weight sync or sampling disagree |
 
 Baselines are the means of the first ``warmup_steps`` steps; nothing but NaN alerts before.
 """
@@ -43,6 +44,12 @@ class HealthMonitor:
         for key in ("policy_loss", "value_loss"):  # no value loss without a critic (critic-free estimators)
             if key in record and not math.isfinite(record[key]):
                 alerts.append(Alert("nan_loss", f"{key} is {record[key]}"))
+        gap = record.get("behavior_logprob_gap")
+        if gap is not None and gap > cfg.behavior_gap_max:
+            alerts.append(Alert("behavior_logprob_gap", f"the rollout's logprobs differ from the learner's by up to "
+                                                        f"{gap:.3g} for the same weights (> {cfg.behavior_gap_max}): "
+                                                        "the engine's weights or sampling settings are not the "
+                                                        "learner's, and every importance weight is off"))
         if len(self._warmup) < cfg.warmup_steps:
             self._warmup.append(record)
             if len(self._warmup) == cfg.warmup_steps:

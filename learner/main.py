@@ -202,8 +202,8 @@ def run(config: TetherConfig) -> str:
     config = resolve_models(config, "learner")
     torch.manual_seed(config.seed)
     from learner.engines import (device, init_distributed, load_actor, load_critic, make_engine, publish_weights,
-                                 save_hf_checkpoint)
-    from learner.step import SkippedSteps, ppo_step
+                                 save_hf_checkpoint, snapshot_weights)
+    from learner.step import SkippedSteps, behavior_gap, ppo_step
 
     cfg = config.learner
     init_distributed(config)
@@ -256,6 +256,7 @@ def run(config: TetherConfig) -> str:
     run_started = time.monotonic()
     skipped = SkippedSteps(cfg.max_skipped_steps)
     stop = StopSignal()
+    snapshot = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
         reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop)
@@ -272,12 +273,21 @@ def run(config: TetherConfig) -> str:
         set_lr(actor, cfg.actor_lr * factor)
         if critic is not None:
             set_lr(critic, cfg.critic_lr * factor)
+        gap = None  # the rollout's logprobs against the learner's, on samples of the version snapshotted
+        if snapshot is not None:
+            gap = behavior_gap(actor, snapshot[1], snapshot[0], samples, batch, config.rollout.temperature)
+            snapshot = None
+        if (config.buffer.max_staleness and cfg.behavior_gap_every
+                and (policy_version + 1) % cfg.behavior_gap_every == 0):  # its samples come in the next batches
+            snapshot = (policy_version, snapshot_weights(actor))
         try:
             stats = ppo_step(actor, critic, samples, batch, cfg, config.rollout.temperature, kl_controller.value,
                              policy_version, moments, config.seed, config.rollout.samples_per_prompt, ptx, skipped)
         except FloatingPointError as error:
             stop_on_nonfinite(error, actor, config, policy_version, metrics if main else None, log)
         stats["skipped_steps_total"] = skipped.total
+        if stats["behavior_logprob_gap"] is None:
+            stats["behavior_logprob_gap"] = gap
         stats["actor_lr"] = cfg.actor_lr * factor
         kl_controller.update(stats["kl"], n_steps=len(samples))
         policy_version += 1

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from learner import parallel, ppo
-from learner.engines import skip_step
+from learner.engines import skip_step, weights_swapped
 from learner.ptx import PtxStream, ptx_token_losses
 from protocol.config import LearnerConfig
 from protocol.distributions import entropy_from_logits, logprobs_from_logits
@@ -280,6 +280,23 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
         "behavior_logprob_gap": float(gap[on_version].max()) if on_version.any() else None,
     })
     return stats
+
+
+def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: list[Sample], batch: SequenceBatch,
+                 temperature: float, rows: int = 4) -> float | None:
+    """The largest |rollout logprob - learner logprob| over up to ``rows`` samples of ``version``,
+    the learner computing with ``snapshot``, its weights of that version (``snapshot_weights``): the
+    check that weight sync and sampling agree, at any staleness, where ``ppo_step`` can only measure
+    samples of the version it holds. None when the batch has no sample of ``version``. Every rank
+    computes the same rows (a ZeRO-3 forward is collective)."""
+    chosen = [i for i, s in enumerate(samples) if s.behavior_version == version][:rows]
+    if not chosen:
+        return None
+    part = batch.select(torch.tensor(chosen, device=batch.input_ids.device))
+    with weights_swapped(actor, snapshot), torch.no_grad():
+        logprobs = logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature)
+    behavior = _ragged_to_padded([samples[i].behavior_logprobs for i in chosen], part.response_mask)
+    return float(((behavior.to(logprobs.device) - logprobs).abs() * part.response_mask).max())
 
 
 def _ragged_to_padded(rows: list, mask: torch.Tensor) -> torch.Tensor:

@@ -155,6 +155,10 @@ class LearnerConfig(_Strict):
     cpu_shm_allreduce: bool = Field(False, description="CPU only: DeepSpeed's shared-memory all-reduce between "
                                                        "ranks (JIT-compiled once, ~90 s); off: gloo")
     checkpoint_every: int = Field(0, ge=0, description="save every N steps; 0: only at the end")
+    behavior_gap_every: int = Field(10, ge=0, description="with max_staleness >= 1, every N steps keep this "
+                                                          "version's weights (a CPU copy) to measure "
+                                                          "behavior_logprob_gap on its samples a step later; "
+                                                          "0: never (at k = 0 it is measured every step)")
     dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 picks a free one")
 
 
@@ -176,6 +180,9 @@ class HealthConfig(_Strict):
     clipfrac_low: float = Field(1e-3, ge=0)
     clipfrac_low_steps: int = Field(5, ge=1)
     clipfrac_high: float = Field(0.2, gt=0, le=1)
+    behavior_gap_max: float = Field(0.5, gt=0, description="alert when the rollout's logprobs differ from the "
+                                                           "learner's by more, for the same weights (a broken "
+                                                           "weight sync measured 1-2; fp32 agrees within 1e-5)")
 
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")

@@ -32,6 +32,7 @@ def test_a_healthy_run_raises_nothing():
     ("value_loss_exploding", {"value_loss": 500.0}),
     ("clipfrac_high", {"clipfrac": 0.35}),
     ("nan_loss", {"policy_loss": float("nan")}),
+    ("behavior_logprob_gap", {"behavior_logprob_gap": 1.2}),  # what a tied head left stale showed (issue 10)
 ])
 def test_each_alert_fires_on_its_cue(alert, change):
     records = [healthy(step) for step in range(10)] + [{**healthy(10), **change}]
@@ -56,3 +57,10 @@ def test_thresholds_are_config():
     monitor = HealthMonitor(HealthConfig(kl_budget=1.0, warmup_steps=1))
     monitor.observe(healthy(0))
     assert [a.name for a in monitor.observe(healthy(1))] == ["kl_above_budget"]
+
+
+def test_a_logprob_gap_alerts_from_the_first_step_and_not_when_unmeasured():
+    monitor = HealthMonitor(HealthConfig())
+    assert [a.name for a in monitor.observe({**healthy(0), "behavior_logprob_gap": 0.9})] == ["behavior_logprob_gap"]
+    assert monitor.observe({**healthy(1), "behavior_logprob_gap": None}) == []
+    assert monitor.observe({**healthy(2), "behavior_logprob_gap": 3e-6}) == []

@@ -244,6 +244,33 @@ def test_final_is_replaced_whole_and_a_crash_before_the_rename_keeps_the_old_one
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["final"]  # no .tmp, no .old left
 
 
+@pytest.mark.parametrize("zero_stage", [0, 3])
+def test_the_logprob_gap_is_measured_on_last_versions_samples_with_last_versions_weights(
+        tmp_path, tiny_assets, samples, zero_stage, restore_environment):
+    """At max_staleness >= 1 a batch holds samples of the version before the learner's: it measures
+    the rollout's logprobs against its own with that version's weights, kept from a step earlier;
+    with its current weights the same samples would show the update, not the sync."""
+    from learner.engines import snapshot_weights
+    from learner.step import behavior_gap
+
+    config = load_config(None, [f"learner.zero_stage={zero_stage}", "learner.batch_size=8",
+                                "learner.minibatch_size=8", "learner.ppo_epochs=2", "learner.actor_lr=1e-2"],
+                         base=base_config(tmp_path, tiny_assets))
+    init_distributed(config)
+    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    batch = collate(samples, pad_token_id=0)
+    version_0 = snapshot_weights(actor)
+    stats = ppo_step(actor, None, samples, batch,
+                     config.learner.model_copy(update={"advantage_estimator": "reinforce_pp"}), temperature=1.0,
+                     kl_coef=0.05, policy_version=1, moments=None)
+    assert stats["behavior_logprob_gap"] is None  # at version 1 it holds no sample of version 1
+    after = _weights(actor)
+    assert behavior_gap(actor, version_0, 0, samples, batch, temperature=1.0) < 1e-4
+    assert all(torch.equal(after[k], v) for k, v in _weights(actor).items())  # its own weights are back
+    assert behavior_gap(actor, snapshot_weights(actor), 0, samples, batch, temperature=1.0) > 1e-3
+    assert behavior_gap(actor, version_0, 7, samples, batch, temperature=1.0) is None  # no sample of version 7
+
+
 def test_stale_build_locks_are_removed_and_fresh_ones_kept(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     stale, fresh = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock", tmp_path / "py311_cpu" / "other" / "lock"

@@ -52,7 +52,7 @@ def run_to_the_end(tmp_path, config):
 def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max_staleness, weight_transport):
     transport = {"weight_transport": weight_transport, "weights_address": f"tcp://127.0.0.1:{free_port()}"}
     path, run_dir = write_config(tmp_path, tiny_assets, buffer={"max_staleness": max_staleness},
-                                 learner={"total_steps": STEPS}, transport=transport)
+                                 learner={"total_steps": STEPS, "behavior_gap_every": 2}, transport=transport)
     result = tether("run", "--config", str(path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"step {STEPS}/{STEPS}" in result.stdout  # progress is shown as it trains
@@ -72,6 +72,11 @@ def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max
     else:
         # generation overlapped training: samples one version old were trained, none older
         assert any(record["staleness_max"] == 1 for record in steps)
+        # and the logprob gap is still measured (on samples of the version the learner kept the weights of)
+        gaps = [record["behavior_logprob_gap"] for record in steps if record["behavior_logprob_gap"] is not None]
+        assert len(gaps) >= STEPS // 2 - 1 and max(gaps) < LOGPROB_TOLERANCE, gaps
+    assert not any(record["alerts"] for record in steps)
+    assert all(record["heartbeats_missed"] == 0 and record["buffer_restarts"] == 0 for record in steps)
 
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
