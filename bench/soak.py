@@ -3,7 +3,9 @@
 Starts `tether run` on the demo's config and assets (`make demo` builds them) with more steps
 than it can finish, reads each role's resident memory (its whole process group: vLLM's engine
 process counts to the rollout) once the first learner step is done and again after --minutes,
-then stops the run with Ctrl-C. Goal: every role grows by less than 10%. With --warmup-minutes
+then stops the run with Ctrl-C. Goal: every role grows by less than 10%, and the liveness counters
+(heartbeats missed, buffer restarts seen, optimizer steps skipped, records naming a stalled role)
+stay at 0 on this healthy run. With --warmup-minutes
 it also reports growth from a second sample taken after the warm-up: vLLM's KV cache becomes
 resident page by page as it is first used, which shows as early growth that levels off.
 
@@ -122,6 +124,25 @@ def main() -> None:
           f"{'met' if worst < GOAL_GROWTH else 'NOT met'}")
     if warm:
         print(f"  worst growth after the warm-up {worst_warm:+.1%}")
+    counters = liveness_counters(args.run_dir)
+    print("  liveness: " + ", ".join(f"{name} {value}" for name, value in counters.items())
+          + f"; goal 0 each: {'met' if not any(counters.values()) else 'NOT met'}")
+
+
+def liveness_counters(run_dir: str) -> dict[str, int]:
+    """Over every role's metrics: heartbeats missed and buffer restarts seen (the roles' clients),
+    optimizer steps skipped for non-finite gradients, and buffer records that name a stalled role."""
+    from protocol.runlog import read_metrics
+
+    totals = {"heartbeats_missed": 0, "buffer_restarts": 0, "skipped_steps": 0, "stalled_records": 0}
+    names = [name[:-len(".jsonl")] for name in os.listdir(os.path.join(run_dir, "metrics")) if name.endswith(".jsonl")]
+    for name in names:
+        records = read_metrics(run_dir, name)
+        for key in ("heartbeats_missed", "buffer_restarts"):  # running counts: the last record has the total
+            totals[key] += max((record.get(key, 0) for record in records), default=0)
+        totals["skipped_steps"] += sum(record.get("skipped_steps", 0) for record in records)
+        totals["stalled_records"] += sum(bool(record.get("stalled")) for record in records)
+    return totals
 
 
 if __name__ == "__main__":

@@ -385,6 +385,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                 learner_done_at = time.monotonic()
             if learner_done_at is not None:
                 if all(role.process.poll() is not None for role in roles):
+                    _stop(roles)  # what a role's leader left in its group (none, normally) goes too
                     _remove_shared_memory(config)
                     evaluations.finish()
                     print(f"tether run: done; final policy in {run_dir}/checkpoints/final", flush=True)

@@ -177,6 +177,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
     prompts, data_rows, skipped = prompts_that_fit(config, tokenizer, log)
+    own_engine = engine is None
     engine = engine or make_engine(config, worker_index)
     rollout_cfg = config.rollout
     sampling = sampling_params(config)
@@ -244,3 +245,5 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         prefetcher.close()
     metrics.close()
     client.close()
+    if own_engine:  # its engine process and workers exit now, reaped by this process, not left to init
+        engine.llm_engine.engine_core.shutdown()

@@ -89,7 +89,11 @@ def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max
         expected = "fetch over tcp and load" if weight_transport == "tcp" else "checked while written"
         assert expected in file.read()
     check_reports(run_dir)
-    # nothing is left in shared memory (RAM) after the run
+    # nothing is left of any role's process group, nor in shared memory (RAM) after the run
+    with open(os.path.join(run_dir, "pids.json")) as file:
+        for name, pgid in json.load(file).items():
+            with pytest.raises(ProcessLookupError):
+                os.killpg(pgid, 0)
     weights_dir = load_config(path).weights_dir
     assert not os.path.exists(weights_dir) and not os.path.exists(weights_dir + "-rollout")
 
