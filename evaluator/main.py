@@ -45,7 +45,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     engine = make_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
     try:
         sampling = [SamplingParams(n=1, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                                   max_tokens=config.rollout.max_new_tokens, logprobs=0, seed=config.eval.seed + i)
+                                   top_k=config.rollout.top_k, max_tokens=config.rollout.max_new_tokens, logprobs=0,
+                                   seed=config.eval.seed + i)
                     for i in range(len(kept))]
         outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling, use_tqdm=False)
     finally:

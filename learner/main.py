@@ -275,14 +275,16 @@ def run(config: TetherConfig) -> str:
             set_lr(critic, cfg.critic_lr * factor)
         gap = None  # the rollout's logprobs against the learner's, on samples of the version snapshotted
         if snapshot is not None:
-            gap = behavior_gap(actor, snapshot[1], snapshot[0], samples, batch, config.rollout.temperature)
+            gap = behavior_gap(actor, snapshot[1], snapshot[0], samples, batch, config.rollout.temperature,
+                               config.rollout.top_p, config.rollout.top_k)
             snapshot = None
         if (config.buffer.max_staleness and cfg.behavior_gap_every
                 and (policy_version + 1) % cfg.behavior_gap_every == 0):  # its samples come in the next batches
             snapshot = (policy_version, snapshot_weights(actor))
         try:
             stats = ppo_step(actor, critic, samples, batch, cfg, config.rollout.temperature, kl_controller.value,
-                             policy_version, moments, config.seed, config.rollout.samples_per_prompt, ptx, skipped)
+                             policy_version, moments, config.seed, config.rollout.samples_per_prompt, ptx, skipped,
+                             config.rollout.top_p, config.rollout.top_k)
         except FloatingPointError as error:
             stop_on_nonfinite(error, actor, config, policy_version, metrics if main else None, log)
         stats["skipped_steps_total"] = skipped.total

@@ -137,13 +137,14 @@ def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: 
 def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: LearnerConfig, temperature: float,
              kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None, seed: int = 0,
              group_size: int = 1, ptx: PtxStream | None = None,
-             skipped: SkippedSteps | None = None) -> dict[str, float]:
+             skipped: SkippedSteps | None = None, top_p: float = 1.0, top_k: int = 0) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
     the rows (``learner.parallel``); the result is what one rank computes on the whole batch.
     ``critic``: None unless ``cfg.advantage_estimator`` is gae. ``group_size``: the responses to
     one prompt (``rollout.samples_per_prompt``), contiguous in the batch. ``ptx``: batches of
     PPO-ptx text, one per optimizer step (``cfg.ptx_coef``). ``skipped``: the count of optimizer
-    steps skipped for non-finite gradients, kept across steps by the caller."""
+    steps skipped for non-finite gradients, kept across steps by the caller. ``temperature``,
+    ``top_p``, ``top_k``: the rollout's sampling, which the policy's logprobs reproduce."""
     skipped = skipped if skipped is not None else SkippedSteps(cfg.max_skipped_steps)
     device = batch.input_ids.device
     world = parallel.world_size()
@@ -160,7 +161,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
         mine = torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))]
         parts = [batch.select(rows) for rows in mine.split(micro_batch)]
         old_logprobs = parallel.gather_rows(torch.cat([
-            logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature) for part in parts]))
+            logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature, top_p, top_k)
+            for part in parts]))
         old_values = (parallel.gather_rows(torch.cat([forward_values(critic, part) for part in parts]))
                       if critic is not None else None)
 
@@ -200,7 +202,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                 token_share = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], "token-mean", world)
                 scale = share * len(parts)
                 logits = forward_logits(actor, minibatch)
-                logprobs = logprobs_from_logits(logits, minibatch.response_tokens, temperature)
+                logprobs = logprobs_from_logits(logits, minibatch.response_tokens, temperature, top_p, top_k)
                 policy_loss, policy_stats = ppo.ppo_policy_loss(
                     logprobs, old_logprobs[rows], advantages[rows], minibatch.response_mask,
                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
@@ -213,7 +215,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                         cfg.loss_aggregation)
                 # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
                 entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(),
-                                                        temperature)
+                                                        temperature, top_p, top_k)
                 if cfg.entropy_coef > 0:
                     losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(
                         entropy_per_token, minibatch.response_mask, cfg.loss_aggregation)
@@ -283,7 +285,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
 
 
 def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: list[Sample], batch: SequenceBatch,
-                 temperature: float, rows: int = 4) -> float | None:
+                 temperature: float, top_p: float = 1.0, top_k: int = 0, rows: int = 4) -> float | None:
     """The largest |rollout logprob - learner logprob| over up to ``rows`` samples of ``version``,
     the learner computing with ``snapshot``, its weights of that version (``snapshot_weights``): the
     check that weight sync and sampling agree, at any staleness, where ``ppo_step`` can only measure
@@ -294,7 +296,7 @@ def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: lis
         return None
     part = batch.select(torch.tensor(chosen, device=batch.input_ids.device))
     with weights_swapped(actor, snapshot), torch.no_grad():
-        logprobs = logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature)
+        logprobs = logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature, top_p, top_k)
     behavior = _ragged_to_padded([samples[i].behavior_logprobs for i in chosen], part.response_mask)
     return float(((behavior.to(logprobs.device) - logprobs).abs() * part.response_mask).max())
 

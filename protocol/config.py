@@ -65,8 +65,10 @@ class RolloutConfig(_Strict):
     prompts_per_generate: int = Field(64, ge=1, description="most prompts in one generate call")
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner uses the same")
-    top_p: float = Field(1.0, gt=0, le=1, description="1 only, for now: vLLM's logprobs are renormalised over the "
-                                                    "top-p set, which the learner's and scorer's are not")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; the learner's logprobs are renormalised "
+                                                    "over the same set (protocol.distributions)")
+    top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0: all. The learner's logprobs "
+                                            "are renormalised over the same set")
     ignore_eos: bool = Field(False, description="generate max_new_tokens always (benchmarks)")
     max_model_len: int = Field(256, ge=8)
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
@@ -292,10 +294,6 @@ class TetherConfig(_Strict):
         if learner.lora_rank and learner.zero_stage == 3:
             raise ValueError("learner.lora_rank with learner.zero_stage 3 is not supported: use ZeRO 0-2 (the "
                              "adapters are small; the frozen base is not partitioned)")
-        if rollout.top_p < 1:
-            raise ValueError(f"rollout.top_p {rollout.top_p}: the learner cannot reproduce top-p sampling yet (vLLM's "
-                             "logprobs are renormalised over the top-p set, the learner's and the reference's are "
-                             "not, so pi_prox / pi_behavior would be wrong from the first step); use top_p 1")
         if self.eval.every and not self.eval.prompts:
             raise ValueError("eval.every needs eval.prompts")
         if (learner.ptx_coef > 0) != (self.data.ptx is not None):

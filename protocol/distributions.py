@@ -2,24 +2,51 @@
 learner (policy logprobs, entropy) compute it: pure tensor functions, shapes in each docstring.
 
 vLLM reports logprobs of the processed distribution (``logprobs_mode="processed_logprobs"``):
-logits divided by the temperature. Anything that changes that distribution (top-k / top-p
-renormalisation) belongs here, so every role applies it the same way.
+logits divided by the temperature, then top-k and top-p (the tokens outside them get no mass and
+the rest is renormalised). The policy's logprobs are computed here the same way, so pi_prox /
+pi_behavior and the PPO ratio compare like with like. The reference's are not truncated: the KL
+tether is to the whole SFT distribution (truncated, a token outside the reference's nucleus would
+make it infinite).
 """
 
 from __future__ import annotations
 
 import torch
 
+# A taken token the truncation leaves no mass (the learner's nucleus differs from the rollout's at
+# the boundary, or moved during the update) gets this, not -inf: the ratio is ~0, gradients finite.
+LOGPROB_FLOOR = -100.0
+
+
+def truncated_logits(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
+    """``scaled`` [..., V] with the tokens top-k and top-p leave out set to -inf: vLLM's rule
+    (``apply_top_k_top_p``), so both sides keep the same set. Top-k keeps the k largest (ties at the
+    k-th kept); top-p then drops, smallest first, the tokens whose cumulative mass is <= 1 - p, and
+    always keeps the largest. ``top_k`` 0 and ``top_p`` 1: unchanged."""
+    if top_k <= 0 and top_p >= 1.0:
+        return scaled
+    ordered, order = scaled.sort(dim=-1, descending=False)
+    if top_k > 0:
+        kth = ordered[..., max(0, ordered.size(-1) - top_k)].unsqueeze(-1)
+        ordered = ordered.masked_fill(ordered < kth, float("-inf"))
+    if top_p < 1.0:
+        cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
+        dropped = cumulative <= 1 - top_p
+        dropped[..., -1] = False
+        ordered = ordered.masked_fill(dropped, float("-inf"))
+    return torch.empty_like(ordered).scatter_(-1, order, ordered)
+
 
 def logprobs_from_logits(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
 ) -> torch.Tensor:
     """Log-probabilities of the taken tokens.
 
     logits: [B, T, V] (position t scores token t, i.e. already shifted); tokens: [B, T] int.
-    Returns [B, T]. Logits are divided by the sampling ``temperature`` first, so the result is
-    the log-probability under the same distribution the rollout sampled from (vLLM's logprobs
-    are of the temperature-scaled distribution).
+    Returns [B, T]. Logits are divided by the sampling ``temperature`` first, then truncated by
+    ``top_k`` / ``top_p`` (``truncated_logits``), so the result is the log-probability under the
+    same distribution the rollout sampled from; a token the truncation leaves out gets
+    ``LOGPROB_FLOOR``.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -30,22 +57,26 @@ def logprobs_from_logits(
                          f"{tuple(logits.shape[:2])}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
-    scaled = logits.float() / temperature
+    scaled = truncated_logits(logits.float() / temperature, top_p, top_k)
     # log_softmax then gather: numerically the same as gather minus logsumexp, one pass less.
     log_normaliser = torch.logsumexp(scaled, dim=-1)
     taken = torch.gather(scaled, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
-    return taken - log_normaliser
+    return (taken - log_normaliser).clamp(min=LOGPROB_FLOOR)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the (temperature-scaled) next-token distribution per position.
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
+                        top_k: int = 0) -> torch.Tensor:
+    """Entropy of the next-token distribution sampled from (temperature, then top-k / top-p) per
+    position.
 
-    logits: [B, T, V]. Returns [B, T] in nats: H = logsumexp(z) - sum softmax(z) z.
+    logits: [B, T, V]. Returns [B, T] in nats: H = logsumexp(z) - sum softmax(z) z, over the tokens
+    the truncation keeps.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
-    scaled = logits.float() / temperature
+    scaled = truncated_logits(logits.float() / temperature, top_p, top_k)
     probs = torch.softmax(scaled, dim=-1)
-    return torch.logsumexp(scaled, dim=-1) - (probs * scaled).sum(dim=-1)
+    kept = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))  # 0 x -inf is NaN
+    return torch.logsumexp(scaled, dim=-1) - (probs * kept).sum(dim=-1)

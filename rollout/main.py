@@ -87,7 +87,7 @@ def make_engine(config: TetherConfig, worker_index: int = 0):
         tensor_parallel_size=config.rollout.tensor_parallel_size,
         enforce_eager=True,
         worker_extension_cls="rollout.worker_extension.WeightSyncExtension",
-        # Logprobs of the distribution actually sampled (after temperature / top-p), the one the
+        # Logprobs of the distribution actually sampled (after temperature, top-k, top-p), the one the
         # learner recomputes; vLLM's default is the raw logits' distribution.
         logprobs_mode="processed_logprobs",
         **options,
@@ -121,7 +121,8 @@ def sampling_params(config: TetherConfig):
 
     rollout = config.rollout
     return SamplingParams(n=rollout.samples_per_prompt, temperature=rollout.temperature, top_p=rollout.top_p,
-                          max_tokens=rollout.max_new_tokens, ignore_eos=rollout.ignore_eos, logprobs=0)
+                          top_k=rollout.top_k, max_tokens=rollout.max_new_tokens, ignore_eos=rollout.ignore_eos,
+                          logprobs=0)
 
 
 def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log) -> tuple[int | None, str | None]:

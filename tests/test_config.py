@@ -144,7 +144,6 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
      "models.critic_init is reward but there is no models.reward"),
     (["scorer.reward_functions=[{function: 'a:b', wieght: 2}]"], r"scorer.reward_functions.0.wieght: unknown key"),
     (["eval.every=5"], "eval.every needs eval.prompts"),
-    (["rollout.top_p=0.9"], "rollout.top_p 0.9: the learner cannot reproduce top-p sampling yet"),
     (["learner.ptx_coef=0.5"], "learner.ptx_coef > 0 and data.ptx go together"),
     (["learner.lora_rank=8", "learner.zero_stage=3"], "learner.lora_rank with learner.zero_stage 3"),
     (["learner.advantage_estimator=grpo"], "rollout.samples_per_prompt must be >= 2"),

@@ -51,8 +51,11 @@ def run_to_the_end(tmp_path, config):
 @pytest.mark.parametrize("max_staleness, weight_transport", [(0, "tcp"), (1, "shm")])
 def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max_staleness, weight_transport):
     transport = {"weight_transport": weight_transport, "weights_address": f"tcp://127.0.0.1:{free_port()}"}
+    # k = 0 samples with top-p and top-k: the learner's logprobs must reproduce the truncation
+    sampling = {"top_p": 0.9, "top_k": 8} if max_staleness == 0 else {}
     path, run_dir = write_config(tmp_path, tiny_assets, buffer={"max_staleness": max_staleness},
-                                 learner={"total_steps": STEPS, "behavior_gap_every": 2}, transport=transport)
+                                 learner={"total_steps": STEPS, "behavior_gap_every": 2}, transport=transport,
+                                 rollout=sampling)
     result = tether("run", "--config", str(path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"step {STEPS}/{STEPS}" in result.stdout  # progress is shown as it trains

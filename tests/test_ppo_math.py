@@ -57,6 +57,51 @@ def test_entropy_rises_with_temperature():
 # --------------------------------------------------------------------------- KL and rewards
 
 
+def _kept_by_hand(probs: list[float], top_p: float, top_k: int) -> set[int]:
+    """The tokens top-k then top-p keep, worked out one token at a time: top-k keeps the k largest;
+    top-p, over what top-k kept (renormalised), keeps the largest and every token whose mass plus
+    the mass of all tokens smaller than it is more than 1 - p."""
+    order = sorted(range(len(probs)), key=lambda i: probs[i])  # ascending
+    kept = set(order[-top_k:]) if top_k else set(order)
+    total = sum(probs[i] for i in kept)
+    mass, result = 0.0, set()
+    for i in [i for i in order if i in kept]:
+        mass += probs[i] / total
+        if mass > 1 - top_p or i == order[-1]:
+            result.add(i)
+    return result
+
+
+@pytest.mark.parametrize("top_p, top_k", [(0.9, 0), (0.5, 0), (1.0, 3), (0.8, 4), (0.3, 2)])
+def test_top_k_top_p_keep_the_tokens_worked_out_by_hand_and_renormalise(top_p, top_k):
+    from protocol.distributions import LOGPROB_FLOOR, entropy_from_logits, logprobs_from_logits
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 3, 7, generator=generator) * 2
+    vocab = torch.arange(7).expand(2, 3, 7)
+    every_token = torch.stack([logprobs_from_logits(logits, vocab[..., v], 0.7, top_p, top_k) for v in range(7)], -1)
+    entropy = entropy_from_logits(logits, 0.7, top_p, top_k)
+    for b in range(2):
+        for t in range(3):
+            probs = torch.softmax(logits[b, t] / 0.7, -1).tolist()
+            kept = sorted(_kept_by_hand(probs, top_p, top_k))
+            renormalised = torch.log_softmax(logits[b, t, kept] / 0.7, -1)
+            assert torch.allclose(every_token[b, t, kept], renormalised, atol=1e-6)
+            left_out = [v for v in range(7) if v not in kept]
+            assert all(every_token[b, t, v] == LOGPROB_FLOOR for v in left_out)
+            by_hand = -(renormalised.exp() * renormalised).sum()
+            assert entropy[b, t] == pytest.approx(float(by_hand), abs=1e-5)
+
+
+def test_top_p_logprobs_have_finite_gradients_also_for_a_token_left_out():
+    from protocol.distributions import logprobs_from_logits
+
+    logits = torch.tensor([[[4.0, 3.0, -5.0, -6.0]]], requires_grad=True)
+    kept, left_out = (logprobs_from_logits(logits, torch.tensor([[token]]), 1.0, top_p=0.9) for token in (0, 3))
+    (kept.sum() + left_out.sum()).backward()
+    assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 0] != 0
+
+
 def test_kl_estimators_by_hand():
     logprobs, ref = t([[-1.2]]), t([[-1.6]])
     # log r = log(pi_ref / pi) = -0.4

@@ -27,20 +27,24 @@ def perturbed(policy_dir, seed):
     return model
 
 
-def engine_logprobs(engine):
+def engine_logprobs(engine, temperature=1.0, top_p=1.0, top_k=0):
     from vllm import SamplingParams, TokensPrompt
 
-    params = SamplingParams(n=4, temperature=1.0, max_tokens=6, logprobs=0, seed=0)
+    params = SamplingParams(n=4, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=6, logprobs=0, seed=0)
     output = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0]
     return [(list(c.token_ids), [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]) for c in output.outputs]
 
 
 @torch.no_grad()
-def assert_matches(model, generations):
+def assert_matches(model, generations, temperature=1.0, top_p=1.0, top_k=0):
+    """vLLM's logprobs of what it sampled are the learner's (protocol.distributions) for the same
+    weights and sampling settings."""
+    from protocol.distributions import logprobs_from_logits
+
     for tokens, logprobs in generations:
         ids = torch.tensor([PROMPT + tokens])
-        expected = torch.log_softmax(model(input_ids=ids).logits[0, len(PROMPT) - 1:-1], dim=-1)
-        expected = expected[torch.arange(len(tokens)), torch.tensor(tokens)]
+        logits = model(input_ids=ids).logits[:, len(PROMPT) - 1:-1]
+        expected = logprobs_from_logits(logits, torch.tensor([tokens]), temperature, top_p, top_k)[0]
         assert np.max(np.abs(expected.numpy() - np.array(logprobs))) < TOLERANCE
 
 
@@ -63,6 +67,10 @@ def test_weights_apply_in_place_and_a_damaged_version_is_refused(tmp_path, tiny_
 def check_weight_updates(engine, tmp_path, tiny_assets):
     sft = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
     assert_matches(sft, engine_logprobs(engine))
+    # vLLM's processed logprobs are after top-k / top-p renormalisation; the learner's are too
+    for settings in ({"temperature": 0.8, "top_p": 0.7}, {"temperature": 1.2, "top_k": 3},
+                     {"temperature": 1.0, "top_p": 0.8, "top_k": 5}):
+        assert_matches(sft, engine_logprobs(engine, **settings), **settings)
 
     writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 14)
     updated = perturbed(tiny_assets["policy"], seed=1)
