@@ -107,7 +107,8 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
 
     # a load that fails part-way (here a tensor of the wrong shape, after the others went in): the
     # engine holds a mix and says so; vLLM's reload does not recover from it (a whole version loaded
-    # next fails too), so the rollout stops to be started again rather than generate with it
+    # next fails too, on at least one worker), so the rollout stops to be started again rather than
+    # generate with it
     from rollout.main import EngineNeedsRestart
 
     names = list(updated.state_dict())
@@ -119,7 +120,7 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
         apply_weights(engine, grant, None, None, config, log)
     whole = writer.publish(5, updated.state_dict().items())
     results = engine.collective_rpc("load_published_weights", args=(whole.to_dict(),))
-    assert all("partial" in r for r in results), results
+    assert any("partial" in r for r in results), results  # at TP 2 one worker may load it, the other not
 
 
 def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path, tiny_assets, capfd):
