@@ -32,9 +32,9 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     ``eval.prompts`` there, where the scorer reads rows from); also the samples and per-sample KL
     and repetition, for the worst cases."""
     from transformers import AutoTokenizer
-    from vllm import SamplingParams, TokensPrompt
+    from vllm import TokensPrompt
 
-    from rollout.main import make_engine, to_samples
+    from rollout.main import make_engine, sampling_params, to_samples
     from scorer.main import Scorer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -44,10 +44,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
                                      config.data.prompts)
     engine = make_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
     try:
-        sampling = [SamplingParams(n=1, temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-                                   top_k=config.rollout.top_k, max_tokens=config.rollout.max_new_tokens, logprobs=0,
-                                   seed=config.eval.seed + i)
-                    for i in range(len(kept))]
+        sampling = [sampling_params(config, n=1, ignore_eos=False, seed=config.eval.seed + i) for i in range(len(kept))]
         outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling, use_tqdm=False)
     finally:
         engine.llm_engine.engine_core.shutdown()

@@ -168,7 +168,7 @@ def remove_orphan_shared_memory(directory: str = "/dev/shm", min_age_s: float = 
     open: a killed engine never unlinks its queues (160-240 MiB each with vLLM), and they hold RAM
     until the machine restarts. Younger than ``min_age_s``: kept (being created, not yet mapped).
     Returns the paths removed."""
-    candidates = {}
+    candidates = []
     now = time.time()
     for name in os.listdir(directory) if os.path.isdir(directory) else ():
         path = os.path.join(directory, name)
@@ -178,7 +178,7 @@ def remove_orphan_shared_memory(directory: str = "/dev/shm", min_age_s: float = 
             except FileNotFoundError:
                 continue
             if info.st_uid == os.getuid() and now - info.st_mtime >= min_age_s:
-                candidates[path] = info
+                candidates.append(path)
     if not candidates:
         return []
     in_use = set()

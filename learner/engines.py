@@ -200,19 +200,22 @@ def _local_tensors(parameter) -> list[torch.Tensor]:
     return [t for t in (parameter.data, getattr(parameter, "ds_tensor", None)) if t is not None and t.numel()]
 
 
+def _trainable_local_tensors(engine) -> list[torch.Tensor]:
+    """What this rank holds of the trainable weights (frozen ones never change)."""
+    return [t for p in engine.module.parameters() if p.requires_grad for t in _local_tensors(p)]
+
+
 def snapshot_weights(engine) -> list[torch.Tensor]:
-    """A CPU copy of what this rank holds of the trainable weights (frozen ones never change): the
-    weights of this version, for ``weights_swapped`` a step later."""
-    return [t.detach().to("cpu", copy=True) for p in engine.module.parameters() if p.requires_grad
-            for t in _local_tensors(p)]
+    """A CPU copy of what this rank holds of the trainable weights: the weights of this version,
+    for ``weights_swapped`` a step later."""
+    return [t.detach().to("cpu", copy=True) for t in _trainable_local_tensors(engine)]
 
 
 @contextmanager
 def weights_swapped(engine, snapshot: list[torch.Tensor]) -> Iterator[None]:
     """Inside the block the engine's module computes with ``snapshot``'s weights; after it, with its
     own again, bit for bit (the optimizer's state is never touched)."""
-    tensors = [t for p in engine.module.parameters() if p.requires_grad for t in _local_tensors(p)]
-    own = [t.detach().to("cpu", copy=True) for t in tensors]
+    tensors, own = _trainable_local_tensors(engine), snapshot_weights(engine)
     with torch.no_grad():
         for tensor, saved in zip(tensors, snapshot):
             tensor.copy_(saved)

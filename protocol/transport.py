@@ -161,13 +161,14 @@ class BufferClient:
         ``BufferLost`` if the buffer stopped answering heartbeats or came back as another run.
         While waiting, a ping goes out every ``heartbeat_s`` (once a hello was answered)."""
         deadline = time.monotonic() + wait_s
+        heartbeats = self.incarnation is not None and msg_type != "hello"
         while True:
             now = time.monotonic()
-            if self.incarnation is not None and msg_type != "hello":
+            wake = deadline
+            if heartbeats:
                 self._heartbeat(now, msg_type)
-            remaining_ms = max(0, int((min(deadline, self._last_ping + self.liveness.heartbeat_s) - now) * 1000))
-            if not self.socket.poll(remaining_ms if self.incarnation is not None else
-                                    max(0, int((deadline - now) * 1000)), zmq.POLLIN):
+                wake = min(deadline, self._last_ping + self.liveness.heartbeat_s)
+            if not self.socket.poll(max(0, int((wake - now) * 1000)), zmq.POLLIN):
                 if time.monotonic() >= deadline:
                     return None
                 continue

@@ -116,13 +116,15 @@ def to_samples(outputs, prompt_indices: list[int], data_rows: list[int], version
     return samples
 
 
-def sampling_params(config: TetherConfig):
+def sampling_params(config: TetherConfig, **overrides):
+    """vLLM's sampling settings from ``config.rollout`` (the learner reproduces temperature, top-p
+    and top-k), with ``overrides`` (the evaluator's: one response, its own seed)."""
     from vllm import SamplingParams
 
     rollout = config.rollout
-    return SamplingParams(n=rollout.samples_per_prompt, temperature=rollout.temperature, top_p=rollout.top_p,
-                          top_k=rollout.top_k, max_tokens=rollout.max_new_tokens, ignore_eos=rollout.ignore_eos,
-                          logprobs=0)
+    return SamplingParams(**{"n": rollout.samples_per_prompt, "temperature": rollout.temperature,
+                             "top_p": rollout.top_p, "top_k": rollout.top_k, "max_tokens": rollout.max_new_tokens,
+                             "ignore_eos": rollout.ignore_eos, "logprobs": 0, **overrides})
 
 
 def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log) -> tuple[int | None, str | None]:
