@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from buffer.state import BufferState, load_snapshot, save_snapshot
 from protocol.codec import Message, ProtocolError
 from protocol.config import TetherConfig
-from protocol.runlog import MetricsWriter, setup_logging
+from protocol.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SENDER_ROLES, SENDERS
 from protocol.security import role_of_key
@@ -82,6 +82,7 @@ class Buffer:
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> dict:
+        StartupTimeline(self.config.run_dir, "buffer").phase("listening")
         self.log.info("listening on %s (batch_size %d, max_staleness %d)", self.config.buffer_address,
                       self.state.batch_size, self.state.max_staleness)
         last_metrics = 0.0

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from protocol.runlog import read_metrics
+from protocol.runlog import StartupTimeline, read_metrics
 
 # role -> (metric key, category) of the time each record accounts for; the rest of a role's wall
 # time is what no record covers (start-up before the first record is not in its wall time)
@@ -34,7 +34,8 @@ PANELS = (
 
 
 def _role_metrics(run_dir: str) -> dict[str, list[dict]]:
-    names = [os.path.basename(path)[:-len(".jsonl")] for path in glob.glob(os.path.join(run_dir, "metrics", "*.jsonl"))]
+    names = [os.path.basename(path)[:-len(".jsonl")] for path in glob.glob(os.path.join(run_dir, "metrics", "*.jsonl"))
+             if os.path.basename(path) != StartupTimeline.FILE]  # every role's phases, read on their own
     return {name: read_metrics(run_dir, name) for name in sorted(names)}
 
 
@@ -101,11 +102,64 @@ class RoleProfile:
 
 
 @dataclass
+class Phase:
+    role: str
+    phase: str
+    start_s: float  # since `tether run` started (or the first process, for roles started by hand)
+    seconds: float
+
+    @property
+    def end_s(self) -> float:
+        return self.start_s + self.seconds
+
+
+@dataclass
+class Startup:
+    """Every process's start-up phases (``protocol.runlog.StartupTimeline``) on one clock."""
+    phases: list[Phase]
+    first_step_s: float | None  # the learner's first step trained and published
+    run_s: float | None  # the whole `tether run`, from its start to every role gone
+
+    def critical(self) -> str | None:
+        """The role the first step waited on: whoever was ready last among those that feed it."""
+        ready = {p.role: p.end_s for p in self.phases if p.phase in ("buffer connect", "listening")}
+        return max(ready, key=ready.get) if ready else None
+
+
+def startup_timeline(run_dir: str) -> Startup:
+    """The phases of the last start of the run in ``run_dir`` (a resume appends a new one)."""
+    records = read_metrics(run_dir, "startup")
+    starts = [i for i, r in enumerate(records) if r["role"] == "tether run" and r["phase"] == "start roles"]
+    if starts:
+        records = records[starts[-1]:]
+    if not records:
+        return Startup([], None, None)
+    zero = records[0]["start"] if starts else min(r["start"] for r in records)
+    phases = [Phase(r["role"], r["phase"], r["start"] - zero, r["end"] - r["start"]) for r in records]
+    first = [p.end_s for p in phases if p.role == "learner" and p.phase == "first step"]
+    run = [p.end_s for p in phases if p.role == "tether run" and p.phase == "run"]
+    return Startup(phases, first[0] if first else None, run[0] if run else None)
+
+
+def format_startup(startup: Startup) -> str:
+    lines = [f"{'role':<11}{'phase':<18}{'from':>8}{'to':>8}{'seconds':>9}"]
+    for phase in sorted(startup.phases, key=lambda p: (p.role != "tether run", p.role, p.start_s)):
+        lines.append(f"{phase.role:<11}{phase.phase:<18}{phase.start_s:>7.1f}s{phase.end_s:>7.1f}s{phase.seconds:>8.2f}s")
+    if startup.first_step_s is not None:
+        lines.append(f"first trained step {startup.first_step_s:.1f}s after the start; last ready to serve: "
+                     f"{startup.critical()}")
+    if startup.run_s is not None:
+        lines.append(f"whole run {startup.run_s:.1f}s")
+    return "\n".join(lines)
+
+
+@dataclass
 class Profile:
     roles: list[RoleProfile]
     pipeline_tokens_per_s: float
     bottleneck: str
     advice: str
+    startup: Startup = field(default_factory=lambda: Startup([], None, None))
 
 
 def profile_run(run_dir: str) -> Profile:
@@ -147,7 +201,8 @@ def profile_run(run_dir: str) -> Profile:
         "buffer": "the buffer limits the pipeline: larger sample chunks (rollout.prompts_per_generate)",
     }.get(bottleneck.role.rstrip("0123456789"),
           "scoring limits the pipeline: add scorer workers (scorer.workers) or give them more devices")
-    return Profile(roles, trained_tokens / learner.wall_s if learner.wall_s > 0 else 0.0, bottleneck.role, advice)
+    return Profile(roles, trained_tokens / learner.wall_s if learner.wall_s > 0 else 0.0, bottleneck.role, advice,
+                   startup_timeline(run_dir))
 
 
 def format_profile(profile: Profile) -> str:
@@ -165,6 +220,9 @@ def format_profile(profile: Profile) -> str:
     lines.append("start-up: each role's first wait (models loading, vLLM starting), left out of its wall time")
     lines.append(f"pipeline: {profile.pipeline_tokens_per_s:,.0f} trained tokens/s")
     lines.append(f"bottleneck: {profile.bottleneck} ({profile.advice})")
+    if profile.startup.phases:
+        lines += ["", "start-up, every process on one clock (seconds since `tether run` started):",
+                  format_startup(profile.startup)]
     return "\n".join(lines)
 
 

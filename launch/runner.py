@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from protocol.config import TetherConfig, dump_config
-from protocol.runlog import read_metrics
+from protocol.runlog import StartupTimeline, read_metrics
 
 SHUTDOWN_GRACE_S = 60.0  # after the learner is done, time for the others to hear "stop" and exit
 TERMINATE_GRACE_S = 10.0
@@ -334,11 +334,13 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
     with open(config_path, "w") as file:
         file.write(dump_config(config))
 
+    timeline = StartupTimeline(run_dir, "tether run")
     roles = [start_role(config, "buffer", config_path)]
     roles += [start_role(config, "scorer", config_path, i) for i in range(config.scorer.workers)]
     roles += [start_role(config, "rollout", config_path, i) for i in range(config.rollout.engines)]
     roles += [start_role(config, "learner", config_path)]
     learner = roles[-1]
+    timeline.phase("start roles")  # this process's start-up, config checks and the roles' launch
     _write_pids(run_dir, roles)
     print(f"tether run: {len(roles)} processes, logs in {run_dir}/logs, metrics in {run_dir}/metrics", flush=True)
 
@@ -387,6 +389,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                 if all(role.process.poll() is not None for role in roles):
                     _stop(roles)  # what a role's leader left in its group (none, normally) goes too
                     _remove_shared_memory(config)
+                    timeline.phase("run")
                     evaluations.finish()
                     print(f"tether run: done; final policy in {run_dir}/checkpoints/final", flush=True)
                     return 0

@@ -18,7 +18,7 @@ from learner.schedule import lr_factor, set_lr
 from protocol.codec import decode, encode
 from protocol.config import TetherConfig
 from protocol.models import critic_source, resolve_models
-from protocol.runlog import MetricsWriter, setup_logging
+from protocol.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import unpack_samples
 from protocol.sequences import collate
 from protocol.transport import connect_to_buffer
@@ -199,6 +199,7 @@ def run(config: TetherConfig) -> str:
     checkpoints; every rank trains its share of each batch (``learner.parallel``)."""
     rank = int(os.environ.get("RANK", 0))
     log = setup_logging("learner" if rank == 0 else f"learner{rank}", config.log_level)
+    timeline = StartupTimeline(config.run_dir, "learner" if rank == 0 else f"learner{rank}")
     config = resolve_models(config, "learner")
     torch.manual_seed(config.seed)
     from learner.engines import (device, init_distributed, load_actor, load_critic, make_engine, publish_weights,
@@ -206,14 +207,19 @@ def run(config: TetherConfig) -> str:
     from learner.step import SkippedSteps, behavior_gap, ppo_step
 
     cfg = config.learner
+    timeline.phase("import")
     init_distributed(config)
+    timeline.phase("distributed init")
     main = parallel.rank() == 0
     actor_model = with_lora(load_actor(config.models.policy, cfg.dtype), cfg)
     pad_token_id = actor_model.config.pad_token_id if actor_model.config.pad_token_id is not None else 0
-    actor = make_engine(actor_model, cfg.actor_lr, config)
     # only GAE needs values; the critic-free estimators take their baseline from the rewards
-    critic = (make_engine(critic_with_lora(load_critic(critic_source(config), cfg.dtype), cfg), cfg.critic_lr, config)
-              if cfg.advantage_estimator == "gae" else None)
+    critic_model = (critic_with_lora(load_critic(critic_source(config), cfg.dtype), cfg)
+                    if cfg.advantage_estimator == "gae" else None)
+    timeline.phase("model load")
+    actor = make_engine(actor_model, cfg.actor_lr, config)
+    critic = make_engine(critic_model, cfg.critic_lr, config) if critic_model is not None else None
+    timeline.phase("DeepSpeed init")
     ptx = None
     if config.data.ptx:
         from transformers import AutoTokenizer
@@ -235,6 +241,7 @@ def run(config: TetherConfig) -> str:
         else:  # rollouts on this host check each bucket as soon as it is written
             weight_stream = WeightStreamPublisher(config.weights_stream_address)
         client = connect_to_buffer(config, "learner", "0")
+        timeline.phase("buffer connect")
         log.info("training %s for %d steps (%s, batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), "
                  "max_staleness %d)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
                  cfg.minibatch_size, cfg.ppo_epochs,
@@ -253,7 +260,7 @@ def run(config: TetherConfig) -> str:
             ptx.position = policy_version * cfg.ppo_epochs * (cfg.batch_size // cfg.minibatch_size) * ptx.batch_size
         publish(policy_version)  # the rollouts start from the SFT weights
         log.info("resumed from %s at policy version %d", config.resume_from, policy_version)
-    run_started = time.monotonic()
+    run_started, first_version = time.monotonic(), policy_version
     skipped = SkippedSteps(cfg.max_skipped_steps)
     stop = StopSignal()
     snapshot = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
@@ -267,6 +274,8 @@ def run(config: TetherConfig) -> str:
             log.warning("%s", message)
             raise Preempted(message, stop.number)
         samples = unpack_samples(reply)
+        if policy_version == first_version:
+            timeline.phase("first batch")  # waiting for the rollout, scorers and buffer to deliver it
         train_started = time.monotonic()
         batch = collate(samples, pad_token_id).to(device())
         factor = lr_factor(policy_version, cfg.total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
@@ -299,6 +308,8 @@ def run(config: TetherConfig) -> str:
             stats.update(client.counters)  # heartbeats missed, buffer restarts: 0 on a healthy run
             write_step_record(metrics, monitor, log, stats, cfg.total_steps, policy_version, len(samples),
                               int(batch.response_mask.sum()), wait_started, train_started, sync_started, run_started)
+        if policy_version == first_version + 1:
+            timeline.phase("first step")
         if config.eval.every and policy_version % config.eval.every == 0 and policy_version < cfg.total_steps:
             # for `tether run` to evaluate beside training (evaluator/); the final policy is evaluated too
             save_hf_checkpoint(actor, config.models.policy,

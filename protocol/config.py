@@ -71,7 +71,15 @@ class RolloutConfig(_Strict):
                                             "are renormalised over the same set")
     ignore_eos: bool = Field(False, description="generate max_new_tokens always (benchmarks)")
     max_model_len: int = Field(256, ge=8)
-    kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache (VLLM_CPU_KVCACHE_SPACE)")
+    kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache, GiB (vLLM's kv_cache_memory_bytes; "
+                                                       "allocating it is part of the engine's start-up)")
+    in_process: bool | None = Field(None, description="run vLLM's engine inside the rollout process "
+                                                      "(VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM is imported once, "
+                                                      "not three times); None: in-process on CPU at "
+                                                      "tensor_parallel_size 1, vLLM's own processes on GPUs")
+    enforce_eager: bool | None = Field(None, description="no CUDA graphs and no torch.compile in vLLM; None: "
+                                                         "eager on CPU, graphs on GPUs (much of vLLM's speed "
+                                                         "there, at a longer start-up)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU share for vLLM (GPU only)")
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
 
@@ -316,6 +324,9 @@ class TetherConfig(_Strict):
                 raise ValueError(f"placement.cuda_visible_devices.rollout has {count} devices; rollout.engines "
                                  f"({rollout.engines}) x rollout.tensor_parallel_size ({rollout.tensor_parallel_size}) "
                                  "need one each")
+        if rollout.in_process and rollout.tensor_parallel_size > 1:
+            raise ValueError("rollout.in_process needs rollout.tensor_parallel_size 1: vLLM runs tensor-parallel "
+                             "workers as processes of their own")
         if learner.advantage_estimator in ("grpo", "rloo") and rollout.samples_per_prompt < 2:
             raise ValueError(f"learner.advantage_estimator {learner.advantage_estimator} compares the responses to "
                              "one prompt: rollout.samples_per_prompt must be >= 2")

@@ -68,3 +68,41 @@ def read_metrics(run_dir: str, name: str) -> list[dict[str, Any]]:
         return []
     with open(path) as file:
         return [json.loads(line) for line in file if line.strip()]
+
+
+def process_start_time(pid: int | None = None) -> float:
+    """When a process started, in seconds since the epoch (``time.time()``'s clock): from
+    /proc, so the interpreter's own start-up and imports count. Elsewhere: now."""
+    try:
+        with open(f"/proc/{pid or os.getpid()}/stat") as file:
+            started_ticks = int(file.read().rsplit(")", 1)[1].split()[19])  # field 22, after the name
+        with open("/proc/stat") as file:
+            boot_time = next(int(line.split()[1]) for line in file if line.startswith("btime"))
+        return boot_time + started_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, StopIteration):
+        return time.time()
+
+
+class StartupTimeline:
+    """A process's start-up, phase by phase, appended to ``RUN_DIR/metrics/startup.jsonl`` (one
+    file for every role: ``tether profile`` lays them side by side). ``phase(name)`` closes the
+    phase that ran since the previous one (the first since the process started) with that name;
+    each record is ``{"role", "phase", "start", "end"}`` in ``time.time()`` seconds. A line is one
+    small append, so the roles' writes do not interleave."""
+
+    FILE = "startup.jsonl"
+
+    def __init__(self, run_dir: str, name: str) -> None:
+        self.path = os.path.join(run_dir, "metrics", self.FILE)
+        self.name = name
+        self.last = process_start_time()
+
+    def phase(self, phase: str) -> float:
+        """Close the phase ``phase``; returns its seconds."""
+        now = time.time()
+        record = {"role": self.name, "phase": phase, "start": self.last, "end": now}
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(self.path, "a") as file:
+            file.write(json.dumps(record) + "\n")
+        seconds, self.last = now - self.last, now
+        return seconds

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
-import torch
 import xxhash
 
 from protocol.codec import ProtocolError
 
 ALIGN = 64  # tensor offsets inside a bucket: cache-line aligned
 COPY_CHUNK = 1 << 20  # copy-and-hash granularity: fits in L2
-DTYPES = {str(dtype).removeprefix("torch."): dtype for dtype in
-          (torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8, torch.bool)}
+# bytes per element of each dtype a manifest may name. torch is imported only where tensors are
+# made or read (learner, rollout): the buffer checks manifests without it (1 s of its start-up).
+DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "uint8": 1, "bool": 1}
 
 
 def without_tied_duplicates(named: Iterable[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
@@ -80,7 +80,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * torch.empty(0, dtype=DTYPES[self.dtype]).element_size()
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPE_SIZES[self.dtype]
 
 
 @dataclass
@@ -105,7 +105,7 @@ class BucketEntry:
             if bucket.index < 0 or bucket.nbytes < 0:
                 raise ValueError(f"bucket has index {bucket.index}, {bucket.nbytes} bytes")
             for tensor in tensors:
-                if tensor.dtype not in DTYPES:
+                if tensor.dtype not in DTYPE_SIZES:
                     raise ValueError(f"tensor {tensor.name} has unknown dtype {tensor.dtype}")
                 if tensor.offset < 0 or tensor.offset + tensor.nbytes > bucket.nbytes:
                     raise ValueError(f"tensor {tensor.name} lies outside bucket {bucket.index}")
@@ -317,6 +317,8 @@ class ShmWeightWriter:
 def _write_bucket(target: np.ndarray, entries: list[TensorEntry], tensors: dict[str, torch.Tensor]) -> str:
     """Copy the tensors into the bucket and checksum it in one pass: each chunk is hashed right
     after it is copied, while it is still in cache (11.5 GB/s here against 7.9 for copy, then hash)."""
+    import torch
+
     hasher = xxhash.xxh3_64()
     position = 0
     for entry in entries:
@@ -354,6 +356,8 @@ def read_manifest(manifest: WeightManifest, verify: bool = True) -> Iterator[dic
     shared memory, no copy). Raises ``WeightStreamError`` naming the first bad bucket.
     ``verify=False`` skips the checksums, for a caller that checked them itself and has held a
     shared lock on the slots since (``WeightPrefetcher``); sizes are still checked."""
+    import torch
+
     directories = {os.path.dirname(bucket.path) for bucket in manifest.buckets}
     missing = [directory for directory in directories if not os.path.isdir(directory)]
     if missing:
@@ -380,7 +384,7 @@ def read_manifest(manifest: WeightManifest, verify: bool = True) -> Iterator[dic
             for bucket, payload in zip(manifest.buckets, payloads):
                 for entry in bucket.tensors:
                     raw = torch.from_numpy(payload[entry.offset:entry.offset + entry.nbytes])
-                    tensors[entry.name] = raw.view(DTYPES[entry.dtype]).reshape(entry.shape)
+                    tensors[entry.name] = raw.view(getattr(torch, entry.dtype)).reshape(entry.shape)
         yield tensors
 
 

@@ -14,7 +14,7 @@ import torch
 from protocol.config import ConfigError, TetherConfig
 from protocol.models import resolve_models, same_tokens
 from protocol.prompts import chat_of, read_rows
-from protocol.runlog import MetricsWriter, setup_logging
+from protocol.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction
@@ -111,10 +111,14 @@ class Scorer:
 
 def run(config: TetherConfig, worker_index: int = 0) -> None:
     log = setup_logging(f"scorer{worker_index}", config.log_level)
+    timeline = StartupTimeline(config.run_dir, f"scorer{worker_index}")
     config = resolve_models(config, "scorer")
+    timeline.phase("import")
     scorer = Scorer(config, log)
+    timeline.phase("model load")
     metrics = MetricsWriter(config.run_dir, f"scorer{worker_index}")
     client = connect_to_buffer(config, "scorer", str(worker_index))
+    timeline.phase("buffer connect")
     log.info("scoring with reference %s on %s; %s", config.reference_path, scorer.device, scorer.describe())
 
     scored_total = 0

@@ -1,0 +1,88 @@
+"""Start-up: time from `tether run` to the first trained step, and the whole demo run, phase by phase.
+
+Runs `tether run` of configs/demo.yaml (the demo's models, built once into .demo/assets) as a
+person would, timed from just before the command starts. Variants take turns in one process,
+round after round, because this machine's speed drifts between minutes:
+
+- ``default``: this checkout as configured (vLLM's engine in the rollout's process on CPU);
+- ``engine-processes``: the same with ``rollout.in_process=false`` (vLLM's own three processes);
+- ``--baseline DIR``: another checkout of tether (a git worktree of an older commit) run the same
+  way, for a before/after. Its roles may write no phases: then only the totals are shown.
+
+    python bench/startup.py [--rounds 2] [--baseline /tmp/tether-before]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+FIRST_STEP_GOAL_S, RUN_GOAL_S = 15.0, 35.0
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def run_once(repo: str, assets: str, run_dir: str, overrides: list[str]) -> dict:
+    """One `tether run` of the demo from ``repo``: seconds to the first trained step and to the end,
+    and the phases the roles wrote (none for a tether that writes none)."""
+    from launch.report import startup_timeline
+    from protocol.runlog import read_metrics
+
+    command = [sys.executable, "-m", "launch.cli", "run", "-c", os.path.join(repo, "configs", "demo.yaml"),
+               "--overwrite", "-o", f"run_dir={run_dir}", "-o", f"models.policy={assets}/sft",
+               "-o", f"models.reward={assets}/rm", "-o", f"data.prompts={assets}/prompts.jsonl",
+               *[item for override in overrides for item in ("-o", override)]]
+    started = time.time()
+    result = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600)
+    ended = time.time()
+    if result.returncode != 0:
+        raise RuntimeError(f"tether run failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    steps = read_metrics(run_dir, "learner")
+    return {"first_step_s": steps[0]["time"] - started, "run_s": ended - started,
+            "startup": startup_timeline(run_dir)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--baseline", help="another tether checkout to time the same way (before/after)")
+    args = parser.parse_args()
+
+    from launch.demo import build_assets
+    from launch.report import format_startup
+
+    assets = os.path.join(REPO, ".demo", "assets")
+    build_assets(assets, log=lambda *_: None)  # cached after the first time
+    variants = [("default", REPO, []), ("engine-processes", REPO, ["rollout.in_process=false"])]
+    if args.baseline:
+        variants.append(("baseline", os.path.abspath(args.baseline), []))
+    work = tempfile.mkdtemp(prefix="tether-bench-startup-")
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    for round_index in range(args.rounds):
+        for name, repo, overrides in variants:
+            result = run_once(repo, assets, os.path.join(work, name), overrides)
+            results[name].append(result)
+            print(f"round {round_index + 1} {name:<17} first trained step {result['first_step_s']:5.1f}s, "
+                  f"whole run {result['run_s']:5.1f}s", flush=True)
+
+    print("\nlast round's phases, every process on one clock (seconds since `tether run` started):")
+    for name, _, _ in variants:
+        startup = results[name][-1]["startup"]
+        if startup.phases:
+            print(f"\n[{name}]\n{format_startup(startup)}")
+    print("\nmedian over rounds (goal: first trained step <= "
+          f"{FIRST_STEP_GOAL_S:.0f}s, whole run <= {RUN_GOAL_S:.0f}s):")
+    for name, _, _ in variants:
+        first = sorted(r["first_step_s"] for r in results[name])[len(results[name]) // 2]
+        run = sorted(r["run_s"] for r in results[name])[len(results[name]) // 2]
+        met = first <= FIRST_STEP_GOAL_S and run <= RUN_GOAL_S
+        print(f"  {name:<17} first trained step {first:5.1f}s (limit {FIRST_STEP_GOAL_S:.0f}s), whole run "
+              f"{run:5.1f}s (limit {RUN_GOAL_S:.0f}s): {'met' if met else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
