@@ -34,7 +34,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
 
-    from rollout.main import make_engine, sampling_params, to_samples
+    from rollout.main import Generating, make_engine, sampling_params, to_samples
     from scorer.main import Scorer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -48,7 +48,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling, use_tqdm=False)
     finally:
         engine.llm_engine.engine_core.shutdown()
-    samples = to_samples(outputs, list(range(len(kept))), kept, 0, "eval", 0)
+    samples = to_samples(outputs, [Generating(i, row, 0) for i, row in enumerate(kept)], 0, "eval", 0)
     parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row
     kl = np.array([float(np.sum(s.behavior_logprobs - s.ref_logprobs)) for s in samples])
     repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])

@@ -291,7 +291,8 @@ def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: lis
     check that weight sync and sampling agree, at any staleness, where ``ppo_step`` can only measure
     samples of the version it holds. None when the batch has no sample of ``version``. Every rank
     computes the same rows (a ZeRO-3 forward is collective)."""
-    chosen = [i for i, s in enumerate(samples) if s.behavior_version == version][:rows]
+    # a sample whose weights changed while it was generated has tokens of two versions: not comparable
+    chosen = [i for i, s in enumerate(samples) if s.behavior_version == s.newest_version == version][:rows]
     if not chosen:
         return None
     part = batch.select(torch.tensor(chosen, device=batch.input_ids.device))

@@ -26,7 +26,7 @@ class _Chunk:
 class Sample:
     sample_id: str
     prompt_index: int
-    behavior_version: int  # policy version of the weights that generated it
+    behavior_version: int  # policy version of the weights that generated it: the oldest, if they changed meanwhile
     prompt_tokens: np.ndarray  # [prompt_len] int32
     response_tokens: np.ndarray  # [resp_len] int32
     behavior_logprobs: np.ndarray  # [resp_len] float32, from the rollout engine
@@ -37,8 +37,16 @@ class Sample:
     # where a received sample's arrays lie, so consecutive samples of one message are re-sent as
     # one slice rather than concatenated one by one (a 512-sample batch: 1.5 ms -> well under)
     data_row: int = -1  # the prompt's row in the data file (``prompt_index`` is its place in the stream)
+    # the version that generated its last token: newer than behavior_version when the weights changed
+    # while it was generated (a streaming rollout loads them between engine steps); None: the same
+    last_behavior_version: int | None = None
     chunk: _Chunk | None = field(default=None, repr=False, compare=False)
     row: int = field(default=-1, repr=False, compare=False)
+
+    @property
+    def newest_version(self) -> int:
+        """The newest policy version among the weights that generated it."""
+        return self.behavior_version if self.last_behavior_version is None else self.last_behavior_version
 
     @property
     def scored(self) -> bool:
@@ -89,6 +97,7 @@ def pack_samples(samples: list[Sample], scored: bool = False) -> tuple[dict[str,
         "prompt_indices": [s.prompt_index for s in samples],
         "data_rows": [s.data_row for s in samples],
         "behavior_versions": [s.behavior_version for s in samples],
+        "last_behavior_versions": [s.newest_version for s in samples],
         "prompt_lengths": [len(s.prompt_tokens) for s in samples],
         "response_lengths": [len(s.response_tokens) for s in samples],
         "finish_reasons": [s.finish_reason for s in samples],
@@ -112,8 +121,8 @@ def unpack_samples(message: Message) -> list[Sample]:
     """Samples from a decoded message; lengths must add up to the flat tensors exactly."""
     fields, tensors = message.fields, message.tensors
     count = len(fields["sample_ids"])
-    for name in ("prompt_indices", "data_rows", "behavior_versions", "prompt_lengths", "response_lengths",
-                 "finish_reasons"):
+    for name in ("prompt_indices", "data_rows", "behavior_versions", "last_behavior_versions", "prompt_lengths",
+                 "response_lengths", "finish_reasons"):
         if len(fields[name]) != count:
             raise ProtocolError(f"{message.type}: {name} has {len(fields[name])} entries for {count} samples")
     prompt_lengths, response_lengths = fields["prompt_lengths"], fields["response_lengths"]
@@ -123,6 +132,8 @@ def unpack_samples(message: Message) -> list[Sample]:
                           ("behavior_logprobs", response_lengths), ("ref_logprobs", response_lengths)):
         if name in tensors and tensors[name].shape != (sum(lengths),):
             raise ProtocolError(f"{message.type}: {name} has shape {tensors[name].shape}, lengths add to {sum(lengths)}")
+    if any(last < first for first, last in zip(fields["behavior_versions"], fields["last_behavior_versions"])):
+        raise ProtocolError(f"{message.type}: a sample's last_behavior_version is older than its behavior_version")
     scores = tensors.get("scores")
     gold_scores = fields.get("gold_scores")
     if gold_scores is not None and len(gold_scores) != count:
@@ -144,6 +155,7 @@ def unpack_samples(message: Message) -> list[Sample]:
             prompt_index=fields["prompt_indices"][i],
             data_row=fields["data_rows"][i],
             behavior_version=fields["behavior_versions"][i],
+            last_behavior_version=fields["last_behavior_versions"][i],
             prompt_tokens=tensors["prompt_tokens"][p0:p1],
             response_tokens=tensors["response_tokens"][r0:r1],
             behavior_logprobs=tensors["behavior_logprobs"][r0:r1],

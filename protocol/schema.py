@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -26,7 +26,8 @@ _SAMPLE_FIELDS = {
     "sample_ids": "list[str]",
     "prompt_indices": "list[int]",
     "data_rows": "list[int]",  # each prompt's row in the data file (reward functions read its other fields)
-    "behavior_versions": "list[int]",
+    "behavior_versions": "list[int]",  # the oldest version that generated each sample
+    "last_behavior_versions": "list[int]",  # the newest (newer when weights changed while it was generated)
     "prompt_lengths": "list[int]",
     "response_lengths": "list[int]",
     "finish_reasons": "list[str]",

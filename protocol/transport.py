@@ -8,6 +8,7 @@ reply that is not for the request in hand (a late answer to a retried hello, say
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -73,9 +74,13 @@ class Liveness:
     reconnect: bool = True
 
 
+_CLIENTS = itertools.count()
+
+
 class BufferClient:
-    """A role's connection to the buffer (DEALER). One request in flight at a time, as every
-    role's loop has it; while it waits, heartbeats tell a buffer that died or restarted."""
+    """A role's connection to the buffer (DEALER). Several requests may be in flight (a streaming
+    rollout holds a credit request while it sends samples); a reply to one the caller is not
+    waiting on is kept until it asks. While it waits, heartbeats tell a buffer that died or restarted."""
 
     def __init__(self, address: str, role: str, worker_id: str,
                  max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve=None, liveness: Liveness | None = None) -> None:
@@ -86,10 +91,14 @@ class BufferClient:
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 1000)
         secure_client(self.socket, curve)
-        self.socket.setsockopt_string(zmq.IDENTITY, f"{role}:{worker_id}:{os.getpid()}")
+        # unique to this client: a ROUTER ignores a peer whose identity is still connected, and a closed
+        # client's lingers a moment (a role that connects again from the same process would be unheard)
+        self.socket.setsockopt_string(zmq.IDENTITY, f"{role}:{worker_id}:{os.getpid()}:{next(_CLIENTS)}")
         self.socket.connect(address)
         self._last_request_id = 0
-        self._outstanding: tuple[int, str, dict | None, dict | None] | None = None
+        # requests sent and not yet answered to the caller: id -> (type, fields, tensors, when sent)
+        self._pending: dict[int, tuple[str, dict | None, dict | None, float]] = {}
+        self._replies: dict[int, Message] = {}  # replies to pending requests, kept until asked for
         # the ping in flight, when the last went out, and since when pings go unanswered (None: none do)
         self._ping_id, self._last_ping, self._unanswered_since = 0, 0.0, None
         self.run_id = self.incarnation = None
@@ -121,10 +130,15 @@ class BufferClient:
         """Send one request and wait for its reply. A held request (``HELD``) waits as long as it
         takes, logging every ``log_every_s`` what it waits for; any other gets ``timeout_s`` or the
         request deadline. Either way heartbeats watch the buffer (``reply_to``)."""
+        return self.wait(self.send(msg_type, fields, tensors), timeout_s, waiting_for, log_every_s)
+
+    def wait(self, request_id: int, timeout_s: float | None = None, waiting_for: str | None = None,
+             log_every_s: float = 30.0) -> Message:
+        """The reply to request ``request_id`` (sent by ``send``), waited for as ``request`` says."""
+        msg_type = self._pending[request_id][0] if request_id in self._pending else ""
         lost_after_s = None  # a request answered at once that is not answered: the buffer is lost
         if timeout_s is None and msg_type not in HELD:
             timeout_s = lost_after_s = self.liveness.request_deadline_s
-        request_id = self.send(msg_type, fields, tensors)
         started = last_log = time.monotonic()
         while True:
             if timeout_s is not None:
@@ -135,6 +149,8 @@ class BufferClient:
             if reply is not None:
                 return reply
             now = time.monotonic()
+            if timeout_s is not None and now - started >= timeout_s:
+                self._pending.pop(request_id, None)  # abandoned: a late answer is dropped, never resent
             if lost_after_s is not None and now - started >= lost_after_s:
                 raise BufferLost(f"{self.role}: the buffer at {self.address} did not answer {msg_type} within "
                                  f"{lost_after_s:.0f}s (transport.request_deadline_s); it is gone, or the run is over")
@@ -145,12 +161,32 @@ class BufferClient:
                 last_log = now
 
     def send(self, msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None) -> int:
-        """Send a request; returns its id, for ``reply_to``."""
+        """Send a request; returns its id, for ``reply_to`` or ``poll``."""
         self._last_request_id += 1
-        self._outstanding = (self._last_request_id, msg_type, fields, tensors)
-        self._send(self._last_request_id, msg_type, fields, tensors)
         self._last_ping = time.monotonic()  # the first heartbeat is due one interval after the request
+        self._pending[self._last_request_id] = (msg_type, fields, tensors, self._last_ping)
+        self._send(self._last_request_id, msg_type, fields, tensors)
         return self._last_request_id
+
+    def poll(self, request_id: int) -> Message | None:
+        """The reply to ``request_id`` if it is here, else None, without waiting (heartbeats and
+        deadlines are checked as in ``reply_to``)."""
+        return self.reply_to(request_id, self._pending[request_id][0] if request_id in self._pending else "", 0.0)
+
+    def _answered(self, request_id: int, reply: Message, msg_type: str) -> Message:
+        del self._pending[request_id]
+        if reply.type == "error":
+            raise RemoteError(f"buffer refused {msg_type}: {reply.fields['reason']}")
+        return reply
+
+    def _check_deadlines(self, now: float) -> None:
+        """A request the buffer answers at once, sent and not answered within ``request_deadline_s``
+        (one sent without waiting for it, like a streaming rollout's samples): the buffer is lost."""
+        for msg_type, _, _, sent in self._pending.values():
+            if msg_type not in HELD and msg_type != "hello" and now - sent > self.liveness.request_deadline_s:
+                raise BufferLost(f"{self.role}: the buffer at {self.address} did not answer {msg_type} within "
+                                 f"{self.liveness.request_deadline_s:.0f}s (transport.request_deadline_s); it is "
+                                 "gone, or the run is over")
 
     def _send(self, request_id: int, msg_type: str, fields, tensors) -> None:
         self.socket.send_multipart(encode(msg_type, fields, tensors, msg_id=request_id), copy=False)
@@ -160,10 +196,13 @@ class BufferClient:
         stays in flight: ask again later). Raises ``RemoteError`` if the buffer refused it, and
         ``BufferLost`` if the buffer stopped answering heartbeats or came back as another run.
         While waiting, a ping goes out every ``heartbeat_s`` (once a hello was answered)."""
+        if request_id in self._replies:
+            return self._answered(request_id, self._replies.pop(request_id), msg_type)
         deadline = time.monotonic() + wait_s
         heartbeats = self.incarnation is not None and msg_type != "hello"
         while True:
             now = time.monotonic()
+            self._check_deadlines(now)
             wake = deadline
             if heartbeats:
                 self._heartbeat(now, msg_type)
@@ -182,11 +221,11 @@ class BufferClient:
             if reply.type == "pong" and reply.id == self._ping_id:
                 self._pong(reply, request_id)
                 continue
-            if reply.id != request_id:
-                continue  # an answer to an earlier, abandoned request
-            if reply.type == "error":
-                raise RemoteError(f"buffer refused {msg_type}: {reply.fields['reason']}")
-            return reply
+            if reply.id == request_id:
+                return self._answered(request_id, reply, msg_type)
+            if reply.id in self._pending:  # another request in flight: its caller asks for it later
+                self._replies[reply.id] = reply
+            # else: an answer to an earlier, abandoned request (a hello retried, say)
 
     def _heartbeat(self, now: float, msg_type: str) -> None:
         silent = now - self._unanswered_since if self._unanswered_since is not None else 0.0
@@ -216,12 +255,14 @@ class BufferClient:
                              "run; start the run again from its last checkpoint (`tether run --resume`)")
         log.warning("%s: the buffer restarted (incarnation %s -> %s); saying hello again and asking again",
                     self.role, self.incarnation, pong.fields["incarnation"])
-        outstanding, self._ping_id = self._outstanding, 0
+        pending, self._ping_id = dict(self._pending), 0
+        self._pending.clear()
         self.incarnation = None
         self.connect(retries=10, interval_s=self.liveness.heartbeat_s)
-        if outstanding is not None and outstanding[0] == request_id:  # again, under the id the caller waits on
-            self._outstanding = outstanding
-            self._send(*outstanding)
+        self._replies.clear()  # the old buffer's answers mean nothing to the new one's state
+        for pending_id, (msg_type, fields, tensors, _) in pending.items():  # again, under the ids callers wait on
+            self._pending[pending_id] = (msg_type, fields, tensors, time.monotonic())
+            self._send(pending_id, msg_type, fields, tensors)
 
     def close(self) -> None:
         self.socket.close()
