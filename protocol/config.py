@@ -62,7 +62,7 @@ class RolloutConfig(_Strict):
                                                        "is taken for dead: its prompts go to the others")
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside each engine")
     samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (vLLM's n)")
-    prompts_per_generate: int = Field(64, ge=1, description="most prompts in one generate call")
+    prompts_per_generate: int = Field(64, ge=1, description="most prompts generating at once in one engine")
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner uses the same")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; the learner's logprobs are renormalised "
