@@ -54,10 +54,6 @@ def init_distributed(config: TetherConfig) -> None:
     ptx_batch = config.learner.ptx_batch_size
     if config.data.ptx and ptx_batch is not None and ptx_batch % world:
         raise ConfigError(f"learner.ptx_batch_size ({ptx_batch}) must be a multiple of the learner's {world} ranks")
-    per_rank, micro_batch = config.learner.minibatch_size // world, config.learner.micro_batch(world)
-    if per_rank % micro_batch:
-        raise ConfigError(f"learner.micro_batch_size ({micro_batch}) must divide each rank's share of a minibatch "
-                          f"(learner.minibatch_size {config.learner.minibatch_size} / {world} ranks = {per_rank})")
     timeout = datetime.timedelta(seconds=config.learner.dist_timeout_s)
     parallel.set_timeout(timeout)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
@@ -145,16 +141,16 @@ def make_engine(model: nn.Module, lr: float, config: TetherConfig):
 
     learner = config.learner
     world = int(os.environ.get("WORLD_SIZE", 1))
-    micro_batch = learner.micro_batch(world)
     if learner.gradient_checkpointing:
         body = model.body if isinstance(model, ValueModel) else model
         body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in training mode (dropout is off in every tether model)
     ds_config = {
         # a minibatch is split evenly between the ranks (data parallel), each rank's share into micro-batches
-        # whose gradients accumulate; DeepSpeed averages the ranks' gradients
-        "train_micro_batch_size_per_gpu": micro_batch,
-        "gradient_accumulation_steps": learner.minibatch_size // world // micro_batch,
+        # whose count varies (learner.micro_batches): ppo_step marks the last of them as the accumulation
+        # boundary itself, and scales each one's loss by its share; DeepSpeed averages the ranks' gradients
+        "train_micro_batch_size_per_gpu": learner.minibatch_size // world,
+        "gradient_accumulation_steps": 1,
         "gradient_clipping": learner.grad_clip,
         "zero_optimization": {"stage": learner.zero_stage},
         # DeepSpeed keeps fp32 master weights and optimizer state for a bf16 / fp16 model

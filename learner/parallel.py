@@ -91,13 +91,18 @@ def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:
     return dict(zip(names, (vector / world_size()).tolist()))
 
 
+def max_over_ranks(value: int) -> int:
+    """The largest ``value`` of any rank, on every rank."""
+    if world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_group())
+    return int(tensor.item())
+
+
 def any_rank(flag: bool) -> bool:
     """True on every rank when ``flag`` is true on one (a stop must be taken together)."""
-    if world_size() == 1:
-        return flag
-    tensor = torch.tensor([1 if flag else 0], dtype=torch.int64)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_group())
-    return bool(tensor.item())
+    return bool(max_over_ranks(1 if flag else 0))
 
 
 def barrier() -> None:

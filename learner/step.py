@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from learner import parallel, ppo
+from learner import micro_batches, parallel, ppo
 from learner.engines import skip_step, weights_swapped
 from learner.ptx import PtxStream, ptx_token_losses
 from protocol.config import LearnerConfig
@@ -156,15 +156,15 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
 
     # 1. proximal logprobs and old values, at the start of the step (no gradient), each rank its
     #    share of the rows, gathered so that every rank holds them for the whole batch
-    micro_batch = cfg.micro_batch(world)
+    lengths = batch.lengths
     with torch.no_grad():  # in micro-batches too: [b, T, V] logits are what memory peaks on
         mine = torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))]
-        parts = [batch.select(rows) for rows in mine.split(micro_batch)]
-        old_logprobs = parallel.gather_rows(torch.cat([
+        parts = micro_batches_of(mine, lengths, cfg, world)
+        old_logprobs = parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
             logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature, top_p, top_k)
-            for part in parts]))
-        old_values = (parallel.gather_rows(torch.cat([forward_values(critic, part) for part in parts]))
-                      if critic is not None else None)
+            for part in map(batch.select, parts)]))
+        old_values = (parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
+            forward_values(critic, part) for part in map(batch.select, parts)])) if critic is not None else None)
 
     # 2. token rewards (the score at the last token, -beta KL at every token unless the KL goes
     #    into the loss) and advantages
@@ -184,7 +184,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
 
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step.
     #    The shuffle is seeded by (seed, version): every rank draws the same minibatches and
-    #    trains its share of each, in micro-batches whose gradients DeepSpeed accumulates;
+    #    trains its share of each (rows dealt by length, so the ranks' shares are alike), in
+    #    micro-batches whose gradients DeepSpeed accumulates until the boundary set at the last;
     #    scaling the loss makes the gradient DeepSpeed steps with that of the whole minibatch.
     totals: dict[str, float] = {}
     updates, grad_norms = 0, []
@@ -192,26 +193,30 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     shuffle = torch.Generator().manual_seed(seed * 1_000_003 + policy_version)
     for _ in range(cfg.ppo_epochs):
         for all_rows in torch.randperm(len(samples), generator=shuffle).to(device).split(cfg.minibatch_size):
-            parts = all_rows[parallel.local_rows(len(all_rows))].split(micro_batch)
+            parts = micro_batches_of(micro_batches.deal(all_rows, lengths, parallel.rank(), world), lengths, cfg,
+                                     world)
             ptx_parts = _ptx_parts(ptx, len(parts), device) if ptx is not None and cfg.ptx_coef > 0 else None
             for index, rows in enumerate(parts):
+                for engine in engines:  # DeepSpeed accumulates (GAS 1 in its config) until the last part
+                    engine.set_gradient_accumulation_boundary(index == len(parts) - 1)
                 minibatch = batch.select(rows)
+                cut = (rows, slice(minibatch.response_mask.shape[1]))  # [B, T] of the batch -> this part's [b, t]
+
                 # this part's share of the minibatch loss, such that the shares' sum over parts and mean over
-                # ranks is the minibatch's; DeepSpeed divides each part's gradient by the parts: x len(parts)
+                # ranks is the minibatch's
                 share = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], cfg.loss_aggregation, world)
                 token_share = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], "token-mean", world)
-                scale = share * len(parts)
                 logits = forward_logits(actor, minibatch)
                 logprobs = logprobs_from_logits(logits, minibatch.response_tokens, temperature, top_p, top_k)
                 policy_loss, policy_stats = ppo.ppo_policy_loss(
-                    logprobs, old_logprobs[rows], advantages[rows], minibatch.response_mask,
+                    logprobs, old_logprobs[cut], advantages[cut], minibatch.response_mask,
                     clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-                    behavior_logprobs=behavior_logprobs[rows], behavior_weight_cap=cfg.behavior_weight_cap,
+                    behavior_logprobs=behavior_logprobs[cut], behavior_weight_cap=cfg.behavior_weight_cap,
                     aggregation=cfg.loss_aggregation)
                 losses = {"policy_loss": policy_loss}
                 if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
                     losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
-                        ppo.kl_per_token(logprobs, ref_logprobs[rows], cfg.kl_estimator), minibatch.response_mask,
+                        ppo.kl_per_token(logprobs, ref_logprobs[cut], cfg.kl_estimator), minibatch.response_mask,
                         cfg.loss_aggregation)
                 # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
                 entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(),
@@ -222,29 +227,26 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
                 actor_loss = sum(losses.values())
                 if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay
                     raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
-                actor_objective = scale * actor_loss
+                actor_objective = share * actor_loss
                 if ptx_parts is not None and ptx_parts[index] is not None:
                     ptx_share, ptx_loss = _ptx_loss(actor, *ptx_parts[index], world)
-                    actor_objective = actor_objective + ptx_share * len(parts) * cfg.ptx_coef * ptx_loss
+                    actor_objective = actor_objective + ptx_share * cfg.ptx_coef * ptx_loss
                     totals["ptx_loss"] = totals.get("ptx_loss", 0.0) + float(ptx_share * ptx_loss.detach())
                 actor.backward(actor_objective)
 
                 value_stats = {}
                 if critic is not None:  # its loss is checked before either engine steps
                     values = forward_values(critic, minibatch)
-                    value_loss, value_stats = ppo.value_loss(values, old_values[rows], returns[rows],
+                    value_loss, value_stats = ppo.value_loss(values, old_values[cut], returns[cut],
                                                              minibatch.response_mask, cfg.value_clip,
                                                              cfg.loss_aggregation)
                     if parallel.any_rank(not bool(torch.isfinite(value_loss))):
                         raise FloatingPointError(f"value loss is {value_loss.item()} at policy version "
                                                  f"{policy_version}")
-                    critic.backward(scale * cfg.value_loss_coef * value_loss)
+                    critic.backward(share * cfg.value_loss_coef * value_loss)
                     losses["value_loss"] = value_loss
 
-                if index < len(parts) - 1:  # DeepSpeed accumulates; its step updates at the last part only
-                    for engine in engines:
-                        engine.step()
-                else:
+                if index == len(parts) - 1:  # the boundary: DeepSpeed reduces, clips and steps
                     norm = _grad_norm_before_step(actor)
                     if step_unless_nonfinite(engines, skipped, policy_version):
                         grad_norms.append(_grad_norm_after_step(actor, norm))
@@ -300,6 +302,26 @@ def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: lis
         logprobs = logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature, top_p, top_k)
     behavior = _ragged_to_padded([samples[i].behavior_logprobs for i in chosen], part.response_mask)
     return float(((behavior.to(logprobs.device) - logprobs).abs() * part.response_mask).max())
+
+
+def micro_batches_of(rows: torch.Tensor, lengths: torch.Tensor, cfg: LearnerConfig,
+                     world: int) -> list[torch.Tensor]:
+    """This rank's ``rows`` (indices into the batch, whose sequences are ``lengths`` [B] long) in
+    micro-batches of ``cfg.micro_batch(world)`` rows and ``cfg.max_tokens_per_microbatch`` padded
+    tokens at most, as many as any other rank has (``learner.micro_batches``)."""
+    parts = micro_batches.plan(lengths[rows], cfg.micro_batch(world), cfg.max_tokens_per_microbatch)
+    count = parallel.max_over_ranks(len(parts))
+    return [rows[part] for part in micro_batches.split_to(parts, lengths[rows], count)]
+
+
+def _in_row_order(rows: torch.Tensor, parts: list[torch.Tensor], width: int,
+                  per_part: list[torch.Tensor]) -> torch.Tensor:
+    """[len(rows), width]: each part's [b, w] results (w <= width, zero-padded) back in ``rows``' order."""
+    out = torch.zeros((len(rows), width), dtype=per_part[0].dtype, device=per_part[0].device)
+    position = {int(row): i for i, row in enumerate(rows)}
+    for part, values in zip(parts, per_part):
+        out[[position[int(row)] for row in part], :values.shape[1]] = values
+    return out
 
 
 def _ragged_to_padded(rows: list, mask: torch.Tensor) -> torch.Tensor:

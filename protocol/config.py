@@ -103,9 +103,13 @@ class LearnerConfig(_Strict):
     total_steps: int = Field(20, ge=1, description="learner steps (policy versions) to train")
     batch_size: int = Field(64, ge=1, description="samples per learner step")
     minibatch_size: int = Field(16, ge=1, description="samples per optimizer step")
-    micro_batch_size: int | None = Field(None, ge=1, description="samples per forward/backward pass on each rank, "
-                                                                 "gradients accumulated over the minibatch; "
-                                                                 "default: minibatch_size / ranks")
+    micro_batch_size: int | None = Field(None, ge=1, description="samples per forward/backward pass on each rank "
+                                                                 "at most, gradients accumulated over the "
+                                                                 "minibatch; default: minibatch_size / ranks")
+    max_tokens_per_microbatch: int | None = Field(
+        None, ge=1, description="padded tokens (rows x longest prompt + response) per forward/backward pass on each "
+                                "rank; rows of like length go together, and each pass is trimmed to its longest "
+                                "row. None: micro_batch_size rows a pass")
     ppo_epochs: int = Field(2, ge=1, description="passes over each batch, all within one step")
     actor_lr: float = Field(1e-4, gt=0)
     critic_lr: float = Field(1e-4, gt=0)
@@ -330,6 +334,10 @@ class TetherConfig(_Strict):
         if learner.advantage_estimator in ("grpo", "rloo") and rollout.samples_per_prompt < 2:
             raise ValueError(f"learner.advantage_estimator {learner.advantage_estimator} compares the responses to "
                              "one prompt: rollout.samples_per_prompt must be >= 2")
+        budget = learner.max_tokens_per_microbatch
+        if budget is not None and budget < rollout.max_model_len:
+            raise ValueError(f"learner.max_tokens_per_microbatch ({budget}) is less than rollout.max_model_len "
+                             f"({rollout.max_model_len}): a sequence that long would not fit in one pass")
         if learner.minibatch_size % learner.ranks:
             raise ValueError(f"learner.minibatch_size ({learner.minibatch_size}) must be a multiple of "
                              f"learner.ranks ({learner.ranks}): each rank trains an equal share")

@@ -29,7 +29,19 @@ class SequenceBatch:
         return SequenceBatch(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
 
     def select(self, rows: torch.Tensor) -> "SequenceBatch":
-        return SequenceBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
+        """The batch of ``rows`` only, its padding trimmed to their longest sequence and response
+        (a forward pass costs rows x width: columns that are padding in every row are waste)."""
+        width = int(self.last_positions[rows].max()) + 1
+        response_width = max(1, int(self.response_mask[rows].sum(dim=1).max()))
+        return SequenceBatch(self.input_ids[rows, :width], self.attention_mask[rows, :width],
+                             self.response_tokens[rows, :response_width],
+                             self.response_positions[rows, :response_width],
+                             self.response_mask[rows, :response_width], self.last_positions[rows])
+
+    @property
+    def lengths(self) -> torch.Tensor:
+        """[B] long: each row's prompt + response length."""
+        return self.last_positions + 1
 
 
 def collate(samples: list[Sample], pad_token_id: int) -> SequenceBatch:

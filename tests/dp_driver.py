@@ -62,10 +62,12 @@ def main() -> None:
     parser.add_argument("--zero", type=int, required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--aggregation", default="token-mean")
+    parser.add_argument("--override", action="append", default=[], help="a config override, KEY=VALUE")
     args = parser.parse_args()
 
     import torch
 
+    import learner.step
     from learner import parallel
     from learner.engines import init_distributed, load_actor, load_critic, make_engine, publish_weights
     from learner.step import ppo_step
@@ -79,7 +81,8 @@ def main() -> None:
     run_dir = tempfile.mkdtemp(prefix="tether-dp-")
     config = load_config(None, [f"learner.zero_stage={args.zero}", "learner.batch_size=8", "learner.minibatch_size=4",
                                 "learner.actor_lr=1e-3", "learner.critic_lr=1e-3", f"learner.ranks={world}",
-                                f"learner.loss_aggregation={args.aggregation}", "learner.ppo_epochs=2"],
+                                f"learner.loss_aggregation={args.aggregation}", "learner.ppo_epochs=2",
+                                *args.override],
                          base={"run_dir": run_dir, "models": {"policy": assets["policy"], "reward": assets["reward"]},
                                "data": {"prompts": assets["prompts"]}})
     torch.manual_seed(0)
@@ -88,7 +91,14 @@ def main() -> None:
     actor = make_engine(load_actor(assets["policy"]), config.learner.actor_lr, config)
     critic = make_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
     batch = collate(samples, pad_token_id=0)
-    losses = []
+    losses, passes, plan = [], [], learner.step.micro_batches_of
+
+    def counting(rows, *rest):  # the micro-batches each minibatch of this rank was cut into
+        parts = plan(rows, *rest)
+        passes.append(len(parts))
+        return parts
+
+    learner.step.micro_batches_of = counting
     for version in range(2):
         stats = ppo_step(actor, critic, samples, batch, config.learner, temperature=1.0, kl_coef=0.05,
                          policy_version=version, moments=None, seed=0)
@@ -101,6 +111,7 @@ def main() -> None:
             critic_state = {k: v.detach().clone() for k, v in critic.module.state_dict().items()} if args.zero != 3 else {}
             torch.save({"actor": {k: v.clone() for k, v in tensors.items()}, "critic": critic_state,
                         "buckets": len(manifest.buckets), "losses": losses, "world": world,
+                        "passes": passes,
                         "most_bytes_gathered": max(gathered, default=0),
                         "model_bytes": sum(p.ds_numel * 4 if hasattr(p, "ds_numel") else p.numel() * 4
                                            for p in actor.module.parameters())}, args.out)

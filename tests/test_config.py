@@ -39,6 +39,8 @@ def test_toml_is_read_too(tmp_path):
     (["learner.batch_size=30"], "must be a multiple of learner.minibatch_size"),
     (["placement.cores.critic=[1]"], "unknown role 'critic'"),
     (["learner"], "must look like key.subkey=value"),
+    (["learner.max_tokens_per_microbatch=100"],
+     "learner.max_tokens_per_microbatch \\(100\\) is less than rollout.max_model_len"),
 ])
 def test_bad_values_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

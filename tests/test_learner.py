@@ -366,6 +366,66 @@ def test_micro_batches_accumulate_to_the_minibatchs_step(tmp_path, tiny_assets, 
     assert all(torch.allclose(whole_weights[k], parts_weights[k], atol=1e-5) for k in whole_weights)
 
 
+def gradients_at_the_step(monkeypatch) -> list[dict]:
+    """Record every engine's accumulated gradients (ZeRO-0: whole, unscaled, on ``p.grad``) just
+    before each optimizer step."""
+    import learner.step
+
+    recorded, step = [], learner.step.step_unless_nonfinite
+
+    def recording(engines, *args):
+        recorded.append({f"{i}.{name}": p.grad.detach().clone() for i, engine in enumerate(engines)
+                         for name, p in engine.module.named_parameters() if p.grad is not None})
+        return step(engines, *args)
+
+    monkeypatch.setattr(learner.step, "step_unless_nonfinite", recording)
+    return recorded
+
+
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-mean"])
+def test_a_token_budget_gives_the_gradients_of_fixed_micro_batches(tmp_path, tiny_assets, samples, aggregation,
+                                                                  monkeypatch, restore_environment):
+    """The same minibatch of 8 (sequences of 8 to 12 tokens) in fixed micro-batches of 2 rows,
+    each padded to the batch's longest, or by a budget of 24 tokens: rows sorted by length, 2 or
+    3 a pass, each pass trimmed to its longest row. Actor and critic get the same gradients
+    before the step, and the step the same losses."""
+    lengths = sorted(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+    assert lengths[0] < lengths[-1] <= 12  # passes of several sizes, and padding to trim
+    recorded = gradients_at_the_step(monkeypatch)
+    fixed, fixed_weights, _ = one_step(tmp_path, tiny_assets, samples, f"learner.loss_aggregation={aggregation}",
+                                       "learner.micro_batch_size=2")
+    fixed_grads = recorded[:]
+    recorded.clear()
+    budget_grads = recorded
+    budget, budget_weights, _ = one_step(tmp_path, tiny_assets, samples, f"learner.loss_aggregation={aggregation}",
+                                         "learner.max_tokens_per_microbatch=24", "rollout.max_model_len=24")
+    assert len(fixed_grads) == len(budget_grads) == 1 and fixed_grads[0].keys() == budget_grads[0].keys()
+    scale = max(float(g.abs().max()) for g in fixed_grads[0].values())
+    gap = max(float((fixed_grads[0][k] - budget_grads[0][k]).abs().max()) for k in fixed_grads[0])
+    assert scale > 1e-3 and gap < 1e-6 * max(scale, 1.0), (gap, scale)  # float32 sums in another order
+    for key in ("policy_loss", "value_loss", "entropy", "grad_norm", "clipfrac"):
+        assert budget[key] == pytest.approx(fixed[key], rel=1e-5, abs=1e-6), key
+    assert all(torch.allclose(fixed_weights[k], budget_weights[k], atol=1e-5) for k in fixed_weights)
+
+
+def test_micro_batches_are_cut_by_the_budget_and_trimmed(tmp_path, tiny_assets, samples):
+    """What the step above computes: passes of at most 24 padded tokens, each no wider than its
+    longest row, against fixed passes as wide as the batch's longest."""
+    from learner.step import micro_batches_of
+
+    batch = collate(samples, pad_token_id=0)
+    cfg = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.max_tokens_per_microbatch=24",
+                             "rollout.max_model_len=24"], base=base_config(tmp_path, tiny_assets)).learner
+    parts = micro_batches_of(torch.arange(8), batch.lengths, cfg, world=1)
+    assert sorted(torch.cat(parts).tolist()) == list(range(8)) and len(parts) >= 3
+    assert min(batch.select(rows).input_ids.shape[1] for rows in parts) < batch.input_ids.shape[1]  # trimmed
+    for rows in parts:
+        part = batch.select(rows)
+        assert part.input_ids.shape[0] * part.input_ids.shape[1] <= 24
+        assert part.input_ids.shape[1] == int(batch.lengths[rows].max())
+        assert part.response_tokens.shape[1] == int(part.response_mask.sum(dim=1).max())
+
+
 PTX_TEXTS = ["even 2 4 6 : 8 0 2", "odd 1 3 5 : 7 9 1 3", "even 0 0 0 : 2 2", "odd 9 9 : 5", "even 8 : 6 4 2 0",
              "odd 3 : 1 1 1", "even 4 4 : 8", "odd 7 7 7 : 3 5 7 9"]
 

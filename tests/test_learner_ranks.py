@@ -20,7 +20,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WEIGHT_TOLERANCE = 1e-5
 
 
-def train(tmp_path, assets, zero: int, ranks: int) -> dict:
+def train(tmp_path, assets, zero: int, ranks: int, *overrides: str) -> dict:
     paths = tmp_path / "assets.json"
     paths.write_text(json.dumps({key: str(value) for key, value in assets.items()}))
     out = tmp_path / f"zero{zero}-ranks{ranks}.pt"
@@ -28,7 +28,8 @@ def train(tmp_path, assets, zero: int, ranks: int) -> dict:
            if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
-         "tests/dp_driver.py", "--assets", str(paths), "--zero", str(zero), "--out", str(out)],
+         "tests/dp_driver.py", "--assets", str(paths), "--zero", str(zero), "--out", str(out),
+         *(f"--override={override}" for override in overrides)],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return torch.load(out)
@@ -60,3 +61,18 @@ def _initial(assets) -> dict:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(assets["policy"]).state_dict()
+
+
+@pytest.mark.slow
+def test_two_ranks_with_a_token_budget_train_the_same_weights_as_one_rank_without(tmp_path, tiny_assets, one_rank):
+    """ZeRO-3, 2 ranks, micro-batches of at most 16 padded tokens (1 or 2 rows of 8 to 12 tokens,
+    as many passes on both ranks: a ZeRO-3 forward is collective) against 1 rank, a minibatch a
+    pass."""
+    two = train(tmp_path, tiny_assets, 3, 2, "learner.max_tokens_per_microbatch=16", "rollout.max_model_len=16")
+    gap = max(float((two["actor"][name] - one_rank["actor"][name]).abs().max()) for name in one_rank["actor"])
+    assert gap < WEIGHT_TOLERANCE, gap
+    assert two["losses"] == pytest.approx(one_rank["losses"], abs=1e-5)
+    # each of 2 steps: the proximal pass over the rank's rows, then 2 epochs x 2 minibatches; a pass a
+    # minibatch on one rank, and more, accumulated, on each of two under the budget
+    assert len(two["passes"]) == len(one_rank["passes"]) == 2 * (1 + 2 * 2)
+    assert one_rank["passes"][1:5] == [1, 1, 1, 1] and sum(two["passes"]) > sum(one_rank["passes"]), two["passes"]

@@ -1,0 +1,62 @@
+"""Which rows go into each forward/backward pass of a rank: micro-batches by row count or by
+token budget, of rows of like length, so that little of what is computed is padding.
+
+A micro-batch costs its rows x its longest row (prompt + response, ``SequenceBatch.select`` trims
+the rest). Rows sorted by length, longest first, and cut where the next row would pass the budget
+waste only the difference between neighbours. Every rank must run as many passes as the others (a
+ZeRO-3 forward and a ZeRO-2 backward are collectives), so a rank with fewer splits its costliest
+micro-batch until it has as many.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def plan(lengths: torch.Tensor, max_rows: int | None = None, max_tokens: int | None = None) -> list[torch.Tensor]:
+    """Micro-batches of the rows whose lengths are ``lengths`` [n] (long): a list of index tensors
+    into ``lengths``, together each index once, longest rows first. At most ``max_rows`` rows each,
+    and at most ``max_tokens`` padded tokens (rows x longest) each; a row longer than
+    ``max_tokens`` goes alone. Neither limit: one micro-batch of all rows."""
+    order = torch.argsort(lengths, descending=True, stable=True)
+    parts, start = [], 0
+    while start < len(order):
+        longest = int(lengths[order[start]])  # the part's first row is its longest
+        rows = len(order) - start
+        if max_rows is not None:
+            rows = min(rows, max_rows)
+        if max_tokens is not None:
+            rows = max(1, min(rows, max_tokens // longest))
+        parts.append(order[start:start + rows])
+        start += rows
+    return parts
+
+
+def deal(rows: torch.Tensor, lengths: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """Rank ``rank``'s share of ``rows`` (indices into ``lengths``; a multiple of ``world`` of
+    them): sorted longest first and dealt to the ranks there and back (0, 1, 1, 0, 0, 1...), so
+    every rank gets as many rows as the others, of like lengths."""
+    if len(rows) % world:
+        raise ValueError(f"{len(rows)} rows do not split evenly between {world} ranks")
+    ordered = rows[torch.argsort(lengths[rows], descending=True, stable=True)].reshape(-1, world)
+    ordered[1::2] = ordered[1::2].flip(1)
+    return ordered[:, rank]
+
+
+def split_to(parts: list[torch.Tensor], lengths: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``parts`` (from ``plan``) split until there are ``count``: each time the costliest part of
+    two rows or more is halved. ``count`` must be at most the rows in all parts."""
+    parts = list(parts)
+    if count > sum(len(part) for part in parts):
+        raise ValueError(f"cannot make {count} micro-batches of {sum(len(part) for part in parts)} rows")
+    while len(parts) < count:
+        splittable = [i for i, part in enumerate(parts) if len(part) > 1]
+        costliest = max(splittable, key=lambda i: len(parts[i]) * int(lengths[parts[i]].max()))
+        part = parts.pop(costliest)
+        parts[costliest:costliest] = [part[:len(part) // 2], part[len(part) // 2:]]
+    return parts
+
+
+def padded_tokens(parts: list[torch.Tensor], lengths: torch.Tensor) -> int:
+    """What a forward pass computes over ``parts``: the sum of rows x longest row."""
+    return sum(len(part) * int(lengths[part].max()) for part in parts)
