@@ -33,7 +33,8 @@ def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def forward_logits(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T, V] logits that score each response token."""
-    logits = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    # use_cache: no KV cache, which transformers builds at every forward otherwise (a concat per layer)
+    logits = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     return _finite("actor logits", gather_response(logits, batch.response_positions))
 
 
@@ -111,7 +112,7 @@ def _ptx_loss(actor, input_ids: torch.Tensor, attention_mask: torch.Tensor, tota
               world: int) -> tuple[float, torch.Tensor]:
     """(share, loss): the mean next-token loss over these rows' tokens, and the share that makes the
     shares' sum over parts and mean over ranks the mean over the whole ptx batch's tokens."""
-    logits = actor(input_ids=input_ids, attention_mask=attention_mask).logits
+    logits = actor(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
     losses, mask = ptx_token_losses(_finite("actor logits on data.ptx", logits), input_ids, attention_mask)
     tokens = float(mask.sum())
     return world * tokens / total_tokens, ppo.masked_sum(losses, mask) / max(tokens, 1.0)

@@ -17,7 +17,7 @@ def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id
                        temperature: float) -> list[torch.Tensor]:
     """Per-token log pi_ref of each sample's response, under the sampling temperature."""
     batch = collate(samples, pad_token_id).to(next(reference.parameters()).device)
-    logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     logprobs = logprobs_from_logits(gather_response(logits, batch.response_positions), batch.response_tokens,
                                     temperature)
     return [logprobs[i, :len(s.response_tokens)].float().cpu() for i, s in enumerate(samples)]
