@@ -258,21 +258,22 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         # 1. while the engine has room, one credit request waits at the buffer (it answers when it can grant,
         #    or at once with newer weights for an engine that holds none)
         room = rollout_cfg.prompts_per_generate - len(in_flight) - len(queued)
+        messaging_started = time.monotonic()  # requests and polls to the buffer count as sending
         if credit_request is None and (room > 0 or version is None) and time.monotonic() >= retry_at:
             credit_request = client.send("credit_request", {
                 "policy_version": -1 if version is None else version,
                 "wanted": 0 if version is None else room * rollout_cfg.samples_per_prompt})
         # 2. its answer: waited for when the engine has nothing to do, only looked for between steps otherwise
         grant = None
-        if credit_request is not None:
-            if in_flight:
-                grant = client.poll(credit_request)
-            else:
-                waited = time.monotonic()
-                grant = client.wait(credit_request, waiting_for="generation credits")
-                period.waiting_s += time.monotonic() - waited
+        if credit_request is not None and in_flight:
+            grant = client.poll(credit_request)
+        period.send_s += time.monotonic() - messaging_started
+        waited = time.monotonic()
+        if credit_request is not None and not in_flight:
+            grant = client.wait(credit_request, waiting_for="generation credits")
         elif not in_flight:  # backing off after a failed load, nothing to generate meanwhile
             time.sleep(max(0.0, retry_at - time.monotonic()))
+        period.waiting_s += time.monotonic() - waited
         if grant is not None:
             credit_request = None
             if grant.fields["stop"]:
@@ -295,7 +296,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                 else:
                     failures = 0
         # 3. granted prompts join the engine, with the version it holds
-        if version is not None:
+        if version is not None and queued:
+            adding_started = time.monotonic()  # the engine takes each request in: generation work
             for index in queued:
                 row = dataset_row(config.seed, len(prompts), index)
                 request_id = str(requests_added)
@@ -303,6 +305,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                 engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=prompts[row]), sampling)
                 in_flight[request_id] = Generating(index, data_rows[row], version)
             queued = []
+            period.busy_s += time.monotonic() - adding_started
         # 4. one engine step; what finished in it is sent at once (acks are read as they come)
         if in_flight:
             step_started = time.monotonic()
@@ -318,7 +321,9 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                 generated += len(samples)
                 period.add(samples)
                 period.send_s += time.monotonic() - send_started
+        polling_started = time.monotonic()
         unacknowledged = [request for request in unacknowledged if client.poll(request) is None]
+        period.send_s += time.monotonic() - polling_started
         # 5. a record a second, and whenever the engine runs dry
         now = time.monotonic()
         if now - period.started >= METRICS_EVERY_S or (not in_flight and period.samples):
