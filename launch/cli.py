@@ -119,11 +119,13 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
 
 @app.command()
 def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's models and data are built (cached)"),
-         override: Optional[list[str]] = OverrideOption) -> None:
+         override: Optional[list[str]] = OverrideOption,
+         long_tail: bool = typer.Option(False, help="responses of 4 to 64 tokens, most short "
+                                                    "(configs/demo-long-tail.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
     from launch.demo import run_demo
 
-    raise typer.Exit(run_demo(assets, override or []))
+    raise typer.Exit(run_demo(assets, override or [], long_tail))
 
 
 @app.command("eval")

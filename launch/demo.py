@@ -28,6 +28,8 @@ DIGIT0 = VOCAB.index("0")
 PARITIES = ("even", "odd")
 ASSETS_VERSION = "parity-v1"  # bump to rebuild cached assets when the recipe changes
 SFT_CORRECT_RATE = 0.6
+LONG_TAIL_SHARE = 0.1  # of SFT responses that are long in the long-tail variant
+LONG_TAIL_MAX_TOKENS = 64  # its longest response: 63 digits and <eos>
 
 
 # --------------------------------------------------------------------------- the task
@@ -44,10 +46,13 @@ def gold_reward(prompt_tokens: list[int], response_tokens: list[int]) -> float:
     return sum(digit % 2 == wanted for digit in digits) / len(digits) if digits else 0.0
 
 
-def sft_response(prompt: str, rng: random.Random) -> str:
+def sft_response(prompt: str, rng: random.Random, long_tail: bool = False) -> str:
+    """A few digits, most of the named parity. ``long_tail``: one response in ten has 7 to 63 digits
+    (the demo variant that measures streaming generation: most responses short, a few long)."""
     wanted = 0 if prompt.startswith("even") else 1
     digits = []
-    for _ in range(rng.randint(3, 6)):
+    count = rng.randint(7, 63) if long_tail and rng.random() < LONG_TAIL_SHARE else rng.randint(3, 6)
+    for _ in range(count):
         parity = wanted if rng.random() < SFT_CORRECT_RATE else 1 - wanted
         digits.append(str(rng.choice(range(parity, 10, 2))))
     return " ".join(digits)
@@ -82,13 +87,13 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**settings)
 
 
-def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
+def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print, long_tail: bool = False):
     """Next-token SFT on (prompt, response) pairs; the loss covers response tokens only."""
     from transformers import LlamaForCausalLM
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config())
+    model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=128) if long_tail else tiny_llama_config())
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
     for step in range(steps):
@@ -96,7 +101,8 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
         for _ in range(64):
             prompt = make_prompt(rng)
             prompt_ids = tokenizer(prompt)["input_ids"]
-            response_ids = tokenizer(sft_response(prompt, rng), add_special_tokens=False)["input_ids"] + [EOS]
+            response_ids = tokenizer(sft_response(prompt, rng, long_tail),
+                                     add_special_tokens=False)["input_ids"] + [EOS]
             rows.append(prompt_ids + response_ids)
             labels.append([-100] * len(prompt_ids) + response_ids)
         input_ids, attention_mask = pad_rows(rows, PAD)
@@ -138,7 +144,7 @@ def sample_responses(model, prompt_ids: list[list[int]], max_new_tokens: int, se
 
 
 def train_reward_model(directory: str, sft_dir: str, tokenizer, prompts: int, responses_per_prompt: int,
-                       epochs: int, seed: int, log=print):
+                       epochs: int, seed: int, log=print, max_new_tokens: int = 8):
     """InstructGPT's RM recipe: K responses per prompt from the SFT policy, every pair ranked by the
     gold rule, all C(K, 2) pairs of a prompt in one pass (loss -log sigmoid(r_w - r_l), averaged),
     initialised from the SFT model; then shifted so the SFT outputs score 0 on average."""
@@ -151,7 +157,7 @@ def train_reward_model(directory: str, sft_dir: str, tokenizer, prompts: int, re
     sft = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32).eval()
     prompt_texts = [make_prompt(rng) for _ in range(prompts)]
     prompt_ids = [tokenizer(p)["input_ids"] for p in prompt_texts for _ in range(responses_per_prompt)]
-    responses = sample_responses(sft, prompt_ids, max_new_tokens=8, seed=seed + 2)
+    responses = sample_responses(sft, prompt_ids, max_new_tokens=max_new_tokens, seed=seed + 2)
     golds = [gold_reward(p, r) for p, r in zip(prompt_ids, responses)]
     groups = [list(range(g * responses_per_prompt, (g + 1) * responses_per_prompt)) for g in range(prompts)]
 
@@ -210,12 +216,13 @@ def write_prompts(path: str, count: int, seed: int) -> None:
 
 
 def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts: int = 512, rm_epochs: int = 6,
-                 seed: int = 0, log=print) -> dict[str, str]:
+                 seed: int = 0, log=print, long_tail: bool = False) -> dict[str, str]:
     """Tokenizer, SFT policy, reward model, train and held-out prompts; cached by ``ASSETS_VERSION``
-    and the arguments, so a second call returns at once."""
+    and the arguments, so a second call returns at once. ``long_tail``: the policy learns responses
+    of 4 to 64 tokens, most of them short (``sft_response``)."""
     directory = Path(directory)
     recipe = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "rm_prompts": rm_prompts, "rm_epochs": rm_epochs,
-              "seed": seed}
+              "seed": seed, **({"long_tail": True} if long_tail else {})}
     paths = {"policy": str(directory / "sft"), "reward": str(directory / "rm"),
              "prompts": str(directory / "prompts.jsonl"), "eval_prompts": str(directory / "eval_prompts.jsonl")}
     marker = directory / "assets.json"
@@ -227,8 +234,9 @@ def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     log(f"demo assets: building in {directory}")
     tokenizer = build_tokenizer(paths["policy"])
-    train_sft(paths["policy"], tokenizer, sft_steps, seed, log)
-    train_reward_model(paths["reward"], paths["policy"], tokenizer, rm_prompts, 4, rm_epochs, seed, log)
+    train_sft(paths["policy"], tokenizer, sft_steps, seed, log, long_tail)
+    train_reward_model(paths["reward"], paths["policy"], tokenizer, rm_prompts, 4, rm_epochs, seed, log,
+                       LONG_TAIL_MAX_TOKENS if long_tail else 8)
     write_prompts(paths["prompts"], 4096, seed + 10)
     write_prompts(paths["eval_prompts"], 256, seed + 20)
     marker.write_text(json.dumps({"recipe": recipe, "paths": paths}, indent=2))
@@ -275,13 +283,14 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
     }
 
 
-def run_demo(assets: Path, overrides: list[str]) -> int:
+def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int:
     from launch.runner import run_pipeline
     from protocol.config import ConfigError, load_config
 
     started = time.monotonic()
-    paths = build_assets(assets / "assets")
-    config_path = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
+    paths = build_assets(assets / ("assets-long-tail" if long_tail else "assets"), long_tail=long_tail)
+    config_path = Path(__file__).resolve().parent.parent / "configs" / ("demo-long-tail.yaml" if long_tail
+                                                                         else "demo.yaml")
     built = [f"models.policy={paths['policy']}", f"models.reward={paths['reward']}", f"data.prompts={paths['prompts']}"]
     try:
         config = load_config(config_path, [*built, *overrides])
