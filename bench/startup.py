@@ -26,13 +26,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def run_once(repo: str, assets: str, run_dir: str, overrides: list[str]) -> dict:
-    """One `tether run` of the demo from ``repo``: seconds to the first trained step and to the end,
-    and the phases the roles wrote (none for a tether that writes none)."""
+def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config: str | None = None) -> dict:
+    """One `tether run` of the demo (or of ``config``) from ``repo``: seconds to the first trained
+    step and to the end, and the phases the roles wrote (none for a tether that writes none)."""
     from launch.report import startup_timeline
     from protocol.runlog import read_metrics
 
-    command = [sys.executable, "-m", "launch.cli", "run", "-c", os.path.join(repo, "configs", "demo.yaml"),
+    config = config or os.path.join(repo, "configs", "demo.yaml")
+    command = [sys.executable, "-m", "launch.cli", "run", "-c", config,
                "--overwrite", "-o", f"run_dir={run_dir}", "-o", f"models.policy={assets}/sft",
                "-o", f"models.reward={assets}/rm", "-o", f"data.prompts={assets}/prompts.jsonl",
                *[item for override in overrides for item in ("-o", override)]]
@@ -43,7 +44,7 @@ def run_once(repo: str, assets: str, run_dir: str, overrides: list[str]) -> dict
         raise RuntimeError(f"tether run failed ({result.returncode}):\n{result.stderr[-3000:]}")
     steps = read_metrics(run_dir, "learner")
     return {"first_step_s": steps[0]["time"] - started, "run_s": ended - started,
-            "startup": startup_timeline(run_dir)}
+            "startup": startup_timeline(run_dir), "steps": steps, "rollout": read_metrics(run_dir, "rollout0")}
 
 
 def main() -> None:

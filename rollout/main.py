@@ -309,6 +309,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         # 4. one engine step; what finished in it is sent at once (acks are read as they come)
         if in_flight:
             step_started = time.monotonic()
+            period.engine_steps += 1
+            period.requests_stepped += len(in_flight)
             finished = [output for output in engine.llm_engine.step() if output.finished]
             period.busy_s += time.monotonic() - step_started
             if finished:
@@ -356,6 +358,8 @@ class RolloutPeriod:
     weight_sync_s: float = 0.0
     send_s: float = 0.0
     waiting_s: float = 0.0
+    engine_steps: int = 0
+    requests_stepped: int = 0  # summed over engine steps: requests in the engine at each
     samples: int = 0
     response_tokens: int = 0
     prompt_indices: list[int] = field(default_factory=list)
@@ -369,4 +373,6 @@ class RolloutPeriod:
         return {"samples": self.samples, "response_tokens": self.response_tokens,
                 "tokens_per_s": self.response_tokens / max(self.busy_s, 1e-9), "busy_s": self.busy_s,
                 "weight_sync_s": self.weight_sync_s, "send_s": self.send_s, "waiting_s": self.waiting_s,
-                "iteration_s": now - self.started, "prompt_indices": self.prompt_indices}
+                "iteration_s": now - self.started, "engine_steps": self.engine_steps,
+                "requests_per_step": self.requests_stepped / max(self.engine_steps, 1),
+                "prompt_indices": self.prompt_indices}
