@@ -189,9 +189,10 @@ class GradientGuard:
         # the gradient and nan_to_num a copy of every gradient (8% of a learner step, bench/learner.py)
         nonfinite = ~torch.isfinite(grad.sum())
         self.bad = nonfinite if self.bad is None else self.bad | nonfinite
-        if grad.is_cuda:  # unmeasured: no host sync per gradient on a GPU, so every one is cleaned
+        # on a GPU every gradient is cleaned, for no host sync per gradient (unmeasured)
+        if grad.is_cuda or bool(nonfinite):
             return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0)
-        return torch.nan_to_num(grad, nan=0.0, posinf=0.0, neginf=0.0) if bool(nonfinite) else grad
+        return grad
 
     def take(self) -> bool:
         """Whether a gradient since the last ``take`` was NaN or inf; starts over."""

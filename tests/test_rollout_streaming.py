@@ -6,28 +6,13 @@ import threading
 import numpy as np
 import pytest
 
+from bench.buffer_throughput import scorer_process  # a scorer that returns its work as scored
 from tests.conftest import start_buffer
 
 # The same tokens under the same weights: the streamed engine's decode steps against one chunked
 # prefill of prompt + response, both vLLM's CPU kernels in float32. Measured 0 here (the kernels
 # reduce in the same order); the bound leaves room for a backend whose prefill and decode differ.
 LOGPROB_TOLERANCE = 1e-4
-
-
-def scorer_stub(config) -> None:
-    """Takes every sample to score and returns it as scored (reference = behavior, score 0)."""
-    from protocol.transport import BufferClient
-
-    client = BufferClient(config.buffer_address, "scorer", "0")
-    client.connect(60, 0.5)
-    while True:
-        work = client.request("score_request", {"max_samples": 64})
-        if work.fields["stop"]:
-            break
-        tensors = dict(work.tensors, ref_logprobs=work.tensors["behavior_logprobs"],
-                       scores=np.zeros(len(work.fields["sample_ids"]), np.float32))
-        client.request("scored", {k: v for k, v in work.fields.items() if k != "stop"}, tensors)
-    client.close()
 
 
 @pytest.mark.slow
@@ -55,7 +40,7 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
                                         "buffer.max_staleness=0", "rollout.kv_cache_gib=0.1"],
                                  base=base_config(tmp_path, tiny_assets))
     engine = make_engine(rollout_config)
-    threading.Thread(target=scorer_stub, args=(config,), daemon=True).start()
+    threading.Thread(target=scorer_process, args=(config, 64), daemon=True).start()
     samples = []
 
     def learner_stub() -> None:  # the learner never publishes: version 0 throughout
