@@ -25,7 +25,13 @@ Figures, from the runs' metrics:
   generate), beside the shares of weight loads and sending; and the mean number of requests in
   the engine per step (of ``rollout.prompts_per_generate``). Goal >= 95% for the streaming rollout.
 
+``--hidden``/``--layers`` build the task's models at another size (the demo's is 64 x 2), and
+``-o KEY=VALUE`` changes the config of every variant (a larger ``learner.batch_size`` gives each
+published version more generation to share its weight load with; ``placement.cores.buffer=[1]``
+takes the buffer off the rollout's core).
+
     python bench/streaming.py [--rounds 2] [--steps 30] [--learn] [--baseline /tmp/tether-chunked]
+                              [--hidden 64 --layers 2] [-o KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -69,18 +75,28 @@ def main() -> None:
     parser.add_argument("--learn", action="store_true",
                         help=f"train the policy at the config's actor_lr (default: {FROZEN_LR}, held at SFT)")
     parser.add_argument("--baseline", help="another tether checkout (the chunked rollout) to run the same way")
+    parser.add_argument("--hidden", type=int, default=64, help="the models' hidden size (the demo's: 64)")
+    parser.add_argument("--layers", type=int, default=2, help="the models' layers (the demo's: 2)")
+    parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every variant, as `tether run -o`")
     args = parser.parse_args()
 
     from launch.demo import build_assets
+    from protocol.config import load_config
     from startup import run_once
 
-    assets = os.path.join(REPO, ".demo", "assets-long-tail")
-    build_assets(assets, long_tail=True, log=lambda *_: None)  # cached after the first time
+    size = "" if (args.hidden, args.layers) == (64, 2) else f"-{args.hidden}x{args.layers}"
+    assets = os.path.join(REPO, ".demo", f"assets-long-tail{size}")
+    print(f"models: Llama, hidden {args.hidden}, {args.layers} layers ({assets})", flush=True)
+    # cached after the first time; building 256 x 4 took 20 minutes here, so its progress is shown
+    build_assets(assets, long_tail=True, hidden=args.hidden, layers=args.layers, log=lambda line: print(line, flush=True))
     work = tempfile.mkdtemp(prefix="tether-bench-streaming-")
     config_path = os.path.join(REPO, "configs", "demo-long-tail.yaml")
     with open(config_path) as file:
         config = yaml.safe_load(file)
     overrides = [f"learner.total_steps={args.steps}"] + ([] if args.learn else [f"learner.actor_lr={FROZEN_LR}"])
+    overrides += args.override
+    batch_size = load_config(config_path, overrides).learner.batch_size
     variants = [("streaming", REPO, config_path)]
     if args.baseline:
         older = {section: dict(values) if isinstance(values, dict) else values for section, values in config.items()}
@@ -95,7 +111,7 @@ def main() -> None:
     for round_index in range(args.rounds):
         for name, repo, path in variants if round_index % 2 == 0 else reversed(variants):
             result = figures(run_once(repo, assets, os.path.join(work, name.split()[0]), overrides, path),
-                             config["learner"]["batch_size"], prompt_tokens)
+                             batch_size, prompt_tokens)
             results[name].append(result)
             print(f"round {round_index + 1} {name:<20} trained tokens/s {result['tokens_per_s']:6.0f} "
                   f"(samples/s {result['samples_per_s']:5.1f}, mean response {result['response_length']:4.1f} tokens); "
@@ -108,7 +124,7 @@ def main() -> None:
         middle = len(values) // 2
         return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
-    print(f"\nmedian over {args.rounds} rounds, {args.steps} steps of {config['learner']['batch_size']} samples each:")
+    print(f"\nmedian over {args.rounds} rounds, {args.steps} steps of {batch_size} samples each:")
     for name, _, _ in variants:
         print(f"  {name:<20} trained tokens/s {median(name, 'tokens_per_s'):6.0f}, samples/s "
               f"{median(name, 'samples_per_s'):5.1f}, engine generating {median(name, 'generating'):6.1%}")

@@ -87,13 +87,21 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**settings)
 
 
-def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print, long_tail: bool = False):
+def sized_llama_config(hidden: int, layers: int, long_tail: bool):
+    """The demo's Llama at another size: heads of 32 dimensions, an MLP 3x as wide as the model."""
+    return tiny_llama_config(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                             num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32,
+                             max_position_embeddings=128 if long_tail else 64)
+
+
+def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print, long_tail: bool = False,
+              hidden: int = 64, layers: int = 2):
     """Next-token SFT on (prompt, response) pairs; the loss covers response tokens only."""
     from transformers import LlamaForCausalLM
 
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(max_position_embeddings=128) if long_tail else tiny_llama_config())
+    model = LlamaForCausalLM(sized_llama_config(hidden, layers, long_tail))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
     for step in range(steps):
@@ -216,13 +224,16 @@ def write_prompts(path: str, count: int, seed: int) -> None:
 
 
 def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts: int = 512, rm_epochs: int = 6,
-                 seed: int = 0, log=print, long_tail: bool = False) -> dict[str, str]:
+                 seed: int = 0, log=print, long_tail: bool = False, hidden: int = 64,
+                 layers: int = 2) -> dict[str, str]:
     """Tokenizer, SFT policy, reward model, train and held-out prompts; cached by ``ASSETS_VERSION``
     and the arguments, so a second call returns at once. ``long_tail``: the policy learns responses
-    of 4 to 64 tokens, most of them short (``sft_response``)."""
+    of 4 to 64 tokens, most of them short (``sft_response``). ``hidden``/``layers``: the models'
+    size (the demo's is 64 x 2; benchmarks build larger ones)."""
     directory = Path(directory)
+    size = {} if (hidden, layers) == (64, 2) else {"hidden": hidden, "layers": layers}  # older caches stay valid
     recipe = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "rm_prompts": rm_prompts, "rm_epochs": rm_epochs,
-              "seed": seed, **({"long_tail": True} if long_tail else {})}
+              "seed": seed, **({"long_tail": True} if long_tail else {}), **size}
     paths = {"policy": str(directory / "sft"), "reward": str(directory / "rm"),
              "prompts": str(directory / "prompts.jsonl"), "eval_prompts": str(directory / "eval_prompts.jsonl")}
     marker = directory / "assets.json"
@@ -234,7 +245,7 @@ def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts:
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     log(f"demo assets: building in {directory}")
     tokenizer = build_tokenizer(paths["policy"])
-    train_sft(paths["policy"], tokenizer, sft_steps, seed, log, long_tail)
+    train_sft(paths["policy"], tokenizer, sft_steps, seed, log, long_tail, hidden, layers)
     train_reward_model(paths["reward"], paths["policy"], tokenizer, rm_prompts, 4, rm_epochs, seed, log,
                        LONG_TAIL_MAX_TOKENS if long_tail else 8)
     write_prompts(paths["prompts"], 4096, seed + 10)

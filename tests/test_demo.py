@@ -3,7 +3,7 @@
 import os
 import random
 
-from launch.demo import LONG_TAIL_MAX_TOKENS, LONG_TAIL_SHARE, sft_response, tiny_llama_config
+from launch.demo import LONG_TAIL_MAX_TOKENS, LONG_TAIL_SHARE, sft_response, sized_llama_config
 from protocol.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -24,5 +24,5 @@ def test_the_long_tail_config_holds_the_longest_response_in_the_model_and_a_micr
     prompt_tokens = 6  # <bos> parity d d d ":"
     assert config.rollout.max_new_tokens == LONG_TAIL_MAX_TOKENS
     assert prompt_tokens + LONG_TAIL_MAX_TOKENS <= config.rollout.max_model_len
-    assert config.rollout.max_model_len <= tiny_llama_config(max_position_embeddings=128).max_position_embeddings
+    assert config.rollout.max_model_len <= sized_llama_config(64, 2, long_tail=True).max_position_embeddings
     assert config.learner.max_tokens_per_microbatch >= config.rollout.max_model_len
