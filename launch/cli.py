@@ -85,26 +85,25 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
     exit_finished()
 
 
-ZMQ_DELIVERY_S = 1.0  # the sockets' linger: what a role queued last still reaches its peer
-
-
 def exit_finished() -> None:
     """End a role whose run is over, with everything it writes closed, without the interpreter's
     teardown: freeing torch's, vLLM's and DeepSpeed's modules object by object took 1 to 2.4 s a
     role here, and `tether run` ends when its last role does. Logs are flushed and ZeroMQ first
-    delivers what is queued, for at most ``ZMQ_DELIVERY_S`` (a socket left open must not hang the
+    delivers what is queued, for at most the sockets' linger (a socket left open must not hang the
     exit)."""
     import logging
     import threading
 
     import zmq
 
+    from protocol.transport import LINGER_MS
+
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
     delivering = threading.Thread(target=zmq.Context.instance().term, name="zmq-term", daemon=True)
     delivering.start()
-    delivering.join(ZMQ_DELIVERY_S)
+    delivering.join(LINGER_MS / 1000)
     os._exit(0)
 
 

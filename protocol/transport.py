@@ -62,6 +62,9 @@ def prepare_endpoint(address: str) -> None:
                                       "users: name a private one (mode 700), e.g. the default under the run dir")
 
 
+LINGER_MS = 1000  # a closed socket's messages still go out this long (a role's last words at its exit)
+
+
 @dataclass
 class Liveness:
     """How a client watches the buffer while it waits: a ping every ``heartbeat_s``; no answer to
@@ -89,7 +92,7 @@ class BufferClient:
         self.liveness = liveness or Liveness()
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.setsockopt(zmq.LINGER, LINGER_MS)
         secure_client(self.socket, curve)
         # unique to this client: a ROUTER ignores a peer whose identity is still connected, and a closed
         # client's lingers a moment (a role that connects again from the same process would be unheard)
@@ -288,7 +291,7 @@ class BufferServer:
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         secure_server(self.socket, curve)
-        self.socket.setsockopt(zmq.LINGER, 1000)
+        self.socket.setsockopt(zmq.LINGER, LINGER_MS)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
         # A hard memory guard well above the limit: ZeroMQ drops a peer past it without a word, so
         # frames between the two reach decode(), which refuses them with a reason and a count.

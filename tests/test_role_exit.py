@@ -18,8 +18,9 @@ def finishing_role(address: str, close: bool) -> subprocess.Popen:
         import sys, zmq
         sys.path.insert(0, {REPO!r})
         from launch.cli import exit_finished
+        from protocol.transport import LINGER_MS
         socket = zmq.Context.instance().socket(zmq.DEALER)
-        socket.setsockopt(zmq.LINGER, 1000)
+        socket.setsockopt(zmq.LINGER, LINGER_MS)
         socket.connect({address!r})
         socket.send(b"last words")
         if {close!r}:
