@@ -69,27 +69,28 @@ def figures(result: dict, batch_size: int, prompt_tokens: int) -> dict:
 
 
 def main() -> None:
+    from launch.demo import DEMO_HIDDEN, DEMO_LAYERS, build_assets
+    from protocol.config import load_config
+    from startup import run_once
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="learner.total_steps of each run")
     parser.add_argument("--learn", action="store_true",
                         help=f"train the policy at the config's actor_lr (default: {FROZEN_LR}, held at SFT)")
     parser.add_argument("--baseline", help="another tether checkout (the chunked rollout) to run the same way")
-    parser.add_argument("--hidden", type=int, default=64, help="the models' hidden size (the demo's: 64)")
-    parser.add_argument("--layers", type=int, default=2, help="the models' layers (the demo's: 2)")
+    parser.add_argument("--hidden", type=int, default=DEMO_HIDDEN, help="the models' hidden size (default: the demo's)")
+    parser.add_argument("--layers", type=int, default=DEMO_LAYERS, help="the models' layers (default: the demo's)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant, as `tether run -o`")
     args = parser.parse_args()
 
-    from launch.demo import build_assets
-    from protocol.config import load_config
-    from startup import run_once
-
-    size = "" if (args.hidden, args.layers) == (64, 2) else f"-{args.hidden}x{args.layers}"
+    size = "" if (args.hidden, args.layers) == (DEMO_HIDDEN, DEMO_LAYERS) else f"-{args.hidden}x{args.layers}"
     assets = os.path.join(REPO, ".demo", f"assets-long-tail{size}")
     print(f"models: Llama, hidden {args.hidden}, {args.layers} layers ({assets})", flush=True)
     # cached after the first time; building 256 x 4 took 20 minutes here, so its progress is shown
-    build_assets(assets, long_tail=True, hidden=args.hidden, layers=args.layers, log=lambda line: print(line, flush=True))
+    build_assets(assets, long_tail=True, hidden=args.hidden, layers=args.layers,
+                 log=lambda line: print(line, flush=True))
     work = tempfile.mkdtemp(prefix="tether-bench-streaming-")
     config_path = os.path.join(REPO, "configs", "demo-long-tail.yaml")
     with open(config_path) as file:

