@@ -27,7 +27,7 @@ PROMPT_TOKENS, RESPONSE_TOKENS = 64, 256
 
 
 def make_config(run_dir: str, batch: int, chunk: int, staleness: int):
-    from protocol.config import load_config
+    from common.config import load_config
 
     return load_config(None, [f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",
                               f"buffer.max_staleness={staleness}", f"scorer.max_samples_per_request={chunk}",

@@ -82,8 +82,8 @@ def bare_step(models: list, optimizers: list, batch, minibatches: list, proximal
     import torch
 
     from learner.engines import ValueModel
-    from protocol.distributions import logprobs_from_logits
-    from protocol.sequences import gather_response
+    from common.distributions import logprobs_from_logits
+    from common.sequences import gather_response
 
     def loss_of(model, part):
         critic = isinstance(model, ValueModel)  # which builds no KV cache itself
@@ -110,7 +110,7 @@ def bare_step(models: list, optimizers: list, batch, minibatches: list, proximal
 
 def untrimmed(self, rows):
     """``SequenceBatch.select`` before the token budget: every column of the batch."""
-    from protocol.sequences import SequenceBatch
+    from common.sequences import SequenceBatch
 
     return SequenceBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__))
 
@@ -137,8 +137,8 @@ def main() -> None:
     from launch.demo import VOCAB
     from learner import micro_batches
     from learner.engines import init_distributed, load_actor, load_critic, make_engine
-    from protocol.config import load_config
-    from protocol.sequences import SequenceBatch, collate
+    from common.config import load_config
+    from common.sequences import SequenceBatch, collate
 
     torch.manual_seed(0)
     directory = tempfile.mkdtemp(prefix="tether-bench-learner-")

@@ -65,9 +65,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from launch.demo import write_prompts
-    from protocol.config import load_config
-    from protocol.runlog import read_metrics
-    from protocol.prompts import prompt_token_ids, read_rows
+    from common.config import load_config
+    from common.runlog import read_metrics
+    from common.prompts import prompt_token_ids, read_rows
     from rollout.main import make_engine, sampling_params, run
 
     work = tempfile.mkdtemp(prefix="tether-bench-rollout-")

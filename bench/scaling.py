@@ -47,14 +47,14 @@ def build_learner_bound_models(directory: str) -> dict[str, str]:
 def trial(name: str, base: dict, overrides: list[str], out: str) -> dict:
     from launch.report import profile_run
     from launch.runner import run_pipeline
-    from protocol.config import load_config
+    from common.config import load_config
 
     run_dir = os.path.join(out, name)
     config = load_config(None, [f"run_dir={run_dir}", *overrides], base=base)
     print(f"  {name}: tether run ...", flush=True)
     if run_pipeline(config, overwrite=True) != 0:
         raise SystemExit(f"trial {name} failed; see {run_dir}/logs")
-    from protocol.runlog import read_metrics
+    from common.runlog import read_metrics
 
     profile = profile_run(run_dir)
     busy = {role.role: role.busy_fraction for role in profile.roles}
@@ -98,7 +98,7 @@ def rollout_pool_alone(engines: int, demo: dict, out: str, batches: int = 40) ->
 
     from buffer.main import run as run_buffer
     from launch.runner import start_role
-    from protocol.config import dump_config, load_config
+    from common.config import dump_config, load_config
     from protocol.samples import unpack_samples
     from protocol.transport import BufferClient
 
@@ -167,9 +167,9 @@ def learner_worker(args) -> None:
     from learner import parallel
     from learner.engines import init_distributed, load_actor, load_critic, make_engine
     from learner.step import ppo_step
-    from protocol.config import load_config
+    from common.config import load_config
     from protocol.samples import Sample
-    from protocol.sequences import collate
+    from common.sequences import collate
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     config = load_config(None, ["learner.batch_size=64", "learner.minibatch_size=32", "learner.ppo_epochs=2",

@@ -132,7 +132,7 @@ def main() -> None:
 def liveness_counters(run_dir: str) -> dict[str, int]:
     """Over every role's metrics: heartbeats missed and buffer restarts seen (the roles' clients),
     optimizer steps skipped for non-finite gradients, and buffer records that name a stalled role."""
-    from protocol.runlog import read_metrics
+    from common.runlog import read_metrics
 
     totals = {"heartbeats_missed": 0, "buffer_restarts": 0, "skipped_steps": 0, "stalled_records": 0}
     names = [name[:-len(".jsonl")] for name in os.listdir(os.path.join(run_dir, "metrics")) if name.endswith(".jsonl")]

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 from buffer.state import BufferState, load_snapshot, save_snapshot
 from protocol.codec import Message, ProtocolError
-from protocol.config import TetherConfig
-from protocol.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.config import TetherConfig
+from common.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SENDER_ROLES, SENDERS
 from protocol.security import role_of_key
 from protocol.transport import BufferServer
-from protocol.weights import WeightManifest
+from weight_sync.buckets import WeightManifest
 
 STOP_GRACE_S = 30.0  # after the learner finishes, how long to wait for the other roles to ask and hear "stop"
 METRICS_EVERY_S = 2.0

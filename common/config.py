@@ -66,7 +66,7 @@ class RolloutConfig(_Strict):
     max_new_tokens: int = Field(32, ge=1)
     temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner uses the same")
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; the learner's logprobs are renormalised "
-                                                    "over the same set (protocol.distributions)")
+                                                    "over the same set (common.distributions)")
     top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0: all. The learner's logprobs "
                                             "are renormalised over the same set")
     ignore_eos: bool = Field(False, description="generate max_new_tokens always (benchmarks)")

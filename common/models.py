@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from protocol.config import ConfigError, TetherConfig
+from common.config import ConfigError, TetherConfig
 
 # what tether loads: config, weights, tokenizer, chat template; not other frameworks' weights
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]

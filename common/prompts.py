@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol.config import ConfigError
+from common.config import ConfigError
 
 
 @lru_cache(maxsize=4)

@@ -14,10 +14,10 @@ import time
 
 import numpy as np
 
-from protocol.config import ConfigError, TetherConfig
-from protocol.models import resolve_models
-from protocol.prompts import prompts_within, read_rows
-from protocol.runlog import MetricsWriter, setup_logging
+from common.config import ConfigError, TetherConfig
+from common.models import resolve_models
+from common.prompts import prompts_within, read_rows
+from common.runlog import MetricsWriter, setup_logging
 from protocol.samples import Sample
 
 

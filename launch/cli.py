@@ -28,7 +28,7 @@ class Role(str, Enum):
 
 
 def _load(config: Path, override: Optional[list[str]]):
-    from protocol.config import ConfigError, load_config
+    from common.config import ConfigError, load_config
 
     try:
         return load_config(config, override or [])
@@ -49,7 +49,7 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
     """Run one role in the foreground; logs to stderr, metrics to RUN_DIR/metrics. A learner of
     several ranks (learner.ranks, or --nnodes) starts them through torch.distributed's launcher."""
     resolved = _load(config, override)
-    from protocol.config import ConfigError
+    from common.config import ConfigError
     from protocol.transport import BufferUnreachable
 
     try:
@@ -126,8 +126,8 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         typer.echo("error: --config is needed (or --resume RUN_DIR)", err=True)
         raise typer.Exit(2)
     resolved = _load(config, override)
-    from protocol.config import ConfigError
-    from protocol.models import resolve_models
+    from common.config import ConfigError
+    from common.models import resolve_models
 
     try:  # before any process starts: a hub id is fetched once here, the roles then find it cached
         for role in ("rollout", "scorer", "learner"):
@@ -160,7 +160,7 @@ def evaluate(checkpoint: Path = typer.Argument(..., help="an HF model directory 
     """Evaluate a checkpoint on eval.prompts: reward (RM and reward functions), KL to the reference,
     length and repetition into RUN_DIR/metrics/eval.jsonl, the worst responses into RUN_DIR/eval/."""
     from evaluator.main import run
-    from protocol.config import ConfigError
+    from common.config import ConfigError
 
     try:
         figures = run(_load(config, override), str(checkpoint), step)
@@ -290,7 +290,7 @@ def keys(directory: Path = typer.Argument(..., help="where to write the key pair
 @config_app.command("show")
 def config_show(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
     """Print the resolved config, defaults filled in."""
-    from protocol.config import dump_config
+    from common.config import dump_config
 
     typer.echo(dump_config(_load(config, override)))
 

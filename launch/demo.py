@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from protocol.sequences import pad_rows
+from common.sequences import pad_rows
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = ["<pad>", "<bos>", "<eos>", "even", "odd", ":"] + [str(d) for d in range(10)]
@@ -268,9 +268,9 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
     k1 estimate, averaged over responses) and response length on held-out prompts."""
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-    from protocol.distributions import logprobs_from_logits
+    from common.distributions import logprobs_from_logits
     from protocol.samples import Sample
-    from protocol.sequences import collate, gather_response
+    from common.sequences import collate, gather_response
     from scorer.scoring import reward_scores
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -299,7 +299,7 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
 
 def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int:
     from launch.runner import run_pipeline
-    from protocol.config import ConfigError, load_config
+    from common.config import ConfigError, load_config
 
     started = time.monotonic()
     paths = build_assets(assets / ("assets-long-tail" if long_tail else "assets"), long_tail=long_tail)

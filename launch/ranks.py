@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from protocol.config import ConfigError, TetherConfig
+from common.config import ConfigError, TetherConfig
 from protocol.transport import free_port
 
 

@@ -8,7 +8,7 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from protocol.runlog import StartupTimeline, read_metrics
+from common.runlog import StartupTimeline, read_metrics
 
 # role -> (metric key, category) of the time each record accounts for; the rest of a role's wall
 # time is what no record covers (start-up before the first record is not in its wall time)
@@ -115,7 +115,7 @@ class Phase:
 
 @dataclass
 class Startup:
-    """Every process's start-up phases (``protocol.runlog.StartupTimeline``) on one clock."""
+    """Every process's start-up phases (``common.runlog.StartupTimeline``) on one clock."""
     phases: list[Phase]
     first_step_s: float | None  # the learner's first step trained and published
     run_s: float | None  # the whole `tether run`, from its start to every role gone

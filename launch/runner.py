@@ -14,8 +14,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from protocol.config import TetherConfig, dump_config
-from protocol.runlog import StartupTimeline, read_metrics
+from common.config import TetherConfig, dump_config
+from common.runlog import StartupTimeline, read_metrics
 
 SHUTDOWN_GRACE_S = 60.0  # after the learner is done, time for the others to hear "stop" and exit
 TERMINATE_GRACE_S = 10.0

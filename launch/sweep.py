@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 
 from launch.report import profile_run
-from protocol.config import ROLES, TetherConfig, load_config
+from common.config import ROLES, TetherConfig, load_config
 
 PLANNED_ROLES = ("rollout", "scorer", "learner")  # the buffer's share is negligible (docs/benchmarks.md)
 

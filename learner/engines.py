@@ -15,10 +15,10 @@ from torch import nn
 
 from learner import parallel
 from learner.lora import is_lora, merged_named_tensors
-from protocol.config import ConfigError, TetherConfig
-from protocol.sequences import classification_head, disable_dropout
+from common.config import ConfigError, TetherConfig
+from common.sequences import classification_head, disable_dropout
 from protocol.transport import free_port
-from protocol.weights import ShmWeightWriter, WeightManifest, plan_buckets, without_tied_duplicates
+from weight_sync.buckets import ShmWeightWriter, WeightManifest, plan_buckets, without_tied_duplicates
 
 log = logging.getLogger("learner")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from protocol.config import HealthConfig
+from common.config import HealthConfig
 
 
 @dataclass

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from protocol.config import LearnerConfig
+from common.config import LearnerConfig
 
 ADAPTER = "default"  # peft's name for the one adapter tether trains
 

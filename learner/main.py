@@ -16,15 +16,15 @@ from learner.lora import critic_with_lora, with_lora
 from learner.ptx import PtxStream, read_ptx
 from learner.schedule import lr_factor, set_lr
 from protocol.codec import decode, encode
-from protocol.config import TetherConfig
-from protocol.models import critic_source, resolve_models
-from protocol.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.config import TetherConfig
+from common.models import critic_source, resolve_models
+from common.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import unpack_samples
-from protocol.sequences import collate
+from common.sequences import collate
 from protocol.transport import connect_to_buffer
-from protocol.weight_server import WeightServer
-from protocol.weight_stream import WeightStreamPublisher
-from protocol.weights import ShmWeightWriter
+from weight_sync.tcp import WeightServer
+from weight_sync.stream import WeightStreamPublisher
+from weight_sync.buckets import ShmWeightWriter
 
 
 class TrainingStopped(RuntimeError):

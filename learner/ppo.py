@@ -40,7 +40,7 @@ from typing import Literal
 import torch
 
 # the sampled distribution's math is shared with the scorer; it lives where neither role owns it
-from protocol.distributions import entropy_from_logits, logprobs_from_logits  # noqa: F401  (the table below)
+from common.distributions import entropy_from_logits, logprobs_from_logits  # noqa: F401  (the table below)
 
 KLEstimator = Literal["k1", "k2", "k3"]
 LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from protocol.distributions import logprobs_from_logits
-from protocol.prompts import read_records
-from protocol.sequences import pad_rows
+from common.distributions import logprobs_from_logits
+from common.prompts import read_records
+from common.sequences import pad_rows
 
 
 def read_ptx(path: str, tokenizer, max_tokens: int) -> list[list[int]]:

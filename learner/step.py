@@ -1,7 +1,7 @@
 """One PPO step on one batch: recompute, rewards, GAE, ``ppo_epochs`` passes over minibatches.
 
 Reads top to bottom like the InstructGPT recipe; every formula lives in ``learner.ppo`` (and the
-sampled distribution in ``protocol.distributions``).
+sampled distribution in ``common.distributions``).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import torch
 from learner import micro_batches, parallel, ppo
 from learner.engines import skip_step, weights_swapped
 from learner.ptx import PtxStream, ptx_token_losses
-from protocol.config import LearnerConfig
-from protocol.distributions import entropy_from_logits, logprobs_from_logits
+from common.config import LearnerConfig
+from common.distributions import entropy_from_logits, logprobs_from_logits
 from protocol.samples import Sample
-from protocol.sequences import SequenceBatch, gather_response
+from common.sequences import SequenceBatch, gather_response
 
 log = logging.getLogger("learner")
 

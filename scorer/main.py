@@ -11,10 +11,10 @@ import time
 import numpy as np
 import torch
 
-from protocol.config import ConfigError, TetherConfig
-from protocol.models import resolve_models, same_tokens
-from protocol.prompts import chat_of, read_rows
-from protocol.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.config import ConfigError, TetherConfig
+from common.models import resolve_models, same_tokens
+from common.prompts import chat_of, read_rows
+from common.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction
@@ -26,7 +26,7 @@ class Scorer:
     def __init__(self, config: TetherConfig, log) -> None:
         from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-        from protocol.sequences import classification_head, disable_dropout
+        from common.sequences import classification_head, disable_dropout
 
         # the user's code first: a typo there should not wait for the models to load
         self.functions = [RewardFunction.load(f.function, f.weight, f"scorer.reward_functions[{i}].function")

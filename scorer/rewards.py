@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from protocol.config import ConfigError
+from common.config import ConfigError
 
 ARGUMENTS = ("prompt", "response", "prompt_tokens", "response_tokens", "row")
 

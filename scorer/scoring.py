@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from protocol.distributions import logprobs_from_logits
+from common.distributions import logprobs_from_logits
 from protocol.samples import Sample
-from protocol.sequences import classification_head, collate, gather_response, pad_rows
+from common.sequences import classification_head, collate, gather_response, pad_rows
 
 REWARD_OFFSET_KEY = "tether_reward_offset"  # in the RM's config.json: subtracted from every raw score
 

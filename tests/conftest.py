@@ -34,7 +34,7 @@ def start_buffer(tmp_path, *overrides):
     import threading
 
     from buffer.main import run as run_buffer
-    from protocol.config import load_config
+    from common.config import load_config
 
     assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
     config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1", *overrides],

@@ -71,9 +71,9 @@ def main() -> None:
     from learner import parallel
     from learner.engines import init_distributed, load_actor, load_critic, make_engine, publish_weights
     from learner.step import ppo_step
-    from protocol.config import load_config
-    from protocol.sequences import collate
-    from protocol.weights import ShmWeightWriter, read_manifest
+    from common.config import load_config
+    from common.sequences import collate
+    from weight_sync.buckets import ShmWeightWriter, read_manifest
 
     with open(args.assets) as file:
         assets = json.load(file)

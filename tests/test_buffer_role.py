@@ -213,7 +213,7 @@ def test_roles_hear_a_dead_or_restarted_buffer_through_heartbeats(tmp_path):
 
     import yaml
 
-    from protocol.config import load_config
+    from common.config import load_config
     from protocol.transport import BufferLost, Liveness
     from tests.conftest import base_config
 

@@ -5,8 +5,8 @@ import yaml
 from typer.testing import CliRunner
 
 from launch.cli import app
-from protocol.config import ConfigError, load_config
-from protocol.models import resolve_models
+from common.config import ConfigError, load_config
+from common.models import resolve_models
 
 MINIMAL = {"models": {"policy": "/p", "reward": "/r"}, "data": {"prompts": "/d.jsonl"}}
 
@@ -117,7 +117,7 @@ def test_an_engine_binds_its_tensor_parallel_workers_to_its_cores():
 
 
 def test_a_role_s_devices_are_split_between_its_processes():
-    from protocol.config import load_config
+    from common.config import load_config
 
     config = load_config(None, ["rollout.engines=2", "scorer.workers=3", "placement.cores.rollout=[0, 1, 2, 3]",
                                 "placement.cores.scorer=[4]", "placement.cuda_visible_devices.rollout='0,1'",
@@ -133,7 +133,7 @@ def test_a_role_s_devices_are_split_between_its_processes():
 def test_the_minibatch_must_split_evenly_between_learner_ranks():
     import pytest
 
-    from protocol.config import ConfigError, load_config
+    from common.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="minibatch_size \\(6\\) must be a multiple of learner.ranks \\(4\\)"):
         load_config(None, ["learner.ranks=4", "learner.minibatch_size=6", "learner.batch_size=12"],

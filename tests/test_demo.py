@@ -4,7 +4,7 @@ import os
 import random
 
 from launch.demo import LONG_TAIL_MAX_TOKENS, LONG_TAIL_SHARE, sft_response, sized_llama_config
-from protocol.config import load_config
+from common.config import load_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from launch.demo import BOS, EOS, PAD, VOCAB, build_tokenizer
-from protocol.runlog import read_metrics
+from common.runlog import read_metrics
 from tests.conftest import base_config
 from tests.test_pipeline_e2e import LOGPROB_TOLERANCE, run_to_the_end
 

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from learner.health import HealthMonitor
-from protocol.config import HealthConfig
+from common.config import HealthConfig
 
 
 def healthy(step):

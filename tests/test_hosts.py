@@ -11,7 +11,7 @@ import time
 import pytest
 import yaml
 
-from protocol.runlog import read_metrics
+from common.runlog import read_metrics
 from protocol.security import make_keys
 from tests.conftest import base_config
 from tests.test_pipeline_e2e import BATCH, REPO, free_port

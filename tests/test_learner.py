@@ -11,10 +11,10 @@ from learner.engines import (init_distributed, load_actor, load_critic, make_eng
                              remove_stale_build_locks, save_hf_checkpoint)
 from learner.step import ppo_step
 from launch.demo import sample_responses
-from protocol.config import load_config
+from common.config import load_config
 from protocol.samples import Sample
-from protocol.sequences import collate
-from protocol.weights import ShmWeightWriter, read_manifest
+from common.sequences import collate
+from weight_sync.buckets import ShmWeightWriter, read_manifest
 from scorer.scoring import reference_logprobs, reward_scores
 from tests.conftest import base_config
 

@@ -8,8 +8,8 @@ import sys
 import pytest
 import yaml
 
-from protocol.config import load_config
-from protocol.runlog import read_metrics
+from common.config import load_config
+from common.runlog import read_metrics
 from protocol.transport import free_port
 from tests.conftest import base_config
 

@@ -74,7 +74,7 @@ def _kept_by_hand(probs: list[float], top_p: float, top_k: int) -> set[int]:
 
 @pytest.mark.parametrize("top_p, top_k", [(0.9, 0), (0.5, 0), (1.0, 3), (0.8, 4), (0.3, 2)])
 def test_top_k_top_p_keep_the_tokens_worked_out_by_hand_and_renormalise(top_p, top_k):
-    from protocol.distributions import LOGPROB_FLOOR, entropy_from_logits, logprobs_from_logits
+    from common.distributions import LOGPROB_FLOOR, entropy_from_logits, logprobs_from_logits
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 7, generator=generator) * 2
@@ -94,7 +94,7 @@ def test_top_k_top_p_keep_the_tokens_worked_out_by_hand_and_renormalise(top_p, t
 
 
 def test_top_p_logprobs_have_finite_gradients_also_for_a_token_left_out():
-    from protocol.distributions import logprobs_from_logits
+    from common.distributions import logprobs_from_logits
 
     logits = torch.tensor([[[4.0, 3.0, -5.0, -6.0]]], requires_grad=True)
     kept, left_out = (logprobs_from_logits(logits, torch.tensor([[token]]), 1.0, top_p=0.9) for token in (0, 3))
@@ -444,7 +444,7 @@ def test_the_learning_rate_at_a_step_is_its_formula(step, schedule, expected):
 
 def test_group_advantages_compare_each_responses_total_reward_with_its_groups():
     from learner.step import advantages_of
-    from protocol.config import LearnerConfig
+    from common.config import LearnerConfig
 
     scores = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 5.0])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)

@@ -6,8 +6,8 @@ import shutil
 
 import pytest
 
-from protocol.config import ConfigError, load_config
-from protocol.prompts import prompt_token_ids, read_rows
+from common.config import ConfigError, load_config
+from common.prompts import prompt_token_ids, read_rows
 from tests.conftest import base_config
 
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }} : {% else %}"

@@ -24,7 +24,7 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
     the buffer grants before the learner publishes version 1.)"""
     from vllm import SamplingParams, TokensPrompt
 
-    from protocol.config import load_config
+    from common.config import load_config
     from protocol.samples import unpack_samples
     from protocol.transport import BufferClient
     from rollout.main import make_engine, run

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from protocol.config import load_config
-from protocol.weights import ShmWeightWriter
+from common.config import load_config
+from weight_sync.buckets import ShmWeightWriter
 from tests.conftest import base_config
 
 PROMPT = [1, 3, 7, 9, 8, 5]  # <bos> even 1 3 2 :
@@ -37,9 +37,9 @@ def engine_logprobs(engine, temperature=1.0, top_p=1.0, top_k=0):
 
 @torch.no_grad()
 def assert_matches(model, generations, temperature=1.0, top_p=1.0, top_k=0):
-    """vLLM's logprobs of what it sampled are the learner's (protocol.distributions) for the same
+    """vLLM's logprobs of what it sampled are the learner's (common.distributions) for the same
     weights and sampling settings."""
-    from protocol.distributions import logprobs_from_logits
+    from common.distributions import logprobs_from_logits
 
     for tokens, logprobs in generations:
         ids = torch.tensor([PROMPT + tokens])

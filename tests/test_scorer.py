@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from protocol.samples import Sample
-from protocol.sequences import collate, gather_response
+from common.sequences import collate, gather_response
 from scorer.scoring import REWARD_OFFSET_KEY, reference_logprobs, reward_scores
 
 
@@ -91,7 +91,7 @@ def make_scorer(tmp_path, tiny_assets, prompts_rows=None, **sections):
     import json
     import logging
 
-    from protocol.config import load_config
+    from common.config import load_config
     from scorer.main import Scorer
     from tests.conftest import base_config
 
@@ -207,8 +207,8 @@ def test_verifiable_rewards_alone_need_no_reward_model(tmp_path, tiny_assets):
 
 
 def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_tokens(tmp_path, tiny_assets):
-    from protocol.config import ConfigError, load_config
-    from protocol.models import critic_source
+    from common.config import ConfigError, load_config
+    from common.models import critic_source
     from tests.conftest import base_config
 
     rm_dir = str(tmp_path / "rm")
@@ -224,7 +224,7 @@ def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_
 
 
 def test_a_reference_that_reads_other_tokens_is_refused_naming_the_key(tmp_path, tiny_assets):
-    from protocol.config import ConfigError
+    from common.config import ConfigError
 
     rm_dir = str(tmp_path / "rm")
     own_tokenizer_reward_model(rm_dir)

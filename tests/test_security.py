@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from protocol.config import CurveConfig
+from common.config import CurveConfig
 from protocol.security import make_keys
 from protocol.transport import BufferClient, BufferServer, free_port
 
@@ -126,7 +126,7 @@ def test_a_client_key_speaks_only_as_the_role_it_is_named_after(tmp_path):
 @pytest.mark.parametrize("address, refused", [("tcp://10.1.2.3:5555", True), ("tcp://0.0.0.0:5555", True),
                                               ("tcp://127.0.0.1:5555", False), ("tcp://[::1]:5555", False)])
 def test_a_tcp_endpoint_beyond_loopback_needs_curve_or_an_explicit_setting(tmp_path, address, refused):
-    from protocol.config import ConfigError, load_config
+    from common.config import ConfigError, load_config
     from tests.conftest import base_config
 
     base = base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"})

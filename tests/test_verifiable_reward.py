@@ -7,7 +7,7 @@ import os
 import pytest
 
 from launch.demo import evaluate
-from protocol.runlog import read_metrics
+from common.runlog import read_metrics
 from tests.conftest import base_config
 from tests.test_pipeline_e2e import run_to_the_end, tether
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from protocol.codec import ProtocolError
-from protocol.weights import BucketEntry, ShmWeightWriter, WeightManifest, WeightStreamError, read_manifest
+from weight_sync.buckets import BucketEntry, ShmWeightWriter, WeightManifest, WeightStreamError, read_manifest
 
 
 def state(seed):
@@ -106,7 +106,7 @@ def test_malformed_manifests_are_refused(manifest):
 
 @pytest.fixture
 def served(tmp_path):
-    from protocol.weight_server import WeightServer
+    from weight_sync.tcp import WeightServer
 
     writer = ShmWeightWriter(str(tmp_path / "learner"), bucket_bytes=16 * 1024)
     server = WeightServer(writer, "tcp://127.0.0.1:0")
@@ -115,7 +115,7 @@ def served(tmp_path):
 
 
 def test_buckets_travel_over_tcp_into_the_readers_own_slots(tmp_path, served):
-    from protocol.weight_server import fetch_over_tcp
+    from weight_sync.tcp import fetch_over_tcp
 
     writer, server = served
     manifest = writer.publish(5, state(5).items())
@@ -127,7 +127,7 @@ def test_buckets_travel_over_tcp_into_the_readers_own_slots(tmp_path, served):
 
 
 def test_a_bucket_damaged_at_the_source_or_a_version_gone_is_refused(tmp_path, served):
-    from protocol.weight_server import fetch_over_tcp
+    from weight_sync.tcp import fetch_over_tcp
 
     writer, server = served
     manifest = writer.publish(1, state(1).items())
@@ -163,7 +163,7 @@ def wait_until(condition, timeout_s=5.0):
 def stream(tmp_path):
     import time
 
-    from protocol.weight_stream import WeightPrefetcher, WeightStreamPublisher
+    from weight_sync.stream import WeightPrefetcher, WeightStreamPublisher
 
     address = f"ipc://{tmp_path}/stream"
     publisher = WeightStreamPublisher(address)
@@ -212,7 +212,7 @@ def test_a_tied_tensor_is_published_once_under_its_first_name():
     that merely hold equal values stay separate."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from protocol.weights import without_tied_duplicates
+    from weight_sync.buckets import without_tied_duplicates
 
     tied = GPT2LMHeadModel(GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2, n_positions=16))
     for named in (tied.state_dict().items(), tied.state_dict(keep_vars=True).items()):

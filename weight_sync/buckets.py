@@ -11,7 +11,7 @@ dtype, shape, offset). Payloads travel one of two ways, with ZeroMQ carrying onl
   the slot of the newest version, so a version being loaded is never changed under the reader.
   A reader that comes too late finds a checksum that does not match and refuses the version.
 - across hosts (``tcp``): the same buckets as raw ZeroMQ frames, one bucket per request
-  (``protocol.weight_server``), landing in the reader's own slot directory.
+  (``weight_sync.tcp``), landing in the reader's own slot directory.
 
 ``read_manifest`` applies nothing: it returns tensors only when every bucket is there, has its
 size and its checksum, so a consumer never sees a mix of two versions.

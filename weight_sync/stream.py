@@ -18,7 +18,7 @@ import zmq
 
 from protocol.codec import ProtocolError, decode, encode
 from protocol.transport import prepare_endpoint
-from protocol.weights import BucketEntry, WeightManifest, _reader_map, _slot_lock, checksum
+from weight_sync.buckets import BucketEntry, WeightManifest, _reader_map, _slot_lock, checksum
 
 log = logging.getLogger(__name__)
 

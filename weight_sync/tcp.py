@@ -14,7 +14,7 @@ import zmq
 
 from protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, encode
 from protocol.security import secure_client, secure_server
-from protocol.weights import ShmWeightWriter, WeightManifest, WeightStreamError, _slot_lock
+from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError, _slot_lock
 
 log = logging.getLogger(__name__)
 
