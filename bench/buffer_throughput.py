@@ -80,7 +80,7 @@ def scorer_process(config, chunk: int) -> None:
         fields = {key: value for key, value in work.fields.items() if key != "stop"}
         tensors = dict(work.tensors)
         tensors["ref_logprobs"] = tensors["behavior_logprobs"]
-        tensors["scores"] = np.zeros(len(fields["sample_ids"]), np.float32)
+        tensors["rewards"] = np.zeros(len(fields["sample_ids"]), np.float32)
         client.request("scored", fields, tensors)
 
 
@@ -96,7 +96,7 @@ def learner_process(config, batch: int, total: int, out: str) -> None:
             started, first = time.perf_counter(), len(reply.fields["sample_ids"])
         received += len(reply.fields["sample_ids"])
         version += 1
-        client.request("weights_published", {"policy_version": version, "manifest": {"version": version, "buckets": []}})
+        client.request("weights_published", {"policy_version": version, "weights_manifest": {"policy_version": version, "buckets": []}})
     elapsed = time.perf_counter() - started
     client.request("finish", {"policy_version": version})
     with open(out, "w") as file:

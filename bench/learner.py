@@ -71,7 +71,7 @@ def long_tail_samples(count: int, vocab: int, seed: int = 0) -> list:
         response = rng.integers(3, vocab, length).astype(np.int32)
         logprobs = (-rng.random(length) * 3).astype(np.float32)
         sample = Sample(f"s{i}", i, 0, prompt, response, logprobs, "stop")
-        sample.ref_logprobs, sample.score = logprobs.copy(), float(rng.normal())
+        sample.ref_logprobs, sample.reward = logprobs.copy(), float(rng.normal())
         samples.append(sample)
     return samples
 

@@ -180,7 +180,7 @@ def learner_worker(args) -> None:
     rng = np.random.default_rng(0)
     samples = [Sample(f"s{i}", i, 0, rng.integers(3, 16, 8).astype(np.int32), rng.integers(3, 16, 32).astype(np.int32),
                       np.full(32, -2.0, np.float32), "length", ref_logprobs=np.full(32, -2.0, np.float32),
-                      score=float(rng.normal())) for i in range(64)]
+                      reward=float(rng.normal())) for i in range(64)]
     actor = make_engine(load_actor(args.policy), 1e-5, config)
     critic = make_engine(load_critic(args.reward), 1e-5, config)
     batch = collate(samples, pad_token_id=0)

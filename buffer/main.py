@@ -190,10 +190,10 @@ class Buffer:
                                         message.fields["batch_size"]))
 
     def on_weights_published(self, identity: bytes, message: Message) -> None:
-        manifest = WeightManifest.from_dict(message.fields["manifest"])  # refuse a malformed one here
-        if manifest.version != message.fields["policy_version"]:
-            raise ProtocolError(f"manifest of version {manifest.version} published as {message.fields['policy_version']}")
-        self.state.publish_weights(message.fields["policy_version"], message.fields["manifest"])
+        manifest = WeightManifest.from_dict(message.fields["weights_manifest"])  # refuse a malformed one here
+        if manifest.policy_version != message.fields["policy_version"]:
+            raise ProtocolError(f"manifest of version {manifest.policy_version} published as {message.fields['policy_version']}")
+        self.state.publish_weights(message.fields["policy_version"], message.fields["weights_manifest"])
         self.server.reply(identity, message.id, "ack", {"accepted": 1})
 
     def on_snapshot(self, identity: bytes, message: Message) -> None:

@@ -157,9 +157,9 @@ class BufferState:
             if not held.left:
                 del lease[sample.prompt_index]
             self._owe(held.version, -1)
-            if sample.newest_version > self.policy_version or sample.behavior_version < held.version:
+            if sample.last_behavior_version > self.policy_version or sample.behavior_version < held.version:
                 # from the future, or older than the weights the engine said it held: not what it was granted
-                self._drop("unpublished_version" if sample.newest_version > self.policy_version
+                self._drop("unpublished_version" if sample.last_behavior_version > self.policy_version
                            else "older_than_granted", returns_credit=True)
                 continue
             self._owe(sample.behavior_version, 1)

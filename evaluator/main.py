@@ -53,7 +53,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     kl = np.array([float(np.sum(s.behavior_logprobs - s.ref_logprobs)) for s in samples])
     repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])
     figures = {
-        "reward": float(np.mean([s.score for s in samples])),
+        "reward": float(np.mean([s.reward for s in samples])),
         **{name: value for name, value in parts.items() if name != "reward_function_failures"},
         "reward_function_failures": parts["reward_function_failures"],
         "kl_to_reference": float(kl.mean()),
@@ -62,8 +62,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         "prompts": len(samples),
         "prompts_skipped": len(rows) - len(kept),
     }
-    if samples[0].gold_score is not None:
-        figures["gold_reward"] = float(np.mean([s.gold_score for s in samples]))
+    if samples[0].gold_reward is not None:
+        figures["gold_reward"] = float(np.mean([s.gold_reward for s in samples]))
     return figures, samples, {"kl": kl, "repetition": repetition}
 
 
@@ -71,12 +71,12 @@ def worst_cases_text(samples: list[Sample], per_sample: dict[str, np.ndarray], t
                      step: int) -> str:
     """Markdown: the ``count`` lowest-reward and highest-KL responses with their prompts."""
     lines = [f"# Evaluation at step {step}", ""]
-    for title, order in (("Lowest reward", np.argsort([s.score for s in samples])),
+    for title, order in (("Lowest reward", np.argsort([s.reward for s in samples])),
                          ("Highest KL to the reference", np.argsort(-per_sample["kl"]))):
         lines += [f"## {title}", ""]
         for i in order[:count]:
             sample = samples[i]
-            lines += [f"- reward {sample.score:+.3f}, KL {per_sample['kl'][i]:.3f}, "
+            lines += [f"- reward {sample.reward:+.3f}, KL {per_sample['kl'][i]:.3f}, "
                       f"{len(sample.response_tokens)} tokens, repetition {per_sample['repetition'][i]:.2f}",
                       f"  - prompt: `{tokenizer.decode(sample.prompt_tokens.tolist(), skip_special_tokens=True)}`",
                       f"  - response: `{tokenizer.decode(sample.response_tokens.tolist())}`",  # <eos> shows

@@ -251,7 +251,7 @@ def run(config: TetherConfig) -> str:
         announcer = weight_stream.announcer(version) if weight_stream is not None else None
         manifest = publish_weights(actor, version, weight_writer, announcer, bucket_bytes)
         if main:
-            client.request("weights_published", {"policy_version": version, "manifest": manifest.to_dict()})
+            client.request("weights_published", {"policy_version": version, "weights_manifest": manifest.to_dict()})
 
     policy_version = 0
     if config.resume_from:

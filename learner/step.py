@@ -152,7 +152,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     mask = batch.response_mask
     behavior_logprobs = _ragged_to_padded([s.behavior_logprobs for s in samples], mask).to(device)
     ref_logprobs = _ragged_to_padded([s.ref_logprobs for s in samples], mask).to(device)
-    scores = torch.tensor([s.score for s in samples], dtype=torch.float32, device=device)  # RM + reward functions
+    scores = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)  # RM + reward functions
     truncated = torch.tensor([s.finish_reason == "length" for s in samples], device=device)
 
     # 1. proximal logprobs and old values, at the start of the step (no gradient), each rank its
@@ -270,8 +270,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
     gap = (behavior_logprobs - old_logprobs).abs() * mask
     stats.update({
         "reward": float(scores.mean()),
-        "gold_reward": (sum(s.gold_score for s in samples) / len(samples)
-                        if all(s.gold_score is not None for s in samples) else None),
+        "gold_reward": (sum(s.gold_reward for s in samples) / len(samples)
+                        if all(s.gold_reward is not None for s in samples) else None),
         "reward_std": float(scores.std()) if len(samples) > 1 else 0.0,
         "kl": float((kl * mask).sum(dim=1).mean()),
         "kl_coef": kl_coef,
@@ -295,7 +295,7 @@ def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: lis
     samples of the version it holds. None when the batch has no sample of ``version``. Every rank
     computes the same rows (a ZeRO-3 forward is collective)."""
     # a sample whose weights changed while it was generated has tokens of two versions: not comparable
-    chosen = [i for i, s in enumerate(samples) if s.behavior_version == s.newest_version == version][:rows]
+    chosen = [i for i, s in enumerate(samples) if s.behavior_version == s.last_behavior_version == version][:rows]
     if not chosen:
         return None
     part = batch.select(torch.tensor(chosen, device=batch.input_ids.device))

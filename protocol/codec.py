@@ -13,16 +13,15 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
+from protocol.errors import ProtocolError
 from protocol.schema import MESSAGES, SCHEMA_VERSION
+
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "Message", "ProtocolError", "decode", "encode"]
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 _DTYPES = {name: np.dtype(name) for name in ("int32", "int64", "float32", "float16", "uint8", "bool")}
 _PY_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict}
-
-
-class ProtocolError(ValueError):
-    """A received message that tether refuses; the text says why."""
 
 
 @dataclass

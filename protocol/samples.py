@@ -1,62 +1,119 @@
-"""A sample as it travels rollout -> buffer -> scorer -> buffer -> learner, and its ragged packing.
+"""A sample as it travels rollout -> buffer -> scorer -> buffer -> learner, declared once, and its
+ragged packing.
 
-Samples of different lengths travel as one message: token ids and logprobs of every sample
-concatenated into one flat tensor each, with the per-sample lengths as fields.
+``Sample`` is the table of a sample's columns: each wire column is one ``column(...)`` line saying
+its name on the wire, whether it is one value per sample or one per prompt or response token, and
+its type. The schema's sample fields and tensors (``sample_fields``, ``sample_tensors``), the
+packing and the checks on receipt all follow from that table, so a new column is one line.
+
+Samples of different lengths travel as one message: the per-token columns of every sample
+concatenated into one flat tensor each, with the per-sample lengths as fields; per-sample columns
+travel as lists.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+import math
+from dataclasses import MISSING, dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from protocol.codec import Message, ProtocolError
+from protocol.errors import ProtocolError
+
+if TYPE_CHECKING:
+    from protocol.codec import Message
+
+Per = Literal["sample", "prompt token", "response token"]
+
+# the field that carries each sample's length of a per-token kind
+LENGTHS: dict[str, str] = {"prompt token": "prompt_lengths", "response token": "response_lengths"}
+_PYTHON = {"int": int, "float": float, "str": str}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One column of a sample on the wire."""
+    name: str  # the ``Sample`` attribute
+    wire: str  # the field (per sample: a list) or the flat tensor (per token) that carries it
+    per: Per
+    # "int", "float", "str": a per-sample list field; a numpy dtype: a flat tensor ([samples] per sample)
+    dtype: str
+    scored: bool = False  # the scorer fills it in: it travels in ``scored`` and ``batch`` messages only
+    optional: bool = False  # may be None (a list field only): then None for every sample of a message
+    finite: bool = False  # trained on: NaN or inf refuses the message
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.dtype not in _PYTHON
+
+
+def column(wire: str, per: Per, dtype: str, *, scored: bool = False, optional: bool = False, finite: bool = False,
+           default: Any = MISSING) -> Any:
+    """A ``Sample`` field that travels: ``Column``'s arguments, its name taken from the attribute."""
+    return field(default=default, metadata={"column": (wire, per, dtype, scored, optional, finite)})
 
 
 @dataclass(eq=False)
 class _Chunk:
     """The flat tensors of one received message, which its samples view into."""
     tensors: dict[str, np.ndarray]
-    prompt_ends: np.ndarray  # cumulative prompt lengths
-    response_ends: np.ndarray  # cumulative response lengths
+    ends: dict[str, np.ndarray]  # per token kind ("prompt token", ...): cumulative lengths
 
 
 @dataclass
 class Sample:
-    sample_id: str
-    prompt_index: int
-    behavior_version: int  # policy version of the weights that generated it: the oldest, if they changed meanwhile
-    prompt_tokens: np.ndarray  # [prompt_len] int32
-    response_tokens: np.ndarray  # [resp_len] int32
-    behavior_logprobs: np.ndarray  # [resp_len] float32, from the rollout engine
-    finish_reason: str  # "stop" (end-of-sequence) or "length" (hit max_new_tokens)
-    ref_logprobs: np.ndarray | None = None  # [resp_len] float32, from the scorer
-    score: float | None = None  # from the scorer: the reward model's plus the reward functions' (the trained one)
-    gold_score: float | None = None  # from the scorer's rule-based reward, where the task has one
-    # where a received sample's arrays lie, so consecutive samples of one message are re-sent as
-    # one slice rather than concatenated one by one (a 512-sample batch: 1.5 ms -> well under)
-    data_row: int = -1  # the prompt's row in the data file (``prompt_index`` is its place in the stream)
+    sample_id: str = column("sample_ids", "sample", "str")
+    prompt_index: int = column("prompt_indices", "sample", "int")  # its place in the run's prompt stream
+    # the policy version of the weights that generated its first token: the oldest, if they changed meanwhile
+    behavior_version: int = column("behavior_versions", "sample", "int")
+    prompt_tokens: np.ndarray = column("prompt_tokens", "prompt token", "int32")
+    response_tokens: np.ndarray = column("response_tokens", "response token", "int32")
+    behavior_logprobs: np.ndarray = column("behavior_logprobs", "response token", "float32", finite=True)  # vLLM's
+    finish_reason: str = column("finish_reasons", "sample", "str")  # "stop" (end of sequence) or "length"
+    ref_logprobs: np.ndarray | None = column("ref_logprobs", "response token", "float32", scored=True, finite=True,
+                                             default=None)  # the frozen reference's, from the scorer
+    # from the scorer: the reward model's score plus the reward functions' (what is trained on)
+    reward: float | None = column("rewards", "sample", "float32", scored=True, finite=True, default=None)
+    # from the scorer's rule-based gold reward, where the task has one (reported, never trained on)
+    gold_reward: float | None = column("gold_rewards", "sample", "float", scored=True, optional=True, default=None)
+    data_row: int = column("data_rows", "sample", "int", default=-1)  # the prompt's row in the data file
     # the version that generated its last token: newer than behavior_version when the weights changed
     # while it was generated (a streaming rollout loads them between engine steps); None: the same
-    last_behavior_version: int | None = None
+    last_behavior_version: int = column("last_behavior_versions", "sample", "int", default=None)
+    # where a received sample's arrays lie, so consecutive samples of one message are re-sent as
+    # one slice rather than concatenated one by one (a 512-sample batch: 1.5 ms -> well under)
     chunk: _Chunk | None = field(default=None, repr=False, compare=False)
     row: int = field(default=-1, repr=False, compare=False)
 
-    @property
-    def newest_version(self) -> int:
-        """The newest policy version among the weights that generated it."""
-        return self.behavior_version if self.last_behavior_version is None else self.last_behavior_version
+    def __post_init__(self) -> None:
+        if self.last_behavior_version is None:
+            self.last_behavior_version = self.behavior_version
 
     @property
     def scored(self) -> bool:
-        return self.ref_logprobs is not None and self.score is not None
+        return all(getattr(self, c.name) is not None for c in COLUMNS if c.scored and not c.optional)
 
 
-_PROMPT_TENSORS = ("prompt_tokens",)
-_RESPONSE_TENSORS = ("response_tokens", "behavior_logprobs", "ref_logprobs")
-_DTYPES = {"prompt_tokens": "int32", "response_tokens": "int32", "behavior_logprobs": "float32",
-           "ref_logprobs": "float32"}
+COLUMNS: tuple[Column, ...] = tuple(Column(f.name, *f.metadata["column"]) for f in fields(Sample)
+                                    if "column" in f.metadata)
+
+
+def sample_fields(scored: bool) -> dict[str, str]:
+    """The schema's fields of a message that carries samples (scored: with the scorer's columns)."""
+    declared = {c.wire: f"list[{c.dtype}]" + ("?" if c.optional else "") for c in COLUMNS
+                if not c.is_tensor and (scored or not c.scored)}
+    return {**declared, **{LENGTHS[per]: "list[int]" for per in _token_kinds()}}
+
+
+def sample_tensors(scored: bool) -> dict[str, str]:
+    """The schema's tensors of a message that carries samples: the flat per-token columns, and the
+    per-sample ones that travel as a tensor."""
+    return {c.wire: c.dtype for c in COLUMNS if c.is_tensor and (scored or not c.scored)}
+
+
+def _token_kinds() -> list[str]:
+    return list(dict.fromkeys(c.per for c in COLUMNS if c.per != "sample"))
 
 
 def _runs(samples: list[Sample]) -> list[tuple[int, int]]:
@@ -70,100 +127,84 @@ def _runs(samples: list[Sample]) -> list[tuple[int, int]]:
     return runs
 
 
-def _flat_tensor(samples: list[Sample], runs: list[tuple[int, int]], name: str) -> np.ndarray:
-    """One flat tensor of attribute ``name`` of every sample: a run of one message's rows whose
-    arrays still view that message is sliced in one piece; anything else is copied sample by sample."""
+def _flat_tensor(samples: list[Sample], runs: list[tuple[int, int]], col: Column) -> np.ndarray:
+    """One flat tensor of column ``col`` of every sample: a run of one message's rows whose arrays
+    still view that message is sliced in one piece; anything else is copied sample by sample."""
     pieces = []
-    ends_name = "prompt_ends" if name in _PROMPT_TENSORS else "response_ends"
     for start, stop in runs:
         chunk = samples[start].chunk
-        source = chunk.tensors.get(name) if chunk is not None else None
+        source = chunk.tensors.get(col.wire) if chunk is not None else None
         # numpy points every view at the object that owns the memory: the message's frame
         owner = source if source is None or source.base is None else source.base
-        if source is not None and all(getattr(s, name).base is owner for s in samples[start:stop]):
-            ends = getattr(chunk, ends_name)
+        if source is not None and all(getattr(s, col.name).base is owner for s in samples[start:stop]):
+            ends = chunk.ends[col.per]
             first, last = samples[start].row, samples[stop - 1].row
             pieces.append(source[(int(ends[first - 1]) if first > 0 else 0):int(ends[last])])
         else:
-            pieces.extend(getattr(s, name) for s in samples[start:stop])
-    dtype = _DTYPES[name]
-    return np.concatenate(pieces).astype(dtype, copy=False) if pieces else np.zeros(0, dtype)
+            pieces.extend(getattr(s, col.name) for s in samples[start:stop])
+    return np.concatenate(pieces).astype(col.dtype, copy=False) if pieces else np.zeros(0, col.dtype)
 
 
 def pack_samples(samples: list[Sample], scored: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Fields and flat tensors for a ``samples``/``score_work``/``scored``/``batch`` message."""
-    fields = {
-        "sample_ids": [s.sample_id for s in samples],
-        "prompt_indices": [s.prompt_index for s in samples],
-        "data_rows": [s.data_row for s in samples],
-        "behavior_versions": [s.behavior_version for s in samples],
-        "last_behavior_versions": [s.newest_version for s in samples],
-        "prompt_lengths": [len(s.prompt_tokens) for s in samples],
-        "response_lengths": [len(s.response_tokens) for s in samples],
-        "finish_reasons": [s.finish_reason for s in samples],
-    }
-    names = ["prompt_tokens", "response_tokens", "behavior_logprobs"]
     if scored:
         unscored = [s.sample_id for s in samples if not s.scored]
         if unscored:
             raise ValueError(f"samples {unscored[:5]} are not scored")
-        names.append("ref_logprobs")
+    columns = [c for c in COLUMNS if scored or not c.scored]
+    fields_out: dict[str, Any] = {}
+    for col in (c for c in columns if not c.is_tensor):
+        values = [getattr(s, col.name) for s in samples]
+        convert = _PYTHON[col.dtype]
+        fields_out[col.wire] = (None if col.optional and any(v is None for v in values)
+                                else [convert(v) for v in values])
+    for per, name in LENGTHS.items():
+        token_column = next(c for c in COLUMNS if c.per == per)
+        fields_out[name] = [len(getattr(s, token_column.name)) for s in samples]
     runs = _runs(samples)
-    tensors = {name: _flat_tensor(samples, runs, name) for name in names}
-    if scored:
-        tensors["scores"] = np.array([s.score for s in samples], dtype=np.float32)
-        golds = [s.gold_score for s in samples]
-        fields["gold_scores"] = None if any(g is None for g in golds) else [float(g) for g in golds]
-    return fields, tensors
+    tensors = {c.wire: (_flat_tensor(samples, runs, c) if c.per != "sample"
+                        else np.array([getattr(s, c.name) for s in samples], dtype=c.dtype))
+               for c in columns if c.is_tensor}
+    return fields_out, tensors
 
 
 def unpack_samples(message: Message) -> list[Sample]:
     """Samples from a decoded message; lengths must add up to the flat tensors exactly."""
-    fields, tensors = message.fields, message.tensors
-    count = len(fields["sample_ids"])
-    for name in ("prompt_indices", "data_rows", "behavior_versions", "last_behavior_versions", "prompt_lengths",
-                 "response_lengths", "finish_reasons"):
-        if len(fields[name]) != count:
-            raise ProtocolError(f"{message.type}: {name} has {len(fields[name])} entries for {count} samples")
-    prompt_lengths, response_lengths = fields["prompt_lengths"], fields["response_lengths"]
-    if any(n < 1 for n in prompt_lengths) or any(n < 1 for n in response_lengths):
+    fields_in, tensors = message.fields, message.tensors
+    count = len(fields_in["sample_ids"])
+    present = [c for c in COLUMNS if c.wire in (tensors if c.is_tensor else fields_in)]
+    for name in [c.wire for c in present if not c.is_tensor] + list(LENGTHS.values()):
+        if fields_in[name] is not None and len(fields_in[name]) != count:
+            raise ProtocolError(f"{message.type}: {name} has {len(fields_in[name])} entries for {count} samples")
+    lengths = {per: fields_in[name] for per, name in LENGTHS.items()}
+    if any(n < 1 for per in LENGTHS for n in lengths[per]):
         raise ProtocolError(f"{message.type}: every sample needs a prompt and a response of length >= 1")
-    for name, lengths in (("prompt_tokens", prompt_lengths), ("response_tokens", response_lengths),
-                          ("behavior_logprobs", response_lengths), ("ref_logprobs", response_lengths)):
-        if name in tensors and tensors[name].shape != (sum(lengths),):
-            raise ProtocolError(f"{message.type}: {name} has shape {tensors[name].shape}, lengths add to {sum(lengths)}")
-    if any(last < first for first, last in zip(fields["behavior_versions"], fields["last_behavior_versions"])):
+    for col in (c for c in present if c.is_tensor):
+        shape = tensors[col.wire].shape
+        if col.per == "sample" and shape != (count,):
+            raise ProtocolError(f"{message.type}: {col.wire} has shape {shape} for {count} samples")
+        if col.per != "sample" and shape != (sum(lengths[col.per]),):
+            raise ProtocolError(f"{message.type}: {col.wire} has shape {shape}, lengths add to {sum(lengths[col.per])}")
+    for col in (c for c in present if c.finite):
+        values = tensors[col.wire] if col.is_tensor else fields_in[col.wire]
+        if not (np.isfinite(values).all() if col.is_tensor else all(math.isfinite(v) for v in values)):
+            raise ProtocolError(f"{message.type}: {col.wire} holds NaN or inf")
+    if any(last < first for first, last in zip(fields_in["behavior_versions"], fields_in["last_behavior_versions"])):
         raise ProtocolError(f"{message.type}: a sample's last_behavior_version is older than its behavior_version")
-    scores = tensors.get("scores")
-    gold_scores = fields.get("gold_scores")
-    if gold_scores is not None and len(gold_scores) != count:
-        raise ProtocolError(f"{message.type}: gold_scores has {len(gold_scores)} entries for {count} samples")
-    if scores is not None and scores.shape != (count,):
-        raise ProtocolError(f"{message.type}: scores has shape {scores.shape} for {count} samples")
-    for name in ("behavior_logprobs", "ref_logprobs", "scores"):
-        if name in tensors and not np.isfinite(tensors[name]).all():
-            raise ProtocolError(f"{message.type}: {name} holds NaN or inf")
 
-    prompt_ends, response_ends = np.cumsum(prompt_lengths), np.cumsum(response_lengths)
-    chunk = _Chunk(tensors, prompt_ends, response_ends)
+    ends = {per: np.cumsum(lengths[per]) for per in LENGTHS}
+    chunk = _Chunk(tensors, ends)
     samples = []
     for i in range(count):
-        p0, p1 = prompt_ends[i] - prompt_lengths[i], prompt_ends[i]
-        r0, r1 = response_ends[i] - response_lengths[i], response_ends[i]
-        samples.append(Sample(
-            sample_id=fields["sample_ids"][i],
-            prompt_index=fields["prompt_indices"][i],
-            data_row=fields["data_rows"][i],
-            behavior_version=fields["behavior_versions"][i],
-            last_behavior_version=fields["last_behavior_versions"][i],
-            prompt_tokens=tensors["prompt_tokens"][p0:p1],
-            response_tokens=tensors["response_tokens"][r0:r1],
-            behavior_logprobs=tensors["behavior_logprobs"][r0:r1],
-            finish_reason=fields["finish_reasons"][i],
-            ref_logprobs=tensors["ref_logprobs"][r0:r1] if "ref_logprobs" in tensors else None,
-            score=float(scores[i]) if scores is not None else None,
-            gold_score=gold_scores[i] if gold_scores is not None else None,
-            chunk=chunk,
-            row=i,
-        ))
+        values = {}
+        for col in present:
+            if not col.is_tensor:
+                listed = fields_in[col.wire]
+                values[col.name] = None if listed is None else listed[i]
+            elif col.per == "sample":
+                values[col.name] = tensors[col.wire][i].item()
+            else:
+                stop = ends[col.per][i]
+                values[col.name] = tensors[col.wire][stop - lengths[col.per][i]:stop]
+        samples.append(Sample(**values, chunk=chunk, row=i))
     return samples

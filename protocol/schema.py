@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SCHEMA_VERSION = 5
+from protocol.samples import sample_fields, sample_tensors
+
+SCHEMA_VERSION = 6  # 6: the sample declared once (protocol.samples); rewards and gold_rewards as lists
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -22,18 +24,8 @@ class MessageSchema:
     tensors: dict[str, str] = field(default_factory=dict)  # name -> dtype ("int32", "float32", ...)
 
 
-_SAMPLE_FIELDS = {
-    "sample_ids": "list[str]",
-    "prompt_indices": "list[int]",
-    "data_rows": "list[int]",  # each prompt's row in the data file (reward functions read its other fields)
-    "behavior_versions": "list[int]",  # the oldest version that generated each sample
-    "last_behavior_versions": "list[int]",  # the newest (newer when weights changed while it was generated)
-    "prompt_lengths": "list[int]",
-    "response_lengths": "list[int]",
-    "finish_reasons": "list[str]",
-}
-_SAMPLE_TENSORS = {"prompt_tokens": "int32", "response_tokens": "int32", "behavior_logprobs": "float32"}
-_SCORED_TENSORS = {**_SAMPLE_TENSORS, "ref_logprobs": "float32", "scores": "float32"}
+_SAMPLE_FIELDS, _SCORED_FIELDS = sample_fields(scored=False), sample_fields(scored=True)
+_SAMPLE_TENSORS, _SCORED_TENSORS = sample_tensors(scored=False), sample_tensors(scored=True)
 
 MESSAGES: dict[str, MessageSchema] = {
     # any role -> buffer: first contact; the reply says the buffer is there and its run id
@@ -63,24 +55,23 @@ MESSAGES: dict[str, MessageSchema] = {
     "score_request": MessageSchema(fields={"max_samples": "int"}),
     "score_work": MessageSchema(fields={**_SAMPLE_FIELDS, "stop": "bool"}, tensors=dict(_SAMPLE_TENSORS)),
     # scorer -> buffer: samples with reference logprobs and scores (RM + reward functions)
-    "scored": MessageSchema(fields={**_SAMPLE_FIELDS, "gold_scores": "list[float]?"}, tensors=dict(_SCORED_TENSORS)),
+    "scored": MessageSchema(fields=dict(_SCORED_FIELDS), tensors=dict(_SCORED_TENSORS)),
     # learner -> buffer: a batch for this policy version (held until one is ready)
     "batch_request": MessageSchema(fields={"policy_version": "int", "batch_size": "int"}),
-    "batch": MessageSchema(fields={**_SAMPLE_FIELDS, "gold_scores": "list[float]?", "stop": "bool"},
-                           tensors=dict(_SCORED_TENSORS)),
+    "batch": MessageSchema(fields={**_SCORED_FIELDS, "stop": "bool"}, tensors=dict(_SCORED_TENSORS)),
     # learner -> buffer: a new version is written; the manifest says where its buckets lie
     # (weight_sync.buckets.WeightManifest.to_dict) and how to check them
-    "weights_published": MessageSchema(fields={"policy_version": "int", "manifest": "dict"}),
+    "weights_published": MessageSchema(fields={"policy_version": "int", "weights_manifest": "dict"}),
     # learner -> buffer: training is over; the buffer tells the other roles to stop
     "finish": MessageSchema(fields={"policy_version": "int"}),
     # learner -> buffer: write your state to ``path`` (part of an atomic checkpoint); policy_version:
     # the learner's, so a batch served for it and never trained goes back with the samples waiting
     "snapshot": MessageSchema(fields={"path": "str", "policy_version": "int"}),
     # learner -> rollouts (PUB): a bucket of a version is written and can be checked
-    "weights_bucket_ready": MessageSchema(fields={"version": "int", "buckets_total": "int", "bucket": "dict"}),
+    "weights_bucket_ready": MessageSchema(fields={"policy_version": "int", "buckets_total": "int", "bucket": "dict"}),
     # rollout -> learner's weight server (across hosts): one bucket of a version, as a raw frame
-    "weights_fetch": MessageSchema(fields={"version": "int", "bucket": "int"}),
-    "weights_bucket": MessageSchema(fields={"version": "int", "bucket": "int", "checksum": "str"},
+    "weights_fetch": MessageSchema(fields={"policy_version": "int", "bucket": "int"}),
+    "weights_bucket": MessageSchema(fields={"policy_version": "int", "bucket": "int", "checksum": "str"},
                                     tensors={"payload": "uint8"}),
     "ack": MessageSchema(fields={"accepted": "int"}),
     "error": MessageSchema(fields={"reason": "str"}),

@@ -179,10 +179,10 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
         if refusals:
             raise IncompatibleWeights(
                 f"models.policy: vLLM's model of {config.models.policy} cannot load the learner's weights "
-                f"(policy version {manifest.version}): {refusals[0]}. Every version would be refused the same "
+                f"(policy version {manifest.policy_version}): {refusals[0]}. Every version would be refused the same "
                 "way; the family's vLLM loader and the transformers model disagree on a parameter name")
         if partial:
-            raise EngineNeedsRestart(f"loading policy version {manifest.version} failed part-way ({partial[0]}): the "
+            raise EngineNeedsRestart(f"loading policy version {manifest.policy_version} failed part-way ({partial[0]}): the "
                                      "engine holds a mix of versions and cannot generate; it must be started again")
         if failures:
             raise WeightStreamError(failures[0])
@@ -192,7 +192,7 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
         engine.reset_prefix_cache(reset_running_requests=True)
         how = ("fetch over tcp and load" if staging is not None else
                "load from shared memory, checked while written" if checked else "load from shared memory")
-        log.info("now generating with policy version %d (%.2fs to %s)", manifest.version,
+        log.info("now generating with policy version %d (%.2fs to %s)", manifest.policy_version,
                  time.monotonic() - started, how)
         return grant.fields["policy_version"], None
     except (IncompatibleWeights, EngineNeedsRestart):

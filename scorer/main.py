@@ -65,7 +65,7 @@ class Scorer:
         return f"reward model: {rm}; reward functions: {functions}"
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Fill in each sample's ``ref_logprobs``, ``score`` and ``gold_score``; returns the mean of
+        """Fill in each sample's ``ref_logprobs``, ``reward`` and ``gold_reward``; returns the mean of
         each part of the score and the count of reward-function failures, for the metrics."""
         from scorer.scoring import reference_logprobs, reward_model_tokens, reward_scores, reward_scores_of_tokens
 
@@ -92,11 +92,11 @@ class Scorer:
             totals += function.weight * values
             parts[function.name] = float(values.mean())
         for sample, total in zip(samples, totals):
-            sample.score = float(total)
+            sample.reward = float(total)
         if self.gold is not None:
             for sample, a in zip(samples, arguments):
                 value = self.gold(sample.sample_id, a, self.log)
-                sample.gold_score = 0.0 if value is None else value
+                sample.gold_reward = 0.0 if value is None else value
         return {**parts, "reward_function_failures": failures}
 
     def _arguments(self, sample: Sample) -> dict:

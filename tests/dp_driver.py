@@ -37,7 +37,7 @@ def fixed_samples(assets: dict):
         s.ref_logprobs = logprobs.numpy().copy()
         s.behavior_logprobs = logprobs.numpy() - 0.05
     for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
-        s.score = score
+        s.reward = score
     return made
 
 

@@ -39,14 +39,14 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     assert late.connect(5, 1.0).type == "welcome"
     samples = [make_sample(0), make_sample(1)]
     for s in samples:
-        s.behavior_version = 0
+        s.behavior_version = s.last_behavior_version = 0
     assert rollout.request("samples", *pack_samples(samples)).fields["accepted"] == 2
 
     work = unpack_samples(scorer.request("score_request", {"max_samples": 8}))
     assert [s.sample_id for s in work] == ["s0", "s1"]
     for s in work:
         s.ref_logprobs = np.full(len(s.response_tokens), -1.5, np.float32)
-        s.score = 0.25
+        s.reward = 0.25
     assert scorer.request("scored", *pack_samples(work, scored=True)).fields["accepted"] == 2
 
     batch = unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": 2}))
@@ -57,11 +57,11 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     # k = 0: no more credits for version 0 weights; the request is held, not answered
     with pytest.raises(TimeoutError):
         rollout.request("credit_request", {"policy_version": 0, "wanted": 10}, timeout_s=0.5)
-    manifest = {"version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "ab", "path": "/dev/shm/b0",
+    manifest = {"policy_version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "ab", "path": "/dev/shm/b0",
                                            "tensors": [["w", "float32", [2], 0]]}]}
     with pytest.raises(Exception, match="published as 2"):
-        learner.request("weights_published", {"policy_version": 2, "manifest": manifest})
-    learner.request("weights_published", {"policy_version": 1, "manifest": manifest})
+        learner.request("weights_published", {"policy_version": 2, "weights_manifest": manifest})
+    learner.request("weights_published", {"policy_version": 1, "weights_manifest": manifest})
     grant = rollout.request("credit_request", {"policy_version": 1, "wanted": 10})
     assert grant.fields["credits"] == 1 and grant.fields["policy_version"] == 1  # two engines: a share each
     assert grant.fields["prompt_indices"] == [2]  # the stream goes on, never repeating a prompt
@@ -128,7 +128,7 @@ def test_a_scorer_that_goes_silent_with_work_is_named(tmp_path):
     rollout.request("credit_request", {"policy_version": 0, "wanted": 2})
     samples = [make_sample(0), make_sample(1)]
     for s in samples:
-        s.behavior_version = 0
+        s.behavior_version = s.last_behavior_version = 0
     assert rollout.request("samples", *pack_samples(samples)).fields["accepted"] == 2
     with pytest.raises(TimeoutError):  # held at the buffer: the rollout waits, it is not stuck
         rollout.request("credit_request", {"policy_version": 0, "wanted": 2}, timeout_s=0.3)
@@ -187,10 +187,10 @@ def test_an_engine_silent_past_its_deadline_loses_its_prompts_to_the_pool(tmp_pa
     assert grant.fields["prompt_indices"] == [0]
     samples = [make_sample(0), make_sample(1)]
     for s in samples:
-        s.behavior_version = 0
+        s.behavior_version = s.last_behavior_version = 0
     assert alive.request("samples", *pack_samples(samples)).fields["accepted"] == 2
     late = make_sample(0)
-    late.sample_id, late.behavior_version = "late", 0
+    late.sample_id, late.behavior_version, late.last_behavior_version = "late", 0, 0
     assert dead.request("samples", *pack_samples([late])).fields["accepted"] == 0  # too late: refused
     learner.request("finish", {"policy_version": 0})
     for c in (dead, alive):

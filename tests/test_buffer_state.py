@@ -16,7 +16,7 @@ from protocol.samples import Sample
 def sample(sample_id, version, prompt_index=0):
     tokens = np.array([1, 2], dtype=np.int32)
     return Sample(str(sample_id), prompt_index, version, tokens, tokens, np.zeros(2, np.float32), "stop",
-                  ref_logprobs=np.zeros(2, np.float32), score=0.0)
+                  ref_logprobs=np.zeros(2, np.float32), reward=0.0)
 
 
 def generate(state, count, version, start=0, engine="rollout:0"):
@@ -519,7 +519,7 @@ def scored(work):
     """A scorer's answer: reference logprobs and a score on each sample (one restored from a
     snapshot arrives without the ones this file's samples are made with)."""
     for s in work:
-        s.ref_logprobs, s.score = np.zeros(len(s.response_tokens), np.float32), 0.0
+        s.ref_logprobs, s.reward = np.zeros(len(s.response_tokens), np.float32), 0.0
     return work
 
 

@@ -18,7 +18,7 @@ def make_sample(i, prompt_len=3, resp_len=4, scored=False):
         behavior_logprobs=-rng.random(resp_len).astype(np.float32),
         finish_reason="stop" if i % 2 else "length",
         ref_logprobs=-rng.random(resp_len).astype(np.float32) if scored else None,
-        score=float(i) * 0.5 if scored else None,
+        reward=float(i) * 0.5 if scored else None,
     )
 
 
@@ -35,7 +35,7 @@ def test_samples_round_trip_through_frames():
         np.testing.assert_array_equal(after.response_tokens, before.response_tokens)
         np.testing.assert_array_equal(after.behavior_logprobs, before.behavior_logprobs)
         np.testing.assert_array_equal(after.ref_logprobs, before.ref_logprobs)
-        assert after.score == before.score and after.finish_reason == before.finish_reason
+        assert after.reward == before.reward and after.finish_reason == before.finish_reason
 
 
 def _envelope(**changes):

@@ -105,7 +105,7 @@ def test_the_weight_server_survives_a_flood_too(tmp_path):
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(server.address)
     rng = random.Random(1)
-    valid = bytes(encode("weights_fetch", {"version": 1, "bucket": 0}, msg_id=1)[0])
+    valid = bytes(encode("weights_fetch", {"policy_version": 1, "bucket": 0}, msg_id=1)[0])
     errors = 0
     for _ in range(MESSAGES):
         choice = rng.randrange(4)
@@ -116,7 +116,7 @@ def test_the_weight_server_survives_a_flood_too(tmp_path):
             data[rng.randrange(len(data))] = rng.randrange(256)
             frames = [bytes(data)]
         elif choice == 2:
-            frames = [bytes(encode("weights_fetch", {"version": rng.randrange(-5, 5), "bucket": rng.randrange(-5, 50)},
+            frames = [bytes(encode("weights_fetch", {"policy_version": rng.randrange(-5, 5), "bucket": rng.randrange(-5, 50)},
                                    msg_id=2)[0])]
         else:
             frames = [bytes(encode("hello", {"role": "x", "worker_id": "y"})[0])]

@@ -33,7 +33,7 @@ def samples(tiny_assets):
         s.behavior_logprobs = logprobs.numpy()
         s.ref_logprobs = logprobs.numpy().copy()
     for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
-        s.score = score
+        s.reward = score
     return made
 
 
@@ -67,7 +67,7 @@ def test_ppo_step_on_real_engines(tmp_path, tiny_assets, samples, zero_stage, re
     # the learner recomputes the same logprobs the samples carry: KL 0, importance weights 1
     assert stats["behavior_logprob_gap"] < 1e-4
     assert abs(stats["kl"]) < 1e-4 and stats["behavior_weight_mean"] == pytest.approx(1.0, abs=1e-4)
-    assert stats["reward"] == pytest.approx(float(np.mean([s.score for s in samples])), abs=1e-5)
+    assert stats["reward"] == pytest.approx(float(np.mean([s.reward for s in samples])), abs=1e-5)
     assert stats["response_length"] == pytest.approx(np.mean([len(s.response_tokens) for s in samples]))
     assert stats["staleness"] == 0.0 and 0.0 <= stats["clipfrac"] <= 1.0
     for key in ("entropy", "value_loss", "policy_loss", "approx_kl", "grad_norm"):
@@ -340,7 +340,7 @@ def test_a_critic_free_step_trains_without_a_critic(tmp_path, tiny_assets, sampl
 def test_a_batch_of_one_sample_with_a_one_token_response_trains(tmp_path, tiny_assets, samples, restore_environment):
     one = samples[0]
     single = Sample("one", 0, 0, one.prompt_tokens, one.response_tokens[:1], one.behavior_logprobs[:1], "length",
-                    ref_logprobs=one.ref_logprobs[:1], score=0.7)
+                    ref_logprobs=one.ref_logprobs[:1], reward=0.7)
     config = load_config(None, ["learner.batch_size=1", "learner.minibatch_size=1"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)

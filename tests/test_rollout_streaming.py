@@ -55,7 +55,7 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
     assert not buffer.is_alive()
 
     assert len(samples) == batch and sorted(s.prompt_index for s in samples) == sorted(2 * list(range(batch // 2)))
-    assert all(s.behavior_version == 0 and s.newest_version == 0 for s in samples)
+    assert all(s.behavior_version == 0 and s.last_behavior_version == 0 for s in samples)
     lengths = [len(s.response_tokens) for s in samples]
     assert len(set(lengths)) > 1, lengths  # groups finished at different engine steps
 

@@ -142,13 +142,13 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
     learner.connect(retries=20, interval_s=0.5)
     writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 14)
     manifest = writer.publish(1, [("w", torch.zeros(4))])
-    learner.request("weights_published", {"policy_version": 1, "manifest": manifest.to_dict()})
+    learner.request("weights_published", {"policy_version": 1, "weights_manifest": manifest.to_dict()})
 
     loads = []
 
     class Unreadable:
         def collective_rpc(self, method, args):
-            loads.append(args[0]["version"])
+            loads.append(args[0]["policy_version"])
             return [{"unreadable": "WeightStreamError: version 1: bucket 0 missing"}]
 
         def generate(self, *args, **kwargs):

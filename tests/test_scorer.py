@@ -130,9 +130,9 @@ def test_a_reward_model_with_its_own_vocabulary_scores_the_text_as_its_own_token
         assert encoded["input_ids"][0, 0] == 1 and encoded["input_ids"][0, -1] == 2  # its own framing
         with torch.no_grad():
             direct = rm(**encoded).logits[0, 0].item()
-        assert sample.score == pytest.approx(direct, abs=1e-5)
-    assert samples[0].score != pytest.approx(samples[1].score, abs=1e-3)
-    assert parts["rm_score"] == pytest.approx(np.mean([s.score for s in samples]), abs=1e-6)
+        assert sample.reward == pytest.approx(direct, abs=1e-5)
+    assert samples[0].reward != pytest.approx(samples[1].reward, abs=1e-3)
+    assert parts["rm_score"] == pytest.approx(np.mean([s.reward for s in samples]), abs=1e-6)
 
     # the same RM given the policy's tokenizer reads the ids unchanged: no decode, the ids path
     shared = make_scorer(tmp_path, tiny_assets)
@@ -154,7 +154,7 @@ def test_a_chat_reaches_a_reward_model_through_its_own_chat_template(tmp_path, t
     assert ids.count(1) == 1  # one [CLS]
     with torch.no_grad():
         direct = rm(input_ids=torch.tensor([ids])).logits[0, 0].item()
-    assert samples[0].score == pytest.approx(direct, abs=1e-5)
+    assert samples[0].reward == pytest.approx(direct, abs=1e-5)
 
 
 def exact_parity(prompt, response):
@@ -179,7 +179,7 @@ def test_reward_functions_are_trained_on_added_to_the_rm_and_a_failing_one_costs
                  {"function": "tests.test_scorer:length_bonus", "weight": 1.0},
                  {"function": "tests.test_scorer:broken", "weight": 5.0}]
     rm_only = make_scorer(tmp_path, tiny_assets, prompts_rows=rows)
-    rm_scores = [s.score for s in scored_samples(rm_only)[0]]
+    rm_scores = [s.reward for s in scored_samples(rm_only)[0]]
     scorer = make_scorer(tmp_path, tiny_assets, prompts_rows=rows, scorer={"reward_functions": functions})
     with caplog.at_level(logging.WARNING):  # whatever level an earlier test's role left the root logger at
         samples, parts = scored_samples(scorer)
@@ -187,7 +187,7 @@ def test_reward_functions_are_trained_on_added_to_the_rm_and_a_failing_one_costs
     parity = [exact_parity("even 1 2 :", "3 5"), exact_parity("odd 0 0 :", "2 4 6 0")]
     assert parity == [0.0, 0.0]
     expected = [rm + 2.0 * p + bonus * len(r) for rm, p, bonus, r in zip(rm_scores, parity, (0.5, 2.0), RESPONSES)]
-    assert [s.score for s in samples] == pytest.approx(expected, abs=1e-5)
+    assert [s.reward for s in samples] == pytest.approx(expected, abs=1e-5)
     assert parts["reward_function_failures"] == 2 and parts["tests.test_scorer:broken"] == 0.0
     assert "reward function tests.test_scorer:broken failed on sample s0" in caplog.text
     assert "no answer key" in caplog.text
@@ -202,7 +202,7 @@ def test_verifiable_rewards_alone_need_no_reward_model(tmp_path, tiny_assets):
     samples = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
                       "stop") for i, (p, r) in enumerate(pairs)]
     parts = scorer.score(samples)
-    assert [s.score for s in samples] == [1.0, 0.5] and "rm_score" not in parts
+    assert [s.reward for s in samples] == [1.0, 0.5] and "rm_score" not in parts
     assert parts["tests.test_scorer:exact_parity"] == 0.75
 
 
@@ -240,4 +240,4 @@ def test_the_scorer_runs_its_models_in_the_learners_dtype(tmp_path, tiny_assets)
     for a, b in zip(half, full):
         assert a.ref_logprobs.dtype == np.float32  # on the wire in fp32 whatever the models' dtype
         np.testing.assert_allclose(a.ref_logprobs, b.ref_logprobs, atol=0.1)
-        assert a.score == pytest.approx(b.score, abs=0.1)
+        assert a.reward == pytest.approx(b.reward, abs=0.1)

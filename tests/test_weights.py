@@ -89,11 +89,11 @@ def test_a_version_being_read_is_never_overwritten(tmp_path):
 
 
 @pytest.mark.parametrize("manifest", [
-    {"version": 1},
-    {"version": 1, "buckets": [{"index": 1, "nbytes": 8, "checksum": "x", "path": "/p", "tensors": []}]},
-    {"version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "x", "path": "/p",
+    {"policy_version": 1},
+    {"policy_version": 1, "buckets": [{"index": 1, "nbytes": 8, "checksum": "x", "path": "/p", "tensors": []}]},
+    {"policy_version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "x", "path": "/p",
                                 "tensors": [["w", "float32", [4], 0]]}]},  # 16 bytes in an 8-byte bucket
-    {"version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "x", "path": "/p",
+    {"policy_version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "x", "path": "/p",
                                 "tensors": [["w", "complex128", [1], 0]]}]},
 ])
 def test_malformed_manifests_are_refused(manifest):

@@ -116,7 +116,7 @@ class BucketEntry:
 
 @dataclass
 class WeightManifest:
-    version: int
+    policy_version: int
     buckets: list[BucketEntry]
 
     @property
@@ -124,7 +124,7 @@ class WeightManifest:
         return sum(bucket.nbytes for bucket in self.buckets)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"version": self.version, "buckets": [bucket.to_dict() for bucket in self.buckets]}
+        return {"policy_version": self.policy_version, "buckets": [bucket.to_dict() for bucket in self.buckets]}
 
     @staticmethod
     def from_dict(data: Any) -> "WeightManifest":
@@ -134,7 +134,7 @@ class WeightManifest:
             for position, bucket in enumerate(buckets):
                 if bucket.index != position:
                     raise ValueError(f"bucket {position} has index {bucket.index}")
-            return WeightManifest(int(data["version"]), buckets)
+            return WeightManifest(int(data["policy_version"]), buckets)
         except (KeyError, TypeError, ValueError) as error:
             raise ProtocolError(f"malformed weight manifest: {error!r}") from None
 
@@ -292,11 +292,11 @@ class ShmWeightWriter:
                 target = slot.payload(bucket.index)
                 np.copyto(target, np.frombuffer(payload, dtype=np.uint8))
                 if checksum(target) != bucket.checksum:
-                    raise WeightStreamError(f"version {manifest.version}: bucket {bucket.index} fails its checksum "
+                    raise WeightStreamError(f"version {manifest.policy_version}: bucket {bucket.index} fails its checksum "
                                             "(corrupted in transit)")
                 buckets.append(BucketEntry(bucket.index, bucket.nbytes, bucket.checksum, slot.bucket_path(bucket.index),
                                            bucket.tensors))
-            slot.version, slot.manifest = manifest.version, WeightManifest(manifest.version, buckets)
+            slot.version, slot.manifest = manifest.policy_version, WeightManifest(manifest.policy_version, buckets)
         return slot.manifest
 
     def slot_of(self, version: int) -> "_Slot | None":
@@ -361,21 +361,21 @@ def read_manifest(manifest: WeightManifest, verify: bool = True) -> Iterator[dic
     directories = {os.path.dirname(bucket.path) for bucket in manifest.buckets}
     missing = [directory for directory in directories if not os.path.isdir(directory)]
     if missing:
-        raise WeightStreamError(f"version {manifest.version}: slot {missing[0]} does not exist")
+        raise WeightStreamError(f"version {manifest.policy_version}: slot {missing[0]} does not exist")
     with _locks(sorted(directories)):
         payloads = []
         for bucket in manifest.buckets:
             try:
                 size = os.path.getsize(bucket.path)
             except OSError:
-                raise WeightStreamError(f"version {manifest.version}: bucket {bucket.index} missing "
+                raise WeightStreamError(f"version {manifest.policy_version}: bucket {bucket.index} missing "
                                         f"({bucket.path})") from None
             if size != bucket.nbytes:
-                raise WeightStreamError(f"version {manifest.version}: bucket {bucket.index} has {size} bytes, "
+                raise WeightStreamError(f"version {manifest.policy_version}: bucket {bucket.index} has {size} bytes, "
                                         f"expected {bucket.nbytes}")
             payload = np.frombuffer(_reader_map(bucket.path, size), dtype=np.uint8) if size else np.zeros(0, np.uint8)
             if verify and checksum(payload) != bucket.checksum:
-                raise WeightStreamError(f"version {manifest.version}: bucket {bucket.index} fails its checksum "
+                raise WeightStreamError(f"version {manifest.policy_version}: bucket {bucket.index} fails its checksum "
                                         "(overwritten or corrupted)")
             payloads.append(payload)
         tensors = {}

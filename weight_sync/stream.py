@@ -37,7 +37,7 @@ class WeightStreamPublisher:
     def announcer(self, version: int):
         def announce(total: int, bucket: BucketEntry) -> None:
             self.socket.send_multipart(encode("weights_bucket_ready", {
-                "version": version, "buckets_total": total, "bucket": bucket.to_dict()}))
+                "policy_version": version, "buckets_total": total, "bucket": bucket.to_dict()}))
         return announce
 
     def close(self) -> None:
@@ -76,7 +76,7 @@ class WeightPrefetcher:
             except ProtocolError as error:
                 log.warning("weight stream: refused a notice: %s", error)
                 continue
-            self._check(notice.fields["version"], notice.fields["buckets_total"], bucket)
+            self._check(notice.fields["policy_version"], notice.fields["buckets_total"], bucket)
 
     def _check(self, version: int, total: int, bucket: BucketEntry) -> None:
         with self._mutex:
@@ -110,7 +110,7 @@ class WeightPrefetcher:
         """True when every bucket of ``manifest`` was checked and its slots are held since; the
         slots then stay held (pinned), whatever the stream brings next, until ``release``."""
         with self._mutex:
-            complete = (manifest.version == self._version and not self._failed
+            complete = (manifest.policy_version == self._version and not self._failed
                         and len(self._checked) == self._total == len(manifest.buckets)
                         and all(self._checked.get(b.index) == b.checksum for b in manifest.buckets)
                         and all(b.path.rsplit("/", 1)[0] in self._locks for b in manifest.buckets))

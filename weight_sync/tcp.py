@@ -46,7 +46,7 @@ class WeightServer:
                 request_id = request.id
                 if request.type != "weights_fetch":
                     raise ProtocolError(f"the weight server does not take {request.type!r}")
-                reply = self._bucket(request.fields["version"], request.fields["bucket"])
+                reply = self._bucket(request.fields["policy_version"], request.fields["bucket"])
                 self.socket.send_multipart([identity] + encode(*reply, msg_id=request.id), copy=False)
             except (ProtocolError, WeightStreamError) as error:
                 self.refused += 1
@@ -59,13 +59,13 @@ class WeightServer:
             raise WeightStreamError(f"version {version} is no longer held; fetch the newest")
         with _slot_lock(slot.directory, exclusive=False):  # the writer cannot claim the slot meanwhile
             manifest = slot.manifest
-            if manifest is None or manifest.version != version:
+            if manifest is None or manifest.policy_version != version:
                 raise WeightStreamError(f"version {version} is no longer held; fetch the newest")
             if not 0 <= index < len(manifest.buckets):
                 raise WeightStreamError(f"version {version} has no bucket {index}")
             bucket = manifest.buckets[index]
             payload = slot.payload(index).copy()  # out of the slot before the lock goes
-        return "weights_bucket", {"version": version, "bucket": index, "checksum": bucket.checksum}, {"payload": payload}
+        return "weights_bucket", {"policy_version": version, "bucket": index, "checksum": bucket.checksum}, {"payload": payload}
 
     def close(self) -> None:
         self._stop.set()
@@ -85,20 +85,20 @@ def fetch_over_tcp(manifest: WeightManifest, address: str, staging: ShmWeightWri
     try:
         payloads = []
         for bucket in manifest.buckets:
-            socket.send_multipart(encode("weights_fetch", {"version": manifest.version, "bucket": bucket.index},
+            socket.send_multipart(encode("weights_fetch", {"policy_version": manifest.policy_version, "bucket": bucket.index},
                                          msg_id=bucket.index))
             if not socket.poll(int(timeout_s * 1000)):
-                raise WeightStreamError(f"version {manifest.version}: bucket {bucket.index} did not come within "
+                raise WeightStreamError(f"version {manifest.policy_version}: bucket {bucket.index} did not come within "
                                         f"{timeout_s:.0f}s from {address}")
             try:
                 reply = decode(socket.recv_multipart(copy=False), max_frame_bytes)
             except ProtocolError as error:
-                raise WeightStreamError(f"version {manifest.version}: bucket {bucket.index}: {error}") from None
+                raise WeightStreamError(f"version {manifest.policy_version}: bucket {bucket.index}: {error}") from None
             if reply.type == "error":
-                raise WeightStreamError(f"version {manifest.version}: {reply.fields['reason']}")
+                raise WeightStreamError(f"version {manifest.policy_version}: {reply.fields['reason']}")
             payload = reply.tensors["payload"]
             if reply.fields["checksum"] != bucket.checksum or payload.nbytes != bucket.nbytes:
-                raise WeightStreamError(f"version {manifest.version}: bucket {bucket.index} does not match its "
+                raise WeightStreamError(f"version {manifest.policy_version}: bucket {bucket.index} does not match its "
                                         "manifest (size or checksum)")
             payloads.append(payload)
         return staging.store(manifest, payloads)
