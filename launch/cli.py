@@ -7,9 +7,11 @@ import os
 import sys
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import NoReturn, Optional
 
 import typer
+
+from launch.exit_codes import ExitCode, signalled
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="tether: asynchronous PPO-RLHF with vLLM, DeepSpeed and ZeroMQ.")
@@ -27,14 +29,19 @@ class Role(str, Enum):
     learner = "learner"
 
 
+def fail(message: object, code: ExitCode, label: str = "error") -> NoReturn:
+    """The one way a command reports an error: ``label: message`` on stderr, then exit ``code``."""
+    typer.echo(f"{label}: {message}", err=True)
+    raise typer.Exit(code)
+
+
 def _load(config: Path, override: Optional[list[str]]):
     from common.config import ConfigError, load_config
 
     try:
         return load_config(config, override or [])
     except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
+        fail(error, ExitCode.CONFIG_ERROR)
 
 
 @app.command()
@@ -61,8 +68,7 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             try:
                 run(resolved, worker_index)
             except EngineNeedsRestart as error:  # `tether run` starts it again
-                typer.echo(f"error: {error}", err=True)
-                raise typer.Exit(1)
+                fail(error, ExitCode.FAILED)
         elif role is Role.scorer:
             from scorer.main import run
             run(resolved, worker_index)
@@ -74,14 +80,11 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             try:
                 run(resolved)
             except TrainingStopped as error:
-                typer.echo(f"stopped: {error}", err=True)
-                raise typer.Exit(3)
+                fail(error, ExitCode.TRAINING_STOPPED, label="stopped")
             except Preempted as error:
-                typer.echo(f"stopped: {error}", err=True)
-                raise typer.Exit(128 + error.signal)
+                fail(error, signalled(error.signal), label="stopped")
     except (ConfigError, BufferUnreachable) as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2 if isinstance(error, ConfigError) else 1)
+        fail(error, ExitCode.CONFIG_ERROR if isinstance(error, ConfigError) else ExitCode.FAILED)
     exit_finished()
 
 
@@ -114,17 +117,15 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
             resume: Optional[Path] = typer.Option(None, help="continue RUN_DIR from its newest complete checkpoint")) -> None:
     """Start every role as its own process, show progress, stop them all when the learner is done."""
     if resume is not None:
-        from learner.main import newest_state
+        from learner.checkpoints import newest_state
 
         state = newest_state(str(resume))
         if state is None:
-            typer.echo(f"error: {resume}/checkpoints holds no complete checkpoint (learner.checkpoint_every)", err=True)
-            raise typer.Exit(2)
+            fail(f"{resume}/checkpoints holds no complete checkpoint (learner.checkpoint_every)", ExitCode.CONFIG_ERROR)
         config = config or resume / "config.yaml"
         override = [*(override or []), f"run_dir={resume}", f"resume_from={state}"]
     elif config is None:
-        typer.echo("error: --config is needed (or --resume RUN_DIR)", err=True)
-        raise typer.Exit(2)
+        fail("--config is needed (or --resume RUN_DIR)", ExitCode.CONFIG_ERROR)
     resolved = _load(config, override)
     from common.config import ConfigError
     from common.models import resolve_models
@@ -133,8 +134,7 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         for role in ("rollout", "scorer", "learner"):
             resolve_models(resolved, role)
     except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
+        fail(error, ExitCode.CONFIG_ERROR)
     from launch.runner import run_pipeline
 
     raise typer.Exit(run_pipeline(resolved, overwrite, resume=resume is not None))
@@ -165,8 +165,7 @@ def evaluate(checkpoint: Path = typer.Argument(..., help="an HF model directory 
     try:
         figures = run(_load(config, override), str(checkpoint), step)
     except ConfigError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
+        fail(error, ExitCode.CONFIG_ERROR)
     typer.echo(" ".join(f"{key} {value:.4g}" if isinstance(value, float) else f"{key} {value}"
                         for key, value in figures.items()))
     if remove:
@@ -185,8 +184,7 @@ def plot(run_dir: Path = typer.Argument(..., help="a run directory"),
     try:
         path, _ = plot_run(str(run_dir), str(output) if output else None)
     except FileNotFoundError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
+        fail(error, ExitCode.CONFIG_ERROR)
     typer.echo(path)
 
 
@@ -198,8 +196,7 @@ def profile(run_dir: Path = typer.Argument(..., help="a run directory")) -> None
     try:
         typer.echo(format_profile(profile_run(str(run_dir))))
     except FileNotFoundError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
+        fail(error, ExitCode.CONFIG_ERROR)
 
 
 @app.command()
@@ -242,8 +239,7 @@ def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideO
             parse_counts(text)
         bounds = [int(k) for k in staleness.split(",")]
     except ValueError as error:
-        typer.echo(f"error: {error}", err=True)
-        raise typer.Exit(2)
+        fail(error, ExitCode.CONFIG_ERROR)
     trials = run_sweep(resolved, split, bounds, steps, gpus, str(out))
     typer.echo(format_sweep(trials))
 

@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from common.sequences import pad_rows
+from launch.exit_codes import ExitCode
 
 PAD, BOS, EOS = 0, 1, 2
 VOCAB = ["<pad>", "<bos>", "<eos>", "even", "odd", ":"] + [str(d) for d in range(10)]
@@ -310,7 +311,7 @@ def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int
         config = load_config(config_path, [*built, *overrides])
     except ConfigError as error:
         print(f"error: {error}")
-        return 2
+        return ExitCode.CONFIG_ERROR
     code = run_pipeline(config, overwrite=True)
     if code != 0:
         return code
@@ -332,4 +333,4 @@ def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int
               f"{row['response_length']:>9.2f}")
     print(f"gold reward gain {report['gold_gain']:+.3f} (target >= +0.2); {report['elapsed_s']:.0f}s in all")
     print(f"results: {config.run_dir} (metrics/, logs/, checkpoints/final, demo_report.json)")
-    return 0 if math.isfinite(report["gold_gain"]) else 1
+    return ExitCode.OK if math.isfinite(report["gold_gain"]) else ExitCode.FAILED

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from common.config import TetherConfig, dump_config
 from common.runlog import StartupTimeline, read_metrics
+from launch.exit_codes import ExitCode, signalled
 
 SHUTDOWN_GRACE_S = 60.0  # after the learner is done, time for the others to hear "stop" and exit
 TERMINATE_GRACE_S = 10.0
@@ -23,7 +24,6 @@ DIST_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 
 RESTARTABLE = ("rollout", "scorer")  # their state is in the buffer; the buffer and learner hold it
-CONFIG_ERROR_EXIT = 2  # `tether launch` exits so on a ConfigError (bad config, model or data)
 
 
 @dataclass
@@ -325,7 +325,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
         if not overwrite:
             print(f"error: run_dir {run_dir} already holds a run ({', '.join(previous)}); choose another "
                   "run_dir or pass --overwrite", file=sys.stderr)
-            return 2
+            return ExitCode.CONFIG_ERROR
         for name in previous:
             shutil.rmtree(os.path.join(run_dir, name))
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
@@ -363,7 +363,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                 if code in (None, 0):
                     continue
                 if (role.role in RESTARTABLE and role.restarts < config.launch.max_restarts and learner_done_at is None
-                        and code != CONFIG_ERROR_EXIT):  # a restart would be refused the same way
+                        and code != ExitCode.CONFIG_ERROR):  # a restart would be refused the same way
                     delay = config.launch.restart_backoff_s * 2 ** role.restarts
                     print(f"tether run: {role.name} exited with code {code}; restarting it in {delay:.0f}s "
                           f"({role.restarts + 1} of {config.launch.max_restarts}); last lines:\n"
@@ -382,7 +382,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                 _stop(roles)
                 evaluations.stop()
                 _remove_shared_memory(config)
-                return 1
+                return ExitCode.FAILED
             if learner.process.poll() == 0 and learner_done_at is None:
                 learner_done_at = time.monotonic()
             if learner_done_at is not None:
@@ -392,7 +392,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                     timeline.phase("run")
                     evaluations.finish()
                     print(f"tether run: done; final policy in {run_dir}/checkpoints/final", flush=True)
-                    return 0
+                    return ExitCode.OK
                 if time.monotonic() - learner_done_at > SHUTDOWN_GRACE_S:
                     stragglers = [role.name for role in roles if role.process.poll() is None]
                     print(f"tether run: {', '.join(stragglers)} did not stop within {SHUTDOWN_GRACE_S:.0f}s; "
@@ -400,13 +400,13 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                     _stop(roles)
                     _remove_shared_memory(config)
                     evaluations.finish()
-                    return 0
+                    return ExitCode.OK
     except (KeyboardInterrupt, Stopped) as stop:
         print(f"tether run: {stop or 'interrupted'}, stopping every role", file=sys.stderr, flush=True)
         _stop_learner_first(roles, config.launch.checkpoint_grace_s)
         evaluations.stop()
         _remove_shared_memory(config)
-        return 128 + stop.signal if isinstance(stop, Stopped) else 130
+        return signalled(stop.signal) if isinstance(stop, Stopped) else signalled(signal.SIGINT)
     finally:
         for number, handler in previous_handlers.items():
             signal.signal(number, handler)
