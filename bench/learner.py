@@ -81,7 +81,7 @@ def bare_step(models: list, optimizers: list, batch, minibatches: list, proximal
     """The passes a PPO step needs, in plain torch (see the module's docstring)."""
     import torch
 
-    from learner.engines import ValueModel
+    from learner.models import ValueModel
     from common.distributions import logprobs_from_logits
     from common.sequences import gather_response
 
@@ -136,7 +136,9 @@ def main() -> None:
     import learner.step
     from launch.demo import VOCAB
     from learner import micro_batches
-    from learner.engines import init_distributed, load_actor, load_critic, make_engine
+    from learner.deepspeed_engine import make_deepspeed_engine
+    from learner.models import load_actor, load_critic
+    from learner.parallel import init_distributed
     from common.config import load_config
     from common.sequences import SequenceBatch, collate
 
@@ -157,7 +159,7 @@ def main() -> None:
             "data": {"prompts": "/unused"}}
     configs = {name: load_config(None, overrides, base=base) for name, overrides in configs.items()}
     init_distributed(configs["tether"])
-    engines = {name: (make_engine(load_actor(policy), 1e-5, config), make_engine(load_critic(rm), 1e-5, config))
+    engines = {name: (make_deepspeed_engine(load_actor(policy), 1e-5, config), make_deepspeed_engine(load_critic(rm), 1e-5, config))
                for name, config in configs.items()}
     bare_models = [load_actor(policy).train(), load_critic(rm).train()]
     bare_optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-5, eps=1e-8) for m in bare_models]
@@ -179,8 +181,7 @@ def main() -> None:
             if name == "before":
                 SequenceBatch.select, learner.step.micro_batches_of = untrimmed, unsorted
             try:
-                learner.step.ppo_step(actor, critic, samples, batch, configs[name].learner, temperature=1.0,
-                                      kl_coef=0.05, policy_version=0, moments=None)
+                learner.step.ppo_step(actor, critic, samples, batch, configs[name], policy_version=0, kl_coef=0.05)
             finally:
                 SequenceBatch.select, learner.step.micro_batches_of = select, plan
         return time.perf_counter() - started

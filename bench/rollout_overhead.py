@@ -68,7 +68,7 @@ def main() -> None:
     from common.config import load_config
     from common.runlog import read_metrics
     from common.prompts import prompt_token_ids, read_rows
-    from rollout.main import make_engine, sampling_params, run
+    from rollout.main import make_vllm_engine, sampling_params, run
 
     work = tempfile.mkdtemp(prefix="tether-bench-rollout-")
     model_dir, prompts_path = os.path.join(work, "model"), os.path.join(work, "prompts.jsonl")
@@ -85,7 +85,7 @@ def main() -> None:
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
 
-    engine = make_engine(config)
+    engine = make_vllm_engine(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = [TokensPrompt(prompt_token_ids=prompt_token_ids(row, tokenizer)) for row in read_rows(prompts_path)]
     sampling = sampling_params(config)

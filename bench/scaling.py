@@ -165,7 +165,9 @@ def learner_worker(args) -> None:
     import numpy as np
 
     from learner import parallel
-    from learner.engines import init_distributed, load_actor, load_critic, make_engine
+    from learner.deepspeed_engine import make_deepspeed_engine
+    from learner.models import load_actor, load_critic
+    from learner.parallel import init_distributed
     from learner.step import ppo_step
     from common.config import load_config
     from protocol.samples import Sample
@@ -181,14 +183,14 @@ def learner_worker(args) -> None:
     samples = [Sample(f"s{i}", i, 0, rng.integers(3, 16, 8).astype(np.int32), rng.integers(3, 16, 32).astype(np.int32),
                       np.full(32, -2.0, np.float32), "length", ref_logprobs=np.full(32, -2.0, np.float32),
                       reward=float(rng.normal())) for i in range(64)]
-    actor = make_engine(load_actor(args.policy), 1e-5, config)
-    critic = make_engine(load_critic(args.reward), 1e-5, config)
+    actor = make_deepspeed_engine(load_actor(args.policy), 1e-5, config)
+    critic = make_deepspeed_engine(load_critic(args.reward), 1e-5, config)
     batch = collate(samples, pad_token_id=0)
     for step in range(args.steps + 1):
         if step == 1:
             parallel.barrier()
             started = time.perf_counter()
-        ppo_step(actor, critic, samples, batch, config.learner, 1.0, 0.05, step, None)
+        ppo_step(actor, critic, samples, batch, config, policy_version=step, kl_coef=0.05)
     parallel.barrier()
     rate = args.steps * 64 * 32 / (time.perf_counter() - started)
     if parallel.is_main():

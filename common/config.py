@@ -36,6 +36,28 @@ class ModelsConfig(_Strict):
     critic_init: Literal["auto", "reward", "policy"] = Field(
         "auto", description="initialise the critic's body from; auto: the reward model when there is one and it "
                             "reads the policy's tokens, else the policy")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32", description="the learner's and the scorer's models (DeepSpeed keeps fp32 master weights); "
+                               "logprobs, values and losses are computed in fp32 either way. The rollout's engine "
+                               "has its own, rollout.dtype")
+
+
+class SamplingConfig(_Strict):
+    """The distribution the rollout samples from, one value that every role reads: vLLM samples from it,
+    the learner's logprobs and entropy are of it (common.distributions), the reference's logprobs
+    are of its temperature alone, and the evaluator samples from it too."""
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    temperature: float = Field(1.0, gt=0, description="logits are divided by it before sampling")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of likeliest tokens "
+                                                    "holding this much probability; 1: all")
+    top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0: all")
+
+    def without_truncation(self) -> "SamplingConfig":
+        """The same temperature and no top-k / top-p: the reference's distribution, since the KL
+        tether is to the whole SFT distribution (truncated, a token outside the reference's nucleus
+        would make it infinite)."""
+        return SamplingConfig(temperature=self.temperature)
 
 
 class DataConfig(_Strict):
@@ -64,11 +86,6 @@ class RolloutConfig(_Strict):
     samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (vLLM's n)")
     prompts_per_generate: int = Field(64, ge=1, description="most prompts generating at once in one engine")
     max_new_tokens: int = Field(32, ge=1)
-    temperature: float = Field(1.0, gt=0, description="sampling temperature; the learner uses the same")
-    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; the learner's logprobs are renormalised "
-                                                    "over the same set (common.distributions)")
-    top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0: all. The learner's logprobs "
-                                            "are renormalised over the same set")
     ignore_eos: bool = Field(False, description="generate max_new_tokens always (benchmarks)")
     max_model_len: int = Field(256, ge=8)
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache, GiB (vLLM's kv_cache_memory_bytes; "
@@ -81,7 +98,8 @@ class RolloutConfig(_Strict):
                                                          "eager on CPU, graphs on GPUs (much of vLLM's speed "
                                                          "there, at a longer start-up)")
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU share for vLLM (GPU only)")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the dtype vLLM's engine "
+                                                             "runs the policy in (the learner's is models.dtype)")
 
 
 class ScorerConfig(_Strict):
@@ -160,9 +178,6 @@ class LearnerConfig(_Strict):
     normalize_rewards: bool = Field(False, description="scale RM scores by their running std")
     score_clip: float | None = Field(None, gt=0)
     truncation_penalty: float = Field(0.0, le=0, description="added to the score of a response cut at max_new_tokens")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field(
-        "float32", description="the learner's and the scorer's models (DeepSpeed keeps fp32 master weights); "
-                               "logprobs, values and losses are computed in fp32 either way")
     zero_stage: Literal[0, 1, 2, 3] = 0
     ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks per node (torch.distributed's launcher)")
     dist_timeout_s: float = Field(1800.0, gt=0, description="a collective between learner ranks fails after this")
@@ -287,6 +302,7 @@ class TetherConfig(_Strict):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     models: ModelsConfig
     data: DataConfig
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     scorer: ScorerConfig = Field(default_factory=ScorerConfig)
     buffer: BufferConfig = Field(default_factory=BufferConfig)
@@ -426,6 +442,20 @@ def apply_override(data: dict[str, Any], override: str) -> None:
     node[parts[-1]] = value
 
 
+# keys that moved, each to its one home: a config that still uses one is told where it went
+MOVED_KEYS = {"rollout.temperature": "sampling.temperature", "rollout.top_p": "sampling.top_p",
+              "rollout.top_k": "sampling.top_k", "learner.dtype": "models.dtype"}
+
+
+def _moved_keys(data: dict[str, Any]) -> list[str]:
+    found = []
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            found.append(f"  {old}: moved to {new}")
+    return found
+
+
 def _format_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
@@ -442,6 +472,9 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
         data.update(_read_file(Path(path)))
     for override in overrides or []:
         apply_override(data, override)
+    moved = _moved_keys(data)
+    if moved:
+        raise ConfigError("invalid config:\n" + "\n".join(moved))
     try:
         return TetherConfig.model_validate(data)
     except ValidationError as error:

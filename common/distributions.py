@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import torch
 
+from common.config import SamplingConfig
+
+# no temperature and no truncation: the model's own distribution
+PLAIN = SamplingConfig()
+
 # A taken token the truncation leaves no mass (the learner's nucleus differs from the rollout's at
 # the boundary, or moved during the update) gets this, not -inf: the ratio is ~0, gradients finite.
 LOGPROB_FLOOR = -100.0
@@ -37,19 +42,15 @@ def truncated_logits(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -
     return torch.empty_like(ordered).scatter_(-1, order, ordered)
 
 
-def logprobs_from_logits(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0
-) -> torch.Tensor:
+def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig = PLAIN) -> torch.Tensor:
     """Log-probabilities of the taken tokens.
 
     logits: [B, T, V] (position t scores token t, i.e. already shifted); tokens: [B, T] int.
-    Returns [B, T]. Logits are divided by the sampling ``temperature`` first, then truncated by
+    Returns [B, T]. Logits are divided by ``sampling.temperature`` first, then truncated by its
     ``top_k`` / ``top_p`` (``truncated_logits``), so the result is the log-probability under the
     same distribution the rollout sampled from; a token the truncation leaves out gets
     ``LOGPROB_FLOOR``.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 3:
         raise ValueError(f"logits must be [batch, resp_len, vocab], got shape {tuple(logits.shape)}")
     if tokens.shape != logits.shape[:2]:
@@ -57,26 +58,23 @@ def logprobs_from_logits(
                          f"{tuple(logits.shape[:2])}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
-    scaled = truncated_logits(logits.float() / temperature, top_p, top_k)
+    scaled = truncated_logits(logits.float() / sampling.temperature, sampling.top_p, sampling.top_k)
     # log_softmax then gather: numerically the same as gather minus logsumexp, one pass less.
     log_normaliser = torch.logsumexp(scaled, dim=-1)
     taken = torch.gather(scaled, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
     return (taken - log_normaliser).clamp(min=LOGPROB_FLOOR)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, top_p: float = 1.0,
-                        top_k: int = 0) -> torch.Tensor:
+def entropy_from_logits(logits: torch.Tensor, sampling: SamplingConfig = PLAIN) -> torch.Tensor:
     """Entropy of the next-token distribution sampled from (temperature, then top-k / top-p) per
     position.
 
     logits: [B, T, V]. Returns [B, T] in nats: H = logsumexp(z) - sum softmax(z) z, over the tokens
     the truncation keeps.
     """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
-    scaled = truncated_logits(logits.float() / temperature, top_p, top_k)
+    scaled = truncated_logits(logits.float() / sampling.temperature, sampling.top_p, sampling.top_k)
     probs = torch.softmax(scaled, dim=-1)
     kept = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))  # 0 x -inf is NaN
     return torch.logsumexp(scaled, dim=-1) - (probs * kept).sum(dim=-1)

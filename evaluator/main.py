@@ -34,7 +34,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
 
-    from rollout.main import Generating, make_engine, sampling_params, to_samples
+    from rollout.main import Generating, make_vllm_engine, sampling_params, to_samples
     from scorer.main import Scorer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -42,7 +42,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
     token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "eval.prompts",
                                      config.data.prompts)
-    engine = make_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
+    engine = make_vllm_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
     try:
         sampling = [sampling_params(config, n=1, ignore_eos=False, seed=config.eval.seed + i) for i in range(len(kept))]
         outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling, use_tqdm=False)

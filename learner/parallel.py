@@ -9,10 +9,17 @@ whitened over the whole batch exactly as on one rank. Each minibatch is split th
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 
 import torch
 import torch.distributed as dist
+
+from common.config import ConfigError, TetherConfig
+from protocol.transport import free_port
+
+log = logging.getLogger("learner")
 
 _cpu_group = None
 _timeout = None  # learner.dist_timeout_s, for the gloo group made on GPUs
@@ -112,3 +119,65 @@ def barrier() -> None:
 
 def is_main() -> bool:
     return int(os.environ.get("RANK", 0)) == 0
+
+
+def device() -> torch.device:
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
+
+def init_distributed(config: TetherConfig) -> None:
+    """One process without a launcher is rank 0 of 1; under torchrun (`learner.ranks`) the
+    launcher's environment is kept. gloo on CPU (MACHINE.md), NCCL on GPUs."""
+    import datetime
+
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(config.learner.dist_port or free_port()))
+    if not torch.cuda.is_available():
+        if os.environ["WORLD_SIZE"] == "1" or not config.learner.cpu_shm_allreduce:
+            _skip_shared_memory_allreduce()
+        else:
+            remove_stale_build_locks()
+    else:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    world = int(os.environ["WORLD_SIZE"])
+    for key in ("batch_size", "minibatch_size"):  # ranks x hosts: known only now
+        if getattr(config.learner, key) % world:
+            raise ConfigError(f"learner.{key} ({getattr(config.learner, key)}) must be a multiple of the learner's "
+                              f"{world} ranks (learner.ranks x hosts)")
+    ptx_batch = config.learner.ptx_batch_size
+    if config.data.ptx and ptx_batch is not None and ptx_batch % world:
+        raise ConfigError(f"learner.ptx_batch_size ({ptx_batch}) must be a multiple of the learner's {world} ranks")
+    timeout = datetime.timedelta(seconds=config.learner.dist_timeout_s)
+    set_timeout(timeout)
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+
+def _skip_shared_memory_allreduce() -> None:
+    """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (~90 s on a fresh
+    machine, MACHINE.md) that a single rank never calls, and that several ranks use only with
+    ``learner.cpu_shm_allreduce``; marking it unavailable makes DeepSpeed use plain gloo, as it
+    does wherever the op cannot be built."""
+    import deepspeed.ops
+    from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
+
+    deepspeed.ops.__compatible_ops__[ShareMemCommBuilder.NAME] = False
+
+def remove_stale_build_locks(max_age_s: float = 900.0) -> list[str]:
+    """Remove torch JIT-build lock files older than ``max_age_s``. A process killed while
+    compiling an extension leaves its ``lock`` behind, and every later build of that extension
+    waits on it forever without a word; a real build here takes about 90 s."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root()
+    removed = []
+    for build_dir, _, files in os.walk(root):
+        if "lock" not in files:
+            continue
+        lock = os.path.join(build_dir, "lock")
+        age_s = time.time() - os.path.getmtime(lock)
+        if age_s > max_age_s:
+            log.warning("removing %s, left %.0f s ago by a build that never finished", lock, age_s)
+            os.remove(lock)
+            removed.append(lock)
+    return removed

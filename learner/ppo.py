@@ -365,7 +365,7 @@ def reinforce_pp_advantages(
 # --------------------------------------------------------------------------- losses
 
 
-def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, mode: LossAggregation) -> torch.Tensor:
+def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, loss_aggregation: LossAggregation) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
     - ``token-mean``: sum over every valid token / number of valid tokens. Long responses weigh
@@ -376,16 +376,16 @@ def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, mo
       normalisation inside a sequence; Dr. GRPO (Liu et al. 2025) and classic REINFORCE.
     """
     mask = _check_token_tensors(response_mask, loss_per_token=loss_per_token)
-    if mode == "token-mean":
+    if loss_aggregation == "token-mean":
         return masked_mean(loss_per_token, mask)
-    if mode == "seq-mean-token-mean":
+    if loss_aggregation == "seq-mean-token-mean":
         return masked_mean(loss_per_token, mask, dim=-1).mean()
-    if mode == "seq-mean-token-sum":
+    if loss_aggregation == "seq-mean-token-sum":
         return masked_sum(loss_per_token, mask, dim=-1).mean()
-    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {loss_aggregation!r}")
 
 
-def data_parallel_scale(local_mask: torch.Tensor, minibatch_mask: torch.Tensor, mode: LossAggregation,
+def data_parallel_scale(local_mask: torch.Tensor, minibatch_mask: torch.Tensor, loss_aggregation: LossAggregation,
                         world_size: int) -> float:
     """Factor for one rank's loss, aggregated over its rows of a minibatch, such that the mean over
     ranks of the scaled losses (what data-parallel gradient averaging computes) is the loss
@@ -395,11 +395,11 @@ def data_parallel_scale(local_mask: torch.Tensor, minibatch_mask: torch.Tensor, 
     token-mean: world_size * local tokens / all tokens (ranks whose rows hold more tokens weigh
     more); seq-mean-*: world_size * b / B (= 1: every rank holds as many sequences).
     """
-    if mode == "token-mean":
+    if loss_aggregation == "token-mean":
         return world_size * float(local_mask.sum()) / float(minibatch_mask.sum())
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
+    if loss_aggregation in ("seq-mean-token-mean", "seq-mean-token-sum"):
         return world_size * local_mask.shape[0] / minibatch_mask.shape[0]
-    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {mode!r}")
+    raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {loss_aggregation!r}")
 
 
 def ppo_policy_loss(
@@ -412,7 +412,7 @@ def ppo_policy_loss(
     dual_clip: float | None = None,
     behavior_logprobs: torch.Tensor | None = None,
     behavior_weight_cap: float | None = None,
-    aggregation: LossAggregation = "token-mean",
+    loss_aggregation: LossAggregation = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss with the options tether's learner uses.
 
@@ -469,7 +469,7 @@ def ppo_policy_loss(
             behavior_weight = behavior_weight.clamp(max=behavior_weight_cap)
         loss_per_token = loss_per_token * behavior_weight
 
-    loss = aggregate_loss(loss_per_token, mask, aggregation)
+    loss = aggregate_loss(loss_per_token, mask, loss_aggregation)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped_taken, mask),
@@ -487,14 +487,14 @@ def value_loss(
     old_values: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_range: float | None = 0.2,
-    aggregation: LossAggregation = "token-mean",
+    value_clip: float | None = 0.2,
+    loss_aggregation: LossAggregation = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss: 0.5 (V - R)^2, or its clipped form (PPO2 baselines, "value clipping").
 
     values: [B, T] of the critic being trained (carries the gradient); old_values: [B, T] from
     the start of the step; returns: [B, T] targets from GAE; response_mask: [B, T].
-    Clipped: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), ``clip_range=None``
+    Clipped: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2), ``value_clip=None``
     for unclipped. Returns (loss, stats) with ``vf_clipfrac`` (share where the clipped term wins)
     and ``value_mean``.
     """
@@ -502,14 +502,14 @@ def value_loss(
     old_values, returns = old_values.detach(), returns.detach()
     squared_error = (values - returns) ** 2
     clip_taken = torch.zeros_like(squared_error)
-    if clip_range is not None:
-        if clip_range <= 0:
-            raise ValueError(f"value clip_range must be > 0 or None, got {clip_range}")
-        clipped_values = old_values + torch.clamp(values - old_values, -clip_range, clip_range)
+    if value_clip is not None:
+        if value_clip <= 0:
+            raise ValueError(f"value_clip must be > 0 or None, got {value_clip}")
+        clipped_values = old_values + torch.clamp(values - old_values, -value_clip, value_clip)
         clipped_error = (clipped_values - returns) ** 2
         clip_taken = (clipped_error > squared_error).float()
         squared_error = torch.maximum(squared_error, clipped_error)
-    loss = 0.5 * aggregate_loss(squared_error, mask, aggregation)
+    loss = 0.5 * aggregate_loss(squared_error, mask, loss_aggregation)
     with torch.no_grad():
         stats = {"vf_clipfrac": masked_mean(clip_taken, mask), "value_mean": masked_mean(values, mask)}
     return loss, {name: value.detach() for name, value in stats.items()}

@@ -1,7 +1,9 @@
-"""One PPO step on one batch: recompute, rewards, GAE, ``ppo_epochs`` passes over minibatches.
+"""One PPO step on one batch, in its four numbered parts: (1) recompute the proximal logprobs and
+values, (2) token rewards and advantages, (3) ``ppo_epochs`` passes over minibatches, (4) the
+step's statistics.
 
-Reads top to bottom like the InstructGPT recipe; every formula lives in ``learner.ppo`` (and the
-sampled distribution in ``common.distributions``).
+``ppo_step`` reads top to bottom like the InstructGPT recipe, one function per part; every formula
+lives in ``learner.ppo`` (and the sampled distribution in ``common.distributions``).
 """
 
 from __future__ import annotations
@@ -12,9 +14,9 @@ from dataclasses import dataclass
 import torch
 
 from learner import micro_batches, parallel, ppo
-from learner.engines import skip_step, weights_swapped
+from common.config import LearnerConfig, SamplingConfig, TetherConfig
+from learner.deepspeed_engine import skip_step, weights_swapped
 from learner.ptx import PtxStream, ptx_token_losses
-from common.config import LearnerConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from protocol.samples import Sample
 from common.sequences import SequenceBatch, gather_response
@@ -135,40 +137,85 @@ def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: 
     return advantages, totals.unsqueeze(-1) * mask
 
 
-def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: LearnerConfig, temperature: float,
-             kl_coef: float, policy_version: int, moments: ppo.RunningMoments | None, seed: int = 0,
-             group_size: int = 1, ptx: PtxStream | None = None,
-             skipped: SkippedSteps | None = None, top_p: float = 1.0, top_k: int = 0) -> dict[str, float]:
+@dataclass
+class StepCarry:
+    """What a learner step hands to the next: the count of optimizer steps skipped for non-finite
+    gradients, the running moments of the rewards (``learner.normalize_rewards``) and the PPO-ptx
+    text stream (``learner.ptx_coef``)."""
+    skipped: SkippedSteps
+    moments: ppo.RunningMoments | None = None
+    ptx: PtxStream | None = None
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the epochs train toward, fixed for the step: per token, [B, T] over the whole batch."""
+    mask: torch.Tensor  # the response tokens
+    behavior_logprobs: torch.Tensor  # the rollout's, for the off-policy correction
+    ref_logprobs: torch.Tensor  # the reference's, for the KL term when it is in the loss
+    old_logprobs: torch.Tensor  # proximal: the policy's at the start of the step
+    old_values: torch.Tensor | None  # the critic's at the start of the step (gae only)
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config: TetherConfig, policy_version: int,
+             kl_coef: float, carry: StepCarry | None = None) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
     the rows (``learner.parallel``); the result is what one rank computes on the whole batch.
-    ``critic``: None unless ``cfg.advantage_estimator`` is gae. ``group_size``: the responses to
-    one prompt (``rollout.samples_per_prompt``), contiguous in the batch. ``ptx``: batches of
-    PPO-ptx text, one per optimizer step (``cfg.ptx_coef``). ``skipped``: the count of optimizer
-    steps skipped for non-finite gradients, kept across steps by the caller. ``temperature``,
-    ``top_p``, ``top_k``: the rollout's sampling, which the policy's logprobs reproduce."""
-    skipped = skipped if skipped is not None else SkippedSteps(cfg.max_skipped_steps)
+    ``critic``: None unless ``learner.advantage_estimator`` is gae. ``carry``: what the previous
+    step left (a fresh one when None)."""
+    cfg = config.learner
+    carry = carry if carry is not None else StepCarry(SkippedSteps(cfg.max_skipped_steps))
     device = batch.input_ids.device
-    world = parallel.world_size()
     mask = batch.response_mask
     behavior_logprobs = _ragged_to_padded([s.behavior_logprobs for s in samples], mask).to(device)
     ref_logprobs = _ragged_to_padded([s.ref_logprobs for s in samples], mask).to(device)
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)  # RM + reward functions
     truncated = torch.tensor([s.finish_reason == "length" for s in samples], device=device)
 
-    # 1. proximal logprobs and old values, at the start of the step (no gradient), each rank its
-    #    share of the rows, gathered so that every rank holds them for the whole batch
-    lengths = batch.lengths
+    # 1. proximal logprobs and old values, at the start of the step
+    old_logprobs, old_values = recompute(actor, critic, batch, cfg, config.sampling)
+    # 2. token rewards (the score at the last token, -beta KL at every token unless the KL goes
+    #    into the loss) and advantages
+    kl, advantages, returns = rewards_and_advantages(samples, old_logprobs, old_values, ref_logprobs, scores,
+                                                     truncated, mask, cfg, kl_coef, carry.moments,
+                                                     config.rollout.samples_per_prompt)
+    targets = Targets(mask, behavior_logprobs, ref_logprobs, old_logprobs, old_values, advantages, returns)
+    # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step
+    totals, updates, grad_norms = train_epochs(actor, critic, batch, targets, config, kl_coef, policy_version, carry)
+    # 4. what the step did, averaged over its optimizer steps and ranks
+    return step_statistics(samples, scores, truncated, targets, kl, kl_coef, policy_version, totals, updates,
+                           grad_norms)
+
+
+def recompute(actor, critic, batch: SequenceBatch, cfg: LearnerConfig,
+              sampling: SamplingConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Part 1: the proximal logprobs [B, T] under ``sampling`` and the critic's values [B, T] (None
+    without a critic), with no gradient, each rank its share of the rows in micro-batches, gathered
+    so that every rank holds them for the whole batch."""
+    device, mask, lengths = batch.input_ids.device, batch.response_mask, batch.lengths
+    rows_total = len(lengths)
     with torch.no_grad():  # in micro-batches too: [b, T, V] logits are what memory peaks on
-        mine = torch.arange(len(samples), device=device)[parallel.local_rows(len(samples))]
-        parts = micro_batches_of(mine, lengths, cfg, world)
+        mine = torch.arange(rows_total, device=device)[parallel.local_rows(rows_total)]
+        parts = micro_batches_of(mine, lengths, cfg, parallel.world_size())
         old_logprobs = parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
-            logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature, top_p, top_k)
+            logprobs_from_logits(forward_logits(actor, part), part.response_tokens, sampling)
             for part in map(batch.select, parts)]))
         old_values = (parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
             forward_values(critic, part) for part in map(batch.select, parts)])) if critic is not None else None)
+    return old_logprobs, old_values
 
-    # 2. token rewards (the score at the last token, -beta KL at every token unless the KL goes
-    #    into the loss) and advantages
+
+def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, old_values: torch.Tensor | None,
+                           ref_logprobs: torch.Tensor, scores: torch.Tensor, truncated: torch.Tensor,
+                           mask: torch.Tensor, cfg: LearnerConfig, kl_coef: float,
+                           moments: ppo.RunningMoments | None,
+                           group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Part 2: (kl, advantages, returns), each [B, T]. The scores [B] (normalised by ``moments``
+    when kept) become token rewards with ``-kl_coef * KL`` at every token when the KL is in the
+    reward, and advantages by ``cfg.advantage_estimator`` (``advantages_of``). ``group_size``: the
+    responses to one prompt (``rollout.samples_per_prompt``), contiguous in the batch."""
     trained_scores = scores
     if moments is not None:
         moments.update(scores)
@@ -182,92 +229,123 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
             raise ValueError(f"a batch for {cfg.advantage_estimator} must hold the {group_size} responses of each "
                              "prompt together")
     advantages, returns = advantages_of(rewards, old_values, mask, cfg, group_size)
+    return kl, advantages, returns
 
-    # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step.
-    #    The shuffle is seeded by (seed, version): every rank draws the same minibatches and
-    #    trains its share of each (rows dealt by length, so the ranks' shares are alike), in
-    #    micro-batches whose gradients DeepSpeed accumulates until the boundary set at the last;
-    #    scaling the loss makes the gradient DeepSpeed steps with that of the whole minibatch.
+
+def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: TetherConfig, kl_coef: float,
+                 policy_version: int, carry: StepCarry) -> tuple[dict[str, float], int, list[float]]:
+    """Part 3: ``ppo_epochs`` passes over shuffled minibatches. Returns the sum over optimizer steps
+    of each loss and statistic, the count of optimizer steps, and DeepSpeed's gradient norm of each
+    one applied.
+
+    The shuffle is seeded by (seed, version): every rank draws the same minibatches and trains its
+    share of each (rows dealt by length, so the ranks' shares are alike), in micro-batches whose
+    gradients DeepSpeed accumulates until the boundary set at the last; scaling each micro-batch's
+    loss makes the gradient DeepSpeed steps with that of the whole minibatch."""
+    cfg = config.learner
+    device, lengths = batch.input_ids.device, batch.lengths
+    world = parallel.world_size()
     totals: dict[str, float] = {}
     updates, grad_norms = 0, []
     engines = [actor] if critic is None else [actor, critic]
-    shuffle = torch.Generator().manual_seed(seed * 1_000_003 + policy_version)
+    shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + policy_version)
     for _ in range(cfg.ppo_epochs):
-        for all_rows in torch.randperm(len(samples), generator=shuffle).to(device).split(cfg.minibatch_size):
+        for all_rows in torch.randperm(len(lengths), generator=shuffle).to(device).split(cfg.minibatch_size):
             parts = micro_batches_of(micro_batches.deal(all_rows, lengths, parallel.rank(), world), lengths, cfg,
                                      world)
-            ptx_parts = _ptx_parts(ptx, len(parts), device) if ptx is not None and cfg.ptx_coef > 0 else None
+            ptx = carry.ptx if cfg.ptx_coef > 0 else None
+            ptx_parts = _ptx_parts(ptx, len(parts), device) if ptx is not None else [None] * len(parts)
             for index, rows in enumerate(parts):
+                last = index == len(parts) - 1
                 for engine in engines:  # DeepSpeed accumulates (GAS 1 in its config) until the last part
-                    engine.set_gradient_accumulation_boundary(index == len(parts) - 1)
-                minibatch = batch.select(rows)
-                cut = (rows, slice(minibatch.response_mask.shape[1]))  # [B, T] of the batch -> this part's [b, t]
-
-                # this part's share of the minibatch loss, such that the shares' sum over parts and mean over
-                # ranks is the minibatch's
-                share = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], cfg.loss_aggregation, world)
-                token_share = ppo.data_parallel_scale(minibatch.response_mask, mask[all_rows], "token-mean", world)
-                logits = forward_logits(actor, minibatch)
-                logprobs = logprobs_from_logits(logits, minibatch.response_tokens, temperature, top_p, top_k)
-                policy_loss, policy_stats = ppo.ppo_policy_loss(
-                    logprobs, old_logprobs[cut], advantages[cut], minibatch.response_mask,
-                    clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-                    behavior_logprobs=behavior_logprobs[cut], behavior_weight_cap=cfg.behavior_weight_cap,
-                    aggregation=cfg.loss_aggregation)
-                losses = {"policy_loss": policy_loss}
-                if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
-                    losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
-                        ppo.kl_per_token(logprobs, ref_logprobs[cut], cfg.kl_estimator), minibatch.response_mask,
-                        cfg.loss_aggregation)
-                # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
-                entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(),
-                                                        temperature, top_p, top_k)
-                if cfg.entropy_coef > 0:
-                    losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(
-                        entropy_per_token, minibatch.response_mask, cfg.loss_aggregation)
-                actor_loss = sum(losses.values())
-                if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay
-                    raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
-                actor_objective = share * actor_loss
-                if ptx_parts is not None and ptx_parts[index] is not None:
-                    ptx_share, ptx_loss = _ptx_loss(actor, *ptx_parts[index], world)
-                    actor_objective = actor_objective + ptx_share * cfg.ptx_coef * ptx_loss
-                    totals["ptx_loss"] = totals.get("ptx_loss", 0.0) + float(ptx_share * ptx_loss.detach())
-                actor.backward(actor_objective)
-
-                value_stats = {}
-                if critic is not None:  # its loss is checked before either engine steps
-                    values = forward_values(critic, minibatch)
-                    value_loss, value_stats = ppo.value_loss(values, old_values[cut], returns[cut],
-                                                             minibatch.response_mask, cfg.value_clip,
-                                                             cfg.loss_aggregation)
-                    if parallel.any_rank(not bool(torch.isfinite(value_loss))):
-                        raise FloatingPointError(f"value loss is {value_loss.item()} at policy version "
-                                                 f"{policy_version}")
-                    critic.backward(share * cfg.value_loss_coef * value_loss)
-                    losses["value_loss"] = value_loss
-
-                if index == len(parts) - 1:  # the boundary: DeepSpeed reduces, clips and steps
+                    engine.set_gradient_accumulation_boundary(last)
+                contributions = train_micro_batch(actor, critic, batch, rows, all_rows, targets, config, kl_coef,
+                                                  policy_version, ptx_parts[index])
+                if last:  # the boundary: DeepSpeed reduces, clips and steps
                     norm = _grad_norm_before_step(actor)
-                    if step_unless_nonfinite(engines, skipped, policy_version):
+                    if step_unless_nonfinite(engines, carry.skipped, policy_version):
                         grad_norms.append(_grad_norm_after_step(actor, norm))
-
-                entropy = ppo.masked_mean(entropy_per_token.detach(), minibatch.response_mask)
-                for name, value in {**{k: share * v for k, v in losses.items()}, "entropy": token_share * entropy,
-                                    **{k: token_share * v for k, v in {**policy_stats, **value_stats}.items()}}.items():
-                    totals[name] = totals.get(name, 0.0) + float(value.detach() if torch.is_tensor(value) else value)
+                for name, value in contributions.items():
+                    totals[name] = totals.get(name, 0.0) + value
             updates += 1
+    return totals, updates, grad_norms
 
+
+def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, all_rows: torch.Tensor,
+                      targets: Targets, config: TetherConfig, kl_coef: float, policy_version: int,
+                      ptx_part: tuple | None) -> dict[str, float]:
+    """Forward and backward of one micro-batch (``rows`` of the minibatch ``all_rows``) through actor
+    and critic, each loss scaled by this part's share of the minibatch, such that the shares' sum
+    over parts and mean over ranks is the minibatch's. Returns the part's share of each loss and
+    statistic."""
+    cfg, sampling, world = config.learner, config.sampling, parallel.world_size()
+    minibatch = batch.select(rows)
+    mask = minibatch.response_mask
+    cut = (rows, slice(mask.shape[1]))  # [B, T] of the batch -> this part's [b, t]
+    share = ppo.data_parallel_scale(mask, targets.mask[all_rows], cfg.loss_aggregation, world)
+    token_share = ppo.data_parallel_scale(mask, targets.mask[all_rows], "token-mean", world)
+
+    logits = forward_logits(actor, minibatch)
+    logprobs = logprobs_from_logits(logits, minibatch.response_tokens, sampling)
+    policy_loss, policy_stats = ppo.ppo_policy_loss(
+        logprobs, targets.old_logprobs[cut], targets.advantages[cut], mask,
+        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
+        behavior_logprobs=targets.behavior_logprobs[cut], behavior_weight_cap=cfg.behavior_weight_cap,
+        loss_aggregation=cfg.loss_aggregation)
+    losses = {"policy_loss": policy_loss}
+    if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
+        losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
+            ppo.kl_per_token(logprobs, targets.ref_logprobs[cut], cfg.kl_estimator), mask, cfg.loss_aggregation)
+    # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
+    entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(), sampling)
+    if cfg.entropy_coef > 0:
+        losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(entropy_per_token, mask,
+                                                                         cfg.loss_aggregation)
+    actor_loss = sum(losses.values())
+    if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay
+        raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
+    actor_objective = share * actor_loss
+    contributions = {}
+    if ptx_part is not None:
+        ptx_share, ptx_loss = _ptx_loss(actor, *ptx_part, world)
+        actor_objective = actor_objective + ptx_share * cfg.ptx_coef * ptx_loss
+        contributions["ptx_loss"] = float(ptx_share * ptx_loss.detach())
+    actor.backward(actor_objective)
+
+    value_stats = {}
+    if critic is not None:  # its loss is checked before either engine steps
+        values = forward_values(critic, minibatch)
+        value_loss, value_stats = ppo.value_loss(values, targets.old_values[cut], targets.returns[cut], mask,
+                                                 cfg.value_clip, cfg.loss_aggregation)
+        if parallel.any_rank(not bool(torch.isfinite(value_loss))):
+            raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
+        critic.backward(share * cfg.value_loss_coef * value_loss)
+        losses["value_loss"] = value_loss
+
+    entropy = ppo.masked_mean(entropy_per_token.detach(), mask)
+    scaled = {**{k: share * v for k, v in losses.items()}, "entropy": token_share * entropy,
+              **{k: token_share * v for k, v in {**policy_stats, **value_stats}.items()}}
+    contributions.update({name: float(value.detach() if torch.is_tensor(value) else value)
+                          for name, value in scaled.items()})
+    return contributions
+
+
+def step_statistics(samples: list[Sample], scores: torch.Tensor, truncated: torch.Tensor, targets: Targets,
+                    kl: torch.Tensor, kl_coef: float, policy_version: int, totals: dict[str, float], updates: int,
+                    grad_norms: list[float]) -> dict[str, float]:
+    """Part 4: the step's record: losses and statistics averaged over optimizer steps and ranks, the
+    rewards, KL, lengths and staleness of the batch, and how far the rollout's logprobs are from the
+    learner's for the same weights (only samples of the current version count)."""
+    mask = targets.mask
     stats = parallel.mean_over_ranks({name: total / updates for name, total in totals.items()})
     # DeepSpeed's norm, the same on every rank; NaN when every step of this batch was skipped
     stats["grad_norm"] = sum(grad_norms) / len(grad_norms) if grad_norms else float("nan")
     stats["skipped_steps"] = updates - len(grad_norms)
     response_lengths = mask.sum(dim=1)
     staleness = torch.tensor([policy_version - s.behavior_version for s in samples], dtype=torch.float32)
-    on_version = torch.tensor([s.behavior_version == policy_version for s in samples], device=device)
-    # How far the rollout engine's logprobs are from the learner's for the same weights: the check
-    # that weight sync and sampling agree (only samples generated with the current version count).
-    gap = (behavior_logprobs - old_logprobs).abs() * mask
+    on_version = torch.tensor([s.behavior_version == policy_version for s in samples], device=mask.device)
+    # the check that weight sync and sampling agree
+    gap = (targets.behavior_logprobs - targets.old_logprobs).abs() * mask
     stats.update({
         "reward": float(scores.mean()),
         "gold_reward": (sum(s.gold_reward for s in samples) / len(samples)
@@ -277,8 +355,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
         "kl_coef": kl_coef,
         "response_length": float(response_lengths.mean()),
         "truncated_frac": float(truncated.float().mean()),
-        "advantage_mean": float(ppo.masked_mean(advantages, mask)),
-        "return_mean": float(ppo.masked_mean(returns, mask)),
+        "advantage_mean": float(ppo.masked_mean(targets.advantages, mask)),
+        "return_mean": float(ppo.masked_mean(targets.returns, mask)),
         "staleness": float(staleness.mean()),
         "staleness_max": float(staleness.max()),
         "staleness_histogram": {str(int(age)): int((staleness == age).sum()) for age in sorted(set(staleness.tolist()))},
@@ -288,7 +366,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, cfg: Le
 
 
 def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: list[Sample], batch: SequenceBatch,
-                 temperature: float, top_p: float = 1.0, top_k: int = 0, rows: int = 4) -> float | None:
+                 sampling: SamplingConfig, rows: int = 4) -> float | None:
     """The largest |rollout logprob - learner logprob| over up to ``rows`` samples of ``version``,
     the learner computing with ``snapshot``, its weights of that version (``snapshot_weights``): the
     check that weight sync and sampling agree, at any staleness, where ``ppo_step`` can only measure
@@ -300,7 +378,7 @@ def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: lis
         return None
     part = batch.select(torch.tensor(chosen, device=batch.input_ids.device))
     with weights_swapped(actor, snapshot), torch.no_grad():
-        logprobs = logprobs_from_logits(forward_logits(actor, part), part.response_tokens, temperature, top_p, top_k)
+        logprobs = logprobs_from_logits(forward_logits(actor, part), part.response_tokens, sampling)
     behavior = _ragged_to_padded([samples[i].behavior_logprobs for i in chosen], part.response_mask)
     return float(((behavior.to(logprobs.device) - logprobs).abs() * part.response_mask).max())
 

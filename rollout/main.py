@@ -100,7 +100,7 @@ def engine_settings(config: TetherConfig, worker_index: int, cuda: bool) -> tupl
     return environment, arguments
 
 
-def make_engine(config: TetherConfig, worker_index: int = 0):
+def make_vllm_engine(config: TetherConfig, worker_index: int = 0):
     """A ``vllm.LLM`` with tether's worker extension, built as ``engine_settings`` says."""
     import torch
 
@@ -151,13 +151,14 @@ def to_samples(outputs, generating: list[Generating], last_version: int, id_pref
 
 
 def sampling_params(config: TetherConfig, **overrides):
-    """vLLM's sampling settings from ``config.rollout`` (the learner reproduces temperature, top-p
-    and top-k), with ``overrides`` (the evaluator's: one response, its own seed)."""
+    """vLLM's sampling settings: ``config.sampling`` (which the learner's logprobs reproduce) and the
+    rollout's lengths, with ``overrides`` (the evaluator's: one response, its own seed)."""
     from vllm import SamplingParams
 
     rollout = config.rollout
-    return SamplingParams(**{"n": rollout.samples_per_prompt, "temperature": rollout.temperature,
-                             "top_p": rollout.top_p, "top_k": rollout.top_k, "max_tokens": rollout.max_new_tokens,
+    sampling = config.sampling
+    return SamplingParams(**{"n": rollout.samples_per_prompt, "temperature": sampling.temperature,
+                             "top_p": sampling.top_p, "top_k": sampling.top_k, "max_tokens": rollout.max_new_tokens,
                              "ignore_eos": rollout.ignore_eos, "logprobs": 0, **overrides})
 
 
@@ -229,7 +230,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     timeline.phase("prompts")
     # the engine first: it is the longest part of anyone's start-up and needs nobody
     own_engine = engine is None
-    engine = engine or make_engine(config, worker_index)
+    engine = engine or make_vllm_engine(config, worker_index)
     timeline.phase("engine init")
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")

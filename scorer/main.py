@@ -36,16 +36,17 @@ class Scorer:
         if config.models.reference and not same_tokens(config.models.policy, config.models.reference):
             raise ConfigError(f"models.reference: {config.models.reference} reads other tokens than the policy; "
                               "the KL tether compares both on the policy's tokens")
-        self.log, self.temperature = log, config.rollout.temperature
+        # the KL tether is to the reference's whole distribution at the rollout's temperature
+        self.log, self.sampling = log, config.sampling.without_truncation()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.reference = disable_dropout(AutoModelForCausalLM.from_pretrained(
-            config.reference_path, dtype=getattr(torch, config.learner.dtype))).to(self.device).eval()
+            config.reference_path, dtype=getattr(torch, config.models.dtype))).to(self.device).eval()
         self.pad_token_id = self.reference.config.pad_token_id if self.reference.config.pad_token_id is not None else 0
         self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
         self.reward_model = self.rm_tokenizer = None
         if config.models.reward:
             self.reward_model = disable_dropout(AutoModelForSequenceClassification.from_pretrained(
-                config.models.reward, num_labels=1, dtype=getattr(torch, config.learner.dtype))).to(self.device).eval()
+                config.models.reward, num_labels=1, dtype=getattr(torch, config.models.dtype))).to(self.device).eval()
             try:
                 classification_head(self.reward_model)
             except ValueError as error:
@@ -70,7 +71,7 @@ class Scorer:
         from scorer.scoring import reference_logprobs, reward_model_tokens, reward_scores, reward_scores_of_tokens
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
-                                                           self.temperature)):
+                                                           self.sampling)):
             sample.ref_logprobs = ref.numpy()
         arguments = [self._arguments(sample) for sample in samples] if self.needs_text else []
         totals = np.zeros(len(samples), dtype=np.float64)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from common.config import SamplingConfig
 from common.distributions import logprobs_from_logits
 from protocol.samples import Sample
 from common.sequences import classification_head, collate, gather_response, pad_rows
@@ -14,12 +15,13 @@ REWARD_OFFSET_KEY = "tether_reward_offset"  # in the RM's config.json: subtracte
 
 @torch.no_grad()
 def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id: int,
-                       temperature: float) -> list[torch.Tensor]:
-    """Per-token log pi_ref of each sample's response, under the sampling temperature."""
+                       sampling: SamplingConfig) -> list[torch.Tensor]:
+    """Per-token log pi_ref of each sample's response, under ``sampling`` (the scorer passes the
+    rollout's sampling without its truncation: ``SamplingConfig.without_truncation``)."""
     batch = collate(samples, pad_token_id).to(next(reference.parameters()).device)
     logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
     logprobs = logprobs_from_logits(gather_response(logits, batch.response_positions), batch.response_tokens,
-                                    temperature)
+                                    sampling)
     return [logprobs[i, :len(s.response_tokens)].float().cpu() for i, s in enumerate(samples)]
 
 

@@ -22,6 +22,7 @@ def fixed_samples(assets: dict):
 
     from launch.demo import sample_responses
     from protocol.samples import Sample
+    from common.config import SamplingConfig
     from scorer.scoring import reference_logprobs, reward_scores
 
     tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
@@ -33,7 +34,7 @@ def fixed_samples(assets: dict):
     responses = sample_responses(policy, prompts, max_new_tokens=6, seed=0)
     made = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
                    "stop" if r[-1] == 2 else "length") for i, (p, r) in enumerate(zip(prompts, responses))]
-    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, temperature=1.0)):
+    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, SamplingConfig())):
         s.ref_logprobs = logprobs.numpy().copy()
         s.behavior_logprobs = logprobs.numpy() - 0.05
     for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
@@ -61,7 +62,7 @@ def main() -> None:
     parser.add_argument("--assets", required=True, help="JSON of the tiny assets' paths")
     parser.add_argument("--zero", type=int, required=True)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--aggregation", default="token-mean")
+    parser.add_argument("--loss-aggregation", default="token-mean")
     parser.add_argument("--override", action="append", default=[], help="a config override, KEY=VALUE")
     args = parser.parse_args()
 
@@ -69,7 +70,10 @@ def main() -> None:
 
     import learner.step
     from learner import parallel
-    from learner.engines import init_distributed, load_actor, load_critic, make_engine, publish_weights
+    from learner.deepspeed_engine import make_deepspeed_engine
+    from learner.models import load_actor, load_critic
+    from learner.parallel import init_distributed
+    from learner.publish import publish_weights
     from learner.step import ppo_step
     from common.config import load_config
     from common.sequences import collate
@@ -81,15 +85,15 @@ def main() -> None:
     run_dir = tempfile.mkdtemp(prefix="tether-dp-")
     config = load_config(None, [f"learner.zero_stage={args.zero}", "learner.batch_size=8", "learner.minibatch_size=4",
                                 "learner.actor_lr=1e-3", "learner.critic_lr=1e-3", f"learner.ranks={world}",
-                                f"learner.loss_aggregation={args.aggregation}", "learner.ppo_epochs=2",
+                                f"learner.loss_aggregation={args.loss_aggregation}", "learner.ppo_epochs=2",
                                 *args.override],
                          base={"run_dir": run_dir, "models": {"policy": assets["policy"], "reward": assets["reward"]},
                                "data": {"prompts": assets["prompts"]}})
     torch.manual_seed(0)
     init_distributed(config)
     samples = fixed_samples(assets)
-    actor = make_engine(load_actor(assets["policy"]), config.learner.actor_lr, config)
-    critic = make_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
+    actor = make_deepspeed_engine(load_actor(assets["policy"]), config.learner.actor_lr, config)
+    critic = make_deepspeed_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
     batch = collate(samples, pad_token_id=0)
     losses, passes, plan = [], [], learner.step.micro_batches_of
 
@@ -100,8 +104,7 @@ def main() -> None:
 
     learner.step.micro_batches_of = counting
     for version in range(2):
-        stats = ppo_step(actor, critic, samples, batch, config.learner, temperature=1.0, kl_coef=0.05,
-                         policy_version=version, moments=None, seed=0)
+        stats = ppo_step(actor, critic, samples, batch, config, policy_version=version, kl_coef=0.05)
         losses.append(stats["policy_loss"])
     writer = ShmWeightWriter(os.path.join(run_dir, "shm"), bucket_bytes=1 << 16) if parallel.is_main() else None
     gathered = watch_gathers()

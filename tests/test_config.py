@@ -2,6 +2,7 @@
 
 import pytest
 import yaml
+from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from launch.cli import app
@@ -45,6 +46,24 @@ def test_toml_is_read_too(tmp_path):
 def test_bad_values_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
         load_config(write(tmp_path, MINIMAL), overrides)
+
+
+@pytest.mark.parametrize("old, new", [("rollout.temperature=0.7", "sampling.temperature"),
+                                      ("rollout.top_p=0.9", "sampling.top_p"), ("rollout.top_k=8", "sampling.top_k"),
+                                      ("learner.dtype=bfloat16", "models.dtype")])
+def test_a_key_that_moved_names_its_new_home(tmp_path, old, new):
+    with pytest.raises(ConfigError, match=f"{old.split('=')[0]}: moved to {new}"):
+        load_config(write(tmp_path, MINIMAL), [old])
+    assert load_config(write(tmp_path, MINIMAL), [new + "=" + old.split("=")[1]])  # where it is read now
+
+
+def test_one_sampling_value_for_every_role(tmp_path):
+    config = load_config(write(tmp_path, MINIMAL), ["sampling.temperature=0.7", "sampling.top_p=0.9",
+                                                    "sampling.top_k=8"])
+    reference = config.sampling.without_truncation()
+    assert (reference.temperature, reference.top_p, reference.top_k) == (0.7, 1.0, 0)
+    with pytest.raises(ValidationError):  # one value: nobody changes it under another role
+        config.sampling.top_p = 0.5
 
 
 def test_missing_section_and_missing_file(tmp_path):

@@ -7,9 +7,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-from learner.engines import (init_distributed, load_actor, load_critic, make_engine, publish_weights,
-                             remove_stale_build_locks, save_hf_checkpoint)
-from learner.step import ppo_step
+from common.config import SamplingConfig
+from learner.checkpoints import save_hf_checkpoint
+from learner.deepspeed_engine import make_deepspeed_engine
+from learner.models import load_actor, load_critic
+from learner.parallel import init_distributed, remove_stale_build_locks
+from learner.publish import publish_weights
+from learner.step import SkippedSteps, StepCarry, ppo_step
 from launch.demo import sample_responses
 from common.config import load_config
 from protocol.samples import Sample
@@ -17,6 +21,7 @@ from common.sequences import collate
 from weight_sync.buckets import ShmWeightWriter, read_manifest
 from scorer.scoring import reference_logprobs, reward_scores
 from tests.conftest import base_config
+from tests.helpers import with_learner
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +34,7 @@ def samples(tiny_assets):
     responses = sample_responses(policy, prompts, max_new_tokens=6, seed=0)
     made = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
                    "stop" if r[-1] == 2 else "length") for i, (p, r) in enumerate(zip(prompts, responses))]
-    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, temperature=1.0)):
+    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, SamplingConfig())):
         s.behavior_logprobs = logprobs.numpy()
         s.ref_logprobs = logprobs.numpy().copy()
     for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
@@ -51,8 +56,8 @@ def test_ppo_step_on_real_engines(tmp_path, tiny_assets, samples, zero_stage, re
                                 "learner.minibatch_size=4", "learner.actor_lr=1e-3"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
-    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    critic = make_deepspeed_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
     import deepspeed.comm.comm
 
     assert deepspeed.comm.comm.cdb.shm_comm_op is None  # one rank: no shared-memory all-reduce built
@@ -61,8 +66,7 @@ def test_ppo_step_on_real_engines(tmp_path, tiny_assets, samples, zero_stage, re
         before = {name: tensor.clone() for name, tensor in published.items()}
 
     batch = collate(samples, pad_token_id=0)
-    stats = ppo_step(actor, critic, samples, batch, config.learner, temperature=1.0, kl_coef=0.05,
-                     policy_version=0, moments=None)
+    stats = ppo_step(actor, critic, samples, batch, config, policy_version=0, kl_coef=0.05)
 
     # the learner recomputes the same logprobs the samples carry: KL 0, importance weights 1
     assert stats["behavior_logprob_gap"] < 1e-4
@@ -92,12 +96,11 @@ def test_a_nan_in_the_actor_stops_the_step_before_any_update(tmp_path, tiny_asse
     actor_model = load_actor(tiny_assets["policy"])
     with torch.no_grad():
         actor_model.lm_head.weight[3, 0] = float("nan")
-    actor = make_engine(actor_model, config.learner.actor_lr, config)
-    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    actor = make_deepspeed_engine(actor_model, config.learner.actor_lr, config)
+    critic = make_deepspeed_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
     critic_before = {k: v.clone() for k, v in critic.module.state_dict().items()}
     with pytest.raises(FloatingPointError, match="actor logits hold NaN"):
-        ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
-                 kl_coef=0.05, policy_version=0, moments=None)
+        ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config, policy_version=0, kl_coef=0.05)
     assert all(torch.equal(v, critic_before[k]) for k, v in critic.module.state_dict().items())
 
 
@@ -121,7 +124,7 @@ def _nan_gradients_from(module: torch.nn.Module, when=lambda: True):
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
-    from learner.engines import full_parameters
+    from learner.deepspeed_engine import full_parameters
 
     with full_parameters(engine) as module:
         return {name: p.detach().clone() for name, p in module.named_parameters()}
@@ -146,11 +149,12 @@ def test_nan_gradients_from_a_finite_loss_skip_the_step_and_keep_weights_and_ada
     actor_model = load_actor(tiny_assets["policy"])
     poisoned = {"on": False}
     _nan_gradients_from(actor_model.get_input_embeddings(), lambda: poisoned["on"])
-    actor = make_engine(actor_model, config.learner.actor_lr, config)
-    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    actor = make_deepspeed_engine(actor_model, config.learner.actor_lr, config)
+    critic = make_deepspeed_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
     batch, skipped = collate(samples, pad_token_id=0), SkippedSteps(limit=3)
-    step = lambda version: ppo_step(actor, critic, samples, batch, config.learner, temperature=1.0, kl_coef=0.05,
-                                    policy_version=version, moments=None, skipped=skipped)
+    step = lambda version: ppo_step(actor, critic, samples, batch, config,
+                                    policy_version=version, kl_coef=0.05,
+                                    carry=StepCarry(skipped))
     first = step(0)
     assert first["skipped_steps"] == 0 and np.isfinite(first["grad_norm"])
     weights, actor_state, critic_state = _weights(actor), _adam_state(actor), _adam_state(critic)
@@ -179,13 +183,13 @@ def test_nan_gradients_step_after_step_stop_at_the_limit(tmp_path, tiny_assets, 
     init_distributed(config)
     actor_model = load_actor(tiny_assets["policy"])
     _nan_gradients_from(actor_model.get_input_embeddings())
-    actor = make_engine(actor_model, config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(actor_model, config.learner.actor_lr, config)
     before = _weights(actor)
     skipped = SkippedSteps(config.learner.max_skipped_steps)
     with pytest.raises(NonFiniteGradients, match="3 optimizer steps in a row had NaN or inf gradients"):
-        ppo_step(actor, None, samples, collate(samples, pad_token_id=0),
-                 config.learner.model_copy(update={"advantage_estimator": "reinforce_pp"}), temperature=1.0,
-                 kl_coef=0.05, policy_version=0, moments=None, skipped=skipped)
+        ppo_step(actor, None, samples, collate(samples, pad_token_id=0), with_learner(config, {"advantage_estimator": "reinforce_pp"}),
+                 policy_version=0, kl_coef=0.05,
+                 carry=StepCarry(skipped))
     assert skipped.total == 3  # of the 4 minibatches, the fourth never ran
     assert all(torch.equal(before[k], v) for k, v in _weights(actor).items())
 
@@ -197,31 +201,29 @@ def test_a_nan_value_loss_stops_the_step_before_the_actor_steps(tmp_path, tiny_a
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
     critic_model = load_critic(tiny_assets["reward"])
     critic_model.head.register_forward_hook(lambda _, __, out: out * float("nan") if torch.is_grad_enabled() else out)
-    critic = make_engine(critic_model, config.learner.critic_lr, config)
+    critic = make_deepspeed_engine(critic_model, config.learner.critic_lr, config)
     before = _weights(actor)
     with pytest.raises(FloatingPointError, match="critic values hold NaN"):
-        ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
-                 kl_coef=0.05, policy_version=0, moments=None)
+        ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config, policy_version=0, kl_coef=0.05)
     assert all(torch.equal(before[k], v) for k, v in _weights(actor).items())
 
 
 def test_final_is_replaced_whole_and_a_crash_before_the_rename_keeps_the_old_one(
         tmp_path, tiny_assets, samples, restore_environment, monkeypatch):
-    import learner.engines as engines
+    import learner.checkpoints as checkpoints
 
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
                                 "learner.actor_lr=1e-2"], base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
     final = str(tmp_path / "checkpoints" / "final")
     save_hf_checkpoint(actor, tiny_assets["policy"], final)
     first = AutoModelForCausalLM.from_pretrained(final).state_dict()
-    ppo_step(actor, None, samples, collate(samples, pad_token_id=0),
-             config.learner.model_copy(update={"advantage_estimator": "reinforce_pp"}), temperature=1.0,
-             kl_coef=0.05, policy_version=0, moments=None)
+    ppo_step(actor, None, samples, collate(samples, pad_token_id=0), with_learner(config, {"advantage_estimator": "reinforce_pp"}),
+             policy_version=0, kl_coef=0.05)
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
@@ -229,7 +231,7 @@ def test_final_is_replaced_whole_and_a_crash_before_the_rename_keeps_the_old_one
     def crash(source, target):
         raise KeyboardInterrupt("killed between write and rename")
 
-    monkeypatch.setattr(engines, "replace_directory", crash)
+    monkeypatch.setattr(checkpoints, "replace_directory", crash)
     with pytest.raises(KeyboardInterrupt):
         save_hf_checkpoint(actor, tiny_assets["policy"], final)
     # everything written was on disk before the rename would have named it: each file and the directory
@@ -250,25 +252,24 @@ def test_the_logprob_gap_is_measured_on_last_versions_samples_with_last_versions
     """At max_staleness >= 1 a batch holds samples of the version before the learner's: it measures
     the rollout's logprobs against its own with that version's weights, kept from a step earlier;
     with its current weights the same samples would show the update, not the sync."""
-    from learner.engines import snapshot_weights
+    from learner.deepspeed_engine import snapshot_weights
     from learner.step import behavior_gap
 
     config = load_config(None, [f"learner.zero_stage={zero_stage}", "learner.batch_size=8",
                                 "learner.minibatch_size=8", "learner.ppo_epochs=2", "learner.actor_lr=1e-2"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
     batch = collate(samples, pad_token_id=0)
     version_0 = snapshot_weights(actor)
-    stats = ppo_step(actor, None, samples, batch,
-                     config.learner.model_copy(update={"advantage_estimator": "reinforce_pp"}), temperature=1.0,
-                     kl_coef=0.05, policy_version=1, moments=None)
+    stats = ppo_step(actor, None, samples, batch, with_learner(config, {"advantage_estimator": "reinforce_pp"}),
+                     policy_version=1, kl_coef=0.05)
     assert stats["behavior_logprob_gap"] is None  # at version 1 it holds no sample of version 1
     after = _weights(actor)
-    assert behavior_gap(actor, version_0, 0, samples, batch, temperature=1.0) < 1e-4
+    assert behavior_gap(actor, version_0, 0, samples, batch, SamplingConfig()) < 1e-4
     assert all(torch.equal(after[k], v) for k, v in _weights(actor).items())  # its own weights are back
-    assert behavior_gap(actor, snapshot_weights(actor), 0, samples, batch, temperature=1.0) > 1e-3
-    assert behavior_gap(actor, version_0, 7, samples, batch, temperature=1.0) is None  # no sample of version 7
+    assert behavior_gap(actor, snapshot_weights(actor), 0, samples, batch, SamplingConfig()) > 1e-3
+    assert behavior_gap(actor, version_0, 7, samples, batch, SamplingConfig()) is None  # no sample of version 7
 
 
 def test_stale_build_locks_are_removed_and_fresh_ones_kept(tmp_path, monkeypatch):
@@ -293,12 +294,12 @@ def one_step(tmp_path, tiny_assets, samples, *overrides, ptx=None):
                                 "learner.actor_lr=1e-3", *overrides], base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
     torch.manual_seed(0)
-    actor = make_engine(load_actor(tiny_assets["policy"], config.learner.dtype), config.learner.actor_lr, config)
-    critic = (make_engine(load_critic(tiny_assets["reward"], config.learner.dtype), config.learner.critic_lr, config)
+    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"], config.models.dtype), config.learner.actor_lr, config)
+    critic = (make_deepspeed_engine(load_critic(tiny_assets["reward"], config.models.dtype), config.learner.critic_lr, config)
               if config.learner.advantage_estimator == "gae" else None)
-    stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
-                     kl_coef=0.05, policy_version=0, moments=None, group_size=config.rollout.samples_per_prompt,
-                     ptx=ptx)
+    stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config,
+                     policy_version=0, kl_coef=0.05,
+                     carry=StepCarry(SkippedSteps(config.learner.max_skipped_steps), ptx=ptx))
     writer = ShmWeightWriter(str(tmp_path / f"w{len(os.listdir(tmp_path))}"), bucket_bytes=1 << 16)
     with read_manifest(publish_weights(actor, 1, writer)) as published:
         weights = {name: tensor.clone() for name, tensor in published.items()}
@@ -344,10 +345,10 @@ def test_a_batch_of_one_sample_with_a_one_token_response_trains(tmp_path, tiny_a
     config = load_config(None, ["learner.batch_size=1", "learner.minibatch_size=1"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
-    critic = make_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
-    stats = ppo_step(actor, critic, [single], collate([single], pad_token_id=0), config.learner, temperature=1.0,
-                     kl_coef=0.05, policy_version=0, moments=None)
+    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    critic = make_deepspeed_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
+    stats = ppo_step(actor, critic, [single], collate([single], pad_token_id=0), config,
+                     policy_version=0, kl_coef=0.05)
     assert stats["response_length"] == 1.0 and np.isfinite(stats["policy_loss"]) and np.isfinite(stats["value_loss"])
 
 
@@ -481,8 +482,8 @@ def test_lora_trains_only_adapters_and_publishes_merged_weights(tmp_path, tiny_a
                                 "learner.actor_lr=1e-2", "learner.lora_rank=4"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_engine(with_lora(load_actor(tiny_assets["policy"]), config.learner), 1e-2, config)
-    critic = make_engine(critic_with_lora(load_critic(tiny_assets["reward"]), config.learner), 1e-3, config)
+    actor = make_deepspeed_engine(with_lora(load_actor(tiny_assets["policy"]), config.learner), 1e-2, config)
+    critic = make_deepspeed_engine(critic_with_lora(load_critic(tiny_assets["reward"]), config.learner), 1e-3, config)
     trainable = {name for name, p in actor.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in name for name in trainable)
     assert any(".lora_" in n for n, p in critic.module.named_parameters() if p.requires_grad)
@@ -494,8 +495,7 @@ def test_lora_trains_only_adapters_and_publishes_merged_weights(tmp_path, tiny_a
         assert set(published) == set(sft)  # the base model's names: what vLLM loads
         assert all(torch.equal(published[k], sft[k]) for k in sft)  # B starts at 0: merged = base
     base_before = {n: p.detach().clone() for n, p in actor.module.named_parameters() if not p.requires_grad}
-    ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config.learner, temperature=1.0,
-             kl_coef=0.05, policy_version=0, moments=None)
+    ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config, policy_version=0, kl_coef=0.05)
     assert all(torch.equal(p, base_before[n]) for n, p in actor.module.named_parameters() if not p.requires_grad)
     with read_manifest(publish_weights(actor, 1, writer)) as published:
         after = {name: tensor.clone() for name, tensor in published.items()}
@@ -513,7 +513,7 @@ def test_the_learner_trains_in_the_dtype_it_is_given(tmp_path, tiny_assets, samp
     """bf16 weights (DeepSpeed keeps fp32 masters): the step's figures are the fp32 step's to bf16
     precision, and the weights the rollout gets are bf16."""
     full, full_weights, _ = one_step(tmp_path, tiny_assets, samples)
-    half, half_weights, actor = one_step(tmp_path, tiny_assets, samples, "learner.dtype=bfloat16")
+    half, half_weights, actor = one_step(tmp_path, tiny_assets, samples, "models.dtype=bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in actor.module.parameters())
     assert all(w.dtype == torch.bfloat16 for w in half_weights.values())
     for key in ("policy_loss", "value_loss", "entropy", "grad_norm"):

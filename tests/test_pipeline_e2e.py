@@ -55,7 +55,7 @@ def test_tether_run_trains_within_the_staleness_bound(tmp_path, tiny_assets, max
     sampling = {"top_p": 0.9, "top_k": 8} if max_staleness == 0 else {}
     path, run_dir = write_config(tmp_path, tiny_assets, buffer={"max_staleness": max_staleness},
                                  learner={"total_steps": STEPS, "behavior_gap_every": 2}, transport=transport,
-                                 rollout=sampling)
+                                 sampling=sampling)
     result = tether("run", "--config", str(path))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert f"step {STEPS}/{STEPS}" in result.stdout  # progress is shown as it trains
@@ -127,7 +127,7 @@ def test_sigterm_to_tether_run_checkpoints_stops_every_role_and_leaves_nothing_b
             os.killpg(pgid, 0)  # nothing of that role's group is left
     assert not os.path.exists(load_config(path).weights_dir)
     assert "asking learner to checkpoint" in stderr
-    from learner.main import newest_state
+    from learner.checkpoints import newest_state
 
     newest = newest_state(run_dir)
     with open(os.path.join(run_dir, "logs", "learner.log")) as file:
@@ -284,7 +284,7 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
         os.killpg(json.load(file)[victim], signal.SIGKILL)
     _, stderr = run.communicate(timeout=120)
     assert run.returncode == 1 and f"{victim} exited with code -9" in stderr
-    from learner.main import newest_state
+    from learner.checkpoints import newest_state
 
     newest = newest_state(run_dir)
     assert newest is not None and newest.endswith(("state-000002", "state-000004"))

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from common.config import SamplingConfig
 from learner import ppo
 from learner.kl_control import AdaptiveKLController, FixedKLController, adaptive_kl_coef, make_kl_controller
 
@@ -39,7 +40,7 @@ def test_logprobs_divide_logits_by_the_sampling_temperature():
     tokens = torch.tensor([[2]])
     # temperature 2 -> logits 0.5, 1.0, 1.5
     expected = 1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5))
-    assert ppo.logprobs_from_logits(logits, tokens, temperature=2.0).item() == pytest.approx(expected, abs=1e-6)
+    assert ppo.logprobs_from_logits(logits, tokens, SamplingConfig(temperature=2.0)).item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_entropy_from_logits_by_hand():
@@ -51,7 +52,7 @@ def test_entropy_from_logits_by_hand():
 
 def test_entropy_rises_with_temperature():
     logits = t([[[0.0, 1.0, 2.0]]])
-    assert ppo.entropy_from_logits(logits, temperature=2.0) > ppo.entropy_from_logits(logits)
+    assert ppo.entropy_from_logits(logits, SamplingConfig(temperature=2.0)) > ppo.entropy_from_logits(logits)
 
 
 # --------------------------------------------------------------------------- KL and rewards
@@ -79,8 +80,8 @@ def test_top_k_top_p_keep_the_tokens_worked_out_by_hand_and_renormalise(top_p, t
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(2, 3, 7, generator=generator) * 2
     vocab = torch.arange(7).expand(2, 3, 7)
-    every_token = torch.stack([logprobs_from_logits(logits, vocab[..., v], 0.7, top_p, top_k) for v in range(7)], -1)
-    entropy = entropy_from_logits(logits, 0.7, top_p, top_k)
+    every_token = torch.stack([logprobs_from_logits(logits, vocab[..., v], SamplingConfig(temperature=0.7, top_p=top_p, top_k=top_k)) for v in range(7)], -1)
+    entropy = entropy_from_logits(logits, SamplingConfig(temperature=0.7, top_p=top_p, top_k=top_k))
     for b in range(2):
         for t in range(3):
             probs = torch.softmax(logits[b, t] / 0.7, -1).tolist()
@@ -97,7 +98,7 @@ def test_top_p_logprobs_have_finite_gradients_also_for_a_token_left_out():
     from common.distributions import logprobs_from_logits
 
     logits = torch.tensor([[[4.0, 3.0, -5.0, -6.0]]], requires_grad=True)
-    kept, left_out = (logprobs_from_logits(logits, torch.tensor([[token]]), 1.0, top_p=0.9) for token in (0, 3))
+    kept, left_out = (logprobs_from_logits(logits, torch.tensor([[token]]), SamplingConfig(top_p=0.9)) for token in (0, 3))
     (kept.sum() + left_out.sum()).backward()
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 0] != 0
 
@@ -355,12 +356,12 @@ def test_value_loss_clipped_and_unclipped_by_hand():
     mask = torch.ones(1, 2)
     # token 0: (1.5-2)^2 = 0.25 vs clipped value 1.2: (1.2-2)^2 = 0.64 -> 0.64
     # token 1: (2.1-2)^2 = 0.01, clip not active (|2.1-2.0| < 0.2) -> 0.01
-    loss, stats = ppo.value_loss(values, old_values, returns, mask, clip_range=0.2)
+    loss, stats = ppo.value_loss(values, old_values, returns, mask, value_clip=0.2)
     assert loss.item() == pytest.approx(0.5 * (0.64 + 0.01) / 2, abs=1e-6)
     assert stats["vf_clipfrac"].item() == 0.5
     loss.backward()
     assert old_values.grad is None and returns.grad is None
-    unclipped, _ = ppo.value_loss(values, old_values, returns, mask, clip_range=None)
+    unclipped, _ = ppo.value_loss(values, old_values, returns, mask, value_clip=None)
     assert unclipped.item() == pytest.approx(0.5 * (0.25 + 0.01) / 2, abs=1e-6)
 
 

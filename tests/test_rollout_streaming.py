@@ -27,7 +27,7 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
     from common.config import load_config
     from protocol.samples import unpack_samples
     from protocol.transport import BufferClient
-    from rollout.main import make_engine, run
+    from rollout.main import make_vllm_engine, run
     from tests.conftest import base_config
 
     batch = 24
@@ -39,7 +39,7 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
                                         f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",
                                         "buffer.max_staleness=0", "rollout.kv_cache_gib=0.1"],
                                  base=base_config(tmp_path, tiny_assets))
-    engine = make_engine(rollout_config)
+    engine = make_vllm_engine(rollout_config)
     threading.Thread(target=scorer_process, args=(config, 64), daemon=True).start()
     samples = []
 

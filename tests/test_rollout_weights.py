@@ -39,12 +39,14 @@ def engine_logprobs(engine, temperature=1.0, top_p=1.0, top_k=0):
 def assert_matches(model, generations, temperature=1.0, top_p=1.0, top_k=0):
     """vLLM's logprobs of what it sampled are the learner's (common.distributions) for the same
     weights and sampling settings."""
+    from common.config import SamplingConfig
     from common.distributions import logprobs_from_logits
 
+    sampling = SamplingConfig(temperature=temperature, top_p=top_p, top_k=top_k)
     for tokens, logprobs in generations:
         ids = torch.tensor([PROMPT + tokens])
         logits = model(input_ids=ids).logits[:, len(PROMPT) - 1:-1]
-        expected = logprobs_from_logits(logits, torch.tensor([tokens]), temperature, top_p, top_k)[0]
+        expected = logprobs_from_logits(logits, torch.tensor([tokens]), sampling)[0]
         assert np.max(np.abs(expected.numpy() - np.array(logprobs))) < TOLERANCE
 
 
@@ -53,11 +55,11 @@ def assert_matches(model, generations, temperature=1.0, top_p=1.0, top_k=0):
 def test_weights_apply_in_place_and_a_damaged_version_is_refused(tmp_path, tiny_assets, tensor_parallel_size):
     """With tensor_parallel_size 2 the engine has two workers (one core each here), each holding a
     shard of every layer: the reload must reach both, or the logprobs would not match."""
-    from rollout.main import make_engine
+    from rollout.main import make_vllm_engine
 
     config = load_config(None, ["rollout.max_model_len=64", f"rollout.tensor_parallel_size={tensor_parallel_size}"],
                          base=base_config(tmp_path, tiny_assets))
-    engine = make_engine(config)
+    engine = make_vllm_engine(config)
     try:
         check_weight_updates(engine, tmp_path, tiny_assets)
     finally:  # stop vLLM's engine process now, not from a thread after pytest closed its streams

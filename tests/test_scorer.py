@@ -7,6 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+from common.config import SamplingConfig
 from protocol.samples import Sample
 from common.sequences import collate, gather_response
 from scorer.scoring import REWARD_OFFSET_KEY, reference_logprobs, reward_scores
@@ -31,13 +32,13 @@ def test_collate_puts_each_response_token_after_the_logits_that_predict_it():
 def test_reference_logprobs_match_a_plain_forward_pass_whatever_the_padding(tiny_assets):
     reference = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
     short, long = sample([1, 3, 7, 8, 5], [9, 2], "a"), sample([1, 4, 6, 6, 5], [8, 10, 12, 6, 2], "b")
-    batched = reference_logprobs(reference, [short, long], pad_token_id=0, temperature=0.7)
+    batched = reference_logprobs(reference, [short, long], pad_token_id=0, sampling=SamplingConfig(temperature=0.7))
     with torch.no_grad():
         ids = torch.tensor([[1, 3, 7, 8, 5, 9, 2]])
         expected = torch.log_softmax(reference(input_ids=ids).logits[0, 4:6] / 0.7, dim=-1)
         expected = expected[torch.arange(2), torch.tensor([9, 2])]
     torch.testing.assert_close(batched[0], expected, atol=1e-5, rtol=0)
-    alone = reference_logprobs(reference, [long], pad_token_id=0, temperature=0.7)
+    alone = reference_logprobs(reference, [long], pad_token_id=0, sampling=SamplingConfig(temperature=0.7))
     torch.testing.assert_close(batched[1], alone[0], atol=1e-5, rtol=0)
 
 
@@ -232,9 +233,9 @@ def test_a_reference_that_reads_other_tokens_is_refused_naming_the_key(tmp_path,
         make_scorer(tmp_path, tiny_assets, models={"reference": rm_dir})
 
 
-def test_the_scorer_runs_its_models_in_the_learners_dtype(tmp_path, tiny_assets):
+def test_the_scorer_runs_its_models_in_models_dtype(tmp_path, tiny_assets):
     full = scored_samples(make_scorer(tmp_path, tiny_assets))[0]
-    half_scorer = make_scorer(tmp_path, tiny_assets, learner={"dtype": "bfloat16"})
+    half_scorer = make_scorer(tmp_path, tiny_assets, models={"dtype": "bfloat16"})
     assert next(half_scorer.reference.parameters()).dtype == torch.bfloat16
     half = scored_samples(half_scorer)[0]
     for a, b in zip(half, full):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.engines import ValueModel, load_critic
+from learner.models import ValueModel, load_critic
 from learner.step import forward_values
 from protocol.samples import Sample
 from common.sequences import classification_head, collate
