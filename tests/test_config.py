@@ -119,6 +119,19 @@ def test_cli_config_show_prints_the_resolved_config(tmp_path):
     assert shown["learner"]["kl_coef"] == 0.1 and shown["buffer"]["max_staleness"] == 1
 
 
+def test_config_show_explains_every_key_and_loads_back_the_same(tmp_path):
+    from common.config import describe_config
+
+    config = load_config(write(tmp_path, MINIMAL), ["placement.cores.rollout=[0, 1]", "sampling.top_p=0.9",
+                                                    'scorer.reward_functions=[{function: "m:f", weight: 0.5}]'])
+    shown = describe_config(config)
+    assert all(" # " in line and not line.rstrip().endswith("# None") for line in shown.splitlines())
+    assert "  top_p: 0.9  # nucleus sampling" in shown
+    path = tmp_path / "shown.yaml"
+    path.write_text(shown)
+    assert load_config(path) == config
+
+
 def test_cli_refuses_an_unknown_key_and_a_missing_model(tmp_path):
     result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, MINIMAL)), "-o", "rollout.temprature=1"])
     assert result.exit_code == 2 and "rollout.temprature: unknown key" in result.output

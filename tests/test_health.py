@@ -9,7 +9,7 @@ from common.config import HealthConfig
 
 
 def healthy(step):
-    """A run as the seeds describe it: reward slowly rising, kl in a band, length stable,
+    """A run as docs/design.md describes a healthy one: reward slowly rising, kl in a band, length stable,
     entropy slowly falling, value loss bounded, some clipping."""
     return {"reward": 0.1 * step, "kl": 2.0 + 0.5 * math.sin(step), "response_length": 20 + (step % 3),
             "entropy": 2.0 - 0.01 * step, "value_loss": 1.0 + 0.1 * math.cos(step), "clipfrac": 0.05,
