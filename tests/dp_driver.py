@@ -14,32 +14,9 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def fixed_samples(assets: dict):
-    """Samples of the SFT model on 8 prompts, scored as the scorer would (reference = policy),
-    with the behavior logprobs a little off (a stale version) so the off-policy weights act."""
-    import numpy as np
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    from launch.demo import sample_responses
-    from protocol.samples import Sample
-    from common.config import SamplingConfig
-    from scorer.scoring import reference_logprobs, reward_scores
-
-    tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
-    policy = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
-    rm = AutoModelForSequenceClassification.from_pretrained(assets["reward"], num_labels=1).eval()
-    texts = ["even 1 2 3 :", "odd 4 4 4 :", "even 9 0 1 :", "odd 5 5 2 :", "even 7 7 :", "odd 1 :", "even 2 2 2 2 :",
-             "odd 3 8 :"]
-    prompts = [tokenizer(text)["input_ids"] for text in texts]
-    responses = sample_responses(policy, prompts, max_new_tokens=6, seed=0)
-    made = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
-                   "stop" if r[-1] == 2 else "length") for i, (p, r) in enumerate(zip(prompts, responses))]
-    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, SamplingConfig())):
-        s.ref_logprobs = logprobs.numpy().copy()
-        s.behavior_logprobs = logprobs.numpy() - 0.05
-    for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
-        s.reward = score
-    return made
+# 8 prompts, the behavior logprobs a little off the reference's (a stale version), so the off-policy weights act
+PROMPTS = ["even 1 2 3 :", "odd 4 4 4 :", "even 9 0 1 :", "odd 5 5 2 :", "even 7 7 :", "odd 1 :", "even 2 2 2 2 :",
+           "odd 3 8 :"]
 
 
 def watch_gathers() -> list[int]:
@@ -77,6 +54,7 @@ def main() -> None:
     from learner.step import ppo_step
     from common.config import load_config
     from common.sequences import collate
+    from tests.helpers import policy_samples
     from weight_sync.buckets import ShmWeightWriter, read_manifest
 
     with open(args.assets) as file:
@@ -91,7 +69,7 @@ def main() -> None:
                                "data": {"prompts": assets["prompts"]}})
     torch.manual_seed(0)
     init_distributed(config)
-    samples = fixed_samples(assets)
+    samples = policy_samples(assets, PROMPTS, behavior_offset=-0.05)
     actor = make_deepspeed_engine(load_actor(assets["policy"]), config.learner.actor_lr, config)
     critic = make_deepspeed_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
     batch = collate(samples, pad_token_id=0)

@@ -1,13 +1,159 @@
-"""What several test files share: configs, samples, the buffer in a thread, running the pipeline.
+"""What several test files share: configs, samples, the buffer in a thread, `tether` commands.
 
 Fixtures live in conftest.py; the helpers they and the tests call live here, so no test file
 imports another."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
+
+import numpy as np
+import yaml
+
+from protocol.samples import Sample
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Logprobs of the same tokens under the same weights, from vLLM's CPU kernels and from the
+# learner's transformers forward, both float32: measured ~1e-6 here; 1e-3 leaves room for kernels.
+LOGPROB_TOLERANCE = 1e-3
+# both roles of this machine's two cores: the buffer and the rollout on one, scorer and learner on the other
+TWO_CORES = {"cores": {"buffer": [0], "rollout": [0], "scorer": [1], "learner": [1]}}
+
+
+# a chat template that renders a system message first, for prompts given as chats
+CHAT_TEMPLATE_WITH_SYSTEM = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }} : {% else %}"
+                             "{{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def base_config(tmp_path, assets, **sections):
+    """A complete config dict for tests, pointing at the tiny assets and a private run dir."""
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "models": {"policy": assets["policy"], "reward": assets["reward"]},
+        "data": {"prompts": assets["prompts"]},
+        "transport": {"connect_retries": 60, "connect_interval_s": 0.5},
+    }
+    for name, values in sections.items():
+        config.setdefault(name, {}).update(values)
+    return config
 
 
 def with_learner(config, changes: dict[str, Any]):
     """``config`` with ``learner.*`` changed: ``with_learner(config, {"advantage_estimator": "rloo"})``."""
     return config.model_copy(update={"learner": config.learner.model_copy(update=changes)})
+
+
+# --------------------------------------------------------------------------- samples
+
+
+def sample_of(prompt, response, sample_id: str = "s0", prompt_index: int = 0, version: int = 0,
+              reward: float | None = None) -> Sample:
+    """A sample of these token ids, its behavior logprobs 0; with ``reward``, scored (reference
+    logprobs 0 too)."""
+    response = np.array(response, np.int32)
+    return Sample(sample_id, prompt_index, version, np.array(prompt, np.int32), response,
+                  np.zeros(len(response), np.float32), "stop",
+                  ref_logprobs=np.zeros(len(response), np.float32) if reward is not None else None, reward=reward)
+
+
+def random_sample(i: int, prompt_len: int = 3, resp_len: int = 4, scored: bool = False) -> Sample:
+    """Sample ``i`` of random tokens and logprobs (seeded by ``i``), of version ``i % 3``."""
+    rng = np.random.default_rng(i)
+    return Sample(
+        sample_id=f"s{i}", prompt_index=i, behavior_version=i % 3,
+        prompt_tokens=rng.integers(0, 16, prompt_len).astype(np.int32),
+        response_tokens=rng.integers(0, 16, resp_len).astype(np.int32),
+        behavior_logprobs=-rng.random(resp_len).astype(np.float32),
+        finish_reason="stop" if i % 2 else "length",
+        ref_logprobs=-rng.random(resp_len).astype(np.float32) if scored else None,
+        reward=float(i) * 0.5 if scored else None,
+    )
+
+
+def policy_samples(assets: dict, texts: list[str], behavior_offset: float = 0.0) -> list[Sample]:
+    """Samples of the SFT model on ``texts``, scored as the scorer would (reference = policy), with
+    the behavior logprobs ``behavior_offset`` off the reference's (a stale version, when not 0)."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    from common.config import SamplingConfig
+    from launch.demo import sample_responses
+    from scorer.scoring import reference_logprobs, reward_scores
+
+    tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
+    policy = AutoModelForCausalLM.from_pretrained(assets["policy"]).eval()
+    rm = AutoModelForSequenceClassification.from_pretrained(assets["reward"], num_labels=1).eval()
+    prompts = [tokenizer(text)["input_ids"] for text in texts]
+    responses = sample_responses(policy, prompts, max_new_tokens=6, seed=0)
+    made = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
+                   "stop" if r[-1] == 2 else "length") for i, (p, r) in enumerate(zip(prompts, responses))]
+    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, SamplingConfig())):
+        s.ref_logprobs = logprobs.numpy().copy()
+        s.behavior_logprobs = logprobs.numpy() + behavior_offset
+    for s, reward in zip(made, reward_scores(rm, made, 0).tolist()):
+        s.reward = reward
+    return made
+
+
+# --------------------------------------------------------------------------- roles and commands
+
+
+def start_buffer(tmp_path, *overrides):
+    """The real buffer role in a thread, on a config whose models it never loads. Returns the
+    config, the dict that gets the role's result when it returns, and the thread to join."""
+    import threading
+
+    from buffer.main import run as run_buffer
+    from common.config import load_config
+
+    assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
+    config = load_config(None, ["learner.batch_size=2", "learner.minibatch_size=1", *overrides],
+                         base=base_config(tmp_path, assets))
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(run_buffer(config)), daemon=True)
+    thread.start()
+    return config, result, thread
+
+
+def tether(*args, timeout=400):
+    """The `tether` command, run from the repository."""
+    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def run_to_the_end(tmp_path, config):
+    """`tether run` of a config dict, the roles placed on this machine's two cores; it must succeed."""
+    config["placement"] = dict(TWO_CORES)
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = tether("run", "--config", str(path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str) -> dict:
+    """Two PPO steps of tests/dp_driver.py on ``ranks`` DeepSpeed ranks (torch.distributed's
+    launcher) under ZeRO ``zero``; returns what the driver saved (weights, losses)."""
+    import json
+
+    import torch
+
+    from protocol.transport import free_port
+
+    paths = tmp_path / "assets.json"
+    paths.write_text(json.dumps({key: str(value) for key, value in assets.items()}))
+    out = tmp_path / f"zero{zero}-ranks{ranks}.pt"
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
+         "tests/dp_driver.py", "--assets", str(paths), "--zero", str(zero), "--out", str(out),
+         *(f"--override={override}" for override in overrides)],
+        cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return torch.load(out)

@@ -11,15 +11,9 @@ from protocol.codec import decode
 from protocol.schema import SCHEMA_VERSION
 from protocol.samples import pack_samples, unpack_samples
 from protocol.transport import BufferClient, BufferUnreachable
-from tests.conftest import start_buffer
-from tests.test_codec import make_sample
+from tests.helpers import random_sample, start_buffer
 
-
-@pytest.fixture
-def buffer_role(tmp_path):
-    config, result, thread = start_buffer(tmp_path, "buffer.max_staleness=0", "transport.max_frame_bytes=65536")
-    yield config, result, thread
-    thread.join(timeout=40)
+pytestmark = pytest.mark.buffer_overrides("buffer.max_staleness=0", "transport.max_frame_bytes=65536")
 
 
 def client(config, role):
@@ -37,7 +31,7 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     assert grant.fields["credits"] == 2 and grant.fields["prompt_indices"] == [0, 1] and grant.fields["stop"] is False
     late = BufferClient(config.buffer_address, "rollout", "1")  # a second engine of the pool
     assert late.connect(5, 1.0).type == "welcome"
-    samples = [make_sample(0), make_sample(1)]
+    samples = [random_sample(0), random_sample(1)]
     for s in samples:
         s.behavior_version = s.last_behavior_version = 0
     assert rollout.request("samples", *pack_samples(samples)).fields["accepted"] == 2
@@ -103,7 +97,7 @@ def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):
     raw.close()
     # a sample batch whose lengths do not add up: refused by the buffer, which keeps serving
     learner, rollout = client(config, "learner"), client(config, "rollout")
-    fields, tensors = pack_samples([make_sample(0)])
+    fields, tensors = pack_samples([random_sample(0)])
     fields["response_lengths"] = [99]
     with pytest.raises(Exception, match="response_tokens has shape"):
         rollout.request("samples", fields, tensors)
@@ -126,7 +120,7 @@ def test_a_scorer_that_goes_silent_with_work_is_named(tmp_path):
     config, _, thread = start_buffer(tmp_path, "buffer.stall_warn_s=0.5", "buffer.max_staleness=0")
     rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
     rollout.request("credit_request", {"policy_version": 0, "wanted": 2})
-    samples = [make_sample(0), make_sample(1)]
+    samples = [random_sample(0), random_sample(1)]
     for s in samples:
         s.behavior_version = s.last_behavior_version = 0
     assert rollout.request("samples", *pack_samples(samples)).fields["accepted"] == 2
@@ -185,11 +179,11 @@ def test_an_engine_silent_past_its_deadline_loses_its_prompts_to_the_pool(tmp_pa
     assert alive.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [1]
     grant = alive.request("credit_request", {"policy_version": 0, "wanted": 2}, timeout_s=10)  # held until then
     assert grant.fields["prompt_indices"] == [0]
-    samples = [make_sample(0), make_sample(1)]
+    samples = [random_sample(0), random_sample(1)]
     for s in samples:
         s.behavior_version = s.last_behavior_version = 0
     assert alive.request("samples", *pack_samples(samples)).fields["accepted"] == 2
-    late = make_sample(0)
+    late = random_sample(0)
     late.sample_id, late.behavior_version, late.last_behavior_version = "late", 0, 0
     assert dead.request("samples", *pack_samples([late])).fields["accepted"] == 0  # too late: refused
     learner.request("finish", {"policy_version": 0})
@@ -215,7 +209,7 @@ def test_roles_hear_a_dead_or_restarted_buffer_through_heartbeats(tmp_path):
 
     from common.config import load_config
     from protocol.transport import BufferLost, Liveness
-    from tests.conftest import base_config
+    from tests.helpers import base_config
 
     assets = {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}
     raw = base_config(tmp_path, assets)

@@ -10,13 +10,12 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from buffer.state import BufferState
-from protocol.samples import Sample
+from tests.helpers import sample_of
 
 
 def sample(sample_id, version, prompt_index=0):
-    tokens = np.array([1, 2], dtype=np.int32)
-    return Sample(str(sample_id), prompt_index, version, tokens, tokens, np.zeros(2, np.float32), "stop",
-                  ref_logprobs=np.zeros(2, np.float32), reward=0.0)
+    """A scored sample of ``version`` for prompt ``prompt_index``: what the staleness rule reads."""
+    return sample_of([1, 2], [1, 2], str(sample_id), prompt_index, version, reward=0.0)
 
 
 def generate(state, count, version, start=0, engine="rollout:0"):

@@ -5,25 +5,13 @@ import numpy as np
 import pytest
 
 from protocol.codec import ProtocolError, decode, encode
-from protocol.samples import Sample, pack_samples, unpack_samples
+from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SCHEMA_VERSION
-
-
-def make_sample(i, prompt_len=3, resp_len=4, scored=False):
-    rng = np.random.default_rng(i)
-    return Sample(
-        sample_id=f"s{i}", prompt_index=i, behavior_version=i % 3,
-        prompt_tokens=rng.integers(0, 16, prompt_len).astype(np.int32),
-        response_tokens=rng.integers(0, 16, resp_len).astype(np.int32),
-        behavior_logprobs=-rng.random(resp_len).astype(np.float32),
-        finish_reason="stop" if i % 2 else "length",
-        ref_logprobs=-rng.random(resp_len).astype(np.float32) if scored else None,
-        reward=float(i) * 0.5 if scored else None,
-    )
+from tests.helpers import random_sample
 
 
 def test_samples_round_trip_through_frames():
-    samples = [make_sample(i, prompt_len=2 + i, resp_len=1 + 2 * i, scored=True) for i in range(4)]
+    samples = [random_sample(i, prompt_len=2 + i, resp_len=1 + 2 * i, scored=True) for i in range(4)]
     fields, tensors = pack_samples(samples, scored=True)
     frames = encode("scored", fields, tensors, msg_id=7)
     assert len(frames) == 1 + 5  # envelope + one raw frame per tensor, nothing pickled
@@ -61,7 +49,7 @@ def test_bad_envelopes_are_refused_with_the_reason(frames, reason):
 
 
 def _samples_frames():
-    fields, tensors = pack_samples([make_sample(0), make_sample(1)])
+    fields, tensors = pack_samples([random_sample(0), random_sample(1)])
     return encode("samples", fields, tensors)
 
 
@@ -84,11 +72,11 @@ def test_frames_over_the_limit_are_refused():
 
 
 def test_inconsistent_sample_lengths_and_nan_are_refused():
-    fields, tensors = pack_samples([make_sample(0), make_sample(1)])
+    fields, tensors = pack_samples([random_sample(0), random_sample(1)])
     fields["response_lengths"] = [4, 5]
     with pytest.raises(ProtocolError, match="response_tokens has shape \\(8,\\), lengths add to 9"):
         unpack_samples(decode(encode("samples", fields, tensors)))
-    fields, tensors = pack_samples([make_sample(0)])
+    fields, tensors = pack_samples([random_sample(0)])
     tensors["behavior_logprobs"][1] = np.nan
     with pytest.raises(ProtocolError, match="behavior_logprobs holds NaN"):
         unpack_samples(decode(encode("samples", fields, tensors)))
@@ -102,7 +90,7 @@ def test_sender_refuses_to_send_what_the_receiver_would_refuse():
 def test_repacking_received_samples_in_any_order_gives_the_same_bytes():
     """Samples of a received message are re-sent by slicing runs of consecutive rows; whatever the
     order or mix, and after an array is replaced, the packed tensors equal a plain concatenation."""
-    originals = [make_sample(i, prompt_len=1 + i % 3, resp_len=2 + i % 5, scored=True) for i in range(12)]
+    originals = [random_sample(i, prompt_len=1 + i % 3, resp_len=2 + i % 5, scored=True) for i in range(12)]
     received = []
     for part in (originals[:7], originals[7:]):
         received += unpack_samples(decode(encode("scored", *pack_samples(part, scored=True))))

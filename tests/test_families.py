@@ -18,8 +18,7 @@ import torch
 
 from launch.demo import BOS, EOS, PAD, VOCAB, build_tokenizer
 from common.runlog import read_metrics
-from tests.conftest import base_config
-from tests.test_pipeline_e2e import LOGPROB_TOLERANCE, run_to_the_end
+from tests.helpers import LOGPROB_TOLERANCE, base_config, run_to_the_end
 
 STEPS = 4  # three reloads: versions 1, 2 and 3 generate the batches of steps 2, 3 and 4
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}:{% endif %}")

@@ -12,15 +12,16 @@ import zmq
 from protocol.codec import decode, encode
 from protocol.samples import pack_samples
 from protocol.transport import BufferClient
-from tests.conftest import start_buffer
-from tests.test_codec import make_sample
+from tests.helpers import random_sample
+
+pytestmark = pytest.mark.buffer_overrides("transport.max_frame_bytes=65536", "log_level=ERROR")
 
 MESSAGES = 3000
 
 
 def mutations(rng: random.Random):
     """An endless mix of hostile messages built from a valid one."""
-    valid = encode("samples", *pack_samples([make_sample(i) for i in range(3)]), msg_id=1)
+    valid = encode("samples", *pack_samples([random_sample(i) for i in range(3)]), msg_id=1)
     valid = [bytes(frame) for frame in valid]
     envelope = msgpack.unpackb(valid[0])
     while True:
@@ -54,13 +55,6 @@ def mutations(rng: random.Random):
         else:  # an extra frame nobody declared
             frames.append(rng.randbytes(16))
         yield frames
-
-
-@pytest.fixture
-def buffer_role(tmp_path):
-    config, result, thread = start_buffer(tmp_path, "transport.max_frame_bytes=65536", "log_level=ERROR")
-    yield config, result, thread
-    thread.join(timeout=40)
 
 
 def test_the_buffer_survives_a_flood_of_hostile_messages(buffer_role):

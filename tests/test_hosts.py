@@ -13,8 +13,10 @@ import yaml
 
 from common.runlog import read_metrics
 from protocol.security import make_keys
-from tests.conftest import base_config
-from tests.test_pipeline_e2e import BATCH, REPO, free_port
+from protocol.transport import free_port
+from tests.helpers import REPO, base_config
+
+BATCH = 16
 
 
 def host_config(tmp_path, assets, host: str, keys: str, ports: dict) -> str:

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import SamplingConfig
 from learner.checkpoints import save_hf_checkpoint
@@ -14,40 +14,11 @@ from learner.models import load_actor, load_critic
 from learner.parallel import init_distributed, remove_stale_build_locks
 from learner.publish import publish_weights
 from learner.step import SkippedSteps, StepCarry, ppo_step
-from launch.demo import sample_responses
 from common.config import load_config
 from protocol.samples import Sample
 from common.sequences import collate
 from weight_sync.buckets import ShmWeightWriter, read_manifest
-from scorer.scoring import reference_logprobs, reward_scores
-from tests.conftest import base_config
-from tests.helpers import with_learner
-
-
-@pytest.fixture(scope="module")
-def samples(tiny_assets):
-    """On-policy samples of the SFT model, scored as the scorer would (reference = policy)."""
-    tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
-    policy = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
-    rm = AutoModelForSequenceClassification.from_pretrained(tiny_assets["reward"], num_labels=1).eval()
-    prompts = [tokenizer(p)["input_ids"] for p in ["even 1 2 3 :", "odd 4 4 4 :", "even 9 0 1 :", "odd 5 5 2 :"] * 2]
-    responses = sample_responses(policy, prompts, max_new_tokens=6, seed=0)
-    made = [Sample(f"s{i}", i, 0, np.array(p, np.int32), np.array(r, np.int32), np.zeros(len(r), np.float32),
-                   "stop" if r[-1] == 2 else "length") for i, (p, r) in enumerate(zip(prompts, responses))]
-    for s, logprobs in zip(made, reference_logprobs(policy, made, 0, SamplingConfig())):
-        s.behavior_logprobs = logprobs.numpy()
-        s.ref_logprobs = logprobs.numpy().copy()
-    for s, score in zip(made, reward_scores(rm, made, 0).tolist()):
-        s.reward = score
-    return made
-
-
-@pytest.fixture
-def restore_environment():
-    saved = dict(os.environ)
-    yield
-    os.environ.clear()
-    os.environ.update(saved)
+from tests.helpers import base_config, with_learner
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])

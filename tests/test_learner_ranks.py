@@ -3,47 +3,21 @@ batches with 1 DeepSpeed rank and with 2 (gloo, started by torch.distributed's l
 ZeRO-2 and ZeRO-3, end with the same actor weights (as published, bucket by bucket) and the same
 logged losses."""
 
-import json
-import os
-import subprocess
-import sys
 
 import pytest
-import torch
 
-from protocol.transport import free_port
+from tests.helpers import train_data_parallel
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # float32 on both sides; the ranks' forward passes see other row counts and their gradients are
 # summed in another order. Measured here: 3.5e-7 (ZeRO-2) and 3.8e-7 (ZeRO-3) after two steps
 # of 2 epochs x 2 minibatches at lr 1e-3; without the data-parallel loss scale the gap is 1.2e-2.
 WEIGHT_TOLERANCE = 1e-5
 
 
-def train(tmp_path, assets, zero: int, ranks: int, *overrides: str) -> dict:
-    paths = tmp_path / "assets.json"
-    paths.write_text(json.dumps({key: str(value) for key, value in assets.items()}))
-    out = tmp_path / f"zero{zero}-ranks{ranks}.pt"
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
-         "tests/dp_driver.py", "--assets", str(paths), "--zero", str(zero), "--out", str(out),
-         *(f"--override={override}" for override in overrides)],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
-    return torch.load(out)
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory, tiny_assets):
-    return train(tmp_path_factory.mktemp("one"), tiny_assets, zero=2, ranks=1)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("zero", [2, 3])
 def test_two_ranks_train_the_same_weights_as_one(tmp_path, tiny_assets, one_rank, zero):
-    two = train(tmp_path, tiny_assets, zero=zero, ranks=2)
+    two = train_data_parallel(tmp_path, tiny_assets, zero=zero, ranks=2)
     assert one_rank["world"] == 1 and two["world"] == 2
     assert set(two["actor"]) == set(one_rank["actor"])
     gap = max(float((two["actor"][name] - one_rank["actor"][name]).abs().max()) for name in one_rank["actor"])
@@ -68,7 +42,7 @@ def test_two_ranks_with_a_token_budget_train_the_same_weights_as_one_rank_withou
     """ZeRO-3, 2 ranks, micro-batches of at most 16 padded tokens (1 or 2 rows of 8 to 12 tokens,
     as many passes on both ranks: a ZeRO-3 forward is collective) against 1 rank, a minibatch a
     pass."""
-    two = train(tmp_path, tiny_assets, 3, 2, "learner.max_tokens_per_microbatch=16", "rollout.max_model_len=16")
+    two = train_data_parallel(tmp_path, tiny_assets, 3, 2, "learner.max_tokens_per_microbatch=16", "rollout.max_model_len=16")
     gap = max(float((two["actor"][name] - one_rank["actor"][name]).abs().max()) for name in one_rank["actor"])
     assert gap < WEIGHT_TOLERANCE, gap
     assert two["losses"] == pytest.approx(one_rank["losses"], abs=1e-5)

@@ -11,40 +11,21 @@ import yaml
 from common.config import load_config
 from common.runlog import read_metrics
 from protocol.transport import free_port
-from tests.conftest import base_config
+from tests.helpers import LOGPROB_TOLERANCE, REPO, TWO_CORES, base_config, tether
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, BATCH = 4, 16
-# Logprobs of the same tokens under the same weights, from vLLM's CPU kernels and from the
-# learner's transformers forward, both float32: measured ~1e-6 here; 1e-3 leaves room for kernels.
-LOGPROB_TOLERANCE = 1e-3
 PER_STEP_METRICS = ("reward", "kl", "response_length", "entropy", "value_loss", "clipfrac", "approx_kl",
                     "staleness", "policy_loss", "kl_coef", "grad_norm")
-
-
-def tether(*args, timeout=400):
-    return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout)
 
 
 def write_config(tmp_path, assets, **sections):
     config = base_config(tmp_path, assets, **sections)
     config.setdefault("rollout", {}).update(max_new_tokens=6, prompts_per_generate=16, max_model_len=64)
     config.setdefault("learner", {}).update(batch_size=BATCH, minibatch_size=8, ppo_epochs=1)
-    config["placement"] = {"cores": {"buffer": [0], "rollout": [0], "scorer": [1], "learner": [1]}}
+    config["placement"] = dict(TWO_CORES)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, config["run_dir"]
-
-
-def run_to_the_end(tmp_path, config):
-    """`tether run` of a config dict, the roles placed on this machine's two cores; it must succeed."""
-    config["placement"] = {"cores": {"buffer": [0], "rollout": [0], "scorer": [1], "learner": [1]}}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    result = tether("run", "--config", str(path))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
 
 
 @pytest.mark.slow

@@ -5,7 +5,6 @@ import math
 import pytest
 import torch
 
-from common.config import SamplingConfig
 from learner import ppo
 from learner.kl_control import AdaptiveKLController, FixedKLController, adaptive_kl_coef, make_kl_controller
 
@@ -22,85 +21,7 @@ def assert_close(actual: torch.Tensor, expected, atol: float = 1e-6) -> None:
 MASK = t([[1, 1, 1], [1, 1, 0]])
 
 
-# --------------------------------------------------------------------------- logits
-
-
-def test_logprobs_from_logits_matches_log_softmax_by_hand():
-    logits = t([[[1.0, 2.0, 3.0], [0.0, 0.0, 0.0]]])
-    tokens = torch.tensor([[2, 1]])
-    expected_first = 3.0 - math.log(math.e + math.e**2 + math.e**3)
-    expected_second = -math.log(3.0)
-    got = ppo.logprobs_from_logits(logits, tokens)
-    assert got.shape == (1, 2)
-    assert_close(got, [[expected_first, expected_second]], atol=1e-6)
-
-
-def test_logprobs_divide_logits_by_the_sampling_temperature():
-    logits = t([[[1.0, 2.0, 3.0]]])
-    tokens = torch.tensor([[2]])
-    # temperature 2 -> logits 0.5, 1.0, 1.5
-    expected = 1.5 - math.log(math.exp(0.5) + math.exp(1.0) + math.exp(1.5))
-    assert ppo.logprobs_from_logits(logits, tokens, SamplingConfig(temperature=2.0)).item() == pytest.approx(expected, abs=1e-6)
-
-
-def test_entropy_from_logits_by_hand():
-    # uniform over 4 -> ln 4; p = (0.25, 0.75) -> -(0.25 ln 0.25 + 0.75 ln 0.75)
-    logits = t([[[0.0, 0.0, 0.0, 0.0], [0.0, math.log(3.0), -1e9, -1e9]]])
-    expected = [math.log(4.0), -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))]
-    assert ppo.entropy_from_logits(logits)[0].tolist() == pytest.approx(expected, abs=1e-5)
-
-
-def test_entropy_rises_with_temperature():
-    logits = t([[[0.0, 1.0, 2.0]]])
-    assert ppo.entropy_from_logits(logits, SamplingConfig(temperature=2.0)) > ppo.entropy_from_logits(logits)
-
-
 # --------------------------------------------------------------------------- KL and rewards
-
-
-def _kept_by_hand(probs: list[float], top_p: float, top_k: int) -> set[int]:
-    """The tokens top-k then top-p keep, worked out one token at a time: top-k keeps the k largest;
-    top-p, over what top-k kept (renormalised), keeps the largest and every token whose mass plus
-    the mass of all tokens smaller than it is more than 1 - p."""
-    order = sorted(range(len(probs)), key=lambda i: probs[i])  # ascending
-    kept = set(order[-top_k:]) if top_k else set(order)
-    total = sum(probs[i] for i in kept)
-    mass, result = 0.0, set()
-    for i in [i for i in order if i in kept]:
-        mass += probs[i] / total
-        if mass > 1 - top_p or i == order[-1]:
-            result.add(i)
-    return result
-
-
-@pytest.mark.parametrize("top_p, top_k", [(0.9, 0), (0.5, 0), (1.0, 3), (0.8, 4), (0.3, 2)])
-def test_top_k_top_p_keep_the_tokens_worked_out_by_hand_and_renormalise(top_p, top_k):
-    from common.distributions import LOGPROB_FLOOR, entropy_from_logits, logprobs_from_logits
-
-    generator = torch.Generator().manual_seed(0)
-    logits = torch.randn(2, 3, 7, generator=generator) * 2
-    vocab = torch.arange(7).expand(2, 3, 7)
-    every_token = torch.stack([logprobs_from_logits(logits, vocab[..., v], SamplingConfig(temperature=0.7, top_p=top_p, top_k=top_k)) for v in range(7)], -1)
-    entropy = entropy_from_logits(logits, SamplingConfig(temperature=0.7, top_p=top_p, top_k=top_k))
-    for b in range(2):
-        for t in range(3):
-            probs = torch.softmax(logits[b, t] / 0.7, -1).tolist()
-            kept = sorted(_kept_by_hand(probs, top_p, top_k))
-            renormalised = torch.log_softmax(logits[b, t, kept] / 0.7, -1)
-            assert torch.allclose(every_token[b, t, kept], renormalised, atol=1e-6)
-            left_out = [v for v in range(7) if v not in kept]
-            assert all(every_token[b, t, v] == LOGPROB_FLOOR for v in left_out)
-            by_hand = -(renormalised.exp() * renormalised).sum()
-            assert entropy[b, t] == pytest.approx(float(by_hand), abs=1e-5)
-
-
-def test_top_p_logprobs_have_finite_gradients_also_for_a_token_left_out():
-    from common.distributions import logprobs_from_logits
-
-    logits = torch.tensor([[[4.0, 3.0, -5.0, -6.0]]], requires_grad=True)
-    kept, left_out = (logprobs_from_logits(logits, torch.tensor([[token]]), SamplingConfig(top_p=0.9)) for token in (0, 3))
-    (kept.sum() + left_out.sum()).backward()
-    assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 0] != 0
 
 
 def test_kl_estimators_by_hand():
@@ -428,19 +349,7 @@ def test_nan_inputs_are_errors():
         adaptive_kl_coef(0.1, float("nan"), 6.0, 1, 10)
 
 
-# --------------------------------------------------------------------------- the recipe's options
-
-
-@pytest.mark.parametrize("step, schedule, expected", [
-    (0, "constant", 1 / 4), (3, "constant", 1.0), (9, "constant", 1.0),  # warm-up: (s + 1) / 4
-    (4, "linear", 0.1 + 0.9 * (1 - 0 / 5)), (7, "linear", 0.1 + 0.9 * (1 - 3 / 5)), (9, "linear", 0.1),
-    (4, "cosine", 1.0), (7, "cosine", 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 3 / 5))),
-    (9, "cosine", 0.1),  # the last step (9 of 0..9) runs at lr_min_ratio
-])
-def test_the_learning_rate_at_a_step_is_its_formula(step, schedule, expected):
-    from learner.schedule import lr_factor
-
-    assert lr_factor(step, total_steps=10, warmup_steps=4, schedule=schedule, min_ratio=0.1) == pytest.approx(expected)
+# --------------------------------------------------------------------------- advantages by estimator
 
 
 def test_group_advantages_compare_each_responses_total_reward_with_its_groups():
@@ -471,22 +380,3 @@ def test_whitening_a_single_token_only_centres_it():
     assert ppo.masked_whiten(single, mask, shift_mean=False).tolist() == [[2.5, 0.0]]
 
 
-def test_the_repetition_rate_counts_repeated_ngrams():
-    from evaluator.main import repetition_rate
-
-    assert repetition_rate([1, 2, 3, 4, 5]) == 0.0
-    assert repetition_rate([7, 7, 7, 7, 7]) == pytest.approx(2 / 3)  # 3 trigrams, 1 distinct
-    assert repetition_rate([1, 2, 3, 1, 2, 3]) == pytest.approx(1 / 4)  # (1,2,3) twice of 4 trigrams
-    assert repetition_rate([1, 2]) == 0.0
-
-
-def test_the_ptx_stream_is_a_seeded_shuffle_per_pass_that_a_resume_finds_again():
-    from learner.ptx import PtxStream
-
-    sequences = [[i, i + 1] for i in range(5)]
-    stream = PtxStream(sequences, batch_size=3, seed=7)
-    batches = [stream.next_batch()[0][:, 0].tolist() for _ in range(4)]  # 12 rows: 2 passes and 2 rows
-    assert sorted(batches[0] + batches[1][:2]) == list(range(5)) == sorted(batches[1][2:] + batches[2] + batches[3][:1])
-    resumed = PtxStream(sequences, batch_size=3, seed=7)
-    resumed.position = 6  # where a resumed learner puts it: two batches in
-    assert [resumed.next_batch()[0][:, 0].tolist() for _ in range(2)] == batches[2:]

@@ -2,33 +2,17 @@
 
 import json
 import logging
-import shutil
 
 import pytest
 
 from common.config import ConfigError, load_config
 from common.prompts import prompt_token_ids, read_rows
-from tests.conftest import base_config
+from tests.helpers import base_config
 
-CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}{{ m['content'] }} : {% else %}"
-                 "{{ m['content'] }} {% endif %}{% endfor %}{% if add_generation_prompt %}:{% endif %}")
 ROWS = [{"prompt": "even 1 2 :"},
         {"messages": [{"role": "user", "content": "odd 3 4"}], "answer": "odd"},
         {"prompt": " ".join(["even"] * 80)},  # too long for max_model_len 64 - 8 new tokens
         {"messages": [{"role": "system", "content": "even"}, {"role": "user", "content": "odd 5"}]}]
-
-
-@pytest.fixture
-def chat_policy(tmp_path, tiny_assets):
-    """The demo policy with a chat template in its tokenizer."""
-    from transformers import AutoTokenizer
-
-    directory = tmp_path / "policy"
-    shutil.copytree(tiny_assets["policy"], directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.chat_template = CHAT_TEMPLATE
-    tokenizer.save_pretrained(directory)
-    return str(directory), tokenizer
 
 
 def write_jsonl(path, rows):

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from bench.buffer_throughput import scorer_process  # a scorer that returns its work as scored
-from tests.conftest import start_buffer
+from tests.helpers import start_buffer
 
 # The same tokens under the same weights: the streamed engine's decode steps against one chunked
 # prefill of prompt + response, both vLLM's CPU kernels in float32. Measured 0 here (the kernels
@@ -28,7 +28,7 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
     from protocol.samples import unpack_samples
     from protocol.transport import BufferClient
     from rollout.main import make_vllm_engine, run
-    from tests.conftest import base_config
+    from tests.helpers import base_config
 
     batch = 24
     config, _, buffer = start_buffer(tmp_path, f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 
 from common.config import load_config
 from weight_sync.buckets import ShmWeightWriter
-from tests.conftest import base_config
+from tests.helpers import base_config
 
 PROMPT = [1, 3, 7, 9, 8, 5]  # <bos> even 1 3 2 :
 TOLERANCE = 1e-3  # float32 on both sides; measured ~1e-6 here
@@ -135,7 +135,7 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
     import rollout.main
     from protocol.transport import BufferClient
     from rollout.main import WeightsNotLoading
-    from tests.conftest import start_buffer
+    from tests.helpers import start_buffer
 
     config, result, thread = start_buffer(
         tmp_path, f"models.policy={tiny_assets['policy']}", f"data.prompts={tiny_assets['prompts']}",

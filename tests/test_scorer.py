@@ -11,15 +11,11 @@ from common.config import SamplingConfig
 from protocol.samples import Sample
 from common.sequences import collate, gather_response
 from scorer.scoring import REWARD_OFFSET_KEY, reference_logprobs, reward_scores
-
-
-def sample(prompt, response, sample_id="x"):
-    return Sample(sample_id, 0, 0, np.array(prompt, np.int32), np.array(response, np.int32),
-                  np.zeros(len(response), np.float32), "stop")
+from tests.helpers import sample_of
 
 
 def test_collate_puts_each_response_token_after_the_logits_that_predict_it():
-    batch = collate([sample([1, 3, 7], [9, 2]), sample([1, 4], [8, 8, 8, 2])], pad_token_id=0)
+    batch = collate([sample_of([1, 3, 7], [9, 2]), sample_of([1, 4], [8, 8, 8, 2])], pad_token_id=0)
     assert batch.input_ids.tolist() == [[1, 3, 7, 9, 2, 0], [1, 4, 8, 8, 8, 2]]
     assert batch.response_positions.tolist() == [[2, 3, 0, 0], [1, 2, 3, 4]]
     assert batch.response_mask.tolist() == [[1, 1, 0, 0], [1, 1, 1, 1]]
@@ -31,7 +27,7 @@ def test_collate_puts_each_response_token_after_the_logits_that_predict_it():
 
 def test_reference_logprobs_match_a_plain_forward_pass_whatever_the_padding(tiny_assets):
     reference = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
-    short, long = sample([1, 3, 7, 8, 5], [9, 2], "a"), sample([1, 4, 6, 6, 5], [8, 10, 12, 6, 2], "b")
+    short, long = sample_of([1, 3, 7, 8, 5], [9, 2], "a"), sample_of([1, 4, 6, 6, 5], [8, 10, 12, 6, 2], "b")
     batched = reference_logprobs(reference, [short, long], pad_token_id=0, sampling=SamplingConfig(temperature=0.7))
     with torch.no_grad():
         ids = torch.tensor([[1, 3, 7, 8, 5, 9, 2]])
@@ -45,7 +41,7 @@ def test_reference_logprobs_match_a_plain_forward_pass_whatever_the_padding(tiny
 def test_reward_scores_use_the_last_real_token_and_subtract_the_offset(tiny_assets):
     rm = AutoModelForSequenceClassification.from_pretrained(tiny_assets["reward"], num_labels=1).eval()
     offset = getattr(rm.config, REWARD_OFFSET_KEY)
-    a, b = sample([1, 3, 7, 8, 5], [9, 2], "a"), sample([1, 4, 6, 6, 5], [8, 10, 12, 6, 2], "b")
+    a, b = sample_of([1, 3, 7, 8, 5], [9, 2], "a"), sample_of([1, 4, 6, 6, 5], [8, 10, 12, 6, 2], "b")
     together = reward_scores(rm, [a, b], pad_token_id=0)
     assert together.shape == (2,)
     torch.testing.assert_close(together[0], reward_scores(rm, [a], pad_token_id=0)[0], atol=1e-5, rtol=0)
@@ -94,7 +90,7 @@ def make_scorer(tmp_path, tiny_assets, prompts_rows=None, **sections):
 
     from common.config import load_config
     from scorer.main import Scorer
-    from tests.conftest import base_config
+    from tests.helpers import base_config
 
     base = base_config(tmp_path, tiny_assets, **sections)
     if prompts_rows is not None:
@@ -210,7 +206,7 @@ def test_verifiable_rewards_alone_need_no_reward_model(tmp_path, tiny_assets):
 def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_tokens(tmp_path, tiny_assets):
     from common.config import ConfigError, load_config
     from common.models import critic_source
-    from tests.conftest import base_config
+    from tests.helpers import base_config
 
     rm_dir = str(tmp_path / "rm")
     own_tokenizer_reward_model(rm_dir)

@@ -1,50 +1,12 @@
 """CURVE on TCP endpoints: only allowed keys get in; nobody else is answered or heard."""
 
 import shutil
-import threading
 
 import pytest
 
 from common.config import CurveConfig
 from protocol.security import make_keys
 from protocol.transport import BufferClient, BufferServer, free_port
-
-
-@pytest.fixture
-def keys(tmp_path):
-    make_keys(str(tmp_path), "server")
-    for name in ("allowed", "stranger"):
-        make_keys(str(tmp_path), name)
-    (tmp_path / "allowed_clients").mkdir()
-    shutil.copy(tmp_path / "allowed.key", tmp_path / "allowed_clients")
-    curve = lambda client: CurveConfig(
-        enabled=True, server_key=str(tmp_path / "server.key_secret"), server_public_key=str(tmp_path / "server.key"),
-        client_key=str(tmp_path / f"{client}.key_secret"), allowed_clients=str(tmp_path / "allowed_clients"))
-    return curve
-
-
-@pytest.fixture
-def server(keys):
-    address = f"tcp://127.0.0.1:{free_port()}"
-    server = BufferServer(address, curve=keys("allowed"))
-    heard = []
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            received = server.receive(timeout_ms=50)
-            if received is not None:
-                identity, message = received
-                heard.append(message.fields["worker_id"])
-                server.reply(identity, message.id, "welcome", {"run_id": "r", "incarnation": "i", "max_staleness": 1,
-                                                               "batch_size": 1})
-
-    thread = threading.Thread(target=serve, daemon=True)
-    thread.start()
-    yield address, heard
-    stop.set()
-    thread.join()
-    server.close()
 
 
 def test_an_allowed_key_is_answered(server, keys):
@@ -86,7 +48,7 @@ def test_a_client_key_speaks_only_as_the_role_it_is_named_after(tmp_path):
     """With CURVE the buffer knows which key sent each message: a scorer's key cannot say hello as
     the learner, nor send finish; the learner's key can. A key named after no role speaks as none."""
     from protocol.transport import RemoteError
-    from tests.conftest import start_buffer
+    from tests.helpers import start_buffer
 
     make_keys(str(tmp_path), "server")
     (tmp_path / "allowed").mkdir()
@@ -127,7 +89,7 @@ def test_a_client_key_speaks_only_as_the_role_it_is_named_after(tmp_path):
                                               ("tcp://127.0.0.1:5555", False), ("tcp://[::1]:5555", False)])
 def test_a_tcp_endpoint_beyond_loopback_needs_curve_or_an_explicit_setting(tmp_path, address, refused):
     from common.config import ConfigError, load_config
-    from tests.conftest import base_config
+    from tests.helpers import base_config
 
     base = base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"})
     if refused:

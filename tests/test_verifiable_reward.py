@@ -8,8 +8,7 @@ import pytest
 
 from launch.demo import evaluate
 from common.runlog import read_metrics
-from tests.conftest import base_config
-from tests.test_pipeline_e2e import run_to_the_end, tether
+from tests.helpers import base_config, run_to_the_end, tether
 
 STEPS = 12
 

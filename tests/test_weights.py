@@ -104,16 +104,6 @@ def test_malformed_manifests_are_refused(manifest):
 # --------------------------------------------------------------------------- across hosts: TCP frames
 
 
-@pytest.fixture
-def served(tmp_path):
-    from weight_sync.tcp import WeightServer
-
-    writer = ShmWeightWriter(str(tmp_path / "learner"), bucket_bytes=16 * 1024)
-    server = WeightServer(writer, "tcp://127.0.0.1:0")
-    yield writer, server
-    server.close()
-
-
 def test_buckets_travel_over_tcp_into_the_readers_own_slots(tmp_path, served):
     from weight_sync.tcp import fetch_over_tcp
 
@@ -157,21 +147,6 @@ def wait_until(condition, timeout_s=5.0):
             return True
         time.sleep(0.01)
     return False
-
-
-@pytest.fixture
-def stream(tmp_path):
-    import time
-
-    from weight_sync.stream import WeightPrefetcher, WeightStreamPublisher
-
-    address = f"ipc://{tmp_path}/stream"
-    publisher = WeightStreamPublisher(address)
-    prefetcher = WeightPrefetcher(address)
-    time.sleep(0.3)  # let the subscription reach the publisher
-    yield publisher, prefetcher
-    prefetcher.close()
-    publisher.close()
 
 
 def test_a_version_is_checked_while_written_and_its_slot_held_until_loaded(tmp_path, stream):
