@@ -81,9 +81,9 @@ def bare_step(models: list, optimizers: list, batch, minibatches: list, proximal
     """The passes a PPO step needs, in plain torch (see the module's docstring)."""
     import torch
 
-    from learner.models import ValueModel
     from common.distributions import logprobs_from_logits
     from common.sequences import gather_response
+    from learner.models import ValueModel
 
     def loss_of(model, part):
         critic = isinstance(model, ValueModel)  # which builds no KV cache itself
@@ -134,13 +134,13 @@ def main() -> None:
     import torch
 
     import learner.step
+    from common.config import load_config
+    from common.sequences import SequenceBatch, collate
     from launch.demo import VOCAB
     from learner import micro_batches
     from learner.deepspeed_engine import make_deepspeed_engine
     from learner.models import load_actor, load_critic
     from learner.parallel import init_distributed
-    from common.config import load_config
-    from common.sequences import SequenceBatch, collate
 
     torch.manual_seed(0)
     directory = tempfile.mkdtemp(prefix="tether-bench-learner-")

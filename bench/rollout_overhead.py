@@ -64,10 +64,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     args = parser.parse_args()
 
-    from launch.demo import write_prompts
     from common.config import load_config
-    from common.runlog import read_metrics
     from common.prompts import prompt_token_ids, read_rows
+    from common.runlog import read_metrics
+    from launch.demo import write_prompts
     from rollout.main import make_vllm_engine, sampling_params, run
 
     work = tempfile.mkdtemp(prefix="tether-bench-rollout-")

@@ -45,9 +45,9 @@ def build_learner_bound_models(directory: str) -> dict[str, str]:
 
 
 def trial(name: str, base: dict, overrides: list[str], out: str) -> dict:
+    from common.config import load_config
     from launch.report import profile_run
     from launch.runner import run_pipeline
-    from common.config import load_config
 
     run_dir = os.path.join(out, name)
     config = load_config(None, [f"run_dir={run_dir}", *overrides], base=base)
@@ -97,8 +97,8 @@ def rollout_pool_alone(engines: int, demo: dict, out: str, batches: int = 40) ->
     from buffer_throughput import scorer_process
 
     from buffer.main import run as run_buffer
-    from launch.runner import start_role
     from common.config import dump_config, load_config
+    from launch.runner import start_role
     from protocol.samples import unpack_samples
     from protocol.transport import BufferClient
 
@@ -164,14 +164,14 @@ def learner_worker(args) -> None:
 
     import numpy as np
 
+    from common.config import load_config
+    from common.sequences import collate
     from learner import parallel
     from learner.deepspeed_engine import make_deepspeed_engine
     from learner.models import load_actor, load_critic
     from learner.parallel import init_distributed
     from learner.step import ppo_step
-    from common.config import load_config
     from protocol.samples import Sample
-    from common.sequences import collate
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     config = load_config(None, ["learner.batch_size=64", "learner.minibatch_size=32", "learner.ppo_epochs=2",

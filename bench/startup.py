@@ -29,8 +29,8 @@ sys.path.insert(0, REPO)
 def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config: str | None = None) -> dict:
     """One `tether run` of the demo (or of ``config``) from ``repo``: seconds to the first trained
     step and to the end, and the phases the roles wrote (none for a tether that writes none)."""
-    from launch.report import startup_timeline
     from common.runlog import read_metrics
+    from launch.report import startup_timeline
 
     config = config or os.path.join(repo, "configs", "demo.yaml")
     command = [sys.executable, "-m", "launch.cli", "run", "-c", config,

@@ -69,8 +69,8 @@ def figures(result: dict, batch_size: int, prompt_tokens: int) -> dict:
 
 
 def main() -> None:
-    from launch.demo import DEMO_HIDDEN, DEMO_LAYERS, build_assets
     from common.config import load_config
+    from launch.demo import DEMO_HIDDEN, DEMO_LAYERS, build_assets
     from startup import run_once
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -28,8 +28,8 @@ GOAL = 0.5  # of memcpy
 
 
 def rollout_process(address: str, stream_address: str) -> None:
-    from weight_sync.stream import WeightPrefetcher
     from weight_sync.buckets import WeightManifest, read_manifest
+    from weight_sync.stream import WeightPrefetcher
 
     socket = zmq.Context.instance().socket(zmq.PAIR)
     socket.connect(address)
@@ -57,8 +57,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
 
-    from weight_sync.stream import WeightStreamPublisher
     from weight_sync.buckets import ShmWeightWriter
+    from weight_sync.stream import WeightStreamPublisher
 
     total = int(args.gib * (1 << 30))
     per_tensor = 4096 * 1024 * 4

@@ -14,9 +14,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from buffer.state import BufferState, load_snapshot, save_snapshot
-from protocol.codec import Message, ProtocolError
 from common.config import TetherConfig
 from common.runlog import MetricsWriter, StartupTimeline, setup_logging
+from protocol.codec import Message, ProtocolError
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SENDER_ROLES, SENDERS
 from protocol.security import role_of_key

@@ -159,8 +159,8 @@ def evaluate(checkpoint: Path = typer.Argument(..., help="an HF model directory 
              ) -> None:
     """Evaluate a checkpoint on eval.prompts: reward (RM and reward functions), KL to the reference,
     length and repetition into RUN_DIR/metrics/eval.jsonl, the worst responses into RUN_DIR/eval/."""
-    from evaluator.main import run
     from common.config import ConfigError
+    from evaluator.main import run
 
     try:
         figures = run(_load(config, override), str(checkpoint), step)

@@ -270,8 +270,8 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from common.distributions import logprobs_from_logits
-    from protocol.samples import Sample
     from common.sequences import collate, gather_response
+    from protocol.samples import Sample
     from scorer.scoring import reward_scores
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
@@ -299,8 +299,8 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
 
 
 def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int:
-    from launch.runner import run_pipeline
     from common.config import ConfigError, load_config
+    from launch.runner import run_pipeline
 
     started = time.monotonic()
     paths = build_assets(assets / ("assets-long-tail" if long_tail else "assets"), long_tail=long_tail)

@@ -19,8 +19,8 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from launch.report import profile_run
 from common.config import ROLES, TetherConfig, load_config
+from launch.report import profile_run
 
 PLANNED_ROLES = ("rollout", "scorer", "learner")  # the buffer's share is negligible (docs/benchmarks.md)
 

@@ -7,6 +7,10 @@ import time
 
 import torch
 
+from common.config import TetherConfig
+from common.models import critic_source, resolve_models
+from common.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.sequences import collate
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
@@ -14,11 +18,7 @@ from learner.lora import critic_with_lora, with_lora
 from learner.ptx import PtxStream, read_ptx
 from learner.schedule import lr_factor, set_lr
 from protocol.codec import decode, encode
-from common.config import TetherConfig
-from common.models import critic_source, resolve_models
-from common.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import unpack_samples
-from common.sequences import collate
 from protocol.transport import connect_to_buffer
 
 

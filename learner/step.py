@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
-from learner import micro_batches, parallel, ppo
 from common.config import LearnerConfig, SamplingConfig, TetherConfig
+from common.distributions import entropy_from_logits, logprobs_from_logits
+from common.sequences import SequenceBatch, gather_response
+from learner import micro_batches, parallel, ppo
 from learner.deepspeed_engine import skip_step, weights_swapped
 from learner.ptx import PtxStream, ptx_token_losses
-from common.distributions import entropy_from_logits, logprobs_from_logits
 from protocol.samples import Sample
-from common.sequences import SequenceBatch, gather_response
 
 log = logging.getLogger("learner")
 

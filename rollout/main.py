@@ -13,9 +13,9 @@ from common.prompts import dataset_row, prompts_within, read_rows
 from common.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import connect_to_buffer
-from weight_sync.tcp import fetch_over_tcp
-from weight_sync.stream import WeightPrefetcher
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError
+from weight_sync.stream import WeightPrefetcher
+from weight_sync.tcp import fetch_over_tcp
 
 REFUSED_WEIGHTS_BACKOFF_S = 1.0  # doubled after each failed load in a row, up to 30 s
 

@@ -7,8 +7,8 @@ from torch import nn
 
 from common.config import SamplingConfig
 from common.distributions import logprobs_from_logits
-from protocol.samples import Sample
 from common.sequences import classification_head, collate, gather_response, pad_rows
+from protocol.samples import Sample
 
 REWARD_OFFSET_KEY = "tether_reward_offset"  # in the RM's config.json: subtracted from every raw score
 

@@ -46,14 +46,14 @@ def main() -> None:
     import torch
 
     import learner.step
+    from common.config import load_config
+    from common.sequences import collate
     from learner import parallel
     from learner.deepspeed_engine import make_deepspeed_engine
     from learner.models import load_actor, load_critic
     from learner.parallel import init_distributed
     from learner.publish import publish_weights
     from learner.step import ppo_step
-    from common.config import load_config
-    from common.sequences import collate
     from tests.helpers import policy_samples
     from weight_sync.buckets import ShmWeightWriter, read_manifest
 

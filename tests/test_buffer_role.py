@@ -8,8 +8,8 @@ import pytest
 import zmq
 
 from protocol.codec import decode
-from protocol.schema import SCHEMA_VERSION
 from protocol.samples import pack_samples, unpack_samples
+from protocol.schema import SCHEMA_VERSION
 from protocol.transport import BufferClient, BufferUnreachable
 from tests.helpers import random_sample, start_buffer
 

@@ -5,9 +5,9 @@ import yaml
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
-from launch.cli import app
 from common.config import ConfigError, load_config
 from common.models import resolve_models
+from launch.cli import app
 
 MINIMAL = {"models": {"policy": "/p", "reward": "/r"}, "data": {"prompts": "/d.jsonl"}}
 

@@ -89,8 +89,8 @@ def test_the_buffer_survives_a_flood_of_hostile_messages(buffer_role):
 def test_the_weight_server_survives_a_flood_too(tmp_path):
     import torch
 
-    from weight_sync.tcp import WeightServer, fetch_over_tcp
     from weight_sync.buckets import ShmWeightWriter, read_manifest
+    from weight_sync.tcp import WeightServer, fetch_over_tcp
 
     writer = ShmWeightWriter(str(tmp_path / "learner"), bucket_bytes=4096)
     manifest = writer.publish(1, [("w", torch.arange(3000, dtype=torch.float32))])

@@ -4,8 +4,8 @@ import math
 
 import pytest
 
-from learner.health import HealthMonitor
 from common.config import HealthConfig
+from learner.health import HealthMonitor
 
 
 def healthy(step):

@@ -8,17 +8,17 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import SamplingConfig
+from common.config import load_config
+from common.sequences import collate
 from learner.checkpoints import save_hf_checkpoint
 from learner.deepspeed_engine import make_deepspeed_engine
 from learner.models import load_actor, load_critic
 from learner.parallel import init_distributed, remove_stale_build_locks
 from learner.publish import publish_weights
 from learner.step import SkippedSteps, StepCarry, ppo_step
-from common.config import load_config
 from protocol.samples import Sample
-from common.sequences import collate
-from weight_sync.buckets import ShmWeightWriter, read_manifest
 from tests.helpers import base_config, with_learner
+from weight_sync.buckets import ShmWeightWriter, read_manifest
 
 
 @pytest.mark.parametrize("zero_stage", [0, 3])

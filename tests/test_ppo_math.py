@@ -353,8 +353,8 @@ def test_nan_inputs_are_errors():
 
 
 def test_group_advantages_compare_each_responses_total_reward_with_its_groups():
-    from learner.step import advantages_of
     from common.config import LearnerConfig
+    from learner.step import advantages_of
 
     scores = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 5.0])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 1]], dtype=torch.float32)

@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.config import load_config
-from weight_sync.buckets import ShmWeightWriter
 from tests.helpers import base_config
+from weight_sync.buckets import ShmWeightWriter
 
 PROMPT = [1, 3, 7, 9, 8, 5]  # <bos> even 1 3 2 :
 TOLERANCE = 1e-3  # float32 on both sides; measured ~1e-6 here

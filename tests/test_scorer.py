@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
 from common.config import SamplingConfig
-from protocol.samples import Sample
 from common.sequences import collate, gather_response
+from protocol.samples import Sample
 from scorer.scoring import REWARD_OFFSET_KEY, reference_logprobs, reward_scores
 from tests.helpers import sample_of
 

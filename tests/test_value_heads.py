@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
+from common.sequences import classification_head, collate
 from learner.models import ValueModel, load_critic
 from learner.step import forward_values
 from protocol.samples import Sample
-from common.sequences import classification_head, collate
 from scorer.scoring import reward_scores
 
 SEQUENCES = [[1, 5, 9, 3, 7, 2], [1, 4, 4, 8]]

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from launch.demo import evaluate
 from common.runlog import read_metrics
+from launch.demo import evaluate
 from tests.helpers import base_config, run_to_the_end, tether
 
 STEPS = 12
