@@ -103,17 +103,13 @@ def sample_fields(scored: bool) -> dict[str, str]:
     """The schema's fields of a message that carries samples (scored: with the scorer's columns)."""
     declared = {c.wire: f"list[{c.dtype}]" + ("?" if c.optional else "") for c in COLUMNS
                 if not c.is_tensor and (scored or not c.scored)}
-    return {**declared, **{LENGTHS[per]: "list[int]" for per in _token_kinds()}}
+    return {**declared, **{name: "list[int]" for name in LENGTHS.values()}}
 
 
 def sample_tensors(scored: bool) -> dict[str, str]:
     """The schema's tensors of a message that carries samples: the flat per-token columns, and the
     per-sample ones that travel as a tensor."""
     return {c.wire: c.dtype for c in COLUMNS if c.is_tensor and (scored or not c.scored)}
-
-
-def _token_kinds() -> list[str]:
-    return list(dict.fromkeys(c.per for c in COLUMNS if c.per != "sample"))
 
 
 def _runs(samples: list[Sample]) -> list[tuple[int, int]]:

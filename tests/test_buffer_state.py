@@ -6,6 +6,7 @@ the weights that generated them. max_staleness k: batch v may only hold samples 
 """
 
 import numpy as np
+import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -453,6 +454,27 @@ def test_the_dedupe_memory_is_bounded():
     # by default the window spans twice the grants after which a late duplicate would be stale
     assert BufferState(batch_size=64, max_staleness=1).dedupe_window == 20_000
     assert BufferState(batch_size=4096, max_staleness=3).dedupe_window == 4 * 4 * 4096
+
+
+def test_a_snapshot_of_an_older_schema_is_refused_with_the_reason(tmp_path):
+    import msgpack
+
+    from buffer.state import load_snapshot, save_snapshot
+
+    state = BufferState(batch_size=2, max_staleness=1)
+    state.credits_for("rollout:0", 0, wanted=2)
+    state.add_samples([sample(0, 0, 0)], "rollout:0")
+    path = str(tmp_path / "buffer.snapshot")
+    save_snapshot(state, path)
+    with open(path, "rb") as file:
+        data = msgpack.unpack(file, raw=False)
+    for frames in data["messages"]:  # as a tether of schema 5 wrote them
+        envelope = msgpack.unpackb(frames[0], raw=False)
+        frames[0] = msgpack.packb({**envelope, "schema": 5}, use_bin_type=True)
+    with open(path, "wb") as file:
+        msgpack.pack(data, file, use_bin_type=True)
+    with pytest.raises(ValueError, match="holds samples this tether cannot read .peer speaks schema version 5"):
+        load_snapshot(path, batch_size=2, max_staleness=1)
 
 
 def test_a_snapshot_restores_samples_credits_prompts_and_accounting(tmp_path):

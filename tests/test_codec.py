@@ -32,6 +32,22 @@ def _envelope(**changes):
     return [msgpack.packb(envelope)]
 
 
+def test_the_sample_messages_carry_the_columns_the_sample_declares():
+    from protocol.samples import COLUMNS, LENGTHS
+    from protocol.schema import MESSAGES
+
+    for message, scored in (("samples", False), ("score_work", False), ("scored", True), ("batch", True)):
+        declared = {**MESSAGES[message].fields, **MESSAGES[message].tensors}
+        for column in COLUMNS:
+            assert (column.wire in declared) == (scored or not column.scored), (message, column.wire)
+        assert set(LENGTHS.values()) <= set(MESSAGES[message].fields)
+    # each column travels under its own name: a field list per sample, or a flat tensor
+    assert MESSAGES["scored"].fields["gold_rewards"] == "list[float]?"
+    assert MESSAGES["scored"].tensors == {"prompt_tokens": "int32", "response_tokens": "int32",
+                                          "behavior_logprobs": "float32", "ref_logprobs": "float32",
+                                          "rewards": "float32"}
+
+
 @pytest.mark.parametrize("frames, reason", [
     ([b"\xc1\xc1 not msgpack"], "not valid msgpack"),
     ([msgpack.packb([1, 2])], "not a map"),
