@@ -44,12 +44,13 @@ def buffer_process(config) -> None:
 def rollout_process(config, chunk: int, total: int) -> None:
     from protocol.transport import BufferClient
 
+    from protocol.samples import Sample, pack_samples
+
     client = BufferClient(config.buffer_address, "rollout", "0")
     client.connect(60, 0.5)
-    prompt = np.ones(PROMPT_TOKENS * chunk, np.int32)
-    response = np.ones(RESPONSE_TOKENS * chunk, np.int32)
-    logprobs = np.full(RESPONSE_TOKENS * chunk, -1.0, np.float32)
-    version, sent = 0, 0
+    prompt, response = np.ones(PROMPT_TOKENS, np.int32), np.ones(RESPONSE_TOKENS, np.int32)
+    logprobs = np.full(RESPONSE_TOKENS, -1.0, np.float32)
+    version, sent, templates = 0, 0, {}
     while sent < total:
         grant = client.request("credit_request", {"policy_version": version, "wanted": chunk})
         if grant.fields["stop"]:
@@ -58,13 +59,14 @@ def rollout_process(config, chunk: int, total: int) -> None:
         count = grant.fields["credits"]
         if count == 0:
             continue
-        fields = {"sample_ids": [f"r{sent + i}" for i in range(count)], "prompt_indices": grant.fields["prompt_indices"],
-                  "data_rows": grant.fields["prompt_indices"],
-                  "behavior_versions": [version] * count, "prompt_lengths": [PROMPT_TOKENS] * count,
-                  "response_lengths": [RESPONSE_TOKENS] * count, "finish_reasons": ["stop"] * count}
-        client.request("samples", fields, {"prompt_tokens": prompt[:PROMPT_TOKENS * count],
-                                           "response_tokens": response[:RESPONSE_TOKENS * count],
-                                           "behavior_logprobs": logprobs[:RESPONSE_TOKENS * count]})
+        if count not in templates:  # packed once: the columns as Sample declares them, cheap to reuse
+            templates[count] = pack_samples([Sample("r", 0, 0, prompt, response, logprobs, "stop")] * count)
+        fields, tensors = templates[count]
+        indices = grant.fields["prompt_indices"]
+        fields = {**fields, "sample_ids": [f"r{sent + i}" for i in range(count)], "prompt_indices": indices,
+                  "data_rows": indices, "behavior_versions": [version] * count,
+                  "last_behavior_versions": [version] * count}
+        client.request("samples", fields, tensors)
         sent += count
 
 
@@ -121,7 +123,13 @@ def main() -> None:
                  spawn.Process(target=learner_process, args=(config, args.batch, args.samples, out))]
     for process in processes:
         process.start()
-    processes[-1].join()
+    while processes[-1].is_alive():  # a role that dies ends the bench instead of leaving the others waiting
+        processes[-1].join(timeout=1.0)
+        dead = [p for p in processes[:-1] if p.exitcode not in (None, 0)]
+        if dead:
+            for process in processes:
+                process.terminate()
+            raise SystemExit(f"a bench process died (exit {dead[0].exitcode}); see its traceback above")
     for process in processes[:-1]:
         process.join(timeout=60)
         if process.is_alive():

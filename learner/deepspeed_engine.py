@@ -62,7 +62,7 @@ class GradientGuard:
 
     def _see(self, grad: torch.Tensor) -> torch.Tensor:
         # NaN and inf survive a sum: one reduction, where isfinite(grad).all() made a mask as large as
-        # the gradient and nan_to_num a copy of every gradient (8% of a learner step, bench/learner.py)
+        # the gradient and nan_to_num a copy of every gradient (8% of a learner step, bench/learner_overhead.py)
         nonfinite = ~torch.isfinite(grad.sum())
         self.bad = nonfinite if self.bad is None else self.bad | nonfinite
         # on a GPU every gradient is cleaned, for no host sync per gradient (unmeasured)

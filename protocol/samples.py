@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, dataclass, field, fields
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -92,11 +93,12 @@ class Sample:
 
     @property
     def scored(self) -> bool:
-        return all(getattr(self, c.name) is not None for c in COLUMNS if c.scored and not c.optional)
+        return all(getattr(self, name) is not None for name in _SCORED_REQUIRED)
 
 
 COLUMNS: tuple[Column, ...] = tuple(Column(f.name, *f.metadata["column"]) for f in fields(Sample)
                                     if "column" in f.metadata)
+_SCORED_REQUIRED = tuple(c.name for c in COLUMNS if c.scored and not c.optional)
 
 
 def sample_fields(scored: bool) -> dict[str, str]:
@@ -132,7 +134,7 @@ def _flat_tensor(samples: list[Sample], runs: list[tuple[int, int]], col: Column
         source = chunk.tensors.get(col.wire) if chunk is not None else None
         # numpy points every view at the object that owns the memory: the message's frame
         owner = source if source is None or source.base is None else source.base
-        if source is not None and all(getattr(s, col.name).base is owner for s in samples[start:stop]):
+        if source is not None and all(array.base is owner for array in map(attrgetter(col.name), samples[start:stop])):
             ends = chunk.ends[col.per]
             first, last = samples[start].row, samples[stop - 1].row
             pieces.append(source[(int(ends[first - 1]) if first > 0 else 0):int(ends[last])])
@@ -144,19 +146,21 @@ def _flat_tensor(samples: list[Sample], runs: list[tuple[int, int]], col: Column
 def pack_samples(samples: list[Sample], scored: bool = False) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """Fields and flat tensors for a ``samples``/``score_work``/``scored``/``batch`` message."""
     if scored:
-        unscored = [s.sample_id for s in samples if not s.scored]
+        unscored = [s.sample_id for name in _SCORED_REQUIRED for s in samples if getattr(s, name) is None]
         if unscored:
             raise ValueError(f"samples {unscored[:5]} are not scored")
     columns = [c for c in COLUMNS if scored or not c.scored]
     fields_out: dict[str, Any] = {}
     for col in (c for c in columns if not c.is_tensor):
-        values = [getattr(s, col.name) for s in samples]
-        convert = _PYTHON[col.dtype]
-        fields_out[col.wire] = (None if col.optional and any(v is None for v in values)
-                                else [convert(v) for v in values])
+        values = list(map(attrgetter(col.name), samples))
+        if col.optional and any(v is None for v in values):
+            values = None
+        elif col.dtype == "float":  # a numpy float would not pack
+            values = [float(v) for v in values]
+        fields_out[col.wire] = values
     for per, name in LENGTHS.items():
         token_column = next(c for c in COLUMNS if c.per == per)
-        fields_out[name] = [len(getattr(s, token_column.name)) for s in samples]
+        fields_out[name] = list(map(len, map(attrgetter(token_column.name), samples)))
     runs = _runs(samples)
     tensors = {c.wire: (_flat_tensor(samples, runs, c) if c.per != "sample"
                         else np.array([getattr(s, c.name) for s in samples], dtype=c.dtype))
@@ -190,17 +194,15 @@ def unpack_samples(message: Message) -> list[Sample]:
 
     ends = {per: np.cumsum(lengths[per]) for per in LENGTHS}
     chunk = _Chunk(tensors, ends)
-    samples = []
-    for i in range(count):
-        values = {}
-        for col in present:
-            if not col.is_tensor:
-                listed = fields_in[col.wire]
-                values[col.name] = None if listed is None else listed[i]
-            elif col.per == "sample":
-                values[col.name] = tensors[col.wire][i].item()
-            else:
-                stop = ends[col.per][i]
-                values[col.name] = tensors[col.wire][stop - lengths[col.per][i]:stop]
-        samples.append(Sample(**values, chunk=chunk, row=i))
-    return samples
+    bounds = {per: stops.tolist() for per, stops in ends.items()}
+    columns = []  # each present column's values, sample by sample
+    for col in present:
+        if not col.is_tensor:
+            columns.append(fields_in[col.wire] if fields_in[col.wire] is not None else [None] * count)
+        elif col.per == "sample":
+            columns.append(tensors[col.wire].tolist())
+        else:  # views into the frame, cut where each sample's tokens end
+            flat, stops = tensors[col.wire], bounds[col.per]
+            columns.append([flat[start:stop] for start, stop in zip([0, *stops[:-1]], stops)])
+    names = [col.name for col in present]
+    return [Sample(**dict(zip(names, values)), chunk=chunk, row=i) for i, values in enumerate(zip(*columns))]

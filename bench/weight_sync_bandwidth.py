@@ -9,7 +9,7 @@ everything only after the manifest (what happens when it missed the announcement
 is bytes / (publish start -> rollout's answer). memcpy (numpy copyto of the same 1 GiB into a warm
 buffer) is measured between rounds, so both see the same machine state.
 
-    python bench/weight_sync.py [--gib 1] [--bucket-mb 64] [--rounds 5]
+    python bench/weight_sync_bandwidth.py [--gib 1] [--bucket-mb 64] [--rounds 5]
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ trained again and again. Each turn times one whole learner step on it:
 Tokens/s counts each sequence token of the batch once per step (prompt + response, no padding).
 The goal is tether >= 80% of bare.
 
-    python bench/learner.py [--rounds 5] [--hidden 256] [--layers 4] [--budget 512]
+    python bench/learner_overhead.py [--rounds 5] [--hidden 256] [--layers 4] [--budget 512]
 """
 
 from __future__ import annotations
