@@ -92,7 +92,7 @@ def bare_step(models: list, optimizers: list, batch, minibatches: list, proximal
         if critic:
             return (gather_response(out.squeeze(-1), part.response_positions) ** 2 * part.response_mask).mean()
         logits = gather_response(out, part.response_positions)
-        return -(logprobs_from_logits(logits, part.response_tokens, 1.0) * part.response_mask).mean()
+        return -(logprobs_from_logits(logits, part.response_tokens) * part.response_mask).mean()
 
     with torch.no_grad():
         for model in models:

@@ -23,6 +23,11 @@ PLAIN = SamplingConfig()
 LOGPROB_FLOOR = -100.0
 
 
+def _check_sampling(sampling) -> None:
+    if not isinstance(sampling, SamplingConfig):  # a bare temperature, as these functions once took
+        raise TypeError(f"sampling must be a SamplingConfig (config.sampling), got {type(sampling).__name__}")
+
+
 def truncated_logits(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -> torch.Tensor:
     """``scaled`` [..., V] with the tokens top-k and top-p leave out set to -inf: vLLM's rule
     (``apply_top_k_top_p``), so both sides keep the same set. Top-k keeps the k largest (ties at the
@@ -51,6 +56,7 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling: S
     same distribution the rollout sampled from; a token the truncation leaves out gets
     ``LOGPROB_FLOOR``.
     """
+    _check_sampling(sampling)
     if logits.dim() != 3:
         raise ValueError(f"logits must be [batch, resp_len, vocab], got shape {tuple(logits.shape)}")
     if tokens.shape != logits.shape[:2]:
@@ -72,6 +78,7 @@ def entropy_from_logits(logits: torch.Tensor, sampling: SamplingConfig = PLAIN) 
     logits: [B, T, V]. Returns [B, T] in nats: H = logsumexp(z) - sum softmax(z) z, over the tokens
     the truncation keeps.
     """
+    _check_sampling(sampling)
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
     scaled = truncated_logits(logits.float() / sampling.temperature, sampling.top_p, sampling.top_k)

@@ -91,3 +91,10 @@ def test_top_p_logprobs_have_finite_gradients_also_for_a_token_left_out():
     kept, left_out = (logprobs_from_logits(logits, torch.tensor([[token]]), SamplingConfig(top_p=0.9)) for token in (0, 3))
     (kept.sum() + left_out.sum()).backward()
     assert torch.isfinite(logits.grad).all() and logits.grad[0, 0, 0] != 0
+
+
+def test_the_sampled_distribution_is_one_value_not_loose_numbers():
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
+        ppo.logprobs_from_logits(torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), 0.7)
+    with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
+        ppo.entropy_from_logits(torch.zeros(1, 1, 3), 0.7)
