@@ -39,7 +39,7 @@ def rollout_process(address: str, stream_address: str) -> None:
         if message is None:
             break
         started = time.perf_counter()
-        manifest = WeightManifest.from_dict(message["manifest"])
+        manifest = WeightManifest.from_dict(message["weights_manifest"])
         if message["streamed"]:
             while not prefetcher.checked(manifest):
                 time.sleep(0.0002)
@@ -81,7 +81,7 @@ def main() -> None:
         started = time.perf_counter()
         manifest = writer.publish(version, state.items(), publisher.announcer(version) if streamed else None)
         written = time.perf_counter()
-        socket.send_json({"manifest": manifest.to_dict(), "streamed": streamed})
+        socket.send_json({"weights_manifest": manifest.to_dict(), "streamed": streamed})
         socket.recv_json()
         return time.perf_counter() - started, written - started
 
