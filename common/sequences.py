@@ -1,6 +1,8 @@
 """How samples become model inputs, identically in the scorer and the learner.
 
-Each sample is ``prompt + response`` right-padded to the longest in the batch. The logits at
+Each sample is ``prompt + response`` right-padded to the longest in the batch. In an episode the
+response holds the environment's tokens too: ``response_mask`` is 1 at the policy's tokens only
+(the sample's ``loss_mask``), so everything trained or measured per token covers those alone. The logits at
 position ``p`` predict token ``p + 1``, so response token ``j`` of a sample with a prompt of
 length ``P`` is scored by the logits (and valued by the critic) at position ``P + j - 1``:
 ``response_positions`` holds those indices, and ``gather_response`` picks them out.
@@ -22,7 +24,7 @@ class SequenceBatch:
     attention_mask: torch.Tensor  # [B, L] long
     response_tokens: torch.Tensor  # [B, T] long
     response_positions: torch.Tensor  # [B, T] long, index into L of the logits for each response token
-    response_mask: torch.Tensor  # [B, T] float
+    response_mask: torch.Tensor  # [B, T] float: 1 at the policy's response tokens
     last_positions: torch.Tensor  # [B] long, position of each sample's last real token
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
@@ -32,7 +34,10 @@ class SequenceBatch:
         """The batch of ``rows`` only, its padding trimmed to their longest sequence and response
         (a forward pass costs rows x width: columns that are padding in every row are waste)."""
         width = int(self.last_positions[rows].max()) + 1
-        response_width = max(1, int(self.response_mask[rows].sum(dim=1).max()))
+        # to the last policy token: an episode's environment tokens may leave holes in the mask
+        masked = self.response_mask[rows] > 0
+        positions = torch.arange(masked.shape[1], device=masked.device)
+        response_width = max(1, int(torch.where(masked, positions + 1, 0).max()))
         return SequenceBatch(self.input_ids[rows, :width], self.attention_mask[rows, :width],
                              self.response_tokens[rows, :response_width],
                              self.response_positions[rows, :response_width],
@@ -64,7 +69,8 @@ def collate(samples: list[Sample], pad_token_id: int) -> SequenceBatch:
         attention_mask[i, :prompt_len + resp_len] = 1
         response_tokens[i, :resp_len] = response
         response_positions[i, :resp_len] = torch.arange(prompt_len - 1, prompt_len + resp_len - 1)
-        response_mask[i, :resp_len] = 1.0
+        response_mask[i, :resp_len] = 1.0 if sample.loss_mask is None else torch.as_tensor(sample.loss_mask,
+                                                                                            dtype=torch.float32)
     last_positions = attention_mask.sum(dim=1) - 1
     return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions)
 

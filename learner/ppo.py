@@ -190,6 +190,7 @@ def token_rewards(
     truncated: torch.Tensor | None = None,
     truncation_penalty: float = 0.0,
     score_clip: float | None = None,
+    turn_rewards: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token rewards of InstructGPT's PPO: r_t = -beta KL_t, plus r_RM at the last token.
 
@@ -197,6 +198,11 @@ def token_rewards(
     caller normalises, see ``RunningMoments``). ``truncated``: [B] bool, True where a response
     hit the length cap without an end-of-sequence token; ``truncation_penalty`` is added to its
     score (use a negative number), after ``score_clip`` clips scores to [-score_clip, score_clip].
+
+    In an episode ``response_mask`` is 1 at the policy's tokens only (the environment's are 0,
+    like padding): the KL is per policy token, the score lands on the last policy token, and
+    ``turn_rewards`` [B, T] (an environment's reward for a turn, on that turn's last policy token)
+    are added where they sit; one on a token the mask leaves out is an error.
 
     Returns (rewards [B, T], kl [B, T]), both zero at padding. The RM score lands on the last
     real token of each row, so rows of different lengths each get theirs at their own end.
@@ -216,6 +222,12 @@ def token_rewards(
     rewards = -kl_coef * kl
     last = last_token_index(mask)
     rewards = rewards.scatter_add(1, last.unsqueeze(1), scores.unsqueeze(1))
+    if turn_rewards is not None:
+        _check_shape("turn_rewards", turn_rewards, mask.shape, "response_mask")
+        _check_finite("turn_rewards", turn_rewards)
+        if bool(((turn_rewards != 0) & (mask == 0)).any()):
+            raise ValueError("turn_rewards has a reward on a token response_mask leaves out: GAE would skip it")
+        rewards = rewards + turn_rewards.detach().float()
     return rewards, kl
 
 

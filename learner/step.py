@@ -173,6 +173,9 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     ref_logprobs = _ragged_to_padded([s.ref_logprobs for s in samples], mask).to(device)
     scores = torch.tensor([s.reward for s in samples], dtype=torch.float32, device=device)  # RM + reward functions
     truncated = torch.tensor([s.finish_reason == "length" for s in samples], device=device)
+    turn_rewards = (_ragged_to_padded([s.turn_rewards if s.turn_rewards is not None else [] for s in samples],
+                                      mask).to(device)
+                    if any(s.turn_rewards is not None for s in samples) else None)
 
     # 1. proximal logprobs and old values, at the start of the step
     old_logprobs, old_values = recompute(actor, critic, batch, cfg, config.sampling)
@@ -180,7 +183,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     #    into the loss) and advantages
     kl, advantages, returns = rewards_and_advantages(samples, old_logprobs, old_values, ref_logprobs, scores,
                                                      truncated, mask, cfg, kl_coef, carry.moments,
-                                                     config.rollout.samples_per_prompt)
+                                                     config.rollout.samples_per_prompt, turn_rewards)
     targets = Targets(mask, behavior_logprobs, ref_logprobs, old_logprobs, old_values, advantages, returns)
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step
     totals, updates, grad_norms = train_epochs(actor, critic, batch, targets, config, kl_coef, policy_version, carry)
@@ -210,19 +213,20 @@ def recompute(actor, critic, batch: SequenceBatch, cfg: LearnerConfig,
 def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, old_values: torch.Tensor | None,
                            ref_logprobs: torch.Tensor, scores: torch.Tensor, truncated: torch.Tensor,
                            mask: torch.Tensor, cfg: LearnerConfig, kl_coef: float,
-                           moments: ppo.RunningMoments | None,
-                           group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           moments: ppo.RunningMoments | None, group_size: int,
+                           turn_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Part 2: (kl, advantages, returns), each [B, T]. The scores [B] (normalised by ``moments``
     when kept) become token rewards with ``-kl_coef * KL`` at every token when the KL is in the
-    reward, and advantages by ``cfg.advantage_estimator`` (``advantages_of``). ``group_size``: the
-    responses to one prompt (``rollout.samples_per_prompt``), contiguous in the batch."""
+    reward, plus an episode's ``turn_rewards`` [B, T], and advantages by ``cfg.advantage_estimator``
+    (``advantages_of``). ``group_size``: the responses to one prompt (``rollout.samples_per_prompt``),
+    contiguous in the batch. ``mask`` is 1 at the policy's tokens only."""
     trained_scores = scores
     if moments is not None:
         moments.update(scores)
         trained_scores = moments.normalize(scores)
     reward_kl_coef = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, reward_kl_coef,
-                                    cfg.kl_estimator, truncated, cfg.truncation_penalty, cfg.score_clip)
+                                    cfg.kl_estimator, truncated, cfg.truncation_penalty, cfg.score_clip, turn_rewards)
     if cfg.advantage_estimator in ("grpo", "rloo"):  # the buffer serves whole groups, each together
         groups = [{s.prompt_index for s in samples[i:i + group_size]} for i in range(0, len(samples), group_size)]
         if any(len(group) != 1 for group in groups):

@@ -85,7 +85,7 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     for spec, buffer in zip(tensor_specs, buffers[1:]):
         name, array = _decode_tensor(msg_type, schema.tensors, spec, buffer)
         tensors[name] = array
-    missing = set(schema.tensors) - set(tensors)
+    missing = {name for name, dtype in schema.tensors.items() if not dtype.endswith("?")} - set(tensors)
     if missing:
         raise ProtocolError(f"{msg_type}: missing tensor(s) {sorted(missing)}")
     return Message(type=msg_type, fields=fields, tensors=tensors, id=msg_id)
@@ -132,8 +132,8 @@ def _decode_tensor(msg_type: str, declared: dict[str, str], spec: Any, buffer: A
     name, dtype_name, shape = spec
     if name not in declared:
         raise ProtocolError(f"{msg_type}: unknown tensor {name!r}")
-    if dtype_name != declared[name]:
-        raise ProtocolError(f"{msg_type}: tensor {name!r} must be {declared[name]}, got {dtype_name}")
+    if dtype_name != declared[name].rstrip("?"):
+        raise ProtocolError(f"{msg_type}: tensor {name!r} must be {declared[name].rstrip('?')}, got {dtype_name}")
     dtype = _DTYPES[dtype_name]
     expected_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     actual_bytes = memoryview(buffer).nbytes

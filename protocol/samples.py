@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import MISSING, dataclass, field, fields
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_, is_not
 from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
@@ -41,8 +42,11 @@ class Column:
     # "int", "float", "str": a per-sample list field; a numpy dtype: a flat tensor ([samples] per sample)
     dtype: str
     scored: bool = False  # the scorer fills it in: it travels in ``scored`` and ``batch`` messages only
-    optional: bool = False  # may be None (a list field only): then None for every sample of a message
+    # may be None. A list field: then None for every sample of a message. A per-token tensor: left out
+    # of a message where no sample has it, and ``absent`` at each token of a sample without it
+    optional: bool = False
     finite: bool = False  # trained on: NaN or inf refuses the message
+    absent: float = 0.0
 
     @property
     def is_tensor(self) -> bool:
@@ -50,9 +54,9 @@ class Column:
 
 
 def column(wire: str, per: Per, dtype: str, *, scored: bool = False, optional: bool = False, finite: bool = False,
-           default: Any = MISSING) -> Any:
+           absent: float = 0.0, default: Any = MISSING) -> Any:
     """A ``Sample`` field that travels: ``Column``'s arguments, its name taken from the attribute."""
-    return field(default=default, metadata={"column": (wire, per, dtype, scored, optional, finite)})
+    return field(default=default, metadata={"column": (wire, per, dtype, scored, optional, finite, absent)})
 
 
 @dataclass(eq=False)
@@ -82,6 +86,13 @@ class Sample:
     # the version that generated its last token: newer than behavior_version when the weights changed
     # while it was generated (a streaming rollout loads them between engine steps); None: the same
     last_behavior_version: int = column("last_behavior_versions", "sample", "int", default=None)
+    # an episode's tokens: 1 where the policy sampled the token, 0 at the environment's (an
+    # observation, a tool's result), which carry no behavior logprob and are never trained on
+    loss_mask: np.ndarray | None = column("loss_mask", "response token", "uint8", optional=True, absent=1.0,
+                                          default=None)
+    # the environment's reward for a turn, on that turn's last policy token
+    turn_rewards: np.ndarray | None = column("turn_rewards", "response token", "float32", optional=True,
+                                             finite=True, default=None)
     # where a received sample's arrays lie, so consecutive samples of one message are re-sent as
     # one slice rather than concatenated one by one (a 512-sample batch: 1.5 ms -> well under)
     chunk: _Chunk | None = field(default=None, repr=False, compare=False)
@@ -99,6 +110,7 @@ class Sample:
 COLUMNS: tuple[Column, ...] = tuple(Column(f.name, *f.metadata["column"]) for f in fields(Sample)
                                     if "column" in f.metadata)
 _SCORED_REQUIRED = tuple(c.name for c in COLUMNS if c.scored and not c.optional)
+_TOKENS = {"prompt token": "prompt_tokens", "response token": "response_tokens"}  # what each length counts
 
 
 def sample_fields(scored: bool) -> dict[str, str]:
@@ -111,7 +123,8 @@ def sample_fields(scored: bool) -> dict[str, str]:
 def sample_tensors(scored: bool) -> dict[str, str]:
     """The schema's tensors of a message that carries samples: the flat per-token columns, and the
     per-sample ones that travel as a tensor."""
-    return {c.wire: c.dtype for c in COLUMNS if c.is_tensor and (scored or not c.scored)}
+    return {c.wire: c.dtype + ("?" if c.optional else "") for c in COLUMNS
+            if c.is_tensor and (scored or not c.scored)}
 
 
 def _runs(samples: list[Sample]) -> list[tuple[int, int]]:
@@ -134,12 +147,18 @@ def _flat_tensor(samples: list[Sample], runs: list[tuple[int, int]], col: Column
         source = chunk.tensors.get(col.wire) if chunk is not None else None
         # numpy points every view at the object that owns the memory: the message's frame
         owner = source if source is None or source.base is None else source.base
-        if source is not None and all(array.base is owner for array in map(attrgetter(col.name), samples[start:stop])):
+        arrays = list(map(attrgetter(col.name), samples[start:stop]))
+        whole = not col.optional or not any(map(is_, arrays, repeat(None)))
+        if source is not None and whole and all(map(is_, map(attrgetter("base"), arrays), repeat(owner))):
             ends = chunk.ends[col.per]
             first, last = samples[start].row, samples[stop - 1].row
             pieces.append(source[(int(ends[first - 1]) if first > 0 else 0):int(ends[last])])
+        elif col.optional:  # a sample without it has ``absent`` at each of its tokens
+            lengths = map(len, map(attrgetter(_TOKENS[col.per]), samples[start:stop]))
+            pieces.extend(array if array is not None else np.full(n, col.absent, col.dtype)
+                          for array, n in zip(arrays, lengths))
         else:
-            pieces.extend(getattr(s, col.name) for s in samples[start:stop])
+            pieces.extend(arrays)
     return np.concatenate(pieces).astype(col.dtype, copy=False) if pieces else np.zeros(0, col.dtype)
 
 
@@ -159,12 +178,12 @@ def pack_samples(samples: list[Sample], scored: bool = False) -> tuple[dict[str,
             values = [float(v) for v in values]
         fields_out[col.wire] = values
     for per, name in LENGTHS.items():
-        token_column = next(c for c in COLUMNS if c.per == per)
-        fields_out[name] = list(map(len, map(attrgetter(token_column.name), samples)))
+        fields_out[name] = list(map(len, map(attrgetter(_TOKENS[per]), samples)))
     runs = _runs(samples)
     tensors = {c.wire: (_flat_tensor(samples, runs, c) if c.per != "sample"
                         else np.array([getattr(s, c.name) for s in samples], dtype=c.dtype))
-               for c in columns if c.is_tensor}
+               for c in columns if c.is_tensor
+               and (not c.optional or any(map(is_not, map(attrgetter(c.name), samples), repeat(None))))}
     return fields_out, tensors
 
 
@@ -189,6 +208,7 @@ def unpack_samples(message: Message) -> list[Sample]:
         values = tensors[col.wire] if col.is_tensor else fields_in[col.wire]
         if not (np.isfinite(values).all() if col.is_tensor else all(math.isfinite(v) for v in values)):
             raise ProtocolError(f"{message.type}: {col.wire} holds NaN or inf")
+    _check_episodes(message.type, tensors, lengths["response token"])
     if any(last < first for first, last in zip(fields_in["behavior_versions"], fields_in["last_behavior_versions"])):
         raise ProtocolError(f"{message.type}: a sample's last_behavior_version is older than its behavior_version")
 
@@ -206,3 +226,19 @@ def unpack_samples(message: Message) -> list[Sample]:
             columns.append([flat[start:stop] for start, stop in zip([0, *stops[:-1]], stops)])
     names = [col.name for col in present]
     return [Sample(**dict(zip(names, values)), chunk=chunk, row=i) for i, values in enumerate(zip(*columns))]
+
+
+def _check_episodes(message_type: str, tensors: dict[str, np.ndarray], response_lengths: list[int]) -> None:
+    """An episode's masks make sense: 0 or 1, at least one policy token per sample (a sample the
+    policy had no part in has nothing to train), and turn rewards only on policy tokens (on an
+    environment's token the advantages would never see them)."""
+    mask = tensors.get("loss_mask")
+    if mask is not None:
+        if mask.size and mask.max() > 1:
+            raise ProtocolError(f"{message_type}: loss_mask holds values other than 0 and 1")
+        starts = np.cumsum([0, *response_lengths[:-1]]).astype(np.int64)
+        if len(response_lengths) and (np.add.reduceat(mask.astype(np.int64), starts) == 0).any():
+            raise ProtocolError(f"{message_type}: a sample's loss_mask has no policy token")
+    rewards = tensors.get("turn_rewards")
+    if rewards is not None and mask is not None and (rewards[mask == 0] != 0).any():
+        raise ProtocolError(f"{message_type}: a turn reward sits on an environment token (loss_mask 0)")

@@ -21,7 +21,8 @@ FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[fl
 @dataclass(frozen=True)
 class MessageSchema:
     fields: dict[str, str] = field(default_factory=dict)
-    tensors: dict[str, str] = field(default_factory=dict)  # name -> dtype ("int32", "float32", ...)
+    # name -> dtype ("int32", "float32", ...); a trailing "?": the tensor may be left out
+    tensors: dict[str, str] = field(default_factory=dict)
 
 
 _SAMPLE_FIELDS, _SCORED_FIELDS = sample_fields(scored=False), sample_fields(scored=True)

@@ -45,7 +45,7 @@ def test_the_sample_messages_carry_the_columns_the_sample_declares():
     assert MESSAGES["scored"].fields["gold_rewards"] == "list[float]?"
     assert MESSAGES["scored"].tensors == {"prompt_tokens": "int32", "response_tokens": "int32",
                                           "behavior_logprobs": "float32", "ref_logprobs": "float32",
-                                          "rewards": "float32"}
+                                          "rewards": "float32", "loss_mask": "uint8?", "turn_rewards": "float32?"}
 
 
 @pytest.mark.parametrize("frames, reason", [
@@ -118,3 +118,33 @@ def test_repacking_received_samples_in_any_order_gives_the_same_bytes():
         assert got_fields == want_fields
         for name in want:
             np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_an_episodes_masks_travel_and_are_left_out_where_no_sample_has_them():
+    single = [random_sample(i) for i in range(2)]
+    fields, tensors = pack_samples(single)
+    assert "loss_mask" not in tensors and "turn_rewards" not in tensors  # single responses pay nothing
+    assert all(s.loss_mask is None for s in unpack_samples(decode(encode("samples", fields, tensors))))
+
+    episode = random_sample(2, resp_len=5)
+    episode.loss_mask = np.array([1, 1, 0, 0, 1], np.uint8)  # a turn, an observation, a turn
+    episode.turn_rewards = np.array([0, 0.5, 0, 0, 0], np.float32)
+    received = unpack_samples(decode(encode("samples", *pack_samples([single[0], episode]))))
+    np.testing.assert_array_equal(received[1].loss_mask, episode.loss_mask)
+    np.testing.assert_array_equal(received[1].turn_rewards, episode.turn_rewards)
+    # a sample of the same message without them: all its tokens the policy's, no turn reward
+    np.testing.assert_array_equal(received[0].loss_mask, np.ones(4, np.uint8))
+    np.testing.assert_array_equal(received[0].turn_rewards, np.zeros(4, np.float32))
+
+
+@pytest.mark.parametrize("loss_mask, turn_rewards, reason", [
+    ([0, 0, 0, 0], None, "a sample's loss_mask has no policy token"),
+    ([1, 2, 1, 1], None, "loss_mask holds values other than 0 and 1"),
+    ([1, 0, 1, 1], [0, 1, 0, 0], "a turn reward sits on an environment token"),
+])
+def test_an_episode_that_cannot_be_trained_is_refused(loss_mask, turn_rewards, reason):
+    sample = random_sample(0)
+    sample.loss_mask = np.array(loss_mask, np.uint8)
+    sample.turn_rewards = None if turn_rewards is None else np.array(turn_rewards, np.float32)
+    with pytest.raises(ProtocolError, match=reason):
+        unpack_samples(decode(encode("samples", *pack_samples([random_sample(1), sample]))))

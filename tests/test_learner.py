@@ -495,3 +495,41 @@ def test_a_group_estimator_refuses_a_batch_whose_groups_are_apart(tmp_path, tiny
                                                                    restore_environment):
     with pytest.raises(ValueError, match="must hold the 2 responses of each prompt together"):
         one_step(tmp_path, tiny_assets, samples, "learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2")
+
+
+def _as_episodes(samples, env_logprob=None):
+    """``samples`` as episodes: in each response of 4 or more tokens the 2nd and 3rd are the
+    environment's (an observation between two turns), with a turn reward on the first token.
+    ``env_logprob``: what the environment's tokens carry as behavior and reference logprobs
+    (they have none; whatever they carry must not matter)."""
+    import copy
+
+    episodes = []
+    for sample in samples:
+        episode = copy.copy(sample)
+        n = len(sample.response_tokens)
+        episode.loss_mask = np.ones(n, np.uint8)
+        episode.turn_rewards = np.zeros(n, np.float32)
+        if n >= 4:
+            episode.loss_mask[1:3] = 0
+            episode.turn_rewards[0] = 0.3
+            if env_logprob is not None:
+                episode.behavior_logprobs, episode.ref_logprobs = (sample.behavior_logprobs.copy(),
+                                                                   sample.ref_logprobs.copy())
+                episode.behavior_logprobs[1:3] = episode.ref_logprobs[1:3] = env_logprob
+        episodes.append(episode)
+    return episodes
+
+
+def test_an_episodes_environment_tokens_are_never_trained_on(tmp_path, tiny_assets, samples, restore_environment):
+    """Two batches of episodes that differ only in what their environment tokens carry train the
+    same weights, bit for bit; the same samples with every token the policy's train others."""
+    assert any(len(s.response_tokens) >= 4 for s in samples)
+    stats, weights, _ = one_step(tmp_path, tiny_assets, _as_episodes(samples))
+    _, other_weights, _ = one_step(tmp_path, tiny_assets, _as_episodes(samples, env_logprob=-30.0))
+    _, single_weights, _ = one_step(tmp_path, tiny_assets, samples)
+    assert all(torch.equal(weights[name], other_weights[name]) for name in weights)
+    assert any(not torch.equal(weights[name], single_weights[name]) for name in weights)
+    policy_tokens = sum(int(s.loss_mask.sum()) for s in _as_episodes(samples))
+    assert stats["response_length"] == pytest.approx(policy_tokens / len(samples))  # the policy's tokens alone
+    assert stats["behavior_logprob_gap"] < 1e-4  # measured on the policy's tokens

@@ -380,3 +380,55 @@ def test_whitening_a_single_token_only_centres_it():
     assert ppo.masked_whiten(single, mask, shift_mean=False).tolist() == [[2.5, 0.0]]
 
 
+
+
+# --------------------------------------------------------------------------- episodes
+
+
+def _episode_by_hand(logprobs, ref, values, policy, turn_rewards, score, kl_coef, gamma, lam):
+    """One episode's advantages and KL computed on its policy tokens alone, in plain Python: the
+    environment's tokens are cut out, the per-token rewards built and GAE run on what is left,
+    then everything is put back at the policy tokens' places (0 elsewhere)."""
+    where = [t for t, p in enumerate(policy) if p]
+    kl = [logprobs[t] - ref[t] for t in where]
+    rewards = [-kl_coef * k + turn_rewards[t] for k, t in zip(kl, where)]
+    rewards[-1] += score  # the score on the last policy token
+    advantages, next_value, next_advantage = [0.0] * len(where), 0.0, 0.0
+    for j in reversed(range(len(where))):
+        delta = rewards[j] + gamma * next_value - values[where[j]]
+        next_advantage = advantages[j] = delta + gamma * lam * next_advantage
+        next_value = values[where[j]]
+    full_advantages, full_kl = [0.0] * len(policy), [0.0] * len(policy)
+    for j, t in enumerate(where):
+        full_advantages[t], full_kl[t] = advantages[j], kl[j]
+    return full_advantages, full_kl
+
+
+def test_advantages_over_interleaved_policy_and_environment_tokens_equal_an_independent_computation():
+    # two episodes, 1 = the policy's token, 0 = the environment's (an observation), then padding:
+    # a turn reward after the first turn; the second episode ends on an observation
+    policy = [[1, 1, 0, 0, 1, 1, 0], [1, 0, 1, 0, 0, 0, 0]]
+    lengths = [6, 4]
+    logprobs = t([[-1.0, -0.5, 0.0, 0.0, -2.0, -0.3, 0.0], [-0.7, 0.0, -1.1, 0.0, 0.0, 0.0, 0.0]])
+    ref = t([[-1.2, -0.4, -3.0, -9.0, -1.5, -0.3, 0.0], [-0.9, -5.0, -1.0, -7.0, 0.0, 0.0, 0.0]])
+    values = t([[0.2, 0.4, 9.0, 9.0, 0.1, -0.3, 0.0], [0.5, 9.0, 0.3, 9.0, 0.0, 0.0, 0.0]])
+    turn = t([[0.0, 0.5, 0.0, 0.0, 0.0, 0.0, 0.0], [0.0] * 7])
+    scores, kl_coef, gamma, lam = t([1.0, -2.0]), 0.1, 0.9, 0.8
+    mask = t(policy)
+    rewards, kl = ppo.token_rewards(logprobs, ref, scores, mask, kl_coef, turn_rewards=turn)
+    advantages, returns = ppo.gae_advantages(rewards, values, mask, gamma, lam)
+    for row in range(2):
+        n = lengths[row]
+        expected_advantages, expected_kl = _episode_by_hand(
+            logprobs[row, :n].tolist(), ref[row, :n].tolist(), values[row, :n].tolist(), policy[row][:n],
+            turn[row, :n].tolist(), float(scores[row]), kl_coef, gamma, lam)
+        assert advantages[row, :n].tolist() == pytest.approx(expected_advantages, abs=1e-6)
+        assert kl[row, :n].tolist() == pytest.approx(expected_kl, abs=1e-6)  # none at the environment's tokens
+    assert torch.equal(returns * (1 - mask), torch.zeros_like(returns))
+
+
+def test_a_turn_reward_on_an_environment_token_is_an_error():
+    mask = t([[1, 0, 1]])
+    with pytest.raises(ValueError, match="turn_rewards has a reward on a token response_mask leaves out"):
+        ppo.token_rewards(torch.zeros(1, 3), torch.zeros(1, 3), t([0.0]), mask, 0.1,
+                          turn_rewards=t([[0.0, 1.0, 0.0]]))
