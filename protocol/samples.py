@@ -30,7 +30,7 @@ Per = Literal["sample", "prompt token", "response token"]
 
 # the field that carries each sample's length of a per-token kind
 LENGTHS: dict[str, str] = {"prompt token": "prompt_lengths", "response token": "response_lengths"}
-_PYTHON = {"int": int, "float": float, "str": str}
+_LIST_TYPES = ("int", "float", "str")  # dtypes of per-sample columns that travel as lists
 
 
 @dataclass(frozen=True)
@@ -50,7 +50,7 @@ class Column:
 
     @property
     def is_tensor(self) -> bool:
-        return self.dtype not in _PYTHON
+        return self.dtype not in _LIST_TYPES
 
 
 def column(wire: str, per: Per, dtype: str, *, scored: bool = False, optional: bool = False, finite: bool = False,
