@@ -68,7 +68,8 @@ def main() -> None:
     from common.prompts import prompt_token_ids, read_rows
     from common.runlog import read_metrics
     from launch.demo import write_prompts
-    from rollout.main import make_vllm_engine, sampling_params, run
+    from rollout.engine import make_vllm_engine, sampling_params
+    from rollout.main import run
 
     work = tempfile.mkdtemp(prefix="tether-bench-rollout-")
     model_dir, prompts_path = os.path.join(work, "model"), os.path.join(work, "prompts.jsonl")

@@ -178,6 +178,14 @@ class Buffer:
         accepted = self.state.add_samples(unpack_samples(message), self.workers[identity])
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
 
+    def on_episodes_dropped(self, identity: bytes, message: Message) -> None:
+        fields = message.fields
+        if len(fields["prompt_indices"]) != len(fields["reasons"]):
+            raise ProtocolError(f"episodes_dropped: {len(fields['prompt_indices'])} prompt indices, "
+                                f"{len(fields['reasons'])} reasons")
+        returned = self.state.drop_episodes(fields["prompt_indices"], fields["reasons"], self.workers[identity])
+        self.server.reply(identity, message.id, "ack", {"accepted": returned})
+
     def on_score_request(self, identity: bytes, message: Message) -> None:
         self.score_waits.append(Pending(identity, message.id, 0, message.fields["max_samples"]))
 

@@ -171,6 +171,26 @@ class BufferState:
             accepted += 1
         return accepted
 
+    def drop_episodes(self, prompt_indices: list[int], reasons: list[str], engine: str = "rollout:0") -> int:
+        """Episodes ``engine`` generated and could not send, one per entry, with why: each counts as a
+        sample generated and dropped for that reason, and a granted one gives its credit back.
+        Returns the credits given back."""
+        lease = self.leases.get(engine, {})
+        returned = 0
+        for prompt_index, reason in zip(prompt_indices, reasons):
+            self.accounting.generated += 1
+            held = lease.get(prompt_index)
+            if held is None:
+                self._drop("not_granted", returns_credit=False)
+                continue
+            held.left -= 1
+            if not held.left:
+                del lease[prompt_index]
+            self._owe(held.version, -1)
+            self._drop(f"episode_{reason}", returns_credit=True)
+            returned += 1
+        return returned
+
     # ------------------------------------------------------------------ scorer side
 
     def take_for_scoring(self, max_samples: int, scorer: str = "scorer", now: float = 0.0,

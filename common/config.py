@@ -104,6 +104,16 @@ class RolloutConfig(_Strict):
     gpu_memory_utilization: float = Field(0.5, gt=0, le=1, description="GPU share for vLLM (GPU only)")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the dtype vLLM's engine "
                                                              "runs the policy in (the learner's is models.dtype)")
+    environment: str | None = Field(None, description='"module:function" called with a prompt\'s data row, '
+                                    "returning its episode's environment (reset() -> first messages, step(response, "
+                                    "messages) -> Step(observation, reward, done)); None: single responses, or "
+                                    "episodes of tool calls alone when rollout.tools is set")
+    tools: list[str] = Field(default_factory=list, description='"module:function" tools: their JSON schemas go to '
+                             "the chat template, <tool_call> JSON in a turn calls them, each result is a tool "
+                             "message")
+    max_turns: int = Field(4, ge=1, description="most policy turns in an episode")
+    env_step_deadline_s: float = Field(30.0, gt=0, description="an environment that takes longer to make, reset or "
+                                       "answer a turn ends its episode (env_deadline)")
 
 
 class ScorerConfig(_Strict):

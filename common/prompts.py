@@ -104,10 +104,11 @@ def chat_of(row: dict[str, Any], system_prompt: str | None) -> list[dict[str, st
     return list(messages)
 
 
-def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None = None) -> list[int]:
+def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None = None,
+                     tools: list[dict] | None = None) -> list[int]:
     """The token ids the policy generates from for one row: a text prompt tokenized as is (with
     the tokenizer's special tokens), a chat through the tokenizer's chat template with the
-    generation prompt added."""
+    generation prompt added (and the ``tools``' JSON schemas, where the rollout has tools)."""
     chat = chat_of(row, system_prompt)
     if chat is None:
         return list(tokenizer(row["prompt"])["input_ids"])
@@ -115,7 +116,7 @@ def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None =
         raise ConfigError('data.prompts: a row is a chat ("messages") but the policy tokenizer has no chat template '
                           '(chat_template in tokenizer_config.json); give "prompt" text instead')
     try:
-        ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=True)
     except Exception as error:  # the template's own checks (roles must alternate, no system role, ...)
         with_system = " (with data.system_prompt)" if system_prompt else ""
         raise ConfigError(f"data.prompts: the policy tokenizer's chat template refuses a chat{with_system}: "
@@ -124,13 +125,13 @@ def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None =
 
 
 def prompts_within(rows: list[dict[str, Any]], tokenizer, limit: int, system_prompt: str | None, key: str,
-                   path: str) -> tuple[list[list[int]], list[int]]:
+                   path: str, tools: list[dict] | None = None) -> tuple[list[list[int]], list[int]]:
     """Token ids of the rows (of ``path``, config key ``key``) whose prompt is at most ``limit``
     tokens long, and those rows' indices; the others are left out (vLLM would refuse them). None
     fitting is an error naming the key and the file."""
     token_ids, kept = [], []
     for row_index, row in enumerate(rows):
-        ids = prompt_token_ids(row, tokenizer, system_prompt)
+        ids = prompt_token_ids(row, tokenizer, system_prompt, tools)
         if 0 < len(ids) <= limit:
             token_ids.append(ids)
             kept.append(row_index)

@@ -34,7 +34,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
 
-    from rollout.main import Generating, make_vllm_engine, sampling_params, to_samples
+    from rollout.engine import make_vllm_engine, sampling_params
+    from rollout.responses import Generating, to_samples
     from scorer.main import Scorer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -48,7 +49,9 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling, use_tqdm=False)
     finally:
         engine.llm_engine.engine_core.shutdown()
-    samples = to_samples(outputs, [Generating(i, row, 0) for i, row in enumerate(kept)], 0, "eval", 0)
+    samples = to_samples(outputs, [Generating(i, row, 0) for i, row in enumerate(kept)], 0)
+    for i, sample in enumerate(samples):
+        sample.sample_id = f"eval-{i}"
     parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row
     kl = np.array([float(np.sum(s.behavior_logprobs - s.ref_logprobs)) for s in samples])
     repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])

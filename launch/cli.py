@@ -64,7 +64,8 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             from buffer.main import run
             run(resolved)
         elif role is Role.rollout:
-            from rollout.main import EngineNeedsRestart, run
+            from rollout.engine import EngineNeedsRestart
+            from rollout.main import run
             try:
                 run(resolved, worker_index)
             except EngineNeedsRestart as error:  # `tether run` starts it again

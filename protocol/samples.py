@@ -93,6 +93,9 @@ class Sample:
     # the environment's reward for a turn, on that turn's last policy token
     turn_rewards: np.ndarray | None = column("turn_rewards", "response token", "float32", optional=True,
                                              finite=True, default=None)
+    # an episode's conversation as JSON (a list of {"role", "content"}): what reward functions and an RM
+    # with its own chat template read, and what evaluations show
+    messages: str | None = column("messages", "sample", "str", optional=True, default=None)
     # where a received sample's arrays lie, so consecutive samples of one message are re-sent as
     # one slice rather than concatenated one by one (a 512-sample batch: 1.5 ms -> well under)
     chunk: _Chunk | None = field(default=None, repr=False, compare=False)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-SCHEMA_VERSION = 6  # 6: the sample declared once (protocol.samples); rewards and gold_rewards as lists
+SCHEMA_VERSION = 7  # 7: episodes (a sample's loss_mask, turn_rewards, messages; episodes_dropped)
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -52,6 +52,9 @@ MESSAGES: dict[str, MessageSchema] = {
     "weights_refused": MessageSchema(fields={"policy_version": "int", "failures": "int", "reason": "str"}),
     # rollout -> buffer: generated, unscored samples
     "samples": MessageSchema(fields=dict(_SAMPLE_FIELDS), tensors=dict(_SAMPLE_TENSORS)),
+    # rollout -> buffer: episodes that end without a sample to send (an environment failed before the
+    # policy's first turn, or a member of their group did): one entry each, its credit comes back
+    "episodes_dropped": MessageSchema(fields={"prompt_indices": "list[int]", "reasons": "list[str]"}),
     # scorer -> buffer: give me work (held until there is some); buffer -> scorer: the work
     "score_request": MessageSchema(fields={"max_samples": "int"}),
     "score_work": MessageSchema(fields={**_SAMPLE_FIELDS, "stop": "bool"}, tensors=dict(_SAMPLE_TENSORS)),
@@ -87,6 +90,7 @@ SENDERS: dict[str, tuple[str, ...]] = {
     "credit_request": ("rollout",),
     "weights_refused": ("rollout",),
     "samples": ("rollout",),
+    "episodes_dropped": ("rollout",),
     "score_request": ("scorer",),
     "scored": ("scorer",),
     "batch_request": ("learner",),

@@ -6,6 +6,7 @@ weighted reward functions'; the gold reward, where the task has one, is only rep
 
 from __future__ import annotations
 
+import json
 import time
 
 import numpy as np
@@ -80,8 +81,8 @@ class Scorer:
             if self.rm_tokenizer is None:
                 rm = reward_scores(self.reward_model, samples, self.pad_token_id)
             else:
-                rows = [reward_model_tokens(a["sequence"], a["response"], chat_of(a["row"], self.system_prompt),
-                                            self.rm_tokenizer, self.rm_max_tokens) for a in arguments]
+                rows = [reward_model_tokens(a["sequence"], self._conversation(a), self.rm_tokenizer, self.rm_max_tokens)
+                        for a in arguments]
                 rm = reward_scores_of_tokens(self.reward_model, rows)
             totals += rm.double().numpy()
             parts["rm_score"] = float(rm.mean())
@@ -107,7 +108,17 @@ class Scorer:
         return {"prompt": self.tokenizer.decode(prompt, skip_special_tokens=True),
                 "response": self.tokenizer.decode(response, skip_special_tokens=True),
                 "sequence": self.tokenizer.decode(prompt + response, skip_special_tokens=True),
-                "prompt_tokens": prompt, "response_tokens": response, "row": row}
+                "prompt_tokens": prompt, "response_tokens": response, "row": row,
+                # an episode's whole conversation; a single response's is its chat and the response
+                "messages": json.loads(sample.messages) if sample.messages is not None else None}
+
+    def _conversation(self, arguments: dict) -> list[dict[str, str]] | None:
+        """What an RM with its own chat template reads: an episode's conversation, or a chat prompt
+        with the response as the assistant's turn; None for a text prompt."""
+        if arguments["messages"] is not None:
+            return arguments["messages"]
+        chat = chat_of(arguments["row"], self.system_prompt)
+        return None if chat is None else [*chat, {"role": "assistant", "content": arguments["response"]}]
 
 
 def run(config: TetherConfig, worker_index: int = 0) -> None:

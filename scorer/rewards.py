@@ -3,35 +3,23 @@ on decoded text and tokens, their weighted sum added to the reward model's score
 
 A function names the keywords it wants, out of ``prompt`` and ``response`` (text, decoded with
 the policy's tokenizer, special tokens dropped), ``prompt_tokens`` and ``response_tokens`` (ids)
-and ``row`` (the prompt's row of the data file: an ``answer`` to check against), or takes
+``row`` (the prompt's row of the data file: an ``answer`` to check against) and ``messages`` (an
+episode's conversation, a list of ``{"role", "content"}``; None for a single response), or takes
 ``**kwargs`` for all of them. One that raises, or returns something that is not a finite number,
 counts 0 for that sample and is reported with its name and the sample; the batch goes on.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import logging
 import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from common.config import ConfigError
+from common.functions import load_function
 
-ARGUMENTS = ("prompt", "response", "prompt_tokens", "response_tokens", "row")
-
-
-def load_function(spec: str, key: str) -> Callable[..., Any]:
-    """``module:function`` -> the function; the error names the config key."""
-    module_name, _, function_name = spec.partition(":")
-    try:
-        function = getattr(importlib.import_module(module_name), function_name)
-        wanted_arguments(function)
-    except Exception as error:  # not importable, a broken module, no such function, no signature
-        raise ConfigError(f"{key}: cannot import {spec!r} (expected module:function): "
-                          f"{type(error).__name__}: {error}") from None
-    return function
+ARGUMENTS = ("prompt", "response", "prompt_tokens", "response_tokens", "row", "messages")
 
 
 def wanted_arguments(function: Callable[..., Any]) -> tuple[str, ...]:
@@ -58,7 +46,7 @@ class RewardFunction:
 
     @staticmethod
     def load(spec: str, weight: float, key: str) -> "RewardFunction":
-        function = load_function(spec, key)
+        function = load_function(spec, key, check=wanted_arguments)
         return RewardFunction(spec, function, weight, wanted_arguments(function))
 
     def __call__(self, sample_id: str, arguments: dict[str, Any], log: logging.Logger) -> float | None:

@@ -54,16 +54,16 @@ def _pooled_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_m
     return (scores - float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))).cpu()
 
 
-def reward_model_tokens(sequence: str, response: str, chat: list[dict[str, str]] | None, tokenizer,
+def reward_model_tokens(sequence: str, conversation: list[dict[str, str]] | None, tokenizer,
                         max_tokens: int | None = None) -> list[int]:
-    """What a reward model with its own tokenizer reads, as its token ids: the chat with the
-    response as the assistant's turn through the RM's chat template (which writes its special
-    tokens itself), when the prompt is a chat and the RM has one; else ``sequence``, prompt and
-    response decoded together (decoding them apart could change the text where they meet),
-    tokenized with the RM's special tokens. Past ``max_tokens`` the start is cut: the score is
-    read at the last token."""
-    if chat is not None and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([*chat, {"role": "assistant", "content": response}], tokenize=False)
+    """What a reward model with its own tokenizer reads, as its token ids: the ``conversation`` (the
+    chat with the response as the assistant's turn, or an episode's every turn) through the RM's
+    chat template (which writes its special tokens itself), when there is one and the RM has a
+    template; else ``sequence``, prompt and response decoded together (decoding them apart could
+    change the text where they meet), tokenized with the RM's special tokens. Past ``max_tokens``
+    the start is cut: the score is read at the last token."""
+    if conversation is not None and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer(sequence)["input_ids"]

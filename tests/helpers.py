@@ -157,3 +157,46 @@ def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return torch.load(out)
+
+
+# ChatML with tools, the shape of Qwen2.5's template: the tools' schemas in the system message,
+# tool results as <tool_response> blocks of a user turn, <|im_end|> ending every turn
+CHATML_TOOLS_TEMPLATE = (  # no newline right after a tag: HF renders with trim_blocks
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] }}{% else %}You are a helpful assistant."
+    "{% endif %}{{ '\\n\\n' }}# Tools\n<tools>{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\nFor each function call, return a json object within <tool_call></tool_call> XML tags."
+    "<|im_end|>\n"
+    "{% elif messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.index0 == 0 or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ message['content'] }}\n</tool_response>"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% elif not (message['role'] == 'system' and loop.first) %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def chatml_tokenizer(directory: str):
+    """A byte-level BPE tokenizer trained here on a few sentences, with ChatML's special tokens and
+    CHATML_TOOLS_TEMPLATE: the kind of tokenizer a chat model with tools has, built without a hub."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.BPE())
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    core.decoder = decoders.ByteLevel()
+    corpus = ['<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>',
+              "What is 17 plus 25? The answer is 42.", "You are a helpful assistant.", "system user assistant tool",
+              '{"type": "function", "function": {"name": "add", "description": "Add two integers."}}']
+    core.train_from_iterator(corpus * 20, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                        chat_template=CHATML_TOOLS_TEMPLATE)
+    tokenizer.save_pretrained(directory)
+    return tokenizer

@@ -291,6 +291,25 @@ def test_a_dropped_sample_gives_its_credit_back_so_the_run_never_wedges():
     assert report["identity_holds"]
 
 
+def test_episodes_that_give_no_sample_give_their_credits_back():
+    """An engine reports episodes it could not send (an environment failed before the policy's
+    first turn): each counts as generated and dropped with its reason, its credit comes back, and
+    a report for a prompt the engine does not hold returns nothing. The batch still fills."""
+    state = BufferState(batch_size=2, max_staleness=0)
+    indices = state.credits_for("rollout:0", 0, 2)
+    assert state.drop_episodes([indices[0]], ["env_error"], "rollout:0") == 1
+    assert state.drop_episodes([indices[0], 99], ["env_error", "env_error"], "rollout:1") == 0
+    state.add_samples([sample("a", 0, indices[1])], "rollout:0")
+    more = state.credits_for("rollout:0", 0, 2)
+    assert len(more) == 1  # the one credit that came back
+    state.add_samples([sample("b", 0, more[0])], "rollout:0")
+    score_all(state)
+    assert len(state.take_batch(0, 2)) == 2
+    report = state.report()
+    assert report["dropped"] == {"episode_env_error": 1, "not_granted": 2} and report["credits_returned"] == 1
+    assert report["generated"] == 5 and report["identity_holds"]
+
+
 def test_a_batch_waits_for_a_slow_engine_s_older_samples():
     """k = 1, two engines: A is granted prompts at version 0 and is slow; B runs ahead. Batch 1 is
     the last one A's version-0 samples may join, so it waits for them rather than filling up with
@@ -468,12 +487,12 @@ def test_a_snapshot_of_an_older_schema_is_refused_with_the_reason(tmp_path):
     save_snapshot(state, path)
     with open(path, "rb") as file:
         data = msgpack.unpack(file, raw=False)
-    for frames in data["messages"]:  # as a tether of schema 5 wrote them
+    for frames in data["messages"]:  # as a tether of schema 6 wrote them
         envelope = msgpack.unpackb(frames[0], raw=False)
-        frames[0] = msgpack.packb({**envelope, "schema": 5}, use_bin_type=True)
+        frames[0] = msgpack.packb({**envelope, "schema": 6}, use_bin_type=True)
     with open(path, "wb") as file:
         msgpack.pack(data, file, use_bin_type=True)
-    with pytest.raises(ValueError, match="holds samples this tether cannot read .peer speaks schema version 5"):
+    with pytest.raises(ValueError, match="holds samples this tether cannot read .peer speaks schema version 6"):
         load_snapshot(path, batch_size=2, max_staleness=1)
 
 

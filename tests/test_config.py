@@ -140,7 +140,7 @@ def test_cli_refuses_an_unknown_key_and_a_missing_model(tmp_path):
 
 
 def test_an_engine_binds_its_tensor_parallel_workers_to_its_cores():
-    from rollout.main import omp_threads_bind
+    from rollout.engine import omp_threads_bind
 
     assert omp_threads_bind([0, 1], 1) == "0,1"
     assert omp_threads_bind([0, 1], 2) == "0|1"

@@ -27,7 +27,8 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
     from common.config import load_config
     from protocol.samples import unpack_samples
     from protocol.transport import BufferClient
-    from rollout.main import make_vllm_engine, run
+    from rollout.engine import make_vllm_engine
+    from rollout.main import run
     from tests.helpers import base_config
 
     batch = 24

@@ -55,7 +55,7 @@ def assert_matches(model, generations, temperature=1.0, top_p=1.0, top_k=0):
 def test_weights_apply_in_place_and_a_damaged_version_is_refused(tmp_path, tiny_assets, tensor_parallel_size):
     """With tensor_parallel_size 2 the engine has two workers (one core each here), each holding a
     shard of every layer: the reload must reach both, or the logprobs would not match."""
-    from rollout.main import make_vllm_engine
+    from rollout.engine import make_vllm_engine
 
     config = load_config(None, ["rollout.max_model_len=64", f"rollout.tensor_parallel_size={tensor_parallel_size}"],
                          base=base_config(tmp_path, tiny_assets))
@@ -94,7 +94,7 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
     # with an error naming it instead of retrying every version forever
     from types import SimpleNamespace
 
-    from rollout.main import IncompatibleWeights, apply_weights
+    from rollout.engine import IncompatibleWeights, apply_weights
 
     config = SimpleNamespace(models=SimpleNamespace(policy=tiny_assets["policy"]))
     log = logging.getLogger("test-rollout")
@@ -111,7 +111,7 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
     # engine holds a mix and says so; vLLM's reload does not recover from it (a whole version loaded
     # next fails too, on at least one worker), so the rollout stops to be started again rather than
     # generate with it
-    from rollout.main import EngineNeedsRestart
+    from rollout.engine import EngineNeedsRestart
 
     names = list(updated.state_dict())
     mixed = dict(perturbed(tiny_assets["policy"], seed=3).state_dict())
@@ -134,7 +134,7 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
 
     import rollout.main
     from protocol.transport import BufferClient
-    from rollout.main import WeightsNotLoading
+    from rollout.engine import WeightsNotLoading
     from tests.helpers import start_buffer
 
     config, result, thread = start_buffer(

@@ -1,0 +1,149 @@
+"""The rollout's vLLM engine: how it is built on each device, the sampled distribution it is
+given, and loading a published policy version into it in place."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from common.config import ConfigError, TetherConfig
+from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError
+from weight_sync.tcp import fetch_over_tcp
+
+
+class IncompatibleWeights(ConfigError):
+    """vLLM's loader refuses the learner's weights themselves: no later version can load either."""
+
+
+class EngineNeedsRestart(RuntimeError):
+    """A weight load failed part-way: the engine holds a mix of versions, and vLLM's reload does not
+    recover from it (measured: a whole version loaded next fails too). The rollout exits non-zero;
+    `tether run` starts it again, from the SFT weights and then the newest version."""
+
+
+class WeightsNotLoading(ConfigError):
+    """``rollout.max_weight_load_failures`` loads in a row failed: the engine cannot generate with
+    the learner's weights, and a restart would fail the same way (a ConfigError: not restarted)."""
+
+
+
+def omp_threads_bind(cores: list[int], tensor_parallel_size: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for one engine: its cores split evenly between its tensor-parallel
+    workers, ``|`` between workers ("0|1"); with fewer cores than workers they take turns. vLLM's
+    automatic binding wants a NUMA node per worker and refuses TP > 1 on a one-node machine."""
+    if tensor_parallel_size <= len(cores):
+        per_worker = len(cores) // tensor_parallel_size
+        groups = [cores[i * per_worker:(i + 1) * per_worker] for i in range(tensor_parallel_size)]
+    else:
+        groups = [[cores[i % len(cores)]] for i in range(tensor_parallel_size)]
+    return "|".join(",".join(str(core) for core in group) for group in groups)
+
+
+def engine_settings(config: TetherConfig, worker_index: int, cuda: bool) -> tuple[dict[str, str], dict]:
+    """The environment and ``vllm.LLM`` arguments of engine ``worker_index``, built the fastest way
+    the device allows (measured on CPU, docs/benchmarks.md "Start-up"):
+    - in-process (``rollout.in_process``): vLLM's V1 engine otherwise runs as three processes that
+      each import vLLM (~10 s apiece here); on CPU it runs in the rollout's own. On GPUs vLLM's
+      separate engine process overlaps scheduling with the GPU's work, so it stays the default there.
+    - eager (``rollout.enforce_eager``): on CPU there are no CUDA graphs to capture, and torch.compile
+      only traced vLLM's logprob-rank helper, 2.2 s at the first generate for nothing; with dynamo
+      off it runs as plain torch. On GPUs graphs are much of vLLM's speed: off by default there.
+    - the KV cache: a size in bytes on CPU (``kv_cache_gib``, any fraction), a memory share on GPUs."""
+    rollout = config.rollout
+    in_process = rollout.in_process if rollout.in_process is not None else (
+        not cuda and rollout.tensor_parallel_size == 1)
+    eager = rollout.enforce_eager if rollout.enforce_eager is not None else not cuda
+    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
+    if eager:
+        environment["TORCHDYNAMO_DISABLE"] = "1"  # also for the engine's own processes, when it has them
+    arguments = dict(
+        model=config.models.policy, dtype=rollout.dtype, seed=config.seed, max_model_len=rollout.max_model_len,
+        tensor_parallel_size=rollout.tensor_parallel_size, enforce_eager=eager,
+        worker_extension_cls="rollout.worker_extension.WeightSyncExtension",
+        # Logprobs of the distribution actually sampled (after temperature, top-k, top-p), the one the
+        # learner recomputes; vLLM's default is the raw logits' distribution.
+        logprobs_mode="processed_logprobs",
+    )
+    if cuda:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
+        arguments["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+    else:
+        arguments["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
+        cores = config.cores_of("rollout", worker_index)
+        if cores or rollout.tensor_parallel_size > 1:  # vLLM's CPU backend binds its OpenMP threads: tell it where
+            environment["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cores or sorted(os.sched_getaffinity(0)),
+                                                                        rollout.tensor_parallel_size)
+    return environment, arguments
+
+
+def make_vllm_engine(config: TetherConfig, worker_index: int = 0):
+    """A ``vllm.LLM`` with tether's worker extension, built as ``engine_settings`` says."""
+    import torch
+
+    environment, arguments = engine_settings(config, worker_index, torch.cuda.is_available())
+    os.environ.update(environment)
+    if environment.get("TORCHDYNAMO_DISABLE") == "1":  # torch read the variable when it was imported
+        import torch._dynamo
+
+        torch._dynamo.config.disable = True
+    from vllm import LLM
+
+    return LLM(**arguments)
+
+
+
+def sampling_params(config: TetherConfig, **overrides):
+    """vLLM's sampling settings: ``config.sampling`` (which the learner's logprobs reproduce) and the
+    rollout's lengths, with ``overrides`` (the evaluator's: one response, its own seed)."""
+    from vllm import SamplingParams
+
+    rollout = config.rollout
+    sampling = config.sampling
+    return SamplingParams(**{"n": rollout.samples_per_prompt, "temperature": sampling.temperature,
+                             "top_p": sampling.top_p, "top_k": sampling.top_k, "max_tokens": rollout.max_new_tokens,
+                             "ignore_eos": rollout.ignore_eos, "logprobs": 0, **overrides})
+
+
+def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log) -> tuple[int | None, str | None]:
+    """Load the version the buffer announced: (the version now in the engine, None), or (None, why)
+    when nothing of it could be read: the engine is then tagged with no version and generates
+    nothing until a whole one loads. A load that failed part-way raises ``EngineNeedsRestart``."""
+    started = time.monotonic()
+    try:
+        manifest = WeightManifest.from_dict(grant.fields["weights_manifest"])
+        if staging is not None:  # another host: bring the buckets here first
+            manifest = fetch_over_tcp(manifest, config.transport.weights_address, staging,
+                                      max_frame_bytes=config.transport.max_frame_bytes, curve=config.transport.curve)
+        checked = prefetcher is not None and prefetcher.checked(manifest)
+        results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
+        refusals = [result["refused"] for result in results if "refused" in result]
+        partial = [result["partial"] for result in results if "partial" in result]
+        failures = [result["unreadable"] for result in results if "unreadable" in result]
+        if refusals:
+            raise IncompatibleWeights(
+                f"models.policy: vLLM's model of {config.models.policy} cannot load the learner's weights "
+                f"(policy version {manifest.policy_version}): {refusals[0]}. Every version would be refused the same "
+                "way; the family's vLLM loader and the transformers model disagree on a parameter name")
+        if partial:
+            raise EngineNeedsRestart(f"loading policy version {manifest.policy_version} failed part-way ({partial[0]}): the "
+                                     "engine holds a mix of versions and cannot generate; it must be started again")
+        if failures:
+            raise WeightStreamError(failures[0])
+        # KV computed with the old weights must serve no token of the new ones: cached prefixes go, and
+        # requests in flight are recomputed (vLLM preempts them, keeping their tokens so far), so every
+        # token from here on is sampled from the new version
+        engine.reset_prefix_cache(reset_running_requests=True)
+        how = ("fetch over tcp and load" if staging is not None else
+               "load from shared memory, checked while written" if checked else "load from shared memory")
+        log.info("now generating with policy version %d (%.2fs to %s)", manifest.policy_version,
+                 time.monotonic() - started, how)
+        return grant.fields["policy_version"], None
+    except (IncompatibleWeights, EngineNeedsRestart):
+        raise
+    except Exception as error:
+        log.warning("could not load policy version %d: %s", grant.fields["policy_version"], error)
+        return None, f"{type(error).__name__}: {error}"
+    finally:
+        if prefetcher is not None:
+            prefetcher.release()
+
+

@@ -1,0 +1,122 @@
+"""Environments: what answers the policy's turns in an episode.
+
+``rollout.environment: my_env:make`` names a factory called with the prompt's data row; it returns
+an object with
+
+- ``reset()`` (optional): the episode's first messages (a list of ``{"role", "content"}``) or
+  text, in place of the row's prompt; None keeps the row's prompt;
+- ``step(response, messages)``: the policy's last turn as text and the conversation so far; it
+  returns ``Step(observation, reward, done)`` (or the tuple, or a dict of those keys). The
+  observation is messages or text (None: nothing to say), the reward is that turn's, and
+  ``done`` ends the episode.
+
+Tools (``rollout.tools``) are an environment of their own: a turn with tool calls is answered with
+the tools' results; a turn without one goes to the configured environment, or ends the episode
+when there is none. Both are called in the rollout's worker threads, never on the engine's loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from common.functions import load_function
+from rollout.tools import Tool, call_tool, parse_tool_calls
+
+Observation = str | list[dict] | None
+
+
+class BadStep(ValueError):
+    """An environment returned something that is not a step (its episode ends: ``env_error``)."""
+
+
+@dataclass
+class Step:
+    observation: Observation = None
+    reward: float = 0.0
+    done: bool = False
+    tool_calls: int = 0  # calls answered in this step
+    tool_errors: list[str] = field(default_factory=list)  # what went wrong with each that failed (tools.call_tool)
+
+
+def as_step(value: Any) -> Step:
+    """An environment's answer as a ``Step``; anything else is a ``BadStep`` saying what it was."""
+    if isinstance(value, Step):
+        step = value
+    elif isinstance(value, dict) and set(value) <= {"observation", "reward", "done"}:
+        step = Step(value.get("observation"), value.get("reward", 0.0), value.get("done", False))
+    elif isinstance(value, tuple) and len(value) == 3:
+        step = Step(*value)
+    else:
+        raise BadStep(f"step returned {type(value).__name__}: expected Step(observation, reward, done), "
+                      "a 3-tuple or a dict of those keys")
+    check_observation(step.observation)
+    try:
+        step.reward = float(step.reward)
+    except (TypeError, ValueError):
+        raise BadStep(f"step's reward is {step.reward!r}, not a number") from None
+    if not math.isfinite(step.reward):
+        raise BadStep(f"step's reward is {step.reward}")
+    step.done = bool(step.done)
+    return step
+
+
+def check_observation(observation: Any) -> Observation:
+    """Text, a list of ``{"role": str, "content": str}`` messages, or None; else ``BadStep``."""
+    if observation is None or isinstance(observation, str):
+        return observation
+    if isinstance(observation, list) and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in observation):
+        return observation
+    raise BadStep(f"an observation is text or a list of {{'role', 'content'}} messages, not {observation!r:.200}")
+
+
+class ToolEnvironment:
+    """Answers a turn's tool calls with the tools' results (one tool message each); a turn without
+    a call is the episode's answer: it goes to ``inner``'s step, or ends the episode."""
+
+    def __init__(self, tools: dict[str, Tool], inner: Any | None) -> None:
+        self.tools, self.inner = tools, inner
+
+    def reset(self) -> Observation:
+        reset = getattr(self.inner, "reset", None)
+        return reset() if reset is not None else None
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        calls = parse_tool_calls(response)
+        if not calls:
+            return as_step(self.inner.step(response, messages)) if self.inner is not None else Step(done=True)
+        observation, errors = [], []
+        for call in calls:
+            content, error = call_tool(self.tools, call)
+            observation.append({"role": "tool", "name": call.name or "", "content": content})
+            if error is not None:
+                errors.append(error)
+        return Step(observation, tool_calls=len(calls), tool_errors=errors)
+
+
+class Environments:
+    """Makes one environment per episode, as the config says: the factory's, wrapped with the tools."""
+
+    def __init__(self, factory: Callable[[dict], Any] | None, tools: dict[str, Tool]) -> None:
+        self.factory, self.tools = factory, tools
+
+    @staticmethod
+    def load(environment: str | None, tools: dict[str, Tool]) -> "Environments | None":
+        """None where the config names neither: single responses, no episodes."""
+        if environment is None and not tools:
+            return None
+        factory = load_function(environment, "rollout.environment") if environment else None
+        return Environments(factory, tools)
+
+    def make(self, row: dict) -> Any:
+        inner = self.factory(row) if self.factory is not None else None
+        if inner is not None and not self.tools:
+            return inner
+        return ToolEnvironment(self.tools, inner)
+
+    @property
+    def tool_schemas(self) -> list[dict] | None:
+        return [tool.schema for tool in self.tools.values()] or None

@@ -1,0 +1,337 @@
+"""Episodes: the policy's turns with an environment's observations between them, kept token for
+token (docs/design.md, "Episodes").
+
+Token in, token out: an episode's response is the ids vLLM sampled, turn after turn, with the
+observations' ids between them as the policy's chat template renders them (``Renderer``), never a
+re-tokenization of text. The policy's tokens carry vLLM's logprobs and a loss mask of 1, the
+environment's a mask of 0 and no logprob; a turn's reward sits on its last policy token.
+
+``Episodes`` is the bookkeeping the rollout's loop drives: ``start`` a group (the
+``samples_per_prompt`` episodes of one prompt), take the turns ``ready`` to generate, hand each
+finished turn to ``turn_finished``, ``advance`` the environment calls between engine steps, and
+send the groups ``finished`` returns. Environment calls run in threads of their own, each with a
+deadline (``rollout.env_step_deadline_s``), so the engine never waits on one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from common.config import TetherConfig
+from common.prompts import chat_of
+from protocol.samples import Sample
+from rollout.environments import BadStep, Environments, Observation, Step, as_step, check_observation
+
+# how an episode ended, besides the policy's own "stop" (end of sequence without an environment to
+# answer) and "length" (a turn cut at max_new_tokens): what the rollout's metrics count
+ENDINGS = ("done", "max_turns", "token_budget", "env_error", "env_deadline")
+# a chat both renders of an observation start with, so its ids are the observation's alone (Renderer)
+_BASE_CHAT = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+
+
+class Renderer:
+    """Token ids of what the environment says, the way the policy sees it: through the policy's
+    chat template where it has one, else as plain text."""
+
+    def __init__(self, tokenizer, tools: list[dict] | None) -> None:
+        self.tokenizer, self.tools = tokenizer, tools
+        self.chat = bool(getattr(tokenizer, "chat_template", None))
+        self.eos_token_id = tokenizer.eos_token_id
+        if self.chat:
+            self.base = self._render(_BASE_CHAT, generation_prompt=False)
+            # what the template writes after a turn's end-of-sequence token ("\n" in ChatML): the policy
+            # stops at that token, so it comes first in the observation that follows
+            eos = tokenizer.eos_token or ""
+            self.after_eos = self.base[self.base.rindex(eos) + len(eos):] if eos and eos in self.base else ""
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                  add_generation_prompt=generation_prompt)
+
+    def _ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def prompt_ids(self, first: Observation) -> list[int]:
+        """An episode's start from an environment's ``reset``: messages through the template with the
+        generation prompt, text tokenized as a text prompt is (with the tokenizer's special tokens)."""
+        if isinstance(first, str):
+            return list(self.tokenizer(first)["input_ids"])
+        if not self.chat:
+            return list(self.tokenizer("\n".join(m["content"] for m in first))["input_ids"])
+        return self._ids(self._render(first, generation_prompt=True))
+
+    def observation_ids(self, messages: list[dict], turn_ended: bool) -> list[int]:
+        """The ids between the policy's turn and its next one: ``messages`` (the environment's) and the
+        next turn's generation prompt. ``turn_ended``: the turn ended with the end-of-sequence token;
+        else the template's end of an assistant turn comes first."""
+        if not self.chat:
+            return self._ids("\n".join(m["content"] for m in messages))
+        full = self._render([*_BASE_CHAT, *messages], generation_prompt=True)
+        if not full.startswith(self.base):
+            raise BadStep("the chat template renders a conversation differently once an observation follows it; "
+                          "its ids cannot be appended to the policy's")
+        closing = self.after_eos if turn_ended else (self.tokenizer.eos_token or "") + self.after_eos
+        return self._ids(closing + full[len(self.base):])
+
+
+@dataclass
+class Group:
+    """The ``samples_per_prompt`` episodes of one prompt: they travel to the buffer together."""
+    prompt_index: int
+    data_row: int
+    episodes: list["Episode"] = field(default_factory=list)
+
+
+@dataclass
+class Episode:
+    group: Group
+    environment: Any = None
+    prompt_tokens: list[int] = field(default_factory=list)
+    messages: list[dict] = field(default_factory=list)  # the conversation, for environments and rewards
+    tokens: list[int] = field(default_factory=list)  # after the prompt: the policy's and the environment's
+    logprobs: list[float] = field(default_factory=list)  # vLLM's at the policy's tokens, 0 at the environment's
+    loss_mask: list[int] = field(default_factory=list)
+    turn_rewards: list[float] = field(default_factory=list)
+    turns: int = 0
+    behavior_version: int | None = None  # of its first policy token
+    last_behavior_version: int | None = None  # of its last
+    ended: str | None = None  # why it ended (a vLLM finish reason or one of ENDINGS)
+    pending: Future | None = None  # the environment call under way, if any
+    deadline: float = 0.0
+    last_turn_ended: bool = True  # the last turn ended with the end-of-sequence token
+    tool_calls: int = 0
+    tool_errors: Counter = field(default_factory=Counter)
+
+
+def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
+    """``function(*arguments)`` in a daemon thread of its own: one that hangs past its deadline
+    holds only itself (a pool's worker would be lost to every later call) and no exit waits for it."""
+    future: Future = Future()
+
+    def call() -> None:
+        try:
+            future.set_result(function(*arguments))
+        except BaseException as error:  # the environment's failure is its episode's, reported there
+            future.set_exception(error)
+
+    threading.Thread(target=call, daemon=True, name="environment").start()
+    return future
+
+
+def _reset(environments: Environments, row: dict) -> tuple[Any, Observation]:
+    environment = environments.make(row)
+    reset = getattr(environment, "reset", None)
+    return environment, check_observation(reset()) if reset is not None else None
+
+
+def _step(environment: Any, response: str, messages: list[dict]) -> Step:
+    return as_step(environment.step(response, messages))
+
+
+class Episodes:
+    """Every episode of one rollout engine, from its grant to its samples."""
+
+    def __init__(self, config: TetherConfig, environments: Environments, renderer: Renderer, tokenizer,
+                 rows: list[dict], prompts: list[list[int]], data_rows: list[int],
+                 sampling_for: Callable[[int], object], log: logging.Logger) -> None:
+        """``prompts``, ``data_rows``: the kept prompts' ids and their rows of ``rows`` (the data file);
+        ``sampling_for(max_tokens)``: vLLM's sampling of one turn."""
+        self.config, self.environments, self.renderer, self.tokenizer = config, environments, renderer, tokenizer
+        self.sampling_for = sampling_for
+        self.rows, self.prompts, self.data_rows, self.log = rows, prompts, data_rows, log
+        self.groups: list[Group] = []
+        self.ready: list[Episode] = []  # waiting to generate their next turn
+        self.waiting: list[Episode] = []  # waiting on their environment
+        self.counters: Counter = Counter()  # since the last metrics record
+
+    def start(self, prompt_index: int, row: int) -> None:
+        """The episodes of the prompt at ``row`` of the kept prompts: each makes its environment
+        and resets it in a thread of its own."""
+        group = Group(prompt_index, self.data_rows[row])
+        self.groups.append(group)
+        data_row = self.rows[group.data_row]
+        for _ in range(self.config.rollout.samples_per_prompt):
+            episode = Episode(group, prompt_tokens=list(self.prompts[row]),
+                              messages=chat_of(data_row, self.config.data.system_prompt)
+                              or [{"role": "user", "content": data_row.get("prompt", "")}])
+            group.episodes.append(episode)
+            self._call(episode, _reset, self.environments, data_row)
+
+    @property
+    def active(self) -> int:
+        """Groups under way: the prompts that hold the engine's room."""
+        return len(self.groups)
+
+    def take_ready(self, version: int) -> list[tuple[Episode, list[int], object]]:
+        """(episode, the ids its next turn continues, that turn's sampling) for each episode to
+        generate a turn of now, with weights of ``version``; a turn may have at most
+        ``max_new_tokens`` and what ``max_model_len`` leaves."""
+        ready, self.ready = self.ready, []
+        turns = []
+        for episode in ready:
+            if episode.behavior_version is None:
+                episode.behavior_version = version
+            ids = episode.prompt_tokens + episode.tokens
+            turns.append((episode, ids, self.sampling_for(min(self.config.rollout.max_new_tokens,
+                                                               self.config.rollout.max_model_len - len(ids)))))
+        return turns
+
+    def turn_finished(self, episode: Episode, output, version: int) -> None:
+        """A turn of ``episode`` came out of vLLM (a finished request), its last token generated with
+        weights of ``version``. The environment answers it, unless vLLM cut it."""
+        completion = output.outputs[0]
+        tokens = list(completion.token_ids)
+        episode.tokens += tokens
+        episode.logprobs += [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
+        episode.loss_mask += [1] * len(tokens)
+        episode.turn_rewards += [0.0] * len(tokens)
+        episode.turns += 1
+        episode.last_behavior_version = version
+        episode.last_turn_ended = bool(tokens) and tokens[-1] == self.renderer.eos_token_id
+        response = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        episode.messages = [*episode.messages, {"role": "assistant", "content": response}]
+        if completion.finish_reason == "length":
+            self._end(episode, "length")
+        else:
+            self._call(episode, _step, episode.environment, response, episode.messages)
+
+    def advance(self, now: float, timeout: float = 0.0) -> None:
+        """Take in what environments answered, waiting up to ``timeout`` for a first answer (the loop
+        passes one when the engine has nothing to do), and end the episodes past their deadline."""
+        pending = [e.pending for e in self.waiting]
+        if timeout > 0 and pending:
+            wait(pending, timeout=min(timeout, max(0.0, min(e.deadline for e in self.waiting) - now)),
+                 return_when=FIRST_COMPLETED)
+            now = time.monotonic()
+        still = []
+        for episode in self.waiting:
+            if episode.pending.done():
+                future, episode.pending = episode.pending, None
+                self._answered(episode, future)
+            elif now >= episode.deadline:
+                episode.pending = None
+                self.log.warning("episode of prompt %d: the environment did not answer within %.1fs "
+                                 "(rollout.env_step_deadline_s); the episode ends", episode.group.prompt_index,
+                                 self.config.rollout.env_step_deadline_s)
+                self._end(episode, "env_deadline")
+            else:
+                still.append(episode)
+        self.waiting = still
+
+    def finished(self) -> tuple[list[Sample], list[tuple[int, str]]]:
+        """The groups whose episodes have all ended: their samples, and the episodes that could not be
+        sent, (prompt index, why) each. A group with an episode the policy never spoke in (its
+        environment failed before the first turn) is not sent at all: a batch holds whole groups."""
+        samples, dropped, still = [], [], []
+        for group in self.groups:
+            if any(e.ended is None for e in group.episodes):
+                still.append(group)
+            elif all(e.tokens for e in group.episodes):
+                samples += [self._sample(e) for e in group.episodes]
+            else:
+                dropped += [(group.prompt_index, e.ended if not e.tokens else "group_incomplete")
+                            for e in group.episodes]
+        self.groups = still
+        return samples, dropped
+
+    def _call(self, episode: Episode, function: Callable[..., Any], *arguments: Any) -> None:
+        episode.pending = in_thread(function, *arguments)
+        episode.deadline = time.monotonic() + self.config.rollout.env_step_deadline_s
+        self.waiting.append(episode)
+
+    def _answered(self, episode: Episode, future: Future) -> None:
+        error = future.exception()
+        if error is not None:
+            self.log.warning("episode of prompt %d: the environment failed (%s: %s); the episode ends",
+                             episode.group.prompt_index, type(error).__name__, error)
+            self._end(episode, "env_error")
+        elif episode.environment is None:  # the reset
+            episode.environment, first = future.result()
+            if first is not None:
+                self._start_from(episode, first)
+            else:
+                self.ready.append(episode)
+        else:
+            self._stepped(episode, future.result())
+
+    def _start_from(self, episode: Episode, first: Observation) -> None:
+        episode.messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
+        try:
+            episode.prompt_tokens = self.renderer.prompt_ids(first)
+        except Exception as error:  # the template refuses the environment's chat
+            self.log.warning("episode of prompt %d: the chat template refuses the environment's first messages "
+                             "(%s: %s)", episode.group.prompt_index, type(error).__name__, error)
+            return self._end(episode, "env_error")
+        if len(episode.prompt_tokens) >= self.config.rollout.max_model_len:
+            return self._end(episode, "token_budget")
+        self.ready.append(episode)
+
+    def _stepped(self, episode: Episode, step: Step) -> None:
+        if step.reward:
+            episode.turn_rewards[len(episode.tokens) - 1 - episode.loss_mask[::-1].index(1)] += step.reward
+        episode.tool_calls += step.tool_calls
+        episode.tool_errors.update(step.tool_errors)
+        if step.done:
+            return self._end(episode, "done")
+        if episode.turns >= self.config.rollout.max_turns:
+            return self._end(episode, "max_turns")
+        observation = ([{"role": "user", "content": step.observation}] if isinstance(step.observation, str)
+                       else step.observation or [])
+        try:
+            ids = self.renderer.observation_ids(observation, episode.last_turn_ended)
+        except Exception as error:
+            self.log.warning("episode of prompt %d: its observation does not render (%s: %s)",
+                             episode.group.prompt_index, type(error).__name__, error)
+            return self._end(episode, "env_error")
+        # the next turn needs room for at least one token
+        if len(episode.prompt_tokens) + len(episode.tokens) + len(ids) >= self.config.rollout.max_model_len:
+            return self._end(episode, "token_budget")
+        episode.tokens += ids
+        episode.logprobs += [0.0] * len(ids)
+        episode.loss_mask += [0] * len(ids)
+        episode.turn_rewards += [0.0] * len(ids)
+        episode.messages = [*episode.messages, *observation]
+        self.ready.append(episode)
+
+    def _end(self, episode: Episode, reason: str) -> None:
+        episode.ended = reason
+        self.counters[f"ended_{reason}"] += 1
+        if episode.tokens:
+            self.counters["episodes"] += 1
+            self.counters["turns"] += episode.turns
+            self.counters["tool_calls"] += episode.tool_calls
+            self.counters["tool_errors"] += sum(episode.tool_errors.values())
+            self.counters["env_reward"] += sum(episode.turn_rewards)
+
+    def _sample(self, episode: Episode) -> Sample:
+        # the policy's turns end where its last token is: observations after it were never answered
+        last = len(episode.loss_mask) - episode.loss_mask[::-1].index(1)
+        return Sample(
+            sample_id="", prompt_index=episode.group.prompt_index, behavior_version=episode.behavior_version,
+            last_behavior_version=episode.last_behavior_version,
+            prompt_tokens=np.asarray(episode.prompt_tokens, dtype=np.int32),
+            response_tokens=np.asarray(episode.tokens[:last], dtype=np.int32),
+            behavior_logprobs=np.asarray(episode.logprobs[:last], dtype=np.float32),
+            finish_reason=episode.ended, data_row=episode.group.data_row,
+            loss_mask=np.asarray(episode.loss_mask[:last], dtype=np.uint8),
+            turn_rewards=np.asarray(episode.turn_rewards[:last], dtype=np.float32),
+            messages=json.dumps(episode.messages))
+
+    def record(self) -> dict:
+        """The metrics since the last record: episodes ended (by reason), turns and tool calls per
+        episode, tool errors, the environment's reward per episode."""
+        counters, self.counters = self.counters, Counter()
+        episodes = max(counters["episodes"], 1)
+        return {**{f"episodes_{name}": counters[name] for name in counters if name.startswith("ended_")},
+                "episodes": counters["episodes"], "turns_per_episode": counters["turns"] / episodes,
+                "tool_calls_per_episode": counters["tool_calls"] / episodes, "tool_errors": counters["tool_errors"],
+                "env_reward": counters["env_reward"] / episodes}

@@ -1,0 +1,85 @@
+"""Environments and tools the episode tests name in their configs ("tests.environments:..."),
+written in the demo's vocabulary (digits, even, odd, ':') so its tiny policy can read them."""
+
+import itertools
+import time
+
+from rollout.environments import Step
+
+TURNS = 3  # the counting task's episodes
+
+
+class Counting:
+    """Answers each turn with the turn's number and the parity to write next, rewards a turn by
+    its length, and ends after TURNS turns."""
+
+    def __init__(self, row: dict) -> None:
+        self.row, self.turn = row, 0
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        self.turn += 1
+        return Step(f"{'odd' if self.turn % 2 else 'even'} {self.turn} :", reward=0.1 * len(response.split()),
+                    done=self.turn >= TURNS)
+
+
+class Raises(Counting):
+    def step(self, response, messages):
+        raise RuntimeError("the sandbox fell over")
+
+
+class Hangs(Counting):
+    def step(self, response, messages):
+        time.sleep(30)  # far past the tests' env_step_deadline_s
+
+
+class Garbage(Counting):
+    def step(self, response, messages):
+        return 42
+
+
+class DoneAtOnce(Counting):
+    def step(self, response, messages):
+        return Step(None, reward=1.0, done=True)
+
+
+class ResetRaises(Counting):
+    def reset(self):
+        raise RuntimeError("no sandbox to be had")
+
+
+MIXED = [Counting] * 6 + [Raises, Hangs, Garbage, DoneAtOnce, ResetRaises]
+
+
+_made = itertools.count()
+
+
+def reset_raises_once(row: dict) -> Counting:
+    """The first environment made fails at its reset, every later one counts."""
+    return ResetRaises(row) if next(_made) == 0 else Counting(row)
+
+
+def counting(row: dict) -> Counting:
+    return Counting(row)
+
+
+def mixed(row: dict) -> Counting:
+    """Episodes that go well and episodes whose environment fails each way, by the prompt's digits."""
+    return MIXED[sum(int(word) for word in row["prompt"].split() if word.isdigit()) % len(MIXED)](row)
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+
+
+def broken(x):
+    raise ValueError("broken on purpose")
+
+
+def unserialisable():
+    return object()

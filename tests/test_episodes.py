@@ -1,0 +1,246 @@
+"""Episodes (rollout.episodes, rollout.environments, rollout.tools): the bookkeeping of turns and
+observations, token for token, driven here with vLLM's finished requests written by hand; the
+real engine drives the same code in test_rollout_episodes.py."""
+
+import logging
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from common.config import load_config
+from tests.helpers import base_config, chatml_tokenizer
+
+EOS = 2  # the demo tokenizer's
+
+
+def fake_output(tokens, finish_reason="stop"):
+    """A finished vLLM request of one completion: its ids, a logprob for each, why it stopped."""
+    logprobs = [{token: SimpleNamespace(logprob=-0.1 * (i + 1))} for i, token in enumerate(tokens)]
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs,
+                                                    finish_reason=finish_reason)])
+
+
+def make_episodes(tmp_path, tokenizer, environment, rows, *overrides, tools=()):
+    from common.prompts import prompt_token_ids
+    from rollout.environments import Environments
+    from rollout.episodes import Episodes, Renderer
+    from rollout.tools import load_tools
+
+    config = load_config(None, [f"rollout.environment={environment}", "rollout.max_new_tokens=8",
+                                "rollout.max_model_len=64", *overrides],
+                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
+    environments = Environments.load(config.rollout.environment, load_tools(list(tools)))
+    prompts = [prompt_token_ids(row, tokenizer, None, environments.tool_schemas) for row in rows]
+    return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
+                    list(range(len(rows))), lambda max_tokens: max_tokens, logging.getLogger("test"))
+
+
+def settle(episodes, seconds=5.0):
+    """Let the environments' threads answer (each call ends in well under a second here)."""
+    deadline = time.monotonic() + seconds
+    while episodes.waiting and time.monotonic() < deadline:
+        episodes.advance(time.monotonic(), timeout=0.05)
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer(tmp_path_factory):
+    from launch.demo import build_tokenizer
+
+    return build_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
+
+
+def test_an_episode_is_the_policys_turns_and_the_observations_token_for_token(tmp_path, demo_tokenizer):
+    """Three turns of the counting environment, the weights changing after the first: the response
+    is turn 1 + observation 1 + turn 2 + observation 2 + turn 3, the observations tokenized alone;
+    the loss mask is 1 on the turns, the logprobs vLLM's there and 0 on the observations, each
+    turn's reward on its last token; the versions are the first turn's and the last's."""
+    tok = demo_tokenizer
+    episodes = make_episodes(tmp_path, tok, "tests.environments:counting", [{"prompt": "even 1 2 3 :"}])
+    episodes.start(prompt_index=7, row=0)
+    settle(episodes)
+    turns = [[10, 12, EOS], [11, 13, 15, EOS], [4, EOS]]  # ids of digits, then <eos>
+    observations = [tok("odd 1 :", add_special_tokens=False)["input_ids"],
+                    tok("even 2 :", add_special_tokens=False)["input_ids"]]
+    expected_context = list(tok("even 1 2 3 :")["input_ids"])
+    for number, turn in enumerate(turns):
+        (episode, ids, max_tokens), = episodes.take_ready(version=number)
+        assert ids == expected_context and max_tokens == min(8, 64 - len(ids))
+        episodes.turn_finished(episode, fake_output(turn), version=number)
+        settle(episodes)
+        expected_context += turn + (observations[number] if number < 2 else [])
+    samples, dropped = episodes.finished()
+    assert dropped == [] and episodes.active == 0
+    sample, = samples
+    assert sample.prompt_index == 7 and sample.finish_reason == "done"
+    assert sample.prompt_tokens.tolist() == tok("even 1 2 3 :")["input_ids"]
+    response = turns[0] + observations[0] + turns[1] + observations[1] + turns[2]
+    assert sample.response_tokens.tolist() == response
+    mask = [1] * 3 + [0] * len(observations[0]) + [1] * 4 + [0] * len(observations[1]) + [1] * 2
+    assert sample.loss_mask.tolist() == mask
+    vllm = [-0.1, -0.2, -0.3], [-0.1, -0.2, -0.3, -0.4], [-0.1, -0.2]
+    logprobs = vllm[0] + [0] * len(observations[0]) + vllm[1] + [0] * len(observations[1]) + vllm[2]
+    np.testing.assert_allclose(sample.behavior_logprobs, logprobs, rtol=1e-6)
+    rewards = np.zeros(len(response))
+    ends = np.flatnonzero(np.diff([*mask, 0]) == -1)  # each turn's last token
+    rewards[ends] = [0.1 * 2, 0.1 * 3, 0.1 * 1]  # the counting environment: 0.1 a word of the turn
+    np.testing.assert_allclose(sample.turn_rewards, rewards, rtol=1e-6)
+    assert (sample.behavior_version, sample.last_behavior_version) == (0, 2)
+    messages = __import__("json").loads(sample.messages)
+    assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant", "user", "assistant"]
+    assert messages[2]["content"] == "odd 1 :" and messages[1]["content"] == "4 6"
+    assert episodes.record()["turns_per_episode"] == 3
+
+
+@pytest.mark.parametrize("environment, reason, turns", [
+    ("Raises", "env_error", 1),
+    ("Hangs", "env_deadline", 1),
+    ("Garbage", "env_error", 1),
+    ("DoneAtOnce", "done", 1),
+])
+def test_an_environment_that_fails_ends_its_episode_with_the_reason(tmp_path, demo_tokenizer, environment,
+                                                                       reason, turns):
+    """What the policy said before the environment failed is still a sample, ended with the reason."""
+    episodes = make_episodes(tmp_path, demo_tokenizer, f"tests.environments:{environment}",
+                             [{"prompt": "odd 1 :"}], "rollout.env_step_deadline_s=0.3")
+    episodes.start(0, 0)
+    settle(episodes)
+    (episode, _, _), = episodes.take_ready(0)
+    episodes.turn_finished(episode, fake_output([10, EOS]), 0)
+    settle(episodes)
+    (sample,), dropped = episodes.finished()
+    assert sample.finish_reason == reason and dropped == []
+    assert sample.response_tokens.tolist() == [10, EOS] and sample.loss_mask.tolist() == [1, 1]
+    assert episodes.record()[f"episodes_ended_{reason}"] == 1
+
+
+def test_an_episode_without_a_policy_token_is_dropped_with_its_group(tmp_path, demo_tokenizer):
+    """Two episodes a prompt: one's reset raises, so the other's sample cannot travel alone (a batch
+    holds whole groups): both are reported dropped, each with its reason, for their credits."""
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:reset_raises_once",
+                             [{"prompt": "odd 1 :"}], "rollout.samples_per_prompt=2")
+    episodes.start(3, 0)
+    settle(episodes)
+    for _ in range(3):  # the counting one's turns
+        (episode, _, _), = episodes.take_ready(0)
+        episodes.turn_finished(episode, fake_output([10, EOS]), 0)
+        settle(episodes)
+    samples, dropped = episodes.finished()
+    assert samples == [] and sorted(dropped) == [(3, "env_error"), (3, "group_incomplete")]
+
+
+def test_turns_and_tokens_are_bounded(tmp_path, demo_tokenizer):
+    """max_turns ends the counting episode after 2 turns; a turn cut at max_new_tokens ends it
+    ("length", no step); an observation that would leave no room in max_model_len ends it too."""
+    prompt = [{"prompt": "odd 1 :"}]
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:counting", prompt, "rollout.max_turns=2")
+    episodes.start(0, 0)
+    for _ in range(2):
+        settle(episodes)
+        (episode, _, _), = episodes.take_ready(0)
+        episodes.turn_finished(episode, fake_output([10, EOS]), 0)
+    settle(episodes)
+    assert [s.finish_reason for s in episodes.finished()[0]] == ["max_turns"]
+
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:counting", prompt)
+    episodes.start(0, 0)
+    settle(episodes)
+    (episode, _, _), = episodes.take_ready(0)
+    episodes.turn_finished(episode, fake_output([10] * 8, "length"), 0)
+    assert not episodes.waiting  # no step for a cut turn
+    assert [s.finish_reason for s in episodes.finished()[0]] == ["length"]
+
+    prompt_length = len(demo_tokenizer("odd 1 :")["input_ids"])  # 4
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:counting", prompt,
+                             f"rollout.max_model_len={prompt_length + 4}", "rollout.max_new_tokens=4")
+    episodes.start(0, 0)
+    settle(episodes)
+    (episode, _, max_tokens), = episodes.take_ready(0)
+    assert max_tokens == 4
+    episodes.turn_finished(episode, fake_output([10, EOS]), 0)  # 2 left: "odd 1 :" is 3
+    settle(episodes)
+    (sample,), _ = episodes.finished()
+    assert sample.finish_reason == "token_budget" and sample.response_tokens.tolist() == [10, EOS]
+
+
+# --------------------------------------------------------------------------- tools
+
+
+def test_tool_calls_are_parsed_from_the_policys_text_and_every_failure_is_a_message():
+    from rollout.tools import call_tool, load_tools, parse_tool_calls
+
+    tools = load_tools(["tests.environments:add", "tests.environments:broken", "tests.environments:unserialisable"])
+    text = ('I will add. <tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
+            '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
+            "<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>"
+            '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
+            '<tool_call>{"name": "unserialisable", "arguments": {}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
+    answers = [call_tool(tools, call) for call in parse_tool_calls(text)]
+    assert [error for _, error in answers] == [None, None, "malformed", "malformed", "unknown_tool", "raised",
+                                               "unserialisable", "raised"]
+    assert answers[0][0] == "42" and answers[1][0] == "3"
+    assert "unknown tool 'mul'" in answers[4][0] and "broken on purpose" in answers[5][0]
+    assert "missing 1 required positional argument: 'b'" in answers[7][0]
+    assert parse_tool_calls("no call here") == []
+
+
+def test_a_tools_schema_comes_from_its_docstring_or_its_signature():
+    from rollout.tools import json_schema
+    from tests.environments import add, broken
+
+    assert json_schema(add)["function"]["parameters"] == {
+        "type": "object", "properties": {"a": {"type": "integer", "description": "the first"},
+                                         "b": {"type": "integer", "description": "the second"}},
+        "required": ["a", "b"]}
+    assert json_schema(broken)["function"] == {"name": "broken", "description": "broken",
+                                               "parameters": {"type": "object", "properties": {"x": {}},
+                                                              "required": ["x"]}}
+
+
+def test_a_tool_name_twice_or_a_missing_tool_is_an_error_naming_the_key():
+    from common.config import ConfigError
+    from rollout.tools import load_tools
+
+    with pytest.raises(ConfigError, match=r"rollout.tools\[1\]: 'tests.environments:add' is named 'add'"):
+        load_tools(["tests.environments:add", "tests.environments:add"])
+    with pytest.raises(ConfigError, match=r"rollout.tools\[0\]: cannot import 'tests.environments:nope'"):
+        load_tools(["tests.environments:nope"])
+
+
+def test_with_a_chat_template_the_ids_are_the_template_rendering_of_the_whole_conversation(tmp_path):
+    """A chat model with tools (ChatML, Qwen's shape): the policy calls a tool, reads its answer and
+    answers. The episode's ids (prompt, turns as sampled, observations as rendered alone) equal the
+    template's rendering of the whole conversation, tokenized in one piece; the tool message is
+    the tool's result; a turn without a call ends the episode."""
+    import json
+
+    tok = chatml_tokenizer(str(tmp_path / "tokenizer"))
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    from rollout.tools import load_tools
+
+    tools = load_tools(["tests.environments:add"])
+    schemas = [tool.schema for tool in tools.values()]
+    question = [{"role": "user", "content": "What is 17 plus 25?"}]
+    rows = [{"messages": question}]
+    episodes = make_episodes(tmp_path, tok, "null", rows, "rollout.max_model_len=512",
+                             tools=["tests.environments:add"])
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
+    answer = "The answer is 42."
+    episodes.start(0, 0)
+    settle(episodes)
+    for text in (call, answer):
+        (episode, _, _), = episodes.take_ready(0)
+        episodes.turn_finished(episode, fake_output(tok(text, add_special_tokens=False)["input_ids"] + [end]), 0)
+        settle(episodes)
+    (sample,), _ = episodes.finished()
+    conversation = [*question, {"role": "assistant", "content": call},
+                    {"role": "tool", "name": "add", "content": "42"}, {"role": "assistant", "content": answer}]
+    whole = tok(tok.apply_chat_template(conversation, tools=schemas, tokenize=False), add_special_tokens=False)["input_ids"]
+    assert [*sample.prompt_tokens.tolist(), *sample.response_tokens.tolist()] == whole[:-1]  # but the last "\n"
+    assert sample.finish_reason == "done"
+    assert json.loads(sample.messages)[2:] == conversation[2:]
+    record = episodes.record()
+    assert record["tool_calls_per_episode"] == 1 and record["tool_errors"] == 0
