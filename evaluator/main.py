@@ -9,6 +9,7 @@ written as text to ``eval/step-N.md`` so a person can read what the policy does.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -33,27 +34,55 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     and repetition, for the worst cases."""
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
 
     from rollout.engine import make_vllm_engine, sampling_params
+    from rollout.environments import Environments
+    from rollout.episodes import Episodes, Renderer, generate_episodes
     from rollout.responses import Generating, to_samples
+    from rollout.tools import load_tools
     from scorer.main import Scorer
 
+    environments = Environments.load(config.rollout.environment, load_tools(config.rollout.tools))
+    tools = environments.tool_schemas if environments is not None else None
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
     rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
     token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "eval.prompts",
-                                     config.data.prompts)
-    engine = make_vllm_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}))
+                                     config.data.prompts, tools)
+    # every request is seeded (the same checkpoint gives the same figures), and on vLLM's CPU backend a
+    # seeded request whose prefill is cut in chunks fails ("CPU Generator does not use offset"):
+    # episodes' later turns are long prefills, so prefills are taken whole
+    engine = make_vllm_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}),
+                              enable_chunked_prefill=False)
+    episode_figures = {}
     try:
-        sampling = [sampling_params(config, n=1, ignore_eos=False, seed=config.eval.seed + i) for i in range(len(kept))]
-        outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling, use_tqdm=False)
+        if environments is None:
+            sampling = [sampling_params(config, n=1, ignore_eos=False, seed=config.eval.seed + i)
+                        for i in range(len(kept))]
+            outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling,
+                                      use_tqdm=False)
+            samples = to_samples(outputs, [Generating(i, row, 0) for i, row in enumerate(kept)], 0)
+        else:  # each turn seeded by its prompt and its number: the same checkpoint gives the same episodes
+            turns = config.rollout.max_turns
+            episodes = Episodes(config, environments, Renderer(tokenizer, tools), tokenizer, rows, token_ids, kept,
+                                lambda episode, max_tokens: sampling_params(
+                                    config, n=1, ignore_eos=False, max_tokens=max_tokens,
+                                    seed=config.eval.seed + episode.group.prompt_index * turns + episode.turns,
+                                    output_kind=RequestOutputKind.FINAL_ONLY), log)
+            samples, failed = generate_episodes(engine, episodes, list(range(len(kept))))
+            record = episodes.record()
+            episode_figures = {"episodes_failed": failed, "turns_per_episode": record["turns_per_episode"],
+                               "tool_calls_per_episode": record["tool_calls_per_episode"],
+                               "tool_errors": record["tool_errors"]}
     finally:
         engine.llm_engine.engine_core.shutdown()
-    samples = to_samples(outputs, [Generating(i, row, 0) for i, row in enumerate(kept)], 0)
     for i, sample in enumerate(samples):
         sample.sample_id = f"eval-{i}"
     parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row
-    kl = np.array([float(np.sum(s.behavior_logprobs - s.ref_logprobs)) for s in samples])
+    # over the policy's tokens: an episode's environment tokens have no behavior logprob
+    kl = np.array([float(np.sum((s.behavior_logprobs - s.ref_logprobs) * (1 if s.loss_mask is None else s.loss_mask)))
+                   for s in samples])
     repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])
     figures = {
         "reward": float(np.mean([s.reward for s in samples])),
@@ -64,6 +93,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         "repetition_rate": float(repetition.mean()),
         "prompts": len(samples),
         "prompts_skipped": len(rows) - len(kept),
+        **episode_figures,
     }
     if samples[0].gold_reward is not None:
         figures["gold_reward"] = float(np.mean([s.gold_reward for s in samples]))
@@ -81,10 +111,18 @@ def worst_cases_text(samples: list[Sample], per_sample: dict[str, np.ndarray], t
             sample = samples[i]
             lines += [f"- reward {sample.reward:+.3f}, KL {per_sample['kl'][i]:.3f}, "
                       f"{len(sample.response_tokens)} tokens, repetition {per_sample['repetition'][i]:.2f}",
-                      f"  - prompt: `{tokenizer.decode(sample.prompt_tokens.tolist(), skip_special_tokens=True)}`",
-                      f"  - response: `{tokenizer.decode(sample.response_tokens.tolist())}`",  # <eos> shows
-                      ""]
+                      *_conversation_lines(sample, tokenizer), ""]
     return "\n".join(lines)
+
+
+def _conversation_lines(sample: Sample, tokenizer) -> list[str]:
+    """A single response as its prompt and response (<eos> shows); an episode as its whole
+    conversation, a line a message, and how it ended."""
+    if sample.messages is None:
+        return [f"  - prompt: `{tokenizer.decode(sample.prompt_tokens.tolist(), skip_special_tokens=True)}`",
+                f"  - response: `{tokenizer.decode(sample.response_tokens.tolist())}`"]
+    return [*(f"  - {message['role']}: `{message['content']}`" for message in json.loads(sample.messages)),
+            f"  - ended: {sample.finish_reason}"]
 
 
 def run(config: TetherConfig, checkpoint: str, step: int) -> dict:

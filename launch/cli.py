@@ -145,8 +145,14 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
 def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's models and data are built (cached)"),
          override: Optional[list[str]] = OverrideOption,
          long_tail: bool = typer.Option(False, help="responses of 4 to 64 tokens, most short "
-                                                    "(configs/demo-long-tail.yaml)")) -> None:
+                                                    "(configs/demo-long-tail.yaml)"),
+         agent: bool = typer.Option(False, help="episodes with a calculator tool: sums the policy cannot do "
+                                                "alone (configs/demo-agent.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
+    if agent:
+        from launch.agent_demo import run_demo as run_agent_demo
+
+        raise typer.Exit(run_agent_demo(assets, override or []))
     from launch.demo import run_demo
 
     raise typer.Exit(run_demo(assets, override or [], long_tail))

@@ -30,6 +30,9 @@ PANELS = (
     ("staleness", (("learner", "staleness", "mean"), ("learner", "staleness_max", "max"))),
     ("throughput", (("learner", "trained_tokens_per_s", "trained tokens/s"),
                     ("rollout", "tokens_per_s", "rollout tokens/s"))),  # one line per engine
+    # episodes (rollout.environment, rollout.tools): empty for single responses
+    ("episodes", (("rollout", "turns_per_episode", "turns per episode"),
+                  ("rollout", "tool_calls_per_episode", "tool calls per episode"))),
 )
 
 
@@ -50,7 +53,7 @@ def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
     learner = metrics.get("learner", [])
     if not learner:
         raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet")
-    figure, axes = plt.subplots(4, 2, figsize=(13, 13), constrained_layout=True)
+    figure, axes = plt.subplots(5, 2, figsize=(13, 16), constrained_layout=True)
     titles = []
     for axis, (title, series) in zip(axes.flat, PANELS):
         # a pool's role names every process of it: rollout -> rollout0, rollout1, ...
@@ -77,6 +80,8 @@ def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
         if axis.lines:
             axis.legend(loc="best", fontsize=8)
         titles.append(title)
+    for axis in axes.flat[len(PANELS):]:
+        axis.set_visible(False)
     figure.suptitle(f"tether run {os.path.abspath(run_dir)}  (red: steps with a health alert)", fontsize=10)
     output = output or os.path.join(run_dir, "dashboard.png")
     figure.savefig(output, dpi=80)

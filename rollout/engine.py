@@ -75,8 +75,9 @@ def engine_settings(config: TetherConfig, worker_index: int, cuda: bool) -> tupl
     return environment, arguments
 
 
-def make_vllm_engine(config: TetherConfig, worker_index: int = 0):
-    """A ``vllm.LLM`` with tether's worker extension, built as ``engine_settings`` says."""
+def make_vllm_engine(config: TetherConfig, worker_index: int = 0, **overrides):
+    """A ``vllm.LLM`` with tether's worker extension, built as ``engine_settings`` says, with
+    ``overrides`` of its arguments."""
     import torch
 
     environment, arguments = engine_settings(config, worker_index, torch.cuda.is_available())
@@ -87,8 +88,7 @@ def make_vllm_engine(config: TetherConfig, worker_index: int = 0):
         torch._dynamo.config.disable = True
     from vllm import LLM
 
-    return LLM(**arguments)
-
+    return LLM(**{**arguments, **overrides})
 
 
 def sampling_params(config: TetherConfig, **overrides):

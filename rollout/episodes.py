@@ -60,13 +60,20 @@ class Renderer:
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
+    @staticmethod
+    def _text(messages: list[dict]) -> str:
+        """Messages without a chat template: their contents a line each, a tool's result inside
+        ``<tool_response>`` as Hermes-style templates write it."""
+        return "\n".join(f"<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else m["content"]
+                         for m in messages)
+
     def prompt_ids(self, first: Observation) -> list[int]:
         """An episode's start from an environment's ``reset``: messages through the template with the
         generation prompt, text tokenized as a text prompt is (with the tokenizer's special tokens)."""
         if isinstance(first, str):
             return list(self.tokenizer(first)["input_ids"])
         if not self.chat:
-            return list(self.tokenizer("\n".join(m["content"] for m in first))["input_ids"])
+            return list(self.tokenizer(self._text(first))["input_ids"])
         return self._ids(self._render(first, generation_prompt=True))
 
     def observation_ids(self, messages: list[dict], turn_ended: bool) -> list[int]:
@@ -74,7 +81,7 @@ class Renderer:
         next turn's generation prompt. ``turn_ended``: the turn ended with the end-of-sequence token;
         else the template's end of an assistant turn comes first."""
         if not self.chat:
-            return self._ids("\n".join(m["content"] for m in messages))
+            return self._ids(self._text(messages))
         full = self._render([*_BASE_CHAT, *messages], generation_prompt=True)
         if not full.startswith(self.base):
             raise BadStep("the chat template renders a conversation differently once an observation follows it; "
@@ -142,9 +149,9 @@ class Episodes:
 
     def __init__(self, config: TetherConfig, environments: Environments, renderer: Renderer, tokenizer,
                  rows: list[dict], prompts: list[list[int]], data_rows: list[int],
-                 sampling_for: Callable[[int], object], log: logging.Logger) -> None:
+                 sampling_for: Callable[["Episode", int], object], log: logging.Logger) -> None:
         """``prompts``, ``data_rows``: the kept prompts' ids and their rows of ``rows`` (the data file);
-        ``sampling_for(max_tokens)``: vLLM's sampling of one turn."""
+        ``sampling_for(episode, max_tokens)``: vLLM's sampling of the episode's next turn."""
         self.config, self.environments, self.renderer, self.tokenizer = config, environments, renderer, tokenizer
         self.sampling_for = sampling_for
         self.rows, self.prompts, self.data_rows, self.log = rows, prompts, data_rows, log
@@ -181,8 +188,8 @@ class Episodes:
             if episode.behavior_version is None:
                 episode.behavior_version = version
             ids = episode.prompt_tokens + episode.tokens
-            turns.append((episode, ids, self.sampling_for(min(self.config.rollout.max_new_tokens,
-                                                               self.config.rollout.max_model_len - len(ids)))))
+            turns.append((episode, ids, self.sampling_for(episode, min(self.config.rollout.max_new_tokens,
+                                                                        self.config.rollout.max_model_len - len(ids)))))
         return turns
 
     def turn_finished(self, episode: Episode, output, version: int) -> None:
@@ -330,8 +337,35 @@ class Episodes:
         """The metrics since the last record: episodes ended (by reason), turns and tool calls per
         episode, tool errors, the environment's reward per episode."""
         counters, self.counters = self.counters, Counter()
-        episodes = max(counters["episodes"], 1)
-        return {**{f"episodes_{name}": counters[name] for name in counters if name.startswith("ended_")},
-                "episodes": counters["episodes"], "turns_per_episode": counters["turns"] / episodes,
-                "tool_calls_per_episode": counters["tool_calls"] / episodes, "tool_errors": counters["tool_errors"],
-                "env_reward": counters["env_reward"] / episodes}
+        record = {**{f"episodes_{name}": counters[name] for name in counters if name.startswith("ended_")},
+                  "episodes": counters["episodes"], "tool_errors": counters["tool_errors"]}
+        if counters["episodes"]:  # means over none would read as zeros on the dashboard
+            record.update({f"{name}_per_episode": counters[name] / counters["episodes"] for name in ("turns", "tool_calls")},
+                          env_reward=counters["env_reward"] / counters["episodes"])
+        return record
+
+
+def generate_episodes(engine, episodes: Episodes, rows: list[int], version: int = 0) -> tuple[list[Sample], int]:
+    """Every episode of the kept prompts at ``rows`` to its end, on a ``vllm.LLM`` of its own (the
+    evaluator's and the demo's: no buffer, no weight changes); ``prompt_index`` is the position in
+    ``rows``. Returns the samples, ordered by prompt, and how many episodes could not give one."""
+    from vllm import TokensPrompt
+
+    for index, row in enumerate(rows):
+        episodes.start(index, row)
+    in_flight: dict[str, Episode] = {}
+    samples, dropped, requests = [], 0, 0
+    while episodes.active:
+        for episode, ids, sampling in episodes.take_ready(version):
+            in_flight[str(requests)] = episode
+            engine.llm_engine.add_request(str(requests), TokensPrompt(prompt_token_ids=ids), sampling)
+            requests += 1
+        if in_flight:
+            for output in engine.llm_engine.step():
+                if output.finished:
+                    episodes.turn_finished(in_flight.pop(output.request_id), output, version)
+        episodes.advance(time.monotonic(), timeout=0.0 if in_flight else 0.05)
+        done, failed = episodes.finished()
+        samples += done
+        dropped += len(failed)
+    return sorted(samples, key=lambda sample: sample.prompt_index), dropped

@@ -82,7 +82,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         source = Responses(prompts, data_rows, sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY))
     else:
         source = Episodes(config, environments, Renderer(tokenizer, tools), tokenizer, rows, prompts, data_rows,
-                          lambda max_tokens: sampling_params(config, n=1, max_tokens=max_tokens,
+                          lambda _, max_tokens: sampling_params(config, n=1, max_tokens=max_tokens,
                                                              output_kind=RequestOutputKind.FINAL_ONLY), log)
     metrics = MetricsWriter(config.run_dir, name)
     staging = prefetcher = None

@@ -34,7 +34,7 @@ def make_episodes(tmp_path, tokenizer, environment, rows, *overrides, tools=()):
     environments = Environments.load(config.rollout.environment, load_tools(list(tools)))
     prompts = [prompt_token_ids(row, tokenizer, None, environments.tool_schemas) for row in rows]
     return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
-                    list(range(len(rows))), lambda max_tokens: max_tokens, logging.getLogger("test"))
+                    list(range(len(rows))), lambda _, max_tokens: max_tokens, logging.getLogger("test"))
 
 
 def settle(episodes, seconds=5.0):

@@ -1,0 +1,216 @@
+"""The agent demo (``tether demo --agent``): a task the demo's tiny policy cannot solve alone but
+can with a tool.
+
+A prompt asks for the sum of two 3-digit numbers written digit by digit, ``add 3 7 4 + 5 8 9 :``.
+A 64-wide, 2-layer model does not learn to add such numbers from a few hundred SFT steps; it does
+learn to copy digits. The ``calculator`` tool adds them: the policy writes a ``<tool_call>`` with
+the digits (the JSON form of Qwen's and Hermes' templates, in this vocabulary), reads the tool's
+``<tool_response>`` and writes the answer. The SFT traces use the tool only sometimes
+(``SFT_TOOL_RATE``) and otherwise answer at once, right in the data but a guess for the model: RL
+on the exact answer has to learn to call the tool. The tool's latency is long-tailed (0 to 200 ms).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from common.sequences import pad_rows
+
+PAD, BOS, EOS = 0, 1, 2
+CALL = ["<tool_call>", '{"name":', '"calculator",', '"arguments":', '{"expression":', '"']
+CALL_END = ['"}}', "</tool_call>"]
+VOCAB = ["<pad>", "<bos>", "<eos>", "add", "+", ":", "<tool_response>", "</tool_response>", *CALL, *CALL_END,
+         *(str(d) for d in range(10))]
+ASSETS_VERSION = "agent-v1"  # bump to rebuild cached assets when the recipe changes
+SFT_TOOL_RATE = 0.3  # of SFT traces that call the tool; the others answer at once
+MAX_LATENCY_S = 0.2
+
+
+def make_row(rng: random.Random) -> dict:
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return {"prompt": f"add {' '.join(str(a))} + {' '.join(str(b))} :", "answer": str(a + b)}
+
+
+# --------------------------------------------------------------------------- the tool and the reward
+
+
+def calculator(expression: str) -> str:
+    """Add two whole numbers.
+
+    Args:
+        expression: two numbers and a plus sign between them, such as "374 + 589"
+    """
+    time.sleep(min(MAX_LATENCY_S, random.expovariate(1 / 0.03)))  # a tool's latency: mostly short, a long tail
+    left, plus, right = expression.replace(" ", "").partition("+")
+    if not plus or not left.isdigit() or not right.isdigit():
+        raise ValueError(f"expected two numbers joined by '+', got {expression!r}")
+    return str(int(left) + int(right))
+
+
+def exact_answer(messages: list[dict] | None, response: str, row: dict) -> float:
+    """1 when the policy's last turn, its digits read as one number, is the sum; else 0."""
+    last = next((m["content"] for m in reversed(messages) if m["role"] == "assistant"), "") if messages else response
+    return float("".join(ch for ch in last if ch.isdigit()) == row["answer"] and "<tool_call>" not in last)
+
+
+# --------------------------------------------------------------------------- models
+
+
+def build_tokenizer(directory: str):
+    """Words split on whitespace and every digit a word of its own (a tool's "963" reads as 9 6 3),
+    decoded with spaces between words: a tool call decodes to JSON."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({word: i for i, word in enumerate(VOCAB)}, unk_token="<pad>"))
+    core.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                  pre_tokenizers.Digits(individual_digits=True)])
+    core.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", BOS)])
+    core.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<bos>", eos_token="<eos>",
+                                        pad_token="<pad>", unk_token="<pad>")
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def sft_trace(row: dict, rng: random.Random, tokenizer) -> tuple[list[int], list[int]]:
+    """A trace's ids after the prompt and its loss mask (0 at the tool's response, which the
+    rollout renders the same way: rollout.episodes.Renderer's text form)."""
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    answer = ids(" ".join(row["answer"])) + [EOS]
+    if rng.random() >= SFT_TOOL_RATE:
+        return answer, [1] * len(answer)
+    expression = row["prompt"].removeprefix("add ").removesuffix(" :")
+    call = ids(f'{" ".join(CALL)} {expression} {" ".join(CALL_END)}') + [EOS]
+    result = ids(f"<tool_response>\n{row['answer']}\n</tool_response>")
+    return call + result + answer, [1] * len(call) + [0] * len(result) + [1] * len(answer)
+
+
+def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
+    """Next-token SFT on the traces; the loss covers the policy's tokens only."""
+    from transformers import LlamaForCausalLM
+
+    from launch.demo import tiny_llama_config
+
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(tiny_llama_config(vocab_size=len(VOCAB)))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
+    for step in range(steps):
+        rows, labels = [], []
+        for _ in range(64):
+            row = make_row(rng)
+            prompt = tokenizer(row["prompt"])["input_ids"]
+            trace, mask = sft_trace(row, rng, tokenizer)
+            rows.append(prompt + trace)
+            labels.append([-100] * len(prompt) + [t if m else -100 for t, m in zip(trace, mask)])
+        input_ids, attention_mask = pad_rows(rows, PAD)
+        label_ids, _ = pad_rows(labels, PAD)
+        label_ids[attention_mask == 0] = -100
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  sft step {step + 1}/{steps} loss {loss.item():.3f}")
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+
+
+def write_rows(path: str, count: int, seed: int) -> None:
+    rng = random.Random(seed)
+    with open(path, "w") as file:
+        for _ in range(count):
+            file.write(json.dumps(make_row(rng)) + "\n")
+
+
+def build_assets(directory: str | os.PathLike, sft_steps: int = 800, seed: int = 0, log=print) -> dict[str, str]:
+    """Tokenizer, SFT policy, train and held-out prompts (with their answers); cached by
+    ``ASSETS_VERSION`` and the arguments. No reward model: the exact answer is the reward."""
+    directory = Path(directory)
+    recipe = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "seed": seed}
+    paths = {"policy": str(directory / "sft"), "prompts": str(directory / "prompts.jsonl"),
+             "eval_prompts": str(directory / "eval_prompts.jsonl")}
+    marker = directory / "assets.json"
+    if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
+        log(f"agent demo assets: cached in {directory}")
+        return paths
+    started = time.monotonic()
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    log(f"agent demo assets: building in {directory}")
+    tokenizer = build_tokenizer(paths["policy"])
+    train_sft(paths["policy"], tokenizer, sft_steps, seed, log)
+    write_rows(paths["prompts"], 4096, seed + 10)
+    write_rows(paths["eval_prompts"], 256, seed + 20)
+    marker.write_text(json.dumps({"recipe": recipe, "paths": paths}, indent=2))
+    log(f"agent demo assets: built in {time.monotonic() - started:.0f}s")
+    return paths
+
+
+# --------------------------------------------------------------------------- the run and its report
+
+
+def evaluate_policy(config, checkpoint: str, eval_prompts: str) -> dict[str, float]:
+    """Held-out exact answers, tool calls and turns per episode of ``checkpoint``: the evaluator's
+    episodes (vLLM, seeded) on ``eval_prompts``."""
+    import logging
+
+    from common.models import resolve_models
+    from evaluator.main import evaluate
+
+    config = resolve_models(config.model_copy(update={"data": config.data.model_copy(
+        update={"prompts": eval_prompts})}), "scorer")
+    figures, _, _ = evaluate(config, checkpoint, logging.getLogger("agent-demo"))
+    return {"exact_answer": figures["gold_reward"], "tool_calls_per_episode": figures["tool_calls_per_episode"],
+            "turns_per_episode": figures["turns_per_episode"], "kl_to_reference": figures["kl_to_reference"],
+            "episodes_failed": figures["episodes_failed"]}
+
+
+def run_demo(assets: Path, overrides: list[str]) -> int:
+    """Build the assets (once), run PPO on episodes with the calculator, report held-out exact
+    answers of the SFT and the PPO policy (target: +0.3)."""
+    import math
+
+    from common.config import ConfigError, load_config
+    from launch.exit_codes import ExitCode
+    from launch.runner import run_pipeline
+
+    started = time.monotonic()
+    paths = build_assets(assets / "assets-agent")
+    config_path = Path(__file__).resolve().parent.parent / "configs" / "demo-agent.yaml"
+    try:
+        config = load_config(config_path, [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}",
+                                           *overrides])
+    except ConfigError as error:
+        print(f"error: {error}")
+        return ExitCode.CONFIG_ERROR
+    code = run_pipeline(config, overwrite=True)
+    if code != 0:
+        return code
+    final = os.path.join(config.run_dir, "checkpoints", "final")
+    report = {"sft": evaluate_policy(config, paths["policy"], paths["eval_prompts"]),
+              "ppo": evaluate_policy(config, final, paths["eval_prompts"])}
+    report["exact_answer_gain"] = report["ppo"]["exact_answer"] - report["sft"]["exact_answer"]
+    report["elapsed_s"] = time.monotonic() - started
+    with open(os.path.join(config.run_dir, "demo_report.json"), "w") as file:
+        json.dump(report, file, indent=2)
+    print(f"\nheld-out prompts ({paths['eval_prompts']}):")
+    print(f"{'policy':<8}{'exact':>8}{'tools':>8}{'turns':>8}{'kl':>9}")
+    for name in ("sft", "ppo"):
+        row = report[name]
+        print(f"{name:<8}{row['exact_answer']:>8.3f}{row['tool_calls_per_episode']:>8.2f}"
+              f"{row['turns_per_episode']:>8.2f}{row['kl_to_reference']:>9.3f}")
+    print(f"exact answer gain {report['exact_answer_gain']:+.3f} (target >= +0.3); {report['elapsed_s']:.0f}s in all")
+    print(f"results: {config.run_dir} (metrics/, logs/, checkpoints/final, demo_report.json)")
+    return ExitCode.OK if math.isfinite(report["exact_answer_gain"]) else ExitCode.FAILED

@@ -1,0 +1,83 @@
+"""The agent demo's task (launch/agent_demo.py) end to end: `tether run` on episodes with the
+calculator tool, real vLLM, DeepSpeed and ZeroMQ."""
+
+import json
+import os
+import random
+
+import pytest
+import yaml
+
+from common.runlog import read_metrics
+from tests.helpers import LOGPROB_TOLERANCE, REPO, run_to_the_end
+
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def agent_assets(tmp_path_factory):
+    """The agent demo's policy, trained briefly: it already calls the tool now and then."""
+    from launch.agent_demo import build_assets
+
+    return build_assets(tmp_path_factory.mktemp("agent"), sft_steps=300, log=lambda *_: None)
+
+
+def agent_config(tmp_path, assets, **sections) -> dict:
+    """configs/demo-agent.yaml on the built assets, small, with ``sections`` merged in."""
+    with open(os.path.join(REPO, "configs", "demo-agent.yaml")) as file:
+        config = yaml.safe_load(file)
+    config.update(run_dir=str(tmp_path / "run"))
+    config["models"]["policy"] = assets["policy"]
+    config["data"]["prompts"] = assets["prompts"]
+    config["rollout"].update(prompts_per_generate=16)
+    config["learner"].update(total_steps=STEPS, batch_size=16, minibatch_size=8, ppo_epochs=1)
+    for section, values in sections.items():
+        config.setdefault(section, {}).update(values)
+    return config
+
+
+def test_the_agent_task_needs_its_tool():
+    """The tool adds what the policy copies into it; the reward reads the policy's last answer."""
+    from launch.agent_demo import calculator, exact_answer, make_row
+
+    row = make_row(random.Random(3))
+    a, b = row["prompt"].removeprefix("add ").removesuffix(" :").replace(" ", "").split("+")
+    assert calculator(f"{a} + {b}") == row["answer"] == str(int(a) + int(b))
+    with pytest.raises(ValueError, match="two numbers joined by"):
+        calculator("1 * 2")
+    answer = " ".join(row["answer"])
+    assert exact_answer([{"role": "assistant", "content": "<tool_call> ..."}, {"role": "tool", "content": "1"},
+                         {"role": "assistant", "content": answer}], "", row) == 1.0
+    assert exact_answer([{"role": "assistant", "content": answer + " 1"}], "", row) == 0.0
+    assert exact_answer(None, answer, row) == 1.0
+
+
+@pytest.mark.slow
+def test_episodes_at_k0_train_exactly_what_vllm_sampled(tmp_path, agent_assets):
+    """k = 0: every step after the first trains episodes generated after an in-place weight update,
+    tool calls and their results among them; the learner's logprobs of the policy's tokens are
+    vLLM's (behavior_logprob_gap < 1e-3), so the ids trained are the ids sampled, turn after turn."""
+    config = agent_config(tmp_path, agent_assets, buffer={"max_staleness": 0})
+    run_to_the_end(tmp_path, config)
+    steps = read_metrics(config["run_dir"], "learner")
+    gaps = [record["behavior_logprob_gap"] for record in steps[1:]]
+    assert len(gaps) == STEPS - 1 and max(gaps) < LOGPROB_TOLERANCE, gaps
+    rollout = read_metrics(config["run_dir"], "rollout0")
+    assert sum(r.get("episodes", 0) for r in rollout) >= STEPS * 16
+    assert max(r.get("turns_per_episode", 0) for r in rollout) > 1  # the tool was called: multi-turn episodes
+
+
+@pytest.mark.slow
+def test_the_agent_demo_runs_on_two_engines_one_version_off_policy(tmp_path, agent_assets):
+    """k = 1 and two rollout engines: both generate episodes, the run ends, every episode is
+    accounted for and none trained past the bound."""
+    config = agent_config(tmp_path, agent_assets, rollout={"engines": 2}, buffer={"max_staleness": 1})
+    run_to_the_end(tmp_path, config)
+    for engine in ("rollout0", "rollout1"):
+        assert sum(r.get("episodes", 0) for r in read_metrics(config["run_dir"], engine)) > 0, engine
+    with open(os.path.join(config["run_dir"], "metrics", "buffer_accounting.json")) as file:
+        accounting = json.load(file)
+    assert accounting["identity_holds"] and accounting["staleness_violations"] == 0
+    assert accounting["trained"] == STEPS * 16 and set(accounting["staleness_histogram"]) <= {"0", "1"}
+    steps = read_metrics(config["run_dir"], "learner")
+    assert [record["step"] for record in steps] == list(range(1, STEPS + 1))
