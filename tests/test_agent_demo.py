@@ -81,3 +81,23 @@ def test_the_agent_demo_runs_on_two_engines_one_version_off_policy(tmp_path, age
     assert accounting["trained"] == STEPS * 16 and set(accounting["staleness_histogram"]) <= {"0", "1"}
     steps = read_metrics(config["run_dir"], "learner")
     assert [record["step"] for record in steps] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.slow
+def test_tether_eval_runs_episodes_and_gives_the_same_figures_twice(tmp_path, agent_assets):
+    """`tether eval` on the agent task: episodes with the tool (every turn seeded, so the same
+    checkpoint gives the same figures, whatever order the tool's latency puts turns in), and worst
+    cases written as whole conversations."""
+    from tests.helpers import tether
+
+    config = agent_config(tmp_path, agent_assets, eval={"prompts": agent_assets["eval_prompts"], "max_prompts": 48})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    for _ in range(2):
+        result = tether("eval", agent_assets["policy"], "-c", str(path), "--step", "0", timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+    first, second = [{k: v for k, v in record.items() if k not in ("time", "eval_s")}
+                     for record in read_metrics(config["run_dir"], "eval")]
+    assert first == second and first["prompts"] == 48 and first["tool_calls_per_episode"] > 0
+    worst = (tmp_path / "run" / "eval" / "step-000000.md").read_text()
+    assert "  - user: `add " in worst and "  - ended: " in worst
