@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from common.config import TetherConfig
+from common.config import ConfigError, TetherConfig
 from common.prompts import chat_of
 from protocol.samples import Sample
 from rollout.environments import BadStep, Environments, Observation, Step, as_step, check_observation
@@ -34,8 +34,10 @@ from rollout.environments import BadStep, Environments, Observation, Step, as_st
 # how an episode ended, besides the policy's own "stop" (end of sequence without an environment to
 # answer) and "length" (a turn cut at max_new_tokens): what the rollout's metrics count
 ENDINGS = ("done", "max_turns", "token_budget", "env_error", "env_deadline")
-# a chat both renders of an observation start with, so its ids are the observation's alone (Renderer)
-_BASE_CHAT = [{"role": "user", "content": "."}, {"role": "assistant", "content": "."}]
+# a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
+# the reply is text no template writes itself, so where the assistant's turn ends can be found after it
+_REPLY = "tether-reply"
+_BASE_CHAT = [{"role": "user", "content": "."}, {"role": "assistant", "content": _REPLY}]
 
 
 class Renderer:
@@ -45,13 +47,15 @@ class Renderer:
     def __init__(self, tokenizer, tools: list[dict] | None) -> None:
         self.tokenizer, self.tools = tokenizer, tools
         self.chat = bool(getattr(tokenizer, "chat_template", None))
-        self.eos_token_id = tokenizer.eos_token_id
         if self.chat:
-            self.base = self._render(_BASE_CHAT, generation_prompt=False)
-            # what the template writes after a turn's end-of-sequence token ("\n" in ChatML): the policy
-            # stops at that token, so it comes first in the observation that follows
-            eos = tokenizer.eos_token or ""
-            self.after_eos = self.base[self.base.rindex(eos) + len(eos):] if eos and eos in self.base else ""
+            try:
+                self.base = self._render(_BASE_CHAT, generation_prompt=False)
+            except Exception as error:  # a template that takes no user/assistant chat cannot carry episodes
+                raise ConfigError(f"models.policy: its chat template cannot render a user turn and an assistant "
+                                  f"turn ({type(error).__name__}: {error}); episodes need one that can") from None
+            # how the template ends an assistant turn ("<|im_end|>\n" in ChatML, "<|eot_id|>" in Llama 3)
+            self.turn_end = self.base[self.base.rindex(_REPLY) + len(_REPLY):]
+            self.special = {*tokenizer.all_special_ids, *tokenizer.get_added_vocab().values()}
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
         return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
@@ -76,17 +80,20 @@ class Renderer:
             return list(self.tokenizer(self._text(first))["input_ids"])
         return self._ids(self._render(first, generation_prompt=True))
 
-    def observation_ids(self, messages: list[dict], turn_ended: bool) -> list[int]:
-        """The ids between the policy's turn and its next one: ``messages`` (the environment's) and the
-        next turn's generation prompt. ``turn_ended``: the turn ended with the end-of-sequence token;
-        else the template's end of an assistant turn comes first."""
+    def observation_ids(self, messages: list[dict], last_token: int) -> list[int]:
+        """The ids between the policy's turn, whose last token was ``last_token``, and its next one:
+        the template's end of an assistant turn (less the token the policy stopped at, when the end
+        begins with it: ChatML's "\n" after "<|im_end|>"), ``messages`` (the environment's) and the
+        next turn's generation prompt."""
         if not self.chat:
             return self._ids(self._text(messages))
         full = self._render([*_BASE_CHAT, *messages], generation_prompt=True)
         if not full.startswith(self.base):
             raise BadStep("the chat template renders a conversation differently once an observation follows it; "
                           "its ids cannot be appended to the policy's")
-        closing = self.after_eos if turn_ended else (self.tokenizer.eos_token or "") + self.after_eos
+        closing, stop = self.turn_end, self.tokenizer.convert_ids_to_tokens(last_token)
+        if last_token in self.special and closing.startswith(stop):
+            closing = closing[len(stop):]
         return self._ids(closing + full[len(self.base):])
 
 
@@ -114,7 +121,7 @@ class Episode:
     ended: str | None = None  # why it ended (a vLLM finish reason or one of ENDINGS)
     pending: Future | None = None  # the environment call under way, if any
     deadline: float = 0.0
-    last_turn_ended: bool = True  # the last turn ended with the end-of-sequence token
+    last_token: int = -1  # of the policy's last turn: the token it stopped at, when it stopped
     tool_calls: int = 0
     tool_errors: Counter = field(default_factory=Counter)
 
@@ -203,7 +210,7 @@ class Episodes:
         episode.turn_rewards += [0.0] * len(tokens)
         episode.turns += 1
         episode.last_behavior_version = version
-        episode.last_turn_ended = bool(tokens) and tokens[-1] == self.renderer.eos_token_id
+        episode.last_token = tokens[-1]
         response = self.tokenizer.decode(tokens, skip_special_tokens=True)
         episode.messages = [*episode.messages, {"role": "assistant", "content": response}]
         if completion.finish_reason == "length":
@@ -294,7 +301,7 @@ class Episodes:
         observation = ([{"role": "user", "content": step.observation}] if isinstance(step.observation, str)
                        else step.observation or [])
         try:
-            ids = self.renderer.observation_ids(observation, episode.last_turn_ended)
+            ids = self.renderer.observation_ids(observation, episode.last_token)
         except Exception as error:
             self.log.warning("episode of prompt %d: its observation does not render (%s: %s)",
                              episode.group.prompt_index, type(error).__name__, error)

@@ -244,3 +244,15 @@ def test_with_a_chat_template_the_ids_are_the_template_rendering_of_the_whole_co
     assert json.loads(sample.messages)[2:] == conversation[2:]
     record = episodes.record()
     assert record["tool_calls_per_episode"] == 1 and record["tool_errors"] == 0
+
+
+def test_a_chat_template_that_cannot_carry_a_conversation_is_named(tmp_path):
+    """A template that refuses a user turn followed by an assistant turn cannot render observations
+    between turns: the rollout says so at start, naming the key."""
+    from common.config import ConfigError
+    from rollout.episodes import Renderer
+
+    tok = chatml_tokenizer(str(tmp_path / "tokenizer"))
+    tok.chat_template = "{{ raise_exception('only one user message, please') }}"
+    with pytest.raises(ConfigError, match="models.policy: its chat template cannot render .*only one user message"):
+        Renderer(tok, None)
