@@ -20,9 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common.sequences import pad_rows
-
-PAD, BOS, EOS = 0, 1, 2
+BOS, EOS = 1, 2
 CALL = ["<tool_call>", '{"name":', '"calculator",', '"arguments":', '{"expression":', '"']
 CALL_END = ['"}}', "</tool_call>"]
 VOCAB = ["<pad>", "<bos>", "<eos>", "add", "+", ":", "<tool_response>", "</tool_response>", *CALL, *CALL_END,
@@ -98,31 +96,17 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
     """Next-token SFT on the traces; the loss covers the policy's tokens only."""
     from transformers import LlamaForCausalLM
 
-    from launch.demo import tiny_llama_config
+    from launch.demo import fit_next_token, tiny_llama_config
 
-    rng = random.Random(seed)
+    def example(rng: random.Random) -> tuple[list[int], list[int]]:
+        row = make_row(rng)
+        prompt = tokenizer(row["prompt"])["input_ids"]
+        trace, mask = sft_trace(row, rng, tokenizer)
+        return prompt + trace, [-100] * len(prompt) + [t if m else -100 for t, m in zip(trace, mask)]
+
     torch.manual_seed(seed)
     model = LlamaForCausalLM(tiny_llama_config(vocab_size=len(VOCAB)))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
-    for step in range(steps):
-        rows, labels = [], []
-        for _ in range(64):
-            row = make_row(rng)
-            prompt = tokenizer(row["prompt"])["input_ids"]
-            trace, mask = sft_trace(row, rng, tokenizer)
-            rows.append(prompt + trace)
-            labels.append([-100] * len(prompt) + [t if m else -100 for t, m in zip(trace, mask)])
-        input_ids, attention_mask = pad_rows(rows, PAD)
-        label_ids, _ = pad_rows(labels, PAD)
-        label_ids[attention_mask == 0] = -100
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"  sft step {step + 1}/{steps} loss {loss.item():.3f}")
+    fit_next_token(model, example, steps, seed, log)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
 
@@ -137,25 +121,20 @@ def write_rows(path: str, count: int, seed: int) -> None:
 def build_assets(directory: str | os.PathLike, sft_steps: int = 800, seed: int = 0, log=print) -> dict[str, str]:
     """Tokenizer, SFT policy, train and held-out prompts (with their answers); cached by
     ``ASSETS_VERSION`` and the arguments. No reward model: the exact answer is the reward."""
+    from launch.demo import built_once
+
     directory = Path(directory)
     recipe = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "seed": seed}
     paths = {"policy": str(directory / "sft"), "prompts": str(directory / "prompts.jsonl"),
              "eval_prompts": str(directory / "eval_prompts.jsonl")}
-    marker = directory / "assets.json"
-    if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
-        log(f"agent demo assets: cached in {directory}")
-        return paths
-    started = time.monotonic()
-    directory.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    log(f"agent demo assets: building in {directory}")
-    tokenizer = build_tokenizer(paths["policy"])
-    train_sft(paths["policy"], tokenizer, sft_steps, seed, log)
-    write_rows(paths["prompts"], 4096, seed + 10)
-    write_rows(paths["eval_prompts"], 256, seed + 20)
-    marker.write_text(json.dumps({"recipe": recipe, "paths": paths}, indent=2))
-    log(f"agent demo assets: built in {time.monotonic() - started:.0f}s")
-    return paths
+
+    def build() -> None:
+        tokenizer = build_tokenizer(paths["policy"])
+        train_sft(paths["policy"], tokenizer, sft_steps, seed, log)
+        write_rows(paths["prompts"], 4096, seed + 10)
+        write_rows(paths["eval_prompts"], 256, seed + 20)
+
+    return built_once(directory, recipe, paths, "agent demo assets", build, log)
 
 
 # --------------------------------------------------------------------------- the run and its report
@@ -180,37 +159,14 @@ def evaluate_policy(config, checkpoint: str, eval_prompts: str) -> dict[str, flo
 def run_demo(assets: Path, overrides: list[str]) -> int:
     """Build the assets (once), run PPO on episodes with the calculator, report held-out exact
     answers of the SFT and the PPO policy (target: +0.3)."""
-    import math
-
-    from common.config import ConfigError, load_config
-    from launch.exit_codes import ExitCode
-    from launch.runner import run_pipeline
+    from launch.demo import run_and_compare
 
     started = time.monotonic()
     paths = build_assets(assets / "assets-agent")
     config_path = Path(__file__).resolve().parent.parent / "configs" / "demo-agent.yaml"
-    try:
-        config = load_config(config_path, [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}",
-                                           *overrides])
-    except ConfigError as error:
-        print(f"error: {error}")
-        return ExitCode.CONFIG_ERROR
-    code = run_pipeline(config, overwrite=True)
-    if code != 0:
-        return code
-    final = os.path.join(config.run_dir, "checkpoints", "final")
-    report = {"sft": evaluate_policy(config, paths["policy"], paths["eval_prompts"]),
-              "ppo": evaluate_policy(config, final, paths["eval_prompts"])}
-    report["exact_answer_gain"] = report["ppo"]["exact_answer"] - report["sft"]["exact_answer"]
-    report["elapsed_s"] = time.monotonic() - started
-    with open(os.path.join(config.run_dir, "demo_report.json"), "w") as file:
-        json.dump(report, file, indent=2)
-    print(f"\nheld-out prompts ({paths['eval_prompts']}):")
-    print(f"{'policy':<8}{'exact':>8}{'tools':>8}{'turns':>8}{'kl':>9}")
-    for name in ("sft", "ppo"):
-        row = report[name]
-        print(f"{name:<8}{row['exact_answer']:>8.3f}{row['tool_calls_per_episode']:>8.2f}"
-              f"{row['turns_per_episode']:>8.2f}{row['kl_to_reference']:>9.3f}")
-    print(f"exact answer gain {report['exact_answer_gain']:+.3f} (target >= +0.3); {report['elapsed_s']:.0f}s in all")
-    print(f"results: {config.run_dir} (metrics/, logs/, checkpoints/final, demo_report.json)")
-    return ExitCode.OK if math.isfinite(report["exact_answer_gain"]) else ExitCode.FAILED
+    return run_and_compare(
+        config_path, [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}", *overrides],
+        paths["policy"], lambda config, policy: evaluate_policy(config, policy, paths["eval_prompts"]),
+        [("exact_answer", "exact", ".3f"), ("tool_calls_per_episode", "tools", ".2f"),
+         ("turns_per_episode", "turns", ".2f"), ("kl_to_reference", "kl", ".3f")],
+        "exact_answer", 0.3, paths["eval_prompts"], started)

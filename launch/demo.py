@@ -102,22 +102,30 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print, long_
     """Next-token SFT on (prompt, response) pairs; the loss covers response tokens only."""
     from transformers import LlamaForCausalLM
 
-    rng = random.Random(seed)
+    def example(rng: random.Random) -> tuple[list[int], list[int]]:
+        prompt = make_prompt(rng)
+        prompt_ids = tokenizer(prompt)["input_ids"]
+        response_ids = tokenizer(sft_response(prompt, rng, long_tail), add_special_tokens=False)["input_ids"] + [EOS]
+        return prompt_ids + response_ids, [-100] * len(prompt_ids) + response_ids
+
     torch.manual_seed(seed)
     model = LlamaForCausalLM(sized_llama_config(hidden, layers, long_tail))
+    fit_next_token(model, example, steps, seed, log)
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model
+
+
+def fit_next_token(model, example, steps: int, seed: int, log=print) -> None:
+    """The demos' SFT: ``steps`` AdamW steps (3e-3, 30 steps of warm-up, then a linear decay) on
+    batches of 64 ``example(rng)`` -> (token ids, labels: -100 where no loss is taken)."""
+    rng = random.Random(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
     for step in range(steps):
-        rows, labels = [], []
-        for _ in range(64):
-            prompt = make_prompt(rng)
-            prompt_ids = tokenizer(prompt)["input_ids"]
-            response_ids = tokenizer(sft_response(prompt, rng, long_tail),
-                                     add_special_tokens=False)["input_ids"] + [EOS]
-            rows.append(prompt_ids + response_ids)
-            labels.append([-100] * len(prompt_ids) + response_ids)
-        input_ids, attention_mask = pad_rows(rows, PAD)
-        label_ids, _ = pad_rows(labels, PAD)
+        rows, labels = zip(*(example(rng) for _ in range(64)))
+        input_ids, attention_mask = pad_rows(list(rows), PAD)
+        label_ids, _ = pad_rows(list(labels), PAD)
         label_ids[attention_mask == 0] = -100
         loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
         optimizer.zero_grad()
@@ -126,9 +134,6 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print, long_
         schedule.step()
         if step % 100 == 0 or step == steps - 1:
             log(f"  sft step {step + 1}/{steps} loss {loss.item():.3f}")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return model
 
 
 @torch.no_grad()
@@ -240,22 +245,32 @@ def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts:
               "seed": seed, **({"long_tail": True} if long_tail else {}), **size}
     paths = {"policy": str(directory / "sft"), "reward": str(directory / "rm"),
              "prompts": str(directory / "prompts.jsonl"), "eval_prompts": str(directory / "eval_prompts.jsonl")}
+
+    def build() -> None:
+        tokenizer = build_tokenizer(paths["policy"])
+        train_sft(paths["policy"], tokenizer, sft_steps, seed, log, long_tail, hidden, layers)
+        train_reward_model(paths["reward"], paths["policy"], tokenizer, rm_prompts, 4, rm_epochs, seed, log,
+                           LONG_TAIL_MAX_TOKENS if long_tail else 8)
+        write_prompts(paths["prompts"], 4096, seed + 10)
+        write_prompts(paths["eval_prompts"], 256, seed + 20)
+
+    return built_once(directory, recipe, paths, "demo assets", build, log)
+
+
+def built_once(directory: Path, recipe: dict, paths: dict[str, str], what: str, build, log=print) -> dict[str, str]:
+    """``paths``, which ``build()`` makes in ``directory``, made once per ``recipe``: a later call with
+    the same recipe finds them (``assets.json``) and returns at once."""
     marker = directory / "assets.json"
     if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
-        log(f"demo assets: cached in {directory}")
+        log(f"{what}: cached in {directory}")
         return paths
     started = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
-    log(f"demo assets: building in {directory}")
-    tokenizer = build_tokenizer(paths["policy"])
-    train_sft(paths["policy"], tokenizer, sft_steps, seed, log, long_tail, hidden, layers)
-    train_reward_model(paths["reward"], paths["policy"], tokenizer, rm_prompts, 4, rm_epochs, seed, log,
-                       LONG_TAIL_MAX_TOKENS if long_tail else 8)
-    write_prompts(paths["prompts"], 4096, seed + 10)
-    write_prompts(paths["eval_prompts"], 256, seed + 20)
+    log(f"{what}: building in {directory}")
+    build()
     marker.write_text(json.dumps({"recipe": recipe, "paths": paths}, indent=2))
-    log(f"demo assets: built in {time.monotonic() - started:.0f}s")
+    log(f"{what}: built in {time.monotonic() - started:.0f}s")
     return paths
 
 
@@ -298,17 +313,16 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
     }
 
 
-def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int:
+def run_and_compare(config_path: Path, overrides: list[str], sft: str, evaluate_policy, columns, gain: str,
+                    target: float, eval_prompts: str, started: float) -> int:
+    """`tether run` of a demo's config, then held-out figures of its SFT policy and its final PPO
+    policy (``evaluate_policy(config, checkpoint) -> dict``) side by side in ``demo_report.json`` and
+    printed (``columns``: (key, header, format) each), with the gain in ``gain`` against ``target``."""
     from common.config import ConfigError, load_config
     from launch.runner import run_pipeline
 
-    started = time.monotonic()
-    paths = build_assets(assets / ("assets-long-tail" if long_tail else "assets"), long_tail=long_tail)
-    config_path = Path(__file__).resolve().parent.parent / "configs" / ("demo-long-tail.yaml" if long_tail
-                                                                         else "demo.yaml")
-    built = [f"models.policy={paths['policy']}", f"models.reward={paths['reward']}", f"data.prompts={paths['prompts']}"]
     try:
-        config = load_config(config_path, [*built, *overrides])
+        config = load_config(config_path, overrides)
     except ConfigError as error:
         print(f"error: {error}")
         return ExitCode.CONFIG_ERROR
@@ -316,21 +330,30 @@ def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int
     if code != 0:
         return code
     final = os.path.join(config.run_dir, "checkpoints", "final")
-    report = {
-        "sft": evaluate(paths["policy"], paths["policy"], paths["reward"], paths["eval_prompts"],
-                        config.rollout.max_new_tokens),
-        "ppo": evaluate(final, paths["policy"], paths["reward"], paths["eval_prompts"], config.rollout.max_new_tokens),
-    }
-    report["gold_gain"] = report["ppo"]["gold_reward"] - report["sft"]["gold_reward"]
+    report = {"sft": evaluate_policy(config, sft), "ppo": evaluate_policy(config, final)}
+    report[f"{gain}_gain"] = report["ppo"][gain] - report["sft"][gain]
     report["elapsed_s"] = time.monotonic() - started
     with open(os.path.join(config.run_dir, "demo_report.json"), "w") as file:
         json.dump(report, file, indent=2)
-    print(f"\nheld-out prompts ({paths['eval_prompts']}):")
-    print(f"{'policy':<8}{'gold':>8}{'rm':>9}{'kl':>9}{'length':>9}")
+    print(f"\nheld-out prompts ({eval_prompts}):")
+    print(f"{'policy':<8}" + "".join(f"{header:>9}" for _, header, _ in columns))
     for name in ("sft", "ppo"):
-        row = report[name]
-        print(f"{name:<8}{row['gold_reward']:>8.3f}{row['rm_reward']:>+9.3f}{row['kl_to_reference']:>9.3f}"
-              f"{row['response_length']:>9.2f}")
-    print(f"gold reward gain {report['gold_gain']:+.3f} (target >= +0.2); {report['elapsed_s']:.0f}s in all")
+        print(f"{name:<8}" + "".join(f"{format(report[name][key], spec):>9}" for key, _, spec in columns))
+    print(f"{gain.replace('_', ' ')} gain {report[f'{gain}_gain']:+.3f} (target >= +{target}); "
+          f"{report['elapsed_s']:.0f}s in all")
     print(f"results: {config.run_dir} (metrics/, logs/, checkpoints/final, demo_report.json)")
-    return ExitCode.OK if math.isfinite(report["gold_gain"]) else ExitCode.FAILED
+    return ExitCode.OK if math.isfinite(report[f"{gain}_gain"]) else ExitCode.FAILED
+
+
+def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int:
+    started = time.monotonic()
+    paths = build_assets(assets / ("assets-long-tail" if long_tail else "assets"), long_tail=long_tail)
+    config_path = Path(__file__).resolve().parent.parent / "configs" / ("demo-long-tail.yaml" if long_tail
+                                                                         else "demo.yaml")
+    built = [f"models.policy={paths['policy']}", f"models.reward={paths['reward']}", f"data.prompts={paths['prompts']}"]
+    return run_and_compare(
+        config_path, [*built, *overrides], paths["policy"],
+        lambda config, policy: evaluate(policy, paths["policy"], paths["reward"], paths["eval_prompts"],
+                                        config.rollout.max_new_tokens),
+        [("gold_reward", "gold", ".3f"), ("rm_reward", "rm", "+.3f"), ("kl_to_reference", "kl", ".3f"),
+         ("response_length", "length", ".2f")], "gold_reward", 0.2, paths["eval_prompts"], started)

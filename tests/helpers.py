@@ -200,3 +200,51 @@ def chatml_tokenizer(directory: str):
                                         chat_template=CHATML_TOOLS_TEMPLATE)
     tokenizer.save_pretrained(directory)
     return tokenizer
+
+
+def rollout_one_batch(tmp_path, assets: dict, batch: int, *overrides: str):
+    """The real rollout loop (``rollout.main.run``, here, on a vLLM engine of its own) against the
+    real buffer at k = 0, a scorer that returns its work as scored, and a learner that takes one
+    batch at version 0 and finishes (no weights are ever published). ``overrides``: the run's
+    config (both the buffer's and the rollout's). Returns the batch, the engine (for a chunked pass
+    over it) and the buffer's accounting."""
+    import threading
+
+    from bench.buffer_throughput import scorer_process
+    from common.config import load_config
+    from protocol.samples import unpack_samples
+    from protocol.transport import BufferClient
+    from rollout.engine import make_vllm_engine
+    from rollout.main import run
+
+    shared = [f"learner.batch_size={batch}", f"learner.minibatch_size={batch}", "buffer.max_staleness=0", *overrides]
+    config, result, buffer = start_buffer(tmp_path, *shared)
+    rollout_config = load_config(None, [f"run_dir={config.run_dir}", "rollout.max_model_len=64",
+                                        "rollout.prompts_per_generate=4", "rollout.kv_cache_gib=0.1", *shared],
+                                 base=base_config(tmp_path, assets))
+    engine = make_vllm_engine(rollout_config)
+    threading.Thread(target=scorer_process, args=(config, 64), daemon=True).start()
+    samples = []
+
+    def learner_stub() -> None:
+        learner = BufferClient(config.buffer_address, "learner", "0")
+        learner.connect(60, 0.5)
+        samples.extend(unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": batch})))
+        learner.request("finish", {"policy_version": 0})
+
+    threading.Thread(target=learner_stub, daemon=True).start()
+    run(rollout_config, 0, engine)  # in the engine's own thread; returns when the buffer says stop
+    buffer.join(timeout=60)
+    assert not buffer.is_alive()
+    return samples, engine, result
+
+
+def chunked_logprobs(engine, samples) -> list[np.ndarray]:
+    """vLLM's logprob of each response token of every sample, from one prefill of prompt + response:
+    what the engine gives those tokens in one piece, to compare with what it gave them streaming."""
+    from vllm import SamplingParams, TokensPrompt
+
+    outputs = engine.generate([TokensPrompt(prompt_token_ids=[*s.prompt_tokens.tolist(), *s.response_tokens.tolist()])
+                               for s in samples], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
+    return [np.array([output.prompt_logprobs[len(s.prompt_tokens) + j][int(token)].logprob
+                      for j, token in enumerate(s.response_tokens)]) for s, output in zip(samples, outputs)]

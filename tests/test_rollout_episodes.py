@@ -2,14 +2,12 @@
 out, and environments that fail every way end their episodes with a reason while the run goes on."""
 
 import json
-import threading
 
 import numpy as np
 import pytest
 
-from bench.buffer_throughput import scorer_process  # a scorer that returns its work as scored
 from tests.environments import Counting, DoneAtOnce, Garbage, Hangs, Raises, ResetRaises, mixed
-from tests.helpers import start_buffer
+from tests.helpers import chunked_logprobs, rollout_one_batch
 
 LOGPROB_TOLERANCE = 1e-4  # as the streaming test's: the same kernels, decode against one chunked prefill
 
@@ -29,40 +27,14 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
     environment allows; an episode whose reset failed is never a sample and its credit came back;
     the buffer's accounting identity holds and the run ends."""
     from transformers import AutoTokenizer
-    from vllm import SamplingParams, TokensPrompt
 
-    from common.config import load_config
     from common.prompts import dataset_row, read_rows
-    from protocol.samples import unpack_samples
-    from protocol.transport import BufferClient
-    from rollout.engine import make_vllm_engine
-    from rollout.main import run
-    from tests.helpers import base_config
 
     batch = 16
-    config, result, buffer = start_buffer(tmp_path, f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",
-                                          "buffer.max_staleness=0")
-    rollout_config = load_config(None, [f"run_dir={config.run_dir}", "rollout.max_new_tokens=8",
-                                        "rollout.prompts_per_generate=4", "rollout.max_model_len=64",
-                                        "rollout.environment=tests.environments:mixed",
-                                        "rollout.env_step_deadline_s=1.0",
-                                        f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",
-                                        "buffer.max_staleness=0", "rollout.kv_cache_gib=0.1"],
-                                 base=base_config(tmp_path, tiny_assets))
-    engine = make_vllm_engine(rollout_config)
-    threading.Thread(target=scorer_process, args=(config, 64), daemon=True).start()
-    samples = []
-
-    def learner_stub() -> None:  # the learner never publishes: version 0 throughout
-        learner = BufferClient(config.buffer_address, "learner", "0")
-        learner.connect(60, 0.5)
-        samples.extend(unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": batch})))
-        learner.request("finish", {"policy_version": 0})
-
-    threading.Thread(target=learner_stub, daemon=True).start()
-    run(rollout_config, 0, engine)  # returns when the buffer says stop
-    buffer.join(timeout=60)
-    assert not buffer.is_alive() and len(samples) == batch
+    samples, engine, result = rollout_one_batch(tmp_path, tiny_assets, batch, "rollout.max_new_tokens=8",
+                                                "rollout.environment=tests.environments:mixed",
+                                                "rollout.env_step_deadline_s=1.0")
+    assert len(samples) == batch
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
     rows = read_rows(tiny_assets["prompts"])
@@ -83,13 +55,8 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
     assert multi_turn, "no episode had a second turn"
 
     # token out: vLLM's own logprobs of the whole sequence at every policy token
-    chunked = engine.generate([TokensPrompt(prompt_token_ids=[*s.prompt_tokens.tolist(), *s.response_tokens.tolist()])
-                               for s in samples], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     gaps = []
-    for sample, output in zip(samples, chunked):
-        start = len(sample.prompt_tokens)
-        expected = np.array([output.prompt_logprobs[start + j][int(token)].logprob
-                             for j, token in enumerate(sample.response_tokens)])
+    for sample, expected in zip(samples, chunked_logprobs(engine, samples)):
         policy = sample.loss_mask == 1
         gaps.append(float(np.max(np.abs(expected[policy] - sample.behavior_logprobs[policy]))))
         assert (sample.behavior_logprobs[~policy] == 0).all()

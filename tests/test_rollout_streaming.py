@@ -1,13 +1,10 @@
 """The streaming rollout (rollout.main.run) with a real vLLM engine and a real buffer: what it
 sends is what a chunked generate would give for the same weights."""
 
-import threading
-
 import numpy as np
 import pytest
 
-from bench.buffer_throughput import scorer_process  # a scorer that returns its work as scored
-from tests.helpers import start_buffer
+from tests.helpers import chunked_logprobs, rollout_one_batch
 
 # The same tokens under the same weights: the streamed engine's decode steps against one chunked
 # prefill of prompt + response, both vLLM's CPU kernels in float32. Measured 0 here (the kernels
@@ -22,52 +19,16 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
     finishing at different steps, are each tagged with version 0 and carry, token by token, the
     logprobs one chunked vLLM pass gives the same prompt + response. (At k = 0 one batch is all
     the buffer grants before the learner publishes version 1.)"""
-    from vllm import SamplingParams, TokensPrompt
-
-    from common.config import load_config
-    from protocol.samples import unpack_samples
-    from protocol.transport import BufferClient
-    from rollout.engine import make_vllm_engine
-    from rollout.main import run
-    from tests.helpers import base_config
-
     batch = 24
-    config, _, buffer = start_buffer(tmp_path, f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",
-                                     "buffer.max_staleness=0", "rollout.samples_per_prompt=2")
-    rollout_config = load_config(None, [f"run_dir={config.run_dir}", "rollout.max_new_tokens=12",
-                                        "rollout.prompts_per_generate=4", "rollout.max_model_len=64",
-                                        "rollout.samples_per_prompt=2",
-                                        f"learner.batch_size={batch}", f"learner.minibatch_size={batch}",
-                                        "buffer.max_staleness=0", "rollout.kv_cache_gib=0.1"],
-                                 base=base_config(tmp_path, tiny_assets))
-    engine = make_vllm_engine(rollout_config)
-    threading.Thread(target=scorer_process, args=(config, 64), daemon=True).start()
-    samples = []
-
-    def learner_stub() -> None:  # the learner never publishes: version 0 throughout
-        learner = BufferClient(config.buffer_address, "learner", "0")
-        learner.connect(60, 0.5)
-        samples.extend(unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": batch})))
-        learner.request("finish", {"policy_version": 0})
-
-    threading.Thread(target=learner_stub, daemon=True).start()
-    run(rollout_config, 0, engine)  # here, in the engine's own thread; returns when the buffer says stop
-    buffer.join(timeout=60)
-    assert not buffer.is_alive()
-
+    samples, engine, _ = rollout_one_batch(tmp_path, tiny_assets, batch, "rollout.samples_per_prompt=2",
+                                           "rollout.max_new_tokens=12")
     assert len(samples) == batch and sorted(s.prompt_index for s in samples) == sorted(2 * list(range(batch // 2)))
     assert all(s.behavior_version == 0 and s.last_behavior_version == 0 for s in samples)
     lengths = [len(s.response_tokens) for s in samples]
     assert len(set(lengths)) > 1, lengths  # groups finished at different engine steps
 
-    chunked = engine.generate([TokensPrompt(prompt_token_ids=[*s.prompt_tokens.tolist(), *s.response_tokens.tolist()])
-                               for s in samples], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
-    gaps = []
-    for sample, output in zip(samples, chunked):
-        start = len(sample.prompt_tokens)
-        expected = [output.prompt_logprobs[start + j][int(token)].logprob
-                    for j, token in enumerate(sample.response_tokens)]
-        gaps.append(float(np.max(np.abs(np.asarray(expected) - sample.behavior_logprobs))))
+    gaps = [float(np.max(np.abs(expected - sample.behavior_logprobs)))
+            for sample, expected in zip(samples, chunked_logprobs(engine, samples))]
     engine.llm_engine.engine_core.shutdown()
     print(f"largest logprob gap, streamed vs chunked: {max(gaps):.2e}")
     assert max(gaps) < LOGPROB_TOLERANCE, max(gaps)
