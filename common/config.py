@@ -207,6 +207,8 @@ class LearnerConfig(_Strict):
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage: 1 partitions the optimizer "
                                                           "state between ranks, 2 the gradients too, 3 the weights too")
     ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks per node (torch.distributed's launcher)")
+    nodes: int = Field(1, ge=1, description="nodes the learner spans under tether run --ray (ranks on each); by "
+                                            "hand: tether launch learner --nnodes")
     dist_timeout_s: float = Field(1800.0, gt=0, description="a collective between learner ranks fails after this")
     cpu_shm_allreduce: bool = Field(False, description="CPU only: DeepSpeed's shared-memory all-reduce between "
                                                        "ranks (JIT-compiled once, ~90 s); off: gloo")
@@ -296,10 +298,37 @@ class TransportConfig(_Strict):
         return self
 
 
+ROLES = ("buffer", "rollout", "scorer", "learner")
+
+
+class RayPlacementConfig(_Strict):
+    """`tether run --ray`: what each process asks the cluster for, and the node it would rather run on."""
+    cpus: dict[str, float] = Field(default_factory=dict, description="CPUs a process of the role asks Ray for "
+                                   "(a learner: per rank); default 1")
+    gpus: dict[str, float] = Field(default_factory=dict, description="GPUs a process of the role asks Ray for; "
+                                   "default, on a cluster with GPUs: an engine its rollout.tensor_parallel_size, a "
+                                   "scorer 1, the learner 1 a rank, the buffer 0")
+    nodes: dict[str, str] = Field(default_factory=dict, description="role -> a custom resource of the node it "
+                                  "prefers (`ray start --resources '{\"node_a\": 1}'`); where that node is gone, "
+                                  "any node with room")
+    share_run_dir: Literal["auto", "yes", "no"] = Field("auto", description="whether the nodes see run_dir: auto "
+                                                        "looks; no: each process writes on its node and its metrics "
+                                                        "and logs are shipped to run_dir")
+
+    @model_validator(mode="after")
+    def _roles(self) -> "RayPlacementConfig":
+        for key in ("cpus", "gpus", "nodes"):
+            unknown = set(getattr(self, key)) - set(ROLES)
+            if unknown:
+                raise ValueError(f"placement.ray.{key}: {sorted(unknown)} is not a role ({', '.join(ROLES)})")
+        return self
+
+
 class PlacementConfig(_Strict):
-    """Which cores or GPUs each role runs on."""
+    """Which cores or GPUs each role runs on, on one host or on a Ray cluster."""
     cores: dict[str, list[int]] = Field(default_factory=dict, description="CPU cores per role (affinity)")
     cuda_visible_devices: dict[str, str] = Field(default_factory=dict, description="CUDA_VISIBLE_DEVICES per role")
+    ray: RayPlacementConfig = Field(default_factory=RayPlacementConfig)
 
     @model_validator(mode="after")
     def _known_roles(self) -> "PlacementConfig":

@@ -101,6 +101,8 @@ class StartupTimeline:
         """Close the phase ``phase``; returns its seconds."""
         now = time.time()
         record = {"role": self.name, "phase": phase, "start": self.last, "end": now}
+        if os.environ.get("TETHER_NODE"):  # the Ray node `tether run --ray` placed this process on
+            record["node"] = os.environ["TETHER_NODE"]
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         with open(self.path, "a") as file:
             file.write(json.dumps(record) + "\n")

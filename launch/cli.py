@@ -115,7 +115,12 @@ def exit_finished() -> None:
 def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="YAML or TOML config file"),
             override: Optional[list[str]] = OverrideOption,
             overwrite: bool = typer.Option(False, help="replace a previous run in the same run_dir"),
-            resume: Optional[Path] = typer.Option(None, help="continue RUN_DIR from its newest complete checkpoint")) -> None:
+            resume: Optional[Path] = typer.Option(None, help="continue RUN_DIR from its newest complete checkpoint"),
+            ray: bool = typer.Option(False, "--ray", help="place every process on a Ray cluster (placement.ray): "
+                                                          "--ray-address's, else RAY_ADDRESS's, else one started "
+                                                          "on this machine"),
+            ray_address: Optional[str] = typer.Option(None, help="the Ray cluster's address (HOST:PORT, "
+                                                                  "ray://HOST:10001, auto); implies --ray")) -> None:
     """Start every role as its own process, show progress, stop them all when the learner is done."""
     if resume is not None:
         from learner.checkpoints import newest_state
@@ -138,7 +143,8 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         fail(error, ExitCode.CONFIG_ERROR)
     from launch.runner import run_pipeline
 
-    raise typer.Exit(run_pipeline(resolved, overwrite, resume=resume is not None))
+    address = ray_address if ray_address is not None else ("" if ray else None)
+    raise typer.Exit(run_pipeline(resolved, overwrite, resume=resume is not None, ray=address))
 
 
 @app.command()

@@ -26,12 +26,38 @@ DIST_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 RESTARTABLE = ("rollout", "scorer")  # their state is in the buffer; the buffer and learner hold it
 
 
+class LocalProcess:
+    """A role's process on this host, the leader of its own process group (vLLM's workers, torchrun's
+    ranks): what `tether run` watches, signals and stops. ``launch.ray_cluster.RayProcess`` is the
+    same on a node Ray placed it on."""
+
+    def __init__(self, popen: subprocess.Popen) -> None:
+        self.popen, self.pid = popen, popen.pid
+
+    def poll(self) -> int | None:
+        return self.popen.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        return self.popen.wait(timeout=timeout)
+
+    def signal(self, number: int) -> None:
+        """To every process of the group."""
+        try:
+            os.killpg(self.pid, number)
+        except ProcessLookupError:
+            pass
+
+    def group_alive(self) -> bool:
+        """Whether any process of the group is left (vLLM's workers outlive a killed parent)."""
+        return _group_alive(self.pid)
+
+
 @dataclass
 class RoleProcess:
     name: str
     role: str
     worker_index: int
-    process: subprocess.Popen
+    process: LocalProcess
     log_path: str
     restarts: int = 0
 
@@ -64,10 +90,11 @@ def role_name(role: str, worker_index: int = 0) -> str:
 
 
 def start_role(config: TetherConfig, role: str, config_path: str, worker_index: int = 0) -> RoleProcess:
+    """Worker ``worker_index`` of ``role`` as a process of this host."""
     name = role_name(role, worker_index)
     log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
     process = _spawn(_role_command(role, config_path, worker_index), log_path, config, role, worker_index)
-    return RoleProcess(name, role, worker_index, process, log_path)
+    return RoleProcess(name, role, worker_index, LocalProcess(process), log_path)
 
 
 def _spawn(command: list[str], log_path: str, config: TetherConfig, role: str, worker_index: int) -> subprocess.Popen:
@@ -116,7 +143,7 @@ def _stop_learner_first(roles: list[RoleProcess], grace_s: float) -> None:
     for role in learners:
         print(f"tether run: asking {role.name} to checkpoint and stop (up to {grace_s:.0f}s)", file=sys.stderr,
               flush=True)
-        os.killpg(role.process.pid, signal.SIGTERM)
+        role.process.signal(signal.SIGTERM)
         try:
             role.process.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
@@ -127,26 +154,26 @@ def _stop_learner_first(roles: list[RoleProcess], grace_s: float) -> None:
 
 def _stop(roles: list[RoleProcess]) -> None:
     for role in roles:
-        if role.process.poll() is None or _group_alive(role.process.pid):
-            os.killpg(role.process.pid, signal.SIGTERM)
+        if role.process.poll() is None or role.process.group_alive():
+            role.process.signal(signal.SIGTERM)
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for role in roles:
         try:
             role.process.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            os.killpg(role.process.pid, signal.SIGKILL)
+            role.process.signal(signal.SIGKILL)
             role.process.wait()
     # the leader's children (vLLM's engine and workers) may outlive it by a moment, or ignore SIGTERM;
     # a zombie nobody reaps (a container whose init does not) would keep its group: give up after a kill
     for role in roles:
         killed = False
-        while _group_alive(role.process.pid):
+        while role.process.group_alive():
             if time.monotonic() > deadline:
                 if killed:
                     print(f"tether run: processes of {role.name}'s group {role.process.pid} are still listed after "
                           "SIGKILL (zombies?)", file=sys.stderr, flush=True)
                     break
-                os.killpg(role.process.pid, signal.SIGKILL)
+                role.process.signal(signal.SIGKILL)
                 killed, deadline = True, time.monotonic() + TERMINATE_GRACE_S
             time.sleep(0.1)
 
@@ -312,7 +339,10 @@ def _forget_steps_after(run_dir: str, version: int) -> None:
             shutil.rmtree(export, ignore_errors=True)
 
 
-def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = False) -> int:
+def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = False, ray: str | None = None) -> int:
+    """Every role of ``config`` as its own process, watched until the learner is done: on this host,
+    or with ``ray`` (a cluster's address; "" for a cluster of this machine alone) wherever Ray
+    places each (``launch.ray_cluster``). Returns the exit code."""
     run_dir = config.run_dir
     previous = [name for name in ("metrics", "logs", "tensorboard", "checkpoints")
                 if os.path.isdir(os.path.join(run_dir, name)) and os.listdir(os.path.join(run_dir, name))]
@@ -335,10 +365,25 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
         file.write(dump_config(config))
 
     timeline = StartupTimeline(run_dir, "tether run")
-    roles = [start_role(config, "buffer", config_path)]
-    roles += [start_role(config, "scorer", config_path, i) for i in range(config.scorer.workers)]
-    roles += [start_role(config, "rollout", config_path, i) for i in range(config.rollout.engines)]
-    roles += [start_role(config, "learner", config_path)]
+    if ray is None:
+        return _watch(config, config_path, resume, timeline, start_role)
+    from launch.ray_cluster import RayPlacement
+
+    placement = RayPlacement(config, config_path, ray)
+    try:
+        return _watch(config, config_path, resume, timeline, placement.start_role)
+    finally:
+        placement.close()
+
+
+def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: StartupTimeline, start) -> int:
+    """Start every role with ``start(config, role, config_path, worker_index)``, then watch them:
+    progress, restarts of rollouts and scorers, the end of the run, Ctrl-C and SIGTERM."""
+    run_dir = config.run_dir
+    roles = [start(config, "buffer", config_path)]
+    roles += [start(config, "scorer", config_path, i) for i in range(config.scorer.workers)]
+    roles += [start(config, "rollout", config_path, i) for i in range(config.rollout.engines)]
+    roles += [start(config, "learner", config_path)]
     learner = roles[-1]
     timeline.phase("start roles")  # this process's start-up, config checks and the roles' launch
     _write_pids(run_dir, roles)
@@ -369,10 +414,10 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
                           f"({role.restarts + 1} of {config.launch.max_restarts}); last lines:\n"
                           f"{_tail(role.log_path, 5)}", file=sys.stderr, flush=True)
                     time.sleep(delay)
-                    if _group_alive(role.process.pid):  # what the dead one left (vLLM's engine process)
-                        os.killpg(role.process.pid, signal.SIGKILL)
+                    if role.process.group_alive():  # what the dead one left (vLLM's engine process)
+                        role.process.signal(signal.SIGKILL)
                     remove_orphan_shared_memory()  # and its engine's queues in /dev/shm
-                    replacement = start_role(config, role.role, config_path, role.worker_index)
+                    replacement = start(config, role.role, config_path, role.worker_index)
                     replacement.restarts = role.restarts + 1
                     roles[index] = replacement
                     _write_pids(run_dir, roles)

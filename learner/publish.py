@@ -44,9 +44,10 @@ def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_buc
 
 
 class WeightPublisher:
-    """Where the learner's versions go: on rank 0 the shared-memory slots, with a weight server for
-    rollouts on other hosts (``transport.weight_transport: tcp``) or bucket notices for those on
-    this one; every rank takes part in ``publish`` (the gathers of ZeRO-3 are collective)."""
+    """Where the learner's versions go: on rank 0 the shared-memory slots with bucket notices for the
+    rollouts on this host, and a weight server for those on other hosts as well
+    (``transport.weight_transport: tcp``; a pool may have both); every rank takes part in
+    ``publish`` (the gathers of ZeRO-3 are collective)."""
 
     def __init__(self, config: TetherConfig, main: bool) -> None:
         from weight_sync.stream import WeightStreamPublisher
@@ -61,8 +62,8 @@ class WeightPublisher:
         if transport.weight_transport == "tcp":  # rollouts on other hosts fetch the buckets from here
             self.server = WeightServer(self.writer, transport.weights_address, transport.max_frame_bytes,
                                        transport.curve)
-        else:  # rollouts on this host check each bucket as soon as it is written
-            self.stream = WeightStreamPublisher(config.weights_stream_address)
+        # rollouts on this host check each bucket as soon as it is written
+        self.stream = WeightStreamPublisher(config.weights_stream_address)
 
     def publish(self, engine, policy_version: int, client) -> None:
         """Write ``policy_version`` of the actor and tell the buffer (rank 0, ``client`` given)."""
