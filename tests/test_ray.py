@@ -1,0 +1,185 @@
+"""`tether run --ray` on a Ray cluster of two nodes made on this machine (each with one CPU and a
+custom resource naming it), everything bound to loopback."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from common.runlog import read_metrics
+from tests.helpers import REPO, base_config
+
+# Ray otherwise resolves this machine's own address for "127.0.0.1" (its cluster mode): the test's
+# traffic stays on loopback
+LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# the roles' share of the nodes' one CPU each: 4 processes on 2 CPUs
+CPUS = {"buffer": 0.1, "rollout": 0.3, "scorer": 0.3, "learner": 0.3}
+NODES = {"buffer": "node_a", "learner": "node_a", "rollout": "node_b", "scorer": "node_b"}
+STEPS = 30  # of the demo's 40: enough for its gold gain
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Two Ray nodes; yields the cluster (the tests that stop a node add one back)."""
+    os.environ.update(LOOPBACK_ONLY)
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
+                                                            "node_ip_address": "127.0.0.1",
+                                                            "include_dashboard": False})
+    cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
+    yield cluster
+    cluster.shutdown()
+
+
+def node_ids(cluster) -> dict[str, str]:
+    """Custom resource -> node id, of the live nodes."""
+    import ray
+
+    ray.init(address=cluster.address, namespace="tether-test", log_to_driver=False)
+    try:
+        return {name: node["NodeID"] for node in ray.nodes() if node["Alive"] for name in ("node_a", "node_b")
+                if name in node["Resources"]}
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def demo_assets(tmp_path_factory):
+    """The demo's models as `make demo` builds them (~20 s): a reward model good enough to learn from."""
+    from launch.demo import build_assets
+
+    return build_assets(tmp_path_factory.mktemp("demo"), log=lambda *_: None)
+
+
+def ray_config(tmp_path, assets, steps, **ray_placement) -> str:
+    config = base_config(tmp_path, assets, learner={"total_steps": steps, "batch_size": 32, "minibatch_size": 16})
+    config["rollout"] = {"max_new_tokens": 8, "max_model_len": 64, "prompts_per_generate": 32, "kv_cache_gib": 0.1}
+    config["placement"] = {"ray": {"cpus": CPUS, "nodes": NODES, **ray_placement}}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def tether_on(cluster, config: str, *args, timeout=400) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "launch.cli", "run", "-c", config, "--ray-address", cluster.address,
+                           *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **LOOPBACK_ONLY})
+
+
+def left_behind(run_dir: str) -> list[str]:
+    """Command lines of processes still running for ``run_dir`` (its config is in each)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as file:
+                command = file.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "launch.cli launch" in command and run_dir in command:
+            found.append(command)
+    return found
+
+
+@pytest.mark.slow
+def test_the_demo_learns_on_two_ray_nodes_placed_as_the_config_says(tmp_path, demo_assets, cluster):
+    """The buffer and the learner on node_a, the rollout and the scorer on node_b: each process's
+    start-up records name its node; the rollout, on another node than the learner, fetches
+    weights over TCP (CURVE on: the run's keys); every sample is accounted for; the policy learns
+    as it does locally: held-out gold reward +0.2 or more over SFT."""
+    from launch.demo import evaluate
+
+    ids = node_ids(cluster)
+    with open(os.path.join(REPO, "configs", "demo.yaml")) as file:
+        config = yaml.safe_load(file)
+    config.update(run_dir=str(tmp_path / "run"), placement={"ray": {"cpus": CPUS, "nodes": NODES}})
+    config["models"] = {"policy": demo_assets["policy"], "reward": demo_assets["reward"]}
+    config["data"]["prompts"] = demo_assets["prompts"]
+    config["learner"]["total_steps"] = STEPS
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = tether_on(cluster, str(path))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "placed by Ray on 2 node(s)" in result.stdout
+    run_dir = str(tmp_path / "run")
+    nodes = {record["role"]: record["node"] for record in read_metrics(run_dir, "startup") if "node" in record}
+    assert nodes == {"buffer": ids["node_a"], "learner": ids["node_a"], "rollout0": ids["node_b"],
+                     "scorer0": ids["node_b"]}, nodes
+    with open(os.path.join(run_dir, "logs", "rollout0.log")) as file:
+        assert "fetch over tcp and load" in file.read()
+    with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
+        accounting = json.load(file)
+    assert accounting["identity_holds"] and accounting["trained"] == STEPS * config["learner"]["batch_size"]
+    sft, ppo = (evaluate(policy, demo_assets["policy"], demo_assets["reward"], demo_assets["eval_prompts"], 8)
+                for policy in (demo_assets["policy"], os.path.join(run_dir, "checkpoints", "final")))
+    assert ppo["gold_reward"] >= sft["gold_reward"] + 0.2, (sft, ppo)
+    assert left_behind(run_dir) == []
+
+
+@pytest.mark.slow
+def test_a_node_that_does_not_see_run_dir_ships_metrics_and_logs_back(tmp_path, tiny_assets, cluster):
+    """placement.ray.share_run_dir: no, as on nodes without a shared filesystem: every process runs in
+    a directory of its node, and the driver's run_dir still gets every role's metrics and log, so
+    `tether status` works from the head."""
+    from tests.helpers import tether
+
+    config = ray_config(tmp_path, tiny_assets, steps=3, share_run_dir="no")
+    result = tether_on(cluster, config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "its checkpoints stay in" in result.stderr  # said at start
+    run_dir = str(tmp_path / "run")
+    assert [record["step"] for record in read_metrics(run_dir, "learner")] == [1, 2, 3]
+    for name in ("buffer", "rollout0", "scorer0", "learner"):
+        assert os.path.getsize(os.path.join(run_dir, "logs", f"{name}.log")) > 0, name
+    assert read_metrics(run_dir, "rollout0") and read_metrics(run_dir, "scorer0")
+    assert not os.path.exists(os.path.join(run_dir, "checkpoints"))  # they stayed on the learner's node
+    status = tether("status", run_dir, "--once", timeout=120)
+    assert status.returncode == 0 and "3 of 3" in status.stdout
+
+
+@pytest.mark.slow
+def test_a_killed_rollout_and_a_lost_node_are_replaced_and_ctrl_c_leaves_nothing(tmp_path, tiny_assets, cluster):
+    """The rollout's process killed (SIGKILL) is started again; then node_b is lost: its rollout and
+    scorer start on node_a and training goes on; Ctrl-C then stops the run (the learner
+    checkpoints) and leaves no tether process on either node."""
+    config = ray_config(tmp_path, tiny_assets, steps=400)
+    run_dir = str(tmp_path / "run")
+    driver = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "-c", config, "--ray-address",
+                               cluster.address], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env={**os.environ, **LOOPBACK_ONLY})
+
+    def wait_for_step(step: int, deadline_s: float = 180) -> None:
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            assert driver.poll() is None, driver.stdout.read()[-3000:]
+            if len(read_metrics(run_dir, "learner")) >= step:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"no step {step} within {deadline_s}s")
+
+    try:
+        wait_for_step(3)
+        with open(os.path.join(run_dir, "pids.json")) as file:
+            os.kill(json.load(file)["rollout0"], signal.SIGKILL)
+        wait_for_step(len(read_metrics(run_dir, "learner")) + 3)
+        node_b = next(iter(cluster.worker_nodes))
+        cluster.remove_node(node_b)
+        wait_for_step(len(read_metrics(run_dir, "learner")) + 3)
+        driver.send_signal(signal.SIGINT)
+        output, _ = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if len(cluster.worker_nodes) == 0:
+            cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
+    assert driver.returncode == 130, output[-3000:]
+    assert "rollout0 exited with code" in output and "restarting it" in output
+    assert "node is lost" in output  # node_b's processes, seen gone
+    assert output.count("restarting it") >= 3  # the killed rollout, then node_b's rollout and scorer
+    assert os.listdir(os.path.join(run_dir, "checkpoints"))  # the learner checkpointed on Ctrl-C
+    assert left_behind(run_dir) == []
