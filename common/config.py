@@ -298,9 +298,6 @@ class TransportConfig(_Strict):
         return self
 
 
-ROLES = ("buffer", "rollout", "scorer", "learner")
-
-
 class RayPlacementConfig(_Strict):
     """`tether run --ray`: what each process asks the cluster for, and the node it would rather run on."""
     cpus: dict[str, float] = Field(default_factory=dict, description="CPUs a process of the role asks Ray for "

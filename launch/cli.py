@@ -144,7 +144,11 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
     from launch.runner import run_pipeline
 
     address = ray_address if ray_address is not None else ("" if ray else None)
-    raise typer.Exit(run_pipeline(resolved, overwrite, resume=resume is not None, ray=address))
+    try:
+        code = run_pipeline(resolved, overwrite, resume=resume is not None, ray=address)
+    except ConfigError as error:  # Ray missing, or no room on the cluster
+        fail(error, ExitCode.CONFIG_ERROR)
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -241,7 +245,10 @@ def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideO
           staleness: str = typer.Option("0,1", help="max_staleness values, comma-separated"),
           steps: int = typer.Option(10, help="learner steps per trial"),
           gpus: bool = typer.Option(False, help="the split's numbers are GPU indices, not CPU cores"),
-          out: Path = typer.Option(Path("runs/sweep"), help="one run directory per trial in here")) -> None:
+          out: Path = typer.Option(Path("runs/sweep"), help="one run directory per trial in here"),
+          ray: bool = typer.Option(False, "--ray", help="each trial on a Ray cluster: a split's devices are counts "
+                                                        "of CPUs (GPUs with --gpus) its processes ask for"),
+          ray_address: Optional[str] = typer.Option(None, help="the Ray cluster's address; implies --ray")) -> None:
     """Short trials of one config over device splits and staleness bounds, ranked by trained tokens/s."""
     from launch.sweep import format_sweep, parse_counts, parse_split, run_sweep
 
@@ -253,7 +260,13 @@ def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideO
         bounds = [int(k) for k in staleness.split(",")]
     except ValueError as error:
         fail(error, ExitCode.CONFIG_ERROR)
-    trials = run_sweep(resolved, split, bounds, steps, gpus, str(out))
+    address = ray_address if ray_address is not None else ("" if ray else None)
+    from common.config import ConfigError
+
+    try:
+        trials = run_sweep(resolved, split, bounds, steps, gpus, str(out), ray=address)
+    except ConfigError as error:
+        fail(error, ExitCode.CONFIG_ERROR)
     typer.echo(format_sweep(trials))
 
 

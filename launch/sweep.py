@@ -82,7 +82,10 @@ class Trial:
 
 
 def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], steps: int, gpus: bool,
-              out_dir: str, log=print) -> list[Trial]:
+              out_dir: str, log=print, ray: str | None = None) -> list[Trial]:
+    """Each split at each bound for ``steps`` steps, ranked by trained tokens/s. With ``ray`` (a
+    cluster's address, "" for one on this machine) a split's devices are counts: each process of a
+    role asks Ray for its share of them (``placement.ray.gpus`` with ``gpus``, else ``cpus``)."""
     from launch.runner import run_pipeline
 
     trials = []
@@ -94,13 +97,15 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
                      "placement.cores={}", "placement.cuda_visible_devices={}"]
         overrides += [f"{COUNT_KEYS[role]}={counts.get(role, 1)}" for role in PLANNED_ROLES]
         for role, devices in split.items():
-            if gpus:
+            if ray is not None:  # a share of the devices for each of the role's processes (a learner: per rank)
+                overrides.append(f"placement.ray.{'gpus' if gpus else 'cpus'}.{role}={len(devices) / counts.get(role, 1)}")
+            elif gpus:
                 overrides.append(f"placement.cuda_visible_devices.{role}=\"{','.join(map(str, devices))}\"")
             else:
                 overrides.append(f"placement.cores.{role}=[{','.join(map(str, devices))}]")
         trial_config = load_config(None, overrides, base=config.model_dump(mode="json"))
         log(f"sweep: {format_split(split, counts)} max_staleness {k} -> {run_dir}")
-        if run_pipeline(trial_config, overwrite=True) != 0:
+        if run_pipeline(trial_config, overwrite=True, ray=ray) != 0:
             raise RuntimeError(f"trial {name} failed; see {run_dir}/logs")
         profile = profile_run(run_dir)
         busy = {r.role: r.wall_s - r.seconds.get("waiting", 0.0) for r in profile.roles if r.role != "buffer"}
@@ -170,6 +175,12 @@ def role_costs(run_dir: str) -> dict[str, tuple[int, float]]:
         placement = yaml.safe_load(file).get("placement", {})
     devices = {**placement.get("cores", {}),
                **{role: str(v).split(",") for role, v in placement.get("cuda_visible_devices", {}).items()}}
+    ray = placement.get("ray", {})
+    for role, share in {**ray.get("cpus", {}), **ray.get("gpus", {})}.items():  # a trial of `tether sweep --ray`
+        processes = {"rollout": "engines", "scorer": "workers", "learner": "ranks"}.get(role)
+        with open(os.path.join(run_dir, "config.yaml")) as file:
+            count = yaml.safe_load(file).get(role, {}).get(processes, 1) if processes else 1
+        devices[role] = [0] * max(1, round(share * count))
     trained_tokens = profile.pipeline_tokens_per_s * next(r.wall_s for r in profile.roles if r.role == "learner")
     busy: dict[str, list[float]] = {}
     for role in profile.roles:

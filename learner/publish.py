@@ -3,7 +3,10 @@ every rank: under ZeRO-3 a bucket's parameters are gathered at a time."""
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
+
+import zmq
 
 from common.config import TetherConfig
 from learner.lora import merged_named_tensors
@@ -63,7 +66,14 @@ class WeightPublisher:
             self.server = WeightServer(self.writer, transport.weights_address, transport.max_frame_bytes,
                                        transport.curve)
         # rollouts on this host check each bucket as soon as it is written
-        self.stream = WeightStreamPublisher(config.weights_stream_address)
+        try:
+            self.stream = WeightStreamPublisher(config.weights_stream_address)
+        except zmq.ZMQError as error:
+            if self.server is None:
+                raise
+            # with a weight server this host's rollouts are the extra: they read whole versions unannounced
+            logging.getLogger("learner").warning("no bucket notices for this host's rollouts (%s: %s)",
+                                                 config.weights_stream_address, error)
 
     def publish(self, engine, policy_version: int, client) -> None:
         """Write ``policy_version`` of the actor and tell the buffer (rank 0, ``client`` given)."""

@@ -1,5 +1,5 @@
-"""`tether run --ray` on a Ray cluster of two nodes made on this machine (each with one CPU and a
-custom resource naming it), everything bound to loopback."""
+"""`tether run --ray` on a Ray cluster of two nodes made on this machine (each with two logical CPUs
+and a custom resource naming it), everything bound to loopback."""
 
 import json
 import os
@@ -17,7 +17,7 @@ from tests.helpers import REPO, base_config
 # Ray otherwise resolves this machine's own address for "127.0.0.1" (its cluster mode): the test's
 # traffic stays on loopback
 LOOPBACK_ONLY = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-# the roles' share of the nodes' one CPU each: 4 processes on 2 CPUs
+# the roles' share of the nodes' CPUs: all four fit on one node when the other is lost
 CPUS = {"buffer": 0.1, "rollout": 0.3, "scorer": 0.3, "learner": 0.3}
 NODES = {"buffer": "node_a", "learner": "node_a", "rollout": "node_b", "scorer": "node_b"}
 STEPS = 30  # of the demo's 40: enough for its gold gain
@@ -29,10 +29,10 @@ def cluster():
     os.environ.update(LOOPBACK_ONLY)
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "resources": {"node_a": 1},
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
                                                             "node_ip_address": "127.0.0.1",
                                                             "include_dashboard": False})
-    cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
+    cluster.add_node(num_cpus=2, resources={"node_b": 1}, node_ip_address="127.0.0.1")
     yield cluster
     cluster.shutdown()
 
@@ -176,10 +176,31 @@ def test_a_killed_rollout_and_a_lost_node_are_replaced_and_ctrl_c_leaves_nothing
         if driver.poll() is None:
             driver.kill()
         if len(cluster.worker_nodes) == 0:
-            cluster.add_node(num_cpus=1, resources={"node_b": 1}, node_ip_address="127.0.0.1")
+            cluster.add_node(num_cpus=2, resources={"node_b": 1}, node_ip_address="127.0.0.1")
     assert driver.returncode == 130, output[-3000:]
     assert "rollout0 exited with code" in output and "restarting it" in output
     assert "node is lost" in output  # node_b's processes, seen gone
     assert output.count("restarting it") >= 3  # the killed rollout, then node_b's rollout and scorer
     assert os.listdir(os.path.join(run_dir, "checkpoints"))  # the learner checkpointed on Ctrl-C
     assert left_behind(run_dir) == []
+
+
+@pytest.mark.slow
+def test_a_sweep_runs_its_trials_on_the_cluster_and_plans_from_them(tmp_path, tiny_assets, cluster):
+    """`tether sweep --ray`: a split's devices are CPU counts each process asks Ray for; the trial
+    runs there, is ranked, and `tether plan` reads the trial's costs in those counts."""
+    from tests.helpers import tether
+
+    config = ray_config(tmp_path, tiny_assets, steps=3)
+    sweep = subprocess.run([sys.executable, "-m", "launch.cli", "sweep", "-c", config, "--ray-address", cluster.address,
+                            "--split", "rollout=0;scorer=1;learner=1", "--staleness", "1", "--steps", "3",
+                            "--out", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True, timeout=400,
+                           env={**os.environ, **LOOPBACK_ONLY})
+    assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
+    trial = json.loads((tmp_path / "s" / "sweep.json").read_text())[0]
+    assert trial["tokens_per_s"] > 0 and trial["max_staleness"] == 1
+    with open(os.path.join(trial["run_dir"], "config.yaml")) as file:
+        assert yaml.safe_load(file)["placement"]["ray"]["cpus"] == {**CPUS, "rollout": 1.0, "scorer": 1.0,
+                                                                   "learner": 1.0}
+    plan = tether("plan", trial["run_dir"], "--devices", "2", timeout=120)
+    assert plan.returncode == 0 and "predicted" in plan.stdout, plan.stdout + plan.stderr
