@@ -26,7 +26,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config: str | None = None) -> dict:
+def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config: str | None = None,
+             arguments: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict:
     """One `tether run` of the demo (or of ``config``) from ``repo``: seconds to the first trained
     step and to the end, and the phases the roles wrote (none for a tether that writes none)."""
     from common.runlog import read_metrics
@@ -36,9 +37,10 @@ def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config:
     command = [sys.executable, "-m", "launch.cli", "run", "-c", config,
                "--overwrite", "-o", f"run_dir={run_dir}", "-o", f"models.policy={assets}/sft",
                "-o", f"models.reward={assets}/rm", "-o", f"data.prompts={assets}/prompts.jsonl",
-               *[item for override in overrides for item in ("-o", override)]]
+               *[item for override in overrides for item in ("-o", override)], *arguments]
     started = time.time()
-    result = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600)
+    result = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600,
+                            env=None if env is None else {**os.environ, **env})
     ended = time.time()
     if result.returncode != 0:
         raise RuntimeError(f"tether run failed ({result.returncode}):\n{result.stderr[-3000:]}")
