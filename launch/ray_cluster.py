@@ -258,7 +258,8 @@ class RayPlacement:
                   f"{learner['run_dir']}/checkpoints on node {learner['node']}; for --resume from the head, make "
                   "run_dir a filesystem every node shares", file=sys.stderr, flush=True)
         print(f"tether run: placed by Ray on {len(self.nodes)} node(s): "
-              + ", ".join(f"{name} on {infos[0]['node'][:8]}" for name, infos in self.where.items()), flush=True)
+              + ", ".join(f"{name} on {' and '.join(info['node'][:8] for info in infos)}"
+                          for name, infos in self.where.items()), flush=True)
 
     # ---------------------------------------------------------------- placement
 

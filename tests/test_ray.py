@@ -204,3 +204,18 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_plans_from_them(tmp_path, ti
                                                                    "learner": 1.0}
     plan = tether("plan", trial["run_dir"], "--devices", "2", timeout=120)
     assert plan.returncode == 0 and "predicted" in plan.stdout, plan.stdout + plan.stderr
+
+
+@pytest.mark.slow
+def test_a_learner_of_two_nodes_finds_its_rendezvous(tmp_path, tiny_assets, cluster):
+    """learner.nodes 2: one placement group, a bundle on each node; node rank 0's address and port are
+    found, not typed, and the two ranks train together (rank 1's start-up records name the other
+    node)."""
+    ids = node_ids(cluster)
+    config = ray_config(tmp_path, tiny_assets, steps=3)
+    result = tether_on(cluster, config, "-o", "learner.nodes=2", "-o", "placement.ray.nodes={}")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    records = read_metrics(str(tmp_path / "run"), "startup")
+    nodes = {record["role"]: record["node"] for record in records if record["role"].startswith("learner")}
+    assert set(nodes) == {"learner", "learner1"} and set(nodes.values()) == set(ids.values()), nodes
+    assert [record["step"] for record in read_metrics(str(tmp_path / "run"), "learner")] == [1, 2, 3]

@@ -11,7 +11,7 @@ Trained tokens/s: prompt + response tokens of the batches the learner trained af
 step, over the time from its first step to its last. The limit compared with is the local run's:
 Ray's placement should cost start-up seconds, not throughput.
 
-    python bench/ray.py [--rounds 2] [--steps 40]
+    python bench/on_ray.py [--rounds 2] [--steps 40]
 """
 
 from __future__ import annotations
