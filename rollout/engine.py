@@ -8,7 +8,10 @@ import time
 
 from common.config import ConfigError, TetherConfig
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError
+from weight_sync.stream import WeightPrefetcher
 from weight_sync.tcp import fetch_over_tcp
+
+REFUSED_WEIGHTS_BACKOFF_S = 1.0  # doubled after each failed load in a row, up to 30 s
 
 
 class IncompatibleWeights(ConfigError):
@@ -147,3 +150,42 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
             prefetcher.release()
 
 
+
+
+class WeightLoads:
+    """Loading the versions the buffer announces into the engine (from shared memory, checked while
+    written, or fetched over TCP from another host), and what a failed load means: the engine holds
+    no version, the buffer is told, the next credit request waits (``retry_at``, backing off), and
+    ``rollout.max_weight_load_failures`` failures in a row raise ``WeightsNotLoading``."""
+
+    def __init__(self, engine, config: TetherConfig, name: str, log) -> None:
+        self.engine, self.config, self.log = engine, config, log
+        self.staging = self.prefetcher = None
+        if config.transport.weight_transport == "tcp":
+            self.staging = ShmWeightWriter(f"{config.weights_dir}-{name}", config.transport.weight_bucket_mb << 20)
+        else:
+            self.prefetcher = WeightPrefetcher(config.weights_stream_address)
+        self.failures = 0  # loads failed in a row
+        self.retry_at = 0.0  # after a failed load: no credit request before then
+
+    def load(self, grant, client) -> int | None:
+        """The version ``grant`` announces, into the engine: that version, or None when it failed."""
+        version, error = apply_weights(self.engine, grant, self.staging, self.prefetcher, self.config, self.log)
+        if error is None:
+            self.failures = 0
+            return version
+        self.failures += 1
+        announced = grant.fields["policy_version"]
+        client.request("weights_refused", {"policy_version": announced, "failures": self.failures, "reason": error})
+        if self.failures >= self.config.rollout.max_weight_load_failures:
+            raise WeightsNotLoading(f"{self.failures} loads of the learner's weights in a row failed "
+                                    f"(rollout.max_weight_load_failures); the last, of policy version {announced}: "
+                                    f"{error}")
+        self.retry_at = time.monotonic() + min(30.0, REFUSED_WEIGHTS_BACKOFF_S * 2 ** (self.failures - 1))
+        return None
+
+    def close(self) -> None:
+        if self.staging is not None:
+            self.staging.close(remove=True)
+        if self.prefetcher is not None:
+            self.prefetcher.close()

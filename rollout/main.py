@@ -13,16 +13,11 @@ from common.prompts import dataset_row, prompts_within, read_rows
 from common.runlog import MetricsWriter, StartupTimeline, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import connect_to_buffer
-from rollout.engine import WeightsNotLoading, apply_weights, make_vllm_engine, sampling_params
+from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
 from rollout.environments import Environments
 from rollout.episodes import Episodes, Renderer
 from rollout.responses import Responses
 from rollout.tools import load_tools
-from weight_sync.buckets import ShmWeightWriter
-from weight_sync.stream import WeightPrefetcher
-
-REFUSED_WEIGHTS_BACKOFF_S = 1.0  # doubled after each failed load in a row, up to 30 s
-
 
 def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | None = None,
                      tools: list[dict] | None = None) -> tuple[list[list[int]], list[int], int]:
@@ -40,6 +35,19 @@ def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | No
              f"; {skipped} skipped: longer than {limit} tokens (rollout.max_model_len - max_new_tokens)"
              if skipped else "")
     return token_ids, kept, skipped
+
+
+def generation_source(config: TetherConfig, environments: Environments | None, tokenizer, rows: list[dict],
+                      prompts: list[list[int]], data_rows: list[int], log) -> Responses | Episodes:
+    """What the loop drives: one request a prompt without environments, else episodes of turns.
+    Only finished requests come out of the engine (the loop reads nothing of one before its end)."""
+    from vllm.sampling_params import RequestOutputKind
+
+    if environments is None:
+        return Responses(prompts, data_rows, sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY))
+    return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
+                    data_rows, lambda _, max_tokens: sampling_params(config, n=1, max_tokens=max_tokens,
+                                                                     output_kind=RequestOutputKind.FINAL_ONLY), log)
 
 
 def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
@@ -60,7 +68,6 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     config = resolve_models(config, "rollout")
     from transformers import AutoTokenizer
     from vllm import TokensPrompt
-    from vllm.sampling_params import RequestOutputKind
 
     timeline.phase("import")
     rollout_cfg = config.rollout
@@ -77,19 +84,9 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     timeline.phase("engine init")
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")
-    # only finished requests come out of the engine
-    if environments is None:
-        source = Responses(prompts, data_rows, sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY))
-    else:
-        source = Episodes(config, environments, Renderer(tokenizer, tools), tokenizer, rows, prompts, data_rows,
-                          lambda _, max_tokens: sampling_params(config, n=1, max_tokens=max_tokens,
-                                                             output_kind=RequestOutputKind.FINAL_ONLY), log)
+    source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log)
     metrics = MetricsWriter(config.run_dir, name)
-    staging = prefetcher = None
-    if config.transport.weight_transport == "tcp":
-        staging = ShmWeightWriter(f"{config.weights_dir}-{name}", config.transport.weight_bucket_mb << 20)
-    else:
-        prefetcher = WeightPrefetcher(config.weights_stream_address)
+    weights = WeightLoads(engine, config, name, log)
     id_prefix = uuid.uuid4().hex[:8]
     log.info("generating with %s, %d prompts, %d samples per prompt, up to %d prompts at once%s", config.models.policy,
              len(prompts), rollout_cfg.samples_per_prompt, rollout_cfg.prompts_per_generate,
@@ -97,8 +94,6 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
              f"{rollout_cfg.environment or 'no environment'} and tools {', '.join(environments.tools) or 'none'}")
 
     version = 0  # the policy version the engine holds; None after a failed load: no new prompt joins then
-    failures = 0  # weight loads failed in a row
-    retry_at = 0.0  # after a failed load, the next credit request waits until then (backing off)
     in_flight: dict[str, object] = {}  # vLLM request id -> what source said the request is
     queued: list[int] = []  # prompt indices granted and not yet started (waiting for a whole version)
     credit_request = None  # the id of the credit request held at the buffer, if any
@@ -111,7 +106,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         room = rollout_cfg.prompts_per_generate - source.active - len(queued)
         busy = bool(in_flight) or source.active > 0  # generating, or episodes waiting on their environment
         messaging_started = time.monotonic()  # requests and polls to the buffer count as sending
-        if credit_request is None and (room > 0 or version is None) and time.monotonic() >= retry_at:
+        if credit_request is None and (room > 0 or version is None) and time.monotonic() >= weights.retry_at:
             credit_request = client.send("credit_request", {
                 "policy_version": -1 if version is None else version,
                 "wanted": 0 if version is None else room * rollout_cfg.samples_per_prompt})
@@ -124,7 +119,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         if credit_request is not None and not busy:
             grant = client.wait(credit_request, waiting_for="generation credits")
         elif not busy:  # backing off after a failed load, nothing to generate meanwhile
-            time.sleep(max(0.0, retry_at - time.monotonic()))
+            time.sleep(max(0.0, weights.retry_at - time.monotonic()))
         period.waiting_s += time.monotonic() - waited
         if grant is not None:
             credit_request = None
@@ -134,19 +129,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
             queued += grant.fields["prompt_indices"]
             if version is None or grant.fields["policy_version"] > version:
                 sync_started = time.monotonic()
-                version, error = apply_weights(engine, grant, staging, prefetcher, config, log)
+                version = weights.load(grant, client)
                 period.weight_sync_s += time.monotonic() - sync_started
-                if error is not None:
-                    failures += 1
-                    client.request("weights_refused", {"policy_version": grant.fields["policy_version"],
-                                                       "failures": failures, "reason": error})
-                    if failures >= rollout_cfg.max_weight_load_failures:
-                        raise WeightsNotLoading(f"{failures} loads of the learner's weights in a row failed "
-                                                f"(rollout.max_weight_load_failures); the last, of policy version "
-                                                f"{grant.fields['policy_version']}: {error}")
-                    retry_at = time.monotonic() + min(30.0, REFUSED_WEIGHTS_BACKOFF_S * 2 ** (failures - 1))
-                else:
-                    failures = 0
         # 3. granted prompts start, and what is ready joins the engine, with the version it holds
         if version is not None:
             adding_started = time.monotonic()  # the engine takes each request in: generation work
@@ -198,10 +182,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     log.info("stopping after %d samples at policy version %s", generated, version)
     if in_flight:  # the run is over: what is still generating is of no use
         engine.llm_engine.abort_request(list(in_flight))
-    if staging is not None:
-        staging.close(remove=True)
-    if prefetcher is not None:
-        prefetcher.close()
+    weights.close()
     metrics.close()
     client.close()
     # vLLM's engine process and workers, where it has them, exit now, reaped by this process rather

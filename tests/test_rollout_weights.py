@@ -132,6 +132,7 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
     rollout.max_weight_load_failures loads in a row it stops with that reason."""
     import time
 
+    import rollout.engine
     import rollout.main
     from protocol.transport import BufferClient
     from rollout.engine import WeightsNotLoading
@@ -156,7 +157,7 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
         def generate(self, *args, **kwargs):
             raise AssertionError("an engine without a whole version generated")
 
-    rollout.main.REFUSED_WEIGHTS_BACKOFF_S = 0.05
+    rollout.engine.REFUSED_WEIGHTS_BACKOFF_S = 0.05
     with pytest.raises(WeightsNotLoading, match="3 loads of the learner's weights in a row failed .*bucket 0 missing"):
         rollout.main.run(config, engine=Unreadable())
     assert loads == [1, 1, 1]
