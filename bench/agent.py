@@ -40,7 +40,7 @@ def figures(result: dict, batch_size: int) -> dict:
 def main() -> None:
     from common.config import load_config
     from launch.agent_demo import build_assets
-    from startup import run_once
+    from startup import median, run_once
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -69,16 +69,11 @@ def main() -> None:
                   f"turns per episode; mean staleness {result['staleness']:.2f}; whole run {result['run_s']:.1f}s",
                   flush=True)
 
-    def median(name: str, key: str) -> float:
-        values = sorted(r[key] for r in results[name])
-        middle = len(values) // 2
-        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-
     print(f"\nmedian over {args.rounds} rounds, {args.steps} steps of {batch_size} episodes each:")
     for name, _ in variants:
-        print(f"  {name}: trained tokens/s {median(name, 'tokens_per_s'):6.0f}, samples/s "
-              f"{median(name, 'samples_per_s'):5.1f}")
-    factor = median("k=2", "tokens_per_s") / median("k=0", "tokens_per_s")
+        print(f"  {name}: trained tokens/s {median(results, name, 'tokens_per_s'):6.0f}, samples/s "
+              f"{median(results, name, 'samples_per_s'):5.1f}")
+    factor = median(results, "k=2", "tokens_per_s") / median(results, "k=0", "tokens_per_s")
     print(f"trained tokens/s, k = 2 / k = 0: {factor:.2f}x (limit: >= 1.00x, asynchrony must not lose)")
 
 

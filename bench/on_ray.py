@@ -46,7 +46,7 @@ def main() -> None:
 
     from common.config import load_config
     from launch.demo import build_assets
-    from startup import run_once
+    from startup import median, run_once
 
     assets = os.path.join(REPO, ".demo", "assets")
     build_assets(assets, log=lambda *_: None)  # cached after the first time
@@ -69,19 +69,14 @@ def main() -> None:
     finally:
         cluster.shutdown()
 
-    def median(name: str, key: str) -> float:
-        values = sorted(r[key] for r in results[name])
-        middle = len(values) // 2
-        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-
     print(f"\nmedian over {args.rounds} rounds, {args.steps} steps of {batch_size} samples:")
     for name, _, _ in variants:
-        print(f"  {name:<6} first trained step {median(name, 'first_step_s'):5.1f}s, whole run "
-              f"{median(name, 'run_s'):5.1f}s, trained tokens/s {median(name, 'tokens_per_s'):6.0f}")
-    ratio = median("ray", "tokens_per_s") / median("local", "tokens_per_s")
+        print(f"  {name:<6} first trained step {median(results, name, 'first_step_s'):5.1f}s, whole run "
+              f"{median(results, name, 'run_s'):5.1f}s, trained tokens/s {median(results, name, 'tokens_per_s'):6.0f}")
+    ratio = median(results, "ray", "tokens_per_s") / median(results, "local", "tokens_per_s")
     print(f"steady trained tokens/s, ray / local: {ratio:.0%} (limit: >= 90% of the local run's)")
-    print(f"start-up, ray - local: {median('ray', 'first_step_s') - median('local', 'first_step_s'):+.1f}s to the "
-          "first trained step")
+    later = median(results, "ray", "first_step_s") - median(results, "local", "first_step_s")
+    print(f"start-up, ray - local: {later:+.1f}s to the first trained step")
 
 
 if __name__ == "__main__":

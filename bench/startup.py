@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -24,6 +25,11 @@ import time
 FIRST_STEP_GOAL_S, RUN_GOAL_S = 15.0, 35.0
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+
+
+def median(results: dict[str, list[dict]], name: str, key: str) -> float:
+    """The median of figure ``key`` over variant ``name``'s rounds."""
+    return statistics.median(r[key] for r in results[name])
 
 
 def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config: str | None = None,

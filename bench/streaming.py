@@ -71,7 +71,7 @@ def figures(result: dict, batch_size: int, prompt_tokens: int) -> dict:
 def main() -> None:
     from common.config import load_config
     from launch.demo import DEMO_HIDDEN, DEMO_LAYERS, build_assets
-    from startup import run_once
+    from startup import median, run_once
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
@@ -120,21 +120,16 @@ def main() -> None:
                   f"{result['weight_sync']:.1%}, sending {result['sending']:.1%}), {result['requests_per_step']:.1f} "
                   f"requests per engine step; whole run {result['run_s']:.1f}s", flush=True)
 
-    def median(name: str, key: str) -> float:
-        values = sorted(r[key] for r in results[name])
-        middle = len(values) // 2
-        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-
     print(f"\nmedian over {args.rounds} rounds, {args.steps} steps of {batch_size} samples each:")
     for name, _, _ in variants:
-        print(f"  {name:<20} trained tokens/s {median(name, 'tokens_per_s'):6.0f}, samples/s "
-              f"{median(name, 'samples_per_s'):5.1f}, engine generating {median(name, 'generating'):6.1%}")
-    generating = median("streaming", "generating")
+        print(f"  {name:<20} trained tokens/s {median(results, name, 'tokens_per_s'):6.0f}, samples/s "
+              f"{median(results, name, 'samples_per_s'):5.1f}, engine generating {median(results, name, 'generating'):6.1%}")
+    generating = median(results, "streaming", "generating")
     print(f"streaming engine generating while it holds work: {generating:.1%} (goal >= {GOAL:.0%}): "
           f"{'met' if generating >= GOAL else 'NOT met'}")
     if args.baseline:
         for key, what in (("tokens_per_s", "trained tokens/s"), ("samples_per_s", "trained samples/s")):
-            factor = median("streaming", key) / median("chunked (baseline)", key)
+            factor = median(results, "streaming", key) / median(results, "chunked (baseline)", key)
             print(f"end-to-end {what}, streaming / chunked: {factor:.2f}x")
 
 
