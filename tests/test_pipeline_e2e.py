@@ -200,7 +200,7 @@ def test_pools_of_every_role_survive_a_killed_rollout_and_scorer(tmp_path, tiny_
     import signal
     import time
 
-    steps = 5
+    steps = 8  # room after the kills for the restarted engine to be granted work
     path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": steps, "ranks": 2},
                                  rollout={"engines": 2}, scorer={"workers": 2, "deadline_s": 5.0},
                                  buffer={"max_staleness": 1}, launch={"restart_backoff_s": 0.5})
@@ -208,9 +208,13 @@ def test_pools_of_every_role_survive_a_killed_rollout_and_scorer(tmp_path, tiny_
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def kill_when(step, role):
+        """Kill ``role`` once the learner is past ``step`` and ``role`` has done work: on a loaded box an
+        engine can still be starting when the other has fed two steps alone (seen in a fresh clone)."""
         deadline = time.monotonic() + 300
-        while len(read_metrics(run_dir, "learner")) < step:
-            assert time.monotonic() < deadline and run.poll() is None, "the run did not reach step %d" % step
+        while len(read_metrics(run_dir, "learner")) < step or not any(
+                record.get("samples", record.get("scored")) for record in read_metrics(run_dir, role)):
+            assert time.monotonic() < deadline and run.poll() is None, f"the run did not reach step {step} with " \
+                                                                        f"{role} at work"
             time.sleep(0.2)
         with open(os.path.join(run_dir, "pids.json")) as file:
             os.killpg(json.load(file)[role], signal.SIGKILL)
