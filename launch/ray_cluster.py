@@ -149,6 +149,13 @@ class ProcessHost:
             return False
 
 
+def _client_key(name: str) -> str:
+    """A process's CURVE key name, bound to its role (protocol.security.role_of_key): ``rollout-0``
+    for ``rollout0``; the learner's and the buffer's are their role's."""
+    role = name.rstrip("0123456789")
+    return role if role == name else f"{role}-{name[len(role):]}"
+
+
 def _lost(error: Exception) -> bool:
     """Whether a failed call to a host means the host (or its node) is gone."""
     import ray.exceptions
@@ -241,6 +248,7 @@ class RayPlacement:
         self.gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.remote_host = ray.remote(ProcessHost)
         self.learner_group = None
+        self.master_port: int | None = None
         self.hosts: dict[str, list] = {}  # process name -> its hosts now (a learner: one per node)
         self.where: dict[str, list[dict]] = {}
         self.started: set[str] = set()  # names whose hosts ran a process: a start of one places anew
@@ -312,8 +320,9 @@ class RayPlacement:
         """Across nodes: TCP on the nodes the buffer and the learner landed on, CURVE on."""
         buffer, learner = self.hosts["buffer"][0], self.hosts["learner"][0]
         buffer_ip, learner_ip = self.where["buffer"][0]["ip"], self.where["learner"][0]["ip"]
-        return {"transport.buffer_address": f"tcp://{buffer_ip}:{self.ray.get(buffer.free_port.remote())}",
-                "transport.weights_address": f"tcp://{learner_ip}:{self.ray.get(learner.free_port.remote())}"}
+        ports = self.ray.get([buffer.free_port.remote(), learner.free_port.remote()], timeout=POLL_DEADLINE_S)
+        return {"transport.buffer_address": f"tcp://{buffer_ip}:{ports[0]}",
+                "transport.weights_address": f"tcp://{learner_ip}:{ports[1]}"}
 
     def _key_files(self, name: str, run_dir: str) -> tuple[dict[str, bytes], dict[str, str]]:
         """The CURVE files a process needs under its run_dir's ``keys/`` and the overrides naming them.
@@ -321,16 +330,12 @@ class RayPlacement:
         as the role it names."""
         from protocol.security import make_keys
 
-        role = name.rstrip("0123456789")
-        client = role if role in ("buffer", "learner") else f"{role}-{name[len(role):]}"
+        role, client = name.rstrip("0123456789"), _client_key(name)
         if not os.path.exists(os.path.join(self.keys, "server.key")):
             make_keys(self.keys, "server")
             os.makedirs(os.path.join(self.keys, "allowed"), exist_ok=True)
             for other in self.hosts:
-                other_role = other.rstrip("0123456789")
-                other_client = other_role if other_role in ("buffer", "learner") else \
-                    f"{other_role}-{other[len(other_role):]}"
-                public, _ = make_keys(self.keys, other_client)
+                public, _ = make_keys(self.keys, _client_key(other))
                 shutil.copy(public, os.path.join(self.keys, "allowed"))
         wanted = ["server.key", f"{client}.key", f"{client}.key_secret"]
         if role in ("buffer", "learner"):  # the servers: the buffer, and the learner's weight server
@@ -380,9 +385,10 @@ class RayPlacement:
         return RoleProcess(name, role, worker_index, RayProcess(name, hosts, pids, config.run_dir), log_path)
 
     def _learner_port(self, host) -> int:
-        if not hasattr(self, "_master_port"):
-            self._master_port = self.ray.get(host.free_port.remote())
-        return self._master_port
+        """torch.distributed's port on the learner's node rank 0, found once."""
+        if self.master_port is None:
+            self.master_port = self.ray.get(host.free_port.remote(), timeout=POLL_DEADLINE_S)
+        return self.master_port
 
     def _overrides(self, name: str, where: dict) -> tuple[dict[str, str], dict[str, bytes]]:
         """The config a process of ``name`` on the host ``where`` runs with beyond the run's, and the
