@@ -31,9 +31,6 @@ from common.prompts import chat_of
 from protocol.samples import Sample
 from rollout.environments import BadStep, Environments, Observation, Step, as_step, check_observation
 
-# how an episode ended, besides the policy's own "stop" (end of sequence without an environment to
-# answer) and "length" (a turn cut at max_new_tokens): what the rollout's metrics count
-ENDINGS = ("done", "max_turns", "token_budget", "env_error", "env_deadline")
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
 # the reply is text no template writes itself, so where the assistant's turn ends can be found after it
 _REPLY = "tether-reply"
@@ -118,12 +115,14 @@ class Episode:
     turns: int = 0
     behavior_version: int | None = None  # of its first policy token
     last_behavior_version: int | None = None  # of its last
-    ended: str | None = None  # why it ended (a vLLM finish reason or one of ENDINGS)
+    # why it ended: "length" (a turn cut at max_new_tokens), "done", "max_turns", "token_budget",
+    # "env_error", "env_deadline"; the rollout's metrics count each
+    ended: str | None = None
     pending: Future | None = None  # the environment call under way, if any
     deadline: float = 0.0
     last_token: int = -1  # of the policy's last turn: the token it stopped at, when it stopped
     tool_calls: int = 0
-    tool_errors: Counter = field(default_factory=Counter)
+    tool_errors: int = 0
 
 
 def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
@@ -291,9 +290,9 @@ class Episodes:
 
     def _stepped(self, episode: Episode, step: Step) -> None:
         if step.reward:
-            episode.turn_rewards[len(episode.tokens) - 1 - episode.loss_mask[::-1].index(1)] += step.reward
+            episode.turn_rewards[-1] += step.reward  # a step answers a turn: the last token is the turn's
         episode.tool_calls += step.tool_calls
-        episode.tool_errors.update(step.tool_errors)
+        episode.tool_errors += len(step.tool_errors)
         if step.done:
             return self._end(episode, "done")
         if episode.turns >= self.config.rollout.max_turns:
@@ -323,21 +322,20 @@ class Episodes:
             self.counters["episodes"] += 1
             self.counters["turns"] += episode.turns
             self.counters["tool_calls"] += episode.tool_calls
-            self.counters["tool_errors"] += sum(episode.tool_errors.values())
+            self.counters["tool_errors"] += episode.tool_errors
             self.counters["env_reward"] += sum(episode.turn_rewards)
 
     def _sample(self, episode: Episode) -> Sample:
-        # the policy's turns end where its last token is: observations after it were never answered
-        last = len(episode.loss_mask) - episode.loss_mask[::-1].index(1)
+        # an observation is appended only when a turn follows it: the episode ends on a policy token
         return Sample(
             sample_id="", prompt_index=episode.group.prompt_index, behavior_version=episode.behavior_version,
             last_behavior_version=episode.last_behavior_version,
             prompt_tokens=np.asarray(episode.prompt_tokens, dtype=np.int32),
-            response_tokens=np.asarray(episode.tokens[:last], dtype=np.int32),
-            behavior_logprobs=np.asarray(episode.logprobs[:last], dtype=np.float32),
+            response_tokens=np.asarray(episode.tokens, dtype=np.int32),
+            behavior_logprobs=np.asarray(episode.logprobs, dtype=np.float32),
             finish_reason=episode.ended, data_row=episode.group.data_row,
-            loss_mask=np.asarray(episode.loss_mask[:last], dtype=np.uint8),
-            turn_rewards=np.asarray(episode.turn_rewards[:last], dtype=np.float32),
+            loss_mask=np.asarray(episode.loss_mask, dtype=np.uint8),
+            turn_rewards=np.asarray(episode.turn_rewards, dtype=np.float32),
             messages=json.dumps(episode.messages))
 
     def record(self) -> dict:
