@@ -226,6 +226,87 @@ class LearnerConfig(_Strict):
         return self.micro_batch_size or self.minibatch_size // ranks
 
 
+class StageConfig(_Strict):
+    """What the offline stages (sft, rm, dpo) share: the model they start from, their data, where they
+    write, and the learner's DeepSpeed setup under the learner's names."""
+    model: str | None = Field(None, description="the model trained from (HF directory or hub id); default: the "
+                                                "stage before's output (sft's for rm and dpo), else models.policy")
+    data: str = Field(description="training rows: JSON lines (.jsonl, .json) or Parquet (.parquet)")
+    eval_data: str | None = Field(None, description="held-out rows of the same form; None: eval_fraction of data, "
+                                                    "drawn by seed")
+    eval_fraction: float = Field(0.05, ge=0, lt=1, description="share of data held out when eval_data is None; "
+                                                               "0: no held-out figures")
+    output: str | None = Field(None, description="the HF model directory written; default: RUN_DIR/<stage>")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="the model's dtype (DeepSpeed "
+                                                             "keeps fp32 master weights); losses in fp32")
+    epochs: int = Field(1, ge=1, description="passes over the training rows")
+    lr: float = Field(1e-5, gt=0, description="AdamW's learning rate, before lr_schedule")
+    lr_schedule: Literal["constant", "linear", "cosine"] = Field("linear", description="after the warm-up, decay to "
+                                                                 "lr_min_ratio x lr at the last step")
+    lr_warmup_steps: int = Field(0, ge=0, description="optimizer steps of linear warm-up from 1/N of the rate")
+    lr_min_ratio: float = Field(0.0, ge=0, le=1, description="the rate at the end of the decay, as a share of lr")
+    batch_size: int = Field(32, ge=1, description="examples per optimizer step (a ranking or a pair is one example)")
+    micro_batch_size: int | None = Field(None, ge=1, description="examples per forward/backward pass on each rank "
+                                                                 "at most; default: batch_size / ranks")
+    max_tokens_per_microbatch: int | None = Field(None, ge=1, description="padded tokens (rows x longest) per "
+                                                  "forward/backward pass on each rank; an example's rows are "
+                                                  "never split. None: micro_batch_size examples a pass")
+    max_len: int = Field(1024, ge=2, description="most tokens of prompt + response; longer rows are left out and "
+                                                 "counted")
+    eval_every: int = Field(0, ge=0, description="held-out figures every N optimizer steps; 0: at each epoch's end")
+    seed: int | None = Field(None, description="the shuffle, the held-out draw and the init; default: the run's seed")
+    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage, as learner.zero_stage")
+    ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks (torch.distributed's launcher)")
+    dist_port: int = Field(0, ge=0, le=65535, description="torch.distributed port; 0 picks a free one")
+    lora_rank: int = Field(0, ge=0, description="LoRA adapters of this rank (peft), only they (and an RM's score "
+                                                "head) train; the output is merged. 0: full fine-tuning")
+    lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling: alpha / rank")
+    lora_target_modules: list[str] = Field(["all-linear"], description='module names to adapt; ["all-linear"]: '
+                                                                       "every linear layer but the output head")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay")
+    grad_clip: float = Field(1.0, gt=0, description="gradients are clipped to this global norm")
+
+    @model_validator(mode="after")
+    def _shares(self) -> "StageConfig":
+        if self.batch_size % self.ranks:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of ranks ({self.ranks})")
+        if self.lora_rank and self.zero_stage == 3:
+            raise ValueError("lora_rank with zero_stage 3 is not supported: use ZeRO 0-2")
+        return self
+
+    def micro_batch(self, ranks: int) -> int:
+        """Examples per forward/backward pass on each of ``ranks`` ranks."""
+        return self.micro_batch_size or self.batch_size // ranks
+
+
+class SftConfig(StageConfig):
+    """Supervised fine-tuning on demonstrations: rows {"prompt", "response"} (loss on the response)
+    or {"messages"} (loss on the assistant's turns, through the chat template)."""
+    lr: float = Field(2e-5, gt=0, description="AdamW's learning rate, before lr_schedule")
+
+
+class RewardModelConfig(StageConfig):
+    """The reward model, trained on rankings: {"prompt", "chosen", "rejected"} or {"prompt",
+    "responses": [...], "ranking": [...]} (ranking[i]: the rank of responses[i], 0 the best, equal
+    ranks a tie). All K-choose-2 pairs of a prompt from one forward pass of its K responses."""
+    calibration: Literal["offset", "normalize", "none"] = Field(
+        "offset", description="offset: the mean score of the training responses (the SFT policy's) is subtracted, "
+                              "so they score 0 on average; normalize: and divided by their std; stored in the "
+                              "model's config.json, applied by the scorer")
+
+
+class DpoConfig(StageConfig):
+    """DPO (Rafailov et al. 2023) on preference pairs {"prompt", "chosen", "rejected"} against a
+    frozen reference whose logprobs are computed once."""
+    lr: float = Field(5e-7, gt=0, description="AdamW's learning rate, before lr_schedule")
+    beta: float = Field(0.1, gt=0, description="the strength of the implicit KL to the reference")
+    reference: str | None = Field(None, description="the frozen reference; default: dpo.model")
+
+
+STAGES = ("sft", "rm", "dpo")
+
+
 class HealthConfig(_Strict):
     """Thresholds of the learner's health monitor (learner/health.py)."""
     warmup_steps: int = Field(3, ge=1, description="steps averaged into the baselines; no alert before")
@@ -363,8 +444,9 @@ class TetherConfig(_Strict):
                                                      "sockets/, config.yaml")
     seed: int = Field(0, description="the prompt order, vLLM's sampling, the learner's shuffles and init")
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="every role's log level")
-    models: ModelsConfig
-    data: DataConfig
+    models: ModelsConfig | None = Field(None, description="PPO's models (tether run); with an sft or rm section "
+                                                          "their outputs are models.policy and models.reward")
+    data: DataConfig | None = Field(None, description="PPO's prompts (tether run)")
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     scorer: ScorerConfig = Field(default_factory=ScorerConfig)
@@ -376,9 +458,46 @@ class TetherConfig(_Strict):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
     resume_from: str | None = Field(None, description="a checkpoints/state-* directory (set by tether run --resume)")
+    sft: SftConfig | None = Field(None, description="tether sft: supervised fine-tuning, the first InstructGPT stage")
+    rm: RewardModelConfig | None = Field(None, description="tether rm: the reward model, the second stage")
+    dpo: DpoConfig | None = Field(None, description="tether dpo: DPO on preference pairs, PPO's offline alternative")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _chain_stages(cls, data: Any) -> Any:
+        """Each stage's output is the next one's input unless the config names another: sft's output
+        starts rm and dpo and is models.policy; rm's output is models.reward."""
+        if not isinstance(data, dict):
+            return data
+        run_dir = data.get("run_dir", cls.model_fields["run_dir"].default)
+        sections = {name: data[name] for name in STAGES if isinstance(data.get(name), dict)}
+        outputs = {name: section.get("output") or os.path.join(run_dir, name) for name, section in sections.items()}
+        models = data.get("models") if isinstance(data.get("models"), dict) else None
+        start = outputs.get("sft") or (models or {}).get("policy")
+        for name in ("rm", "dpo"):
+            if name in sections and not sections[name].get("model") and start:
+                data[name] = {**sections[name], "model": start}
+        if "dpo" in data and isinstance(data["dpo"], dict) and data["dpo"].get("model"):
+            data["dpo"].setdefault("reference", data["dpo"]["model"])
+        chained = {key: value for key, value in (("policy", outputs.get("sft")), ("reward", outputs.get("rm")))
+                   if value}
+        if models is not None or "policy" in chained:
+            data["models"] = {**chained, **(models or {})}
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> "TetherConfig":
+        for name in STAGES:
+            section = getattr(self, name)
+            if section is not None and section.model is None:
+                raise ValueError(f"{name}.model: the model {name} trains from is not set (nor an sft section or "
+                                 "models.policy to start from)")
+        if self.models is None or self.data is None:
+            if not any(getattr(self, name) is not None for name in STAGES):
+                missing = [key for key in ("models", "data") if getattr(self, key) is None]
+                raise ValueError(f"{' and '.join(missing)}: missing (PPO needs models.policy and data.prompts; a "
+                                 "config for tether sft, rm or dpo alone has that section instead)")
+            return self
         learner, rollout = self.learner, self.rollout
         if self.models.reward is None and not self.scorer.reward_functions:
             raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or both")
@@ -440,6 +559,26 @@ class TetherConfig(_Strict):
 
     def _count(self, role: str) -> int:
         return {"rollout": self.rollout.engines, "scorer": self.scorer.workers}.get(role, 1)
+
+    def require_ppo(self, command: str) -> "TetherConfig":
+        """This config, if it says what PPO needs; else a ``ConfigError`` naming the missing key."""
+        missing = [key for key in ("models", "data") if getattr(self, key) is None]
+        if missing:
+            raise ConfigError(f"{' and '.join(missing)}: missing, and {command} needs them (models.policy, "
+                              "data.prompts)")
+        return self
+
+    def stage(self, name: str) -> StageConfig:
+        """The ``sft``, ``rm`` or ``dpo`` section, or a ``ConfigError`` saying it is missing."""
+        section = getattr(self, name)
+        if section is None:
+            raise ConfigError(f"{name}: missing; tether {name} trains from that section of the config")
+        return section
+
+    def stage_output(self, name: str) -> str:
+        """Where stage ``name`` writes its model: ``<name>.output``, else RUN_DIR/<name>."""
+        section = getattr(self, name)
+        return (section.output if section is not None and section.output else None) or os.path.join(self.run_dir, name)
 
     # ---- derived values every role agrees on
     @property
@@ -522,9 +661,11 @@ def _moved_keys(data: dict[str, Any]) -> list[str]:
 def _format_validation_error(error: ValidationError) -> str:
     lines = []
     for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        key = ".".join(str(part) for part in item["loc"])
         message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
-        lines.append(f"  {key}: {message}")
+        if item["type"] == "value_error":  # a check across keys: its message names them
+            message = message.removeprefix("Value error, ")
+        lines.append(f"  {key}: {message}" if key else f"  {message}")
     return "invalid config:\n" + "\n".join(lines)
 
 

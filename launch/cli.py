@@ -35,11 +35,13 @@ def fail(message: object, code: ExitCode, label: str = "error") -> NoReturn:
     raise typer.Exit(code)
 
 
-def _load(config: Path, override: Optional[list[str]]):
+def _load(config: Path, override: Optional[list[str]], ppo: bool = True):
+    """The config, validated; with ``ppo``, one that says what PPO needs (models, data)."""
     from common.config import ConfigError, load_config
 
     try:
-        return load_config(config, override or [])
+        resolved = load_config(config, override or [])
+        return resolved.require_ppo(f"tether {sys.argv[1] if len(sys.argv) > 1 else 'run'}") if ppo else resolved
     except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)
 
@@ -147,6 +149,73 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
     try:
         code = run_pipeline(resolved, overwrite, resume=resume is not None, ray=address)
     except ConfigError as error:  # Ray missing, or no room on the cluster
+        fail(error, ExitCode.CONFIG_ERROR)
+    raise typer.Exit(code)
+
+
+StageOverwrite = typer.Option(False, "--overwrite", help="train again where the output already holds this "
+                                                            "stage's model")
+
+
+def _run_stage(name: str, config: Path, override: Optional[list[str]], overwrite: bool) -> None:
+    """`tether sft|rm|dpo`: the stage's ``run`` on this process, or its ranks through torchrun."""
+    resolved = _load(config, override, ppo=False)
+    from common.config import ConfigError
+
+    try:
+        section = resolved.stage(name)
+        if "RANK" not in os.environ and section.ranks > 1:
+            from launch.ranks import launch_ranks
+
+            raise typer.Exit(launch_ranks(resolved, sys.argv[1:], 1, 0, "127.0.0.1", 0, section, name))
+        from stages.pipeline import run_stage
+
+        output = run_stage(resolved, name, overwrite)
+    except ConfigError as error:
+        fail(error, ExitCode.CONFIG_ERROR)
+    except FloatingPointError as error:
+        fail(error, ExitCode.TRAINING_STOPPED, label="stopped")
+    if int(os.environ.get("RANK", 0)) == 0:
+        typer.echo(output)
+    exit_finished()
+
+
+@app.command()
+def sft(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
+        overwrite: bool = StageOverwrite) -> None:
+    """Supervised fine-tuning on demonstrations (the config's sft section): an HF model directory
+    for models.policy."""
+    _run_stage("sft", config, override, overwrite)
+
+
+@app.command()
+def rm(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
+       overwrite: bool = StageOverwrite) -> None:
+    """The reward model on comparisons or K-wise rankings (the config's rm section), calibrated: an
+    HF sequence-classification directory for models.reward."""
+    _run_stage("rm", config, override, overwrite)
+
+
+@app.command()
+def dpo(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
+        overwrite: bool = StageOverwrite) -> None:
+    """DPO on preference pairs against a frozen reference (the config's dpo section)."""
+    _run_stage("dpo", config, override, overwrite)
+
+
+@app.command()
+def pipeline(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
+             overwrite: bool = typer.Option(False, help="train every stage again and replace a previous PPO run")
+             ) -> None:
+    """SFT, then the reward model, then PPO (and DPO where the config has a dpo section), each stage's
+    output the next one's input; a stage already finished with the same section is not run again."""
+    resolved = _load(config, override, ppo=False)
+    from common.config import ConfigError
+    from stages.pipeline import run_pipeline_stages
+
+    try:
+        code = run_pipeline_stages(resolved, config, override or [], overwrite)
+    except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)
     raise typer.Exit(code)
 
@@ -314,7 +383,7 @@ def config_show(config: Path = ConfigOption, override: Optional[list[str]] = Ove
     """Print the resolved config, defaults filled in, each key with what it means."""
     from common.config import describe_config
 
-    typer.echo(describe_config(_load(config, override)), nl=False)
+    typer.echo(describe_config(_load(config, override, ppo=False)), nl=False)
 
 
 def main() -> None:  # `python -m launch.cli`

@@ -13,25 +13,29 @@ from protocol.transport import free_port
 
 
 def torchrun_command(config: TetherConfig, cli_args: list[str], nnodes: int, node_rank: int, master_addr: str,
-                     master_port: int) -> list[str]:
-    """The torchrun command that starts this host's ranks, each running ``launch.cli <cli_args>``."""
+                     master_port: int, training=None) -> list[str]:
+    """The torchrun command that starts this host's ranks, each running ``launch.cli <cli_args>``:
+    ``training.ranks`` of them on port ``training.dist_port`` (``training``: the learner's section,
+    or a stage's)."""
+    training = training or config.learner
     if not 0 <= node_rank < nnodes:
         raise ConfigError(f"--node-rank {node_rank} is not in 0..{nnodes - 1} (--nnodes {nnodes})")
-    port = master_port or config.learner.dist_port
+    port = master_port or training.dist_port
     if not port:
         if nnodes > 1:
-            raise ConfigError("learner.dist_port (or --master-port) must name the port of node rank 0 when the "
+            raise ConfigError("dist_port (or --master-port) must name the port of node rank 0 when the "
                               "learner spans several hosts")
         port = free_port()
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-            f"--nproc-per-node={config.learner.ranks}", f"--master-addr={master_addr}", f"--master-port={port}",
+            f"--nproc-per-node={training.ranks}", f"--master-addr={master_addr}", f"--master-port={port}",
             "--max-restarts=0", "-m", "launch.cli", *cli_args]
 
 
 def launch_ranks(config: TetherConfig, cli_args: list[str], nnodes: int, node_rank: int, master_addr: str,
-                 master_port: int) -> int:
-    command = torchrun_command(config, cli_args, nnodes, node_rank, master_addr, master_port)
-    print(f"learner: {config.learner.ranks} rank(s) on this host, node {node_rank} of {nnodes}: {' '.join(command)}",
+                 master_port: int, training=None, name: str = "learner") -> int:
+    training = training or config.learner
+    command = torchrun_command(config, cli_args, nnodes, node_rank, master_addr, master_port, training)
+    print(f"{name}: {training.ranks} rank(s) on this host, node {node_rank} of {nnodes}: {' '.join(command)}",
           file=sys.stderr, flush=True)
     # exec, not a child: the launcher keeps this process id, so `tether run` and a scheduler signal it directly
     os.execv(sys.executable, command)

@@ -36,6 +36,16 @@ PANELS = (
 )
 
 
+# tether sft / rm / dpo (metrics/<stage>.jsonl): (title, left axis, right axis), each (key, label)
+STAGE_PANELS = {
+    "sft": ("sft: next-token loss", (("loss", "train"), ("eval_loss", "held-out")), ()),
+    "rm": ("rm: K-wise loss and pair accuracy", (("loss", "train loss"), ("eval_loss", "held-out loss")),
+           (("accuracy", "train accuracy"), ("eval_accuracy", "held-out accuracy"))),
+    "dpo": ("dpo: loss and preference accuracy", (("loss", "train loss"), ("eval_loss", "held-out loss")),
+            (("accuracy", "train accuracy"), ("eval_accuracy", "held-out accuracy"), ("eval_margin", "held-out margin"))),
+}
+
+
 def _role_metrics(run_dir: str) -> dict[str, list[dict]]:
     names = [os.path.basename(path)[:-len(".jsonl")] for path in glob.glob(os.path.join(run_dir, "metrics", "*.jsonl"))
              if os.path.basename(path) != StartupTimeline.FILE]  # every role's phases, read on their own
@@ -51,11 +61,14 @@ def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
 
     metrics = _role_metrics(run_dir)
     learner = metrics.get("learner", [])
-    if not learner:
-        raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet")
-    figure, axes = plt.subplots(5, 2, figsize=(13, 16), constrained_layout=True)
+    stages = [name for name in STAGE_PANELS if metrics.get(name)]
+    if not learner and not stages:
+        raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet (nor sft, rm or dpo metrics)")
+    panels = (list(PANELS) if learner else []) + stages
+    figure, axes = plt.subplots((len(panels) + 1) // 2, 2, figsize=(13, 3.2 * ((len(panels) + 1) // 2)),
+                                constrained_layout=True, squeeze=False)
     titles = []
-    for axis, (title, series) in zip(axes.flat, PANELS):
+    for axis, (title, series) in zip(axes.flat, PANELS if learner else ()):
         # a pool's role names every process of it: rollout -> rollout0, rollout1, ...
         series = [(name, key, label.replace(role, name)) for role, key, label in series
                   for name in ([role] if role in metrics else [n for n in metrics if n.rstrip("0123456789") == role])]
@@ -80,13 +93,33 @@ def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
         if axis.lines:
             axis.legend(loc="best", fontsize=8)
         titles.append(title)
-    for axis in axes.flat[len(PANELS):]:
+    titles += [_plot_stage(axis, name, metrics[name]) for axis, name in zip(axes.flat[len(titles):], stages)]
+    for axis in axes.flat[len(panels):]:
         axis.set_visible(False)
     figure.suptitle(f"tether run {os.path.abspath(run_dir)}  (red: steps with a health alert)", fontsize=10)
     output = output or os.path.join(run_dir, "dashboard.png")
     figure.savefig(output, dpi=80)
     plt.close(figure)
     return output, titles
+
+
+def _plot_stage(axis, name: str, records: list[dict]) -> str:
+    """Stage ``name``'s panel: its losses on the left axis, its accuracies on the right."""
+    title, left, right = STAGE_PANELS[name]
+    twin = axis.twinx() if right else None
+    for index, (target, series) in enumerate(((axis, left), (twin, right))):
+        for number, (key, label) in enumerate(series):
+            points = [(r["step"], r[key]) for r in records if r.get(key) is not None]
+            if points:
+                target.plot(*zip(*points), marker="." if key.startswith("eval_") else None, label=label,
+                            color=f"C{2 * number + index}", linestyle="--" if index else "-")
+    for target, place in ((axis, "upper left"), (twin, "lower right")):
+        if target is not None and target.lines:
+            target.legend(loc=place, fontsize=8)
+    axis.set_title(title)
+    axis.set_xlabel(f"{name} optimizer step")
+    axis.grid(alpha=0.3)
+    return title
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from common.config import TetherConfig, dump_config
+from common.config import STAGES, TetherConfig, dump_config
 from common.runlog import StartupTimeline, read_metrics
 from launch.exit_codes import ExitCode, signalled
 
@@ -343,9 +343,13 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
     """Every role of ``config`` as its own process, watched until the learner is done: on this host,
     or with ``ray`` (a cluster's address; "" for a cluster of this machine alone) wherever Ray
     places each (``launch.ray_cluster``). Returns the exit code."""
+    from stages.pipeline import stage_files
+
     run_dir = config.run_dir
-    previous = [name for name in ("metrics", "logs", "tensorboard", "checkpoints")
-                if os.path.isdir(os.path.join(run_dir, name)) and os.listdir(os.path.join(run_dir, name))]
+    kept = set().union(*(stage_files(name) for name in STAGES))  # tether pipeline's stages ran here first
+    previous = [os.path.join(name, entry) for name in ("metrics", "logs", "tensorboard", "checkpoints")
+                if os.path.isdir(os.path.join(run_dir, name)) for entry in sorted(os.listdir(os.path.join(run_dir, name)))
+                if os.path.join(name, entry) not in kept]
     if resume:
         with open(os.path.join(config.resume_from, "COMPLETE")) as file:
             version = int(file.read())
@@ -353,11 +357,13 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
         print(f"tether run: resuming {run_dir} from {config.resume_from} (policy version {version})", flush=True)
     elif previous:
         if not overwrite:
-            print(f"error: run_dir {run_dir} already holds a run ({', '.join(previous)}); choose another "
+            held = sorted({entry.split(os.sep)[0] for entry in previous})
+            print(f"error: run_dir {run_dir} already holds a run ({', '.join(held)}); choose another "
                   "run_dir or pass --overwrite", file=sys.stderr)
             return ExitCode.CONFIG_ERROR
-        for name in previous:
-            shutil.rmtree(os.path.join(run_dir, name))
+        for entry in previous:
+            path = os.path.join(run_dir, entry)
+            shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
     config_path = os.path.join(run_dir, "config.yaml")

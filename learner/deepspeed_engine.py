@@ -17,9 +17,18 @@ from learner.models import ValueModel
 
 
 def make_deepspeed_engine(model: nn.Module, lr: float, config: TetherConfig):
+    """The actor's or the critic's engine, under ``learner.*`` and ``models.dtype``."""
+    return deepspeed_engine(model, lr, config.learner, config.models.dtype, config.learner.minibatch_size)
+
+
+def deepspeed_engine(model: nn.Module, lr: float, learner, dtype: str, rows_per_step: int):
+    """``model`` in a DeepSpeed engine with AdamW at ``lr`` over its trainable parameters.
+    ``learner``: a ``LearnerConfig`` or a ``StageConfig`` (``zero_stage``, ``grad_clip``,
+    ``weight_decay``, ``gradient_checkpointing``, under the same names); ``rows_per_step``: the rows
+    of one optimizer step over all ranks (DeepSpeed wants a micro-batch size; the callers split
+    and accumulate themselves)."""
     import deepspeed
 
-    learner = config.learner
     world = int(os.environ.get("WORLD_SIZE", 1))
     if learner.gradient_checkpointing:
         body = model.body if isinstance(model, ValueModel) else model
@@ -29,13 +38,13 @@ def make_deepspeed_engine(model: nn.Module, lr: float, config: TetherConfig):
         # a minibatch is split evenly between the ranks (data parallel), each rank's share into micro-batches
         # whose count varies (learner.micro_batches): ppo_step marks the last of them as the accumulation
         # boundary itself, and scales each one's loss by its share; DeepSpeed averages the ranks' gradients
-        "train_micro_batch_size_per_gpu": learner.minibatch_size // world,
+        "train_micro_batch_size_per_gpu": max(1, rows_per_step // world),
         "gradient_accumulation_steps": 1,
         "gradient_clipping": learner.grad_clip,
         "zero_optimization": {"stage": learner.zero_stage},
         # DeepSpeed keeps fp32 master weights and optimizer state for a bf16 / fp16 model
-        "bf16": {"enabled": config.models.dtype == "bfloat16"},
-        "fp16": {"enabled": config.models.dtype == "float16"},
+        "bf16": {"enabled": dtype == "bfloat16"},
+        "fp16": {"enabled": dtype == "float16"},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
@@ -44,7 +53,7 @@ def make_deepspeed_engine(model: nn.Module, lr: float, config: TetherConfig):
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     if world == 1 and learner.zero_stage == 0:  # an all-reduce over one rank copies every gradient for nothing
         engine.enable_backward_allreduce = False
-    engine.gradient_guard = GradientGuard(model, enabled=config.models.dtype != "float16")
+    engine.gradient_guard = GradientGuard(model, enabled=dtype != "float16")
     return engine
 
 class GradientGuard:

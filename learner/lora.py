@@ -13,16 +13,18 @@ from common.config import LearnerConfig
 ADAPTER = "default"  # peft's name for the one adapter tether trains
 
 
-def with_lora(model: nn.Module, cfg: LearnerConfig) -> nn.Module:
+def with_lora(model: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = None) -> nn.Module:
     """``model`` with LoRA adapters on ``cfg.lora_target_modules`` ("all-linear": every linear layer
-    but the output head), everything else frozen; ``model`` itself when ``cfg.lora_rank`` is 0."""
+    but the output head) save the modules named in ``exclude`` (a reward model's score head, which
+    peft takes for one more linear layer), everything else frozen; ``model`` itself when
+    ``cfg.lora_rank`` is 0. ``cfg``: the learner's section or a stage's (same names)."""
     if cfg.lora_rank == 0:
         return model
     from peft import LoraConfig, get_peft_model
 
     target = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
     return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                            target_modules=target))
+                                            target_modules=target, exclude_modules=exclude or None))
 
 
 def critic_with_lora(critic: nn.Module, cfg: LearnerConfig) -> nn.Module:

@@ -55,3 +55,16 @@ def load_critic(path: str, dtype: str = "float32") -> nn.Module:
         with torch.no_grad():
             head.bias.zero_()
     return disable_dropout(ValueModel(source.base_model, head))
+
+
+def load_reward_model(path: str, dtype: str, tokenizer) -> nn.Module:
+    """A one-label sequence-classification model of ``path``'s family, dropout off: from a policy
+    its body and a new score head; its pad token the tokenizer's (else end-of-sequence), which
+    HF's own pooling needs even where tether pools itself."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                     else tokenizer.eos_token_id)
+    return disable_dropout(model)

@@ -125,22 +125,10 @@ def device() -> torch.device:
     return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else torch.device("cpu")
 
 def init_distributed(config: TetherConfig) -> None:
-    """One process without a launcher is rank 0 of 1; under torchrun (`learner.ranks`) the
-    launcher's environment is kept. gloo on CPU (docs/machine.md), NCCL on GPUs."""
-    import datetime
-
-    import deepspeed
-
-    if "RANK" not in os.environ:
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(config.learner.dist_port or free_port()))
-    if not torch.cuda.is_available():
-        if os.environ["WORLD_SIZE"] == "1" or not config.learner.cpu_shm_allreduce:
-            _skip_shared_memory_allreduce()
-        else:
-            remove_stale_build_locks()
-    else:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    """The learner's process group (``init_process_group``), its batch sizes checked against the
+    world size known only now."""
+    cfg = config.learner
+    init_process_group(cfg.dist_port, cfg.dist_timeout_s, cfg.cpu_shm_allreduce)
     world = int(os.environ["WORLD_SIZE"])
     for key in ("batch_size", "minibatch_size"):  # ranks x hosts: known only now
         if getattr(config.learner, key) % world:
@@ -149,7 +137,26 @@ def init_distributed(config: TetherConfig) -> None:
     ptx_batch = config.learner.ptx_batch_size
     if config.data.ptx and ptx_batch is not None and ptx_batch % world:
         raise ConfigError(f"learner.ptx_batch_size ({ptx_batch}) must be a multiple of the learner's {world} ranks")
-    timeout = datetime.timedelta(seconds=config.learner.dist_timeout_s)
+
+
+def init_process_group(dist_port: int = 0, dist_timeout_s: float = 1800.0, cpu_shm_allreduce: bool = False) -> None:
+    """One process without a launcher is rank 0 of 1; under torchrun (`learner.ranks`, a stage's
+    ``ranks``) the launcher's environment is kept. gloo on CPU (docs/machine.md), NCCL on GPUs."""
+    import datetime
+
+    import deepspeed
+
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(dist_port or free_port()))
+    if not torch.cuda.is_available():
+        if os.environ["WORLD_SIZE"] == "1" or not cpu_shm_allreduce:
+            _skip_shared_memory_allreduce()
+        else:
+            remove_stale_build_locks()
+    else:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    timeout = datetime.timedelta(seconds=dist_timeout_s)
     set_timeout(timeout)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
 

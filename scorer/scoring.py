@@ -10,7 +10,9 @@ from common.distributions import logprobs_from_logits
 from common.sequences import classification_head, collate, gather_response, pad_rows
 from protocol.samples import Sample
 
-REWARD_OFFSET_KEY = "tether_reward_offset"  # in the RM's config.json: subtracted from every raw score
+# in the RM's config.json (tether rm's calibration): a score is (raw - offset) / scale
+REWARD_OFFSET_KEY = "tether_reward_offset"
+REWARD_SCALE_KEY = "tether_reward_scale"
 
 
 @torch.no_grad()
@@ -47,11 +49,23 @@ def reward_scores_of_tokens(reward_model: nn.Module, rows: list[list[int]]) -> t
 
 def _pooled_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    last_positions: torch.Tensor) -> torch.Tensor:
-    """input_ids, attention_mask: [B, L] right-padded; last_positions: [B]. Returns [B] on the CPU."""
-    hidden = reward_model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    """input_ids, attention_mask: [B, L] right-padded; last_positions: [B]. Returns [B] on the CPU,
+    calibrated by the offset and scale stored with the RM."""
+    offset = float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))
+    scale = float(getattr(reward_model.config, REWARD_SCALE_KEY, 1.0))
+    return ((raw_scores(reward_model, input_ids, attention_mask, last_positions) - offset) / scale).cpu()
+
+
+def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+               last_positions: torch.Tensor) -> torch.Tensor:
+    """[B] fp32, uncalibrated: the RM's head on the hidden state of each row's last real token
+    (``last_positions`` [B]), as the scorer reads it and tether rm trains it."""
+    from learner.lora import is_lora
+
+    model = reward_model.get_base_model() if is_lora(reward_model) else reward_model
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
     last_hidden = hidden[torch.arange(len(input_ids), device=hidden.device), last_positions]
-    scores = classification_head(reward_model)(last_hidden).squeeze(-1).float()
-    return (scores - float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))).cpu()
+    return classification_head(model)(last_hidden).squeeze(-1).float()
 
 
 def reward_model_tokens(sequence: str, conversation: list[dict[str, str]] | None, tokenizer,

@@ -67,7 +67,7 @@ def test_one_sampling_value_for_every_role(tmp_path):
 
 
 def test_missing_section_and_missing_file(tmp_path):
-    with pytest.raises(ConfigError, match="models: Field required"):
+    with pytest.raises(ConfigError, match="models: missing"):
         load_config(write(tmp_path, {"data": {"prompts": "/d"}}))
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,3 @@
+"""The offline stages of InstructGPT besides PPO, and DPO: supervised fine-tuning (sft), the reward
+model (rm), DPO (dpo), each a `run(config)` on its section of the config, and the pipeline that
+chains them into PPO."""

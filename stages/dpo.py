@@ -1,0 +1,96 @@
+"""`tether dpo`: Direct Preference Optimization (Rafailov et al. 2023) on preference pairs, the
+offline alternative to PPO. The frozen reference's log pi_ref(y | x) of every response is computed
+once, before training, and the reference freed; chosen and rejected go through the policy in one
+forward pass. Metrics as TRL names them: the implicit rewards beta (log pi - log pi_ref) of
+chosen and rejected, their margin, and the share of pairs where chosen's is higher (accuracy)."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import TetherConfig
+from stages import training
+from stages.examples import Example, padded
+from stages.losses import dpo_loss, sequence_logprobs
+
+
+def logprob_sums(module, examples: list[Example], pad_token_id: int) -> torch.Tensor:
+    """[rows]: log pi(response | prompt) of every row of ``examples`` (chosen, rejected, ...)."""
+    input_ids, attention_mask, loss_mask = (t.to(next(module.parameters()).device)
+                                            for t in padded(examples, pad_token_id))
+    logits = module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    return sequence_logprobs(logits, input_ids, loss_mask)
+
+
+@torch.no_grad()
+def reference_logprobs(path: str, dtype: str, examples: list[Example], pad_token_id: int,
+                       stage: training.Stage) -> None:
+    """Each example's reference logprobs (chosen, rejected), stored on it as ``reference``."""
+    from learner.models import load_actor
+    from learner.step import micro_batches_of
+
+    reference = load_actor(path, dtype).eval().to(training.parallel.device())
+    costs = torch.tensor([example.cost for example in examples], dtype=torch.long)
+    for part in micro_batches_of(torch.arange(len(examples)), costs, stage.cfg, 1):
+        chosen = [examples[int(i)] for i in part]
+        for example, values in zip(chosen, logprob_sums(reference, chosen, pad_token_id).view(-1, 2).cpu()):
+            example.reference = values
+    del reference
+
+
+def pair_sums(module, examples: list[Example], pad_token_id: int, beta: float) -> tuple[torch.Tensor, dict]:
+    """(summed DPO loss, summed chosen and rejected rewards and correct pairs) of ``examples``."""
+    policy = logprob_sums(module, examples, pad_token_id).view(-1, 2)
+    reference = torch.stack([example.reference for example in examples]).to(policy.device)
+    loss, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], beta)
+    return loss.sum(), {"pairs": float(len(examples)), "chosen_reward": float(chosen.sum()),
+                        "rejected_reward": float(rejected.sum()), "correct": float((chosen > rejected).sum())}
+
+
+def figures_of(sums: dict[str, float]) -> dict[str, float]:
+    pairs = max(sums["pairs"], 1.0)
+    chosen, rejected = sums["chosen_reward"] / pairs, sums["rejected_reward"] / pairs
+    return {"loss": sums["loss"] / pairs, "accuracy": sums["correct"] / pairs, "chosen_reward": chosen,
+            "rejected_reward": rejected, "margin": chosen - rejected}
+
+
+def run(config: TetherConfig) -> str:
+    """Train ``dpo.model`` on ``dpo.data`` against ``dpo.reference``; returns the output directory."""
+    from transformers import AutoTokenizer
+
+    from learner.lora import with_lora
+    from learner.models import load_actor
+    from learner.schedule import lr_factor, set_lr
+    from learner.step import SkippedSteps
+
+    stage = training.start(config, "dpo")
+    cfg, recipe = stage.cfg, training.recipe_of(config, "dpo")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    train, evaluation = training.examples_loaded(stage, tokenizer, "pair")
+    model = load_actor(cfg.model, cfg.dtype)
+    pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    reference_logprobs(cfg.reference, cfg.dtype, train + evaluation, pad_token_id, stage)
+    engine = training.engine_of(with_lora(model, cfg), stage)
+    per_epoch = training.steps_per_epoch(len(train), stage)
+    total_steps = per_epoch * cfg.epochs
+    stage.log.info("dpo: %s against %s for %d epoch(s), %d steps of %d pairs, beta %g, ZeRO-%d, %d rank(s)",
+                   cfg.model, cfg.reference, cfg.epochs, total_steps, cfg.batch_size, cfg.beta, cfg.zero_stage,
+                   training.parallel.world_size())
+    progress, skipped, figures = training.Progress(stage, total_steps), SkippedSteps(5), {}
+
+    def sums_of(module, part):
+        return pair_sums(module, part, pad_token_id, cfg.beta)
+
+    for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
+        lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
+        set_lr(engine, lr)
+        sums = training.train_step(engine, training.rank_parts(indices, train, stage), train, sums_of,
+                                   len(indices), skipped, step)
+        progress.step(step, epoch, {**figures_of(sums), "lr": lr, "grad_norm": sums["grad_norm"]}, len(indices))
+        if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
+            figures = figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage))
+            progress.held_out(step, figures)
+    output = training.save_output(engine, cfg.model, stage, recipe, figures)
+    stage.log.info("dpo: wrote %s (held-out preference accuracy %s)", output,
+                   f"{figures['accuracy']:.3f}" if figures else "n/a")
+    return output

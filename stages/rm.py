@@ -1,0 +1,144 @@
+"""`tether rm`: the reward model, InstructGPT's second stage. Each prompt's K ranked responses go
+through the model in one forward pass, and the loss is the mean over their C(K, 2) pairs of
+-log sigmoid(r_w - r_l) (``stages.losses.kwise_ranking_loss``), averaged over prompts. A score is
+read as the scorer reads it: the head on the last real token of prompt + response. Calibration
+(``rm.calibration``) goes into the output's config.json, where the scorer finds it; the output is
+an HF sequence-classification directory that ``models.reward`` takes as is."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import TetherConfig
+from stages import training
+from stages.examples import Example, padded
+from stages.losses import kwise_ranking_loss
+
+
+def scores_of(module, examples: list[Example], pad_token_id: int) -> torch.Tensor:
+    """[rows]: the raw score of every row of ``examples``, in order, from one forward pass (through
+    the DeepSpeed engine when training: its forward hooks the backward). Pooled as the scorer
+    pools (``scorer.scoring.raw_scores``): the head on each row's last real token."""
+    from common.sequences import classification_head
+
+    input_ids, attention_mask, _ = padded(examples, pad_token_id)
+    device = next(module.parameters()).device
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    hidden = module(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
+    last = hidden[torch.arange(len(input_ids), device=device), attention_mask.sum(dim=1) - 1]
+    return classification_head(_model(module))(last).squeeze(-1).float()
+
+
+def _model(module):
+    """The HF model inside a DeepSpeed engine and a peft wrapper."""
+    from learner.lora import is_lora
+
+    module = getattr(module, "module", module) if type(module).__name__ == "DeepSpeedEngine" else module
+    return module.get_base_model() if is_lora(module) else module
+
+
+def grouped(examples: list[Example], flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``flat`` [rows] as (scores [G, K], ranks [G, K], present [G, K]), K the most responses of any
+    of the G examples."""
+    most = max(len(example.rows) for example in examples)
+    scores = flat.new_zeros((len(examples), most))
+    ranks = torch.zeros((len(examples), most), dtype=torch.long)
+    present = torch.zeros((len(examples), most), dtype=torch.bool)
+    start = 0
+    for g, example in enumerate(examples):
+        k = len(example.rows)
+        scores[g, :k] = flat[start:start + k]
+        ranks[g, :k] = torch.tensor(example.ranks)
+        present[g, :k] = True
+        start += k
+    return scores, ranks.to(flat.device), present.to(flat.device)
+
+
+def ranking_sums(module, examples: list[Example], pad_token_id: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """(summed per-prompt K-wise loss, {"prompts": prompts with a pair, "pairs", "correct"})."""
+    loss, pairs, correct = kwise_ranking_loss(*grouped(examples, scores_of(module, examples, pad_token_id)))
+    return loss.sum(), {"prompts": float((pairs > 0).sum()), "pairs": float(pairs.sum()),
+                        "correct": float(correct.sum())}
+
+
+def has_pair(example: Example) -> bool:
+    return len(set(example.ranks)) > 1
+
+
+def held_out_accuracy(module, examples: list[Example], pad_token_id: int,
+                      stage: training.Stage) -> dict[str, float]:
+    if not examples:
+        return {}
+    sums = training.forward_sums(module, examples, lambda m, part: ranking_sums(m, part, pad_token_id), stage)
+    return {"accuracy": sums["correct"] / max(sums["pairs"], 1.0), "loss": sums["loss"] / max(sums["prompts"], 1.0),
+            "pairs": sums["pairs"]}
+
+
+@torch.no_grad()
+def calibration(module, examples: list[Example], pad_token_id: int, how: str, stage: training.Stage) -> dict:
+    """The config.json entries that calibrate the model: the mean raw score of the training
+    responses (InstructGPT's are the SFT policy's, so the SFT policy scores 0 on average) as the
+    offset, and with ``normalize`` their std as the scale."""
+    from scorer.scoring import REWARD_OFFSET_KEY, REWARD_SCALE_KEY
+
+    if how == "none":
+        return {REWARD_OFFSET_KEY: 0.0, REWARD_SCALE_KEY: 1.0}
+    was_training = module.training
+    module.eval()
+    costs = torch.tensor([example.cost for example in examples], dtype=torch.long)
+    from learner.step import micro_batches_of
+
+    scores = torch.cat([scores_of(module, [examples[int(i)] for i in part], pad_token_id)
+                        for part in micro_batches_of(torch.arange(len(examples)), costs, stage.cfg, 1)])
+    module.train(was_training)
+    offset, scale = float(scores.mean()), float(scores.std()) if how == "normalize" and len(scores) > 1 else 1.0
+    return {REWARD_OFFSET_KEY: offset, REWARD_SCALE_KEY: scale if scale > 0 else 1.0}
+
+
+def run(config: TetherConfig) -> str:
+    """Train ``rm.model`` (a policy: its body, a new score head) on ``rm.data``; returns the output."""
+    from transformers import AutoTokenizer
+
+    from common.sequences import classification_head
+    from learner.lora import with_lora
+    from learner.models import load_reward_model
+    from learner.schedule import lr_factor, set_lr
+    from learner.step import SkippedSteps
+
+    stage = training.start(config, "rm")
+    cfg, recipe = stage.cfg, training.recipe_of(config, "rm")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    train, evaluation = training.examples_loaded(stage, tokenizer, "ranking")
+    model = load_reward_model(cfg.model, cfg.dtype, tokenizer)
+    pad_token_id = model.config.pad_token_id
+    head = classification_head(model)
+    head_name = next(name for name, module in model.named_modules() if module is head)
+    model = with_lora(model, cfg, exclude=[head_name])
+    head.requires_grad_(True)  # new: it trains whole, also beside LoRA adapters
+    engine = training.engine_of(model, stage)
+    per_epoch = training.steps_per_epoch(len(train), stage)
+    total_steps = per_epoch * cfg.epochs
+    stage.log.info("rm: %s for %d epoch(s), %d steps of %d rankings (K %d to %d), ZeRO-%d, %d rank(s)", cfg.model,
+                   cfg.epochs, total_steps, cfg.batch_size, min(len(e.rows) for e in train),
+                   max(len(e.rows) for e in train), cfg.zero_stage, training.parallel.world_size())
+    progress, skipped, figures = training.Progress(stage, total_steps), SkippedSteps(5), {}
+    for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
+        lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
+        set_lr(engine, lr)
+        prompts = sum(has_pair(train[int(i)]) for i in indices)
+        if not prompts:
+            continue  # every ranking in the batch is a tie: nothing to learn
+        sums = training.train_step(engine, training.rank_parts(indices, train, stage), train,
+                                   lambda m, part: ranking_sums(m, part, pad_token_id), prompts, skipped, step)
+        progress.step(step, epoch, {"loss": sums["loss"] / max(sums["prompts"], 1.0), "lr": lr,
+                                    "accuracy": sums["correct"] / max(sums["pairs"], 1.0),
+                                    "grad_norm": sums["grad_norm"], "pairs": sums["pairs"]}, len(indices))
+        if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
+            figures = held_out_accuracy(engine.module, evaluation, pad_token_id, stage)
+            progress.held_out(step, figures)
+    calibrated = calibration(engine.module, train, pad_token_id, cfg.calibration, stage)
+    stage.log.info("rm: calibration %s", calibrated)
+    output = training.save_output(engine, cfg.model, stage, recipe, {**figures, **calibrated}, calibrated)
+    stage.log.info("rm: wrote %s (held-out pair accuracy %s)", output,
+                   f"{figures['accuracy']:.3f}" if figures else "n/a")
+    return output

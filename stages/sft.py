@@ -1,0 +1,75 @@
+"""`tether sft`: supervised fine-tuning on demonstrations, InstructGPT's first stage. The loss is
+the mean next-token loss over every taught token of a batch (a response, an assistant's turn),
+as transformers' ``labels`` loss computes it; the output is an HF causal-LM directory that
+``models.policy`` takes as is."""
+
+from __future__ import annotations
+
+import torch
+
+from common.config import TetherConfig
+from stages import training
+from stages.examples import Example, padded
+from stages.losses import token_nll
+
+
+def nll_sums(module, examples: list[Example], pad_token_id: int) -> tuple[torch.Tensor, dict[str, float]]:
+    """(summed next-token loss over the examples' taught tokens, {"tokens": how many})."""
+    input_ids, attention_mask, loss_mask = (t.to(_device(module)) for t in padded(examples, pad_token_id))
+    logits = module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+    nll, mask = token_nll(logits, input_ids, loss_mask)
+    return (nll * mask).sum(), {"tokens": float(mask.sum())}
+
+
+def taught_tokens(example: Example) -> int:
+    """Its loss tokens: the positions that predict a taught token (the first token has none)."""
+    return sum(sum(mask[1:]) for mask in example.loss_masks)
+
+
+def held_out_loss(module, examples: list[Example], pad_token_id: int, stage: training.Stage) -> dict[str, float]:
+    if not examples:
+        return {}
+    sums = training.forward_sums(module, examples, lambda m, part: nll_sums(m, part, pad_token_id), stage)
+    return {"loss": sums["loss"] / sums["tokens"], "tokens": sums["tokens"]}
+
+
+def run(config: TetherConfig) -> str:
+    """Train ``sft.model`` on ``sft.data``; returns the output directory."""
+    from transformers import AutoTokenizer
+
+    from learner.lora import with_lora
+    from learner.models import load_actor
+    from learner.schedule import lr_factor, set_lr
+    from learner.step import SkippedSteps
+
+    stage = training.start(config, "sft")
+    cfg, recipe = stage.cfg, training.recipe_of(config, "sft")
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    train, evaluation = training.examples_loaded(stage, tokenizer, "demonstration")
+    model = with_lora(load_actor(cfg.model, cfg.dtype), cfg)
+    pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    engine = training.engine_of(model, stage)
+    per_epoch = training.steps_per_epoch(len(train), stage)
+    total_steps = per_epoch * cfg.epochs
+    stage.log.info("sft: %s for %d epoch(s), %d steps of %d examples, ZeRO-%d, %d rank(s)", cfg.model, cfg.epochs,
+                   total_steps, cfg.batch_size, cfg.zero_stage, training.parallel.world_size())
+    progress, skipped, figures = training.Progress(stage, total_steps), SkippedSteps(5), {}
+    for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
+        lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
+        set_lr(engine, lr)
+        parts = training.rank_parts(indices, train, stage)
+        tokens = sum(taught_tokens(train[int(i)]) for i in indices)
+        sums = training.train_step(engine, parts, train, lambda m, part: nll_sums(m, part, pad_token_id),
+                                   tokens, skipped, step)
+        progress.step(step, epoch, {"loss": sums["loss"] / sums["tokens"], "lr": lr, "grad_norm": sums["grad_norm"],
+                                    "tokens": sums["tokens"]}, len(indices))
+        if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
+            figures = held_out_loss(engine.module, evaluation, pad_token_id, stage)
+            progress.held_out(step, figures)
+    output = training.save_output(engine, cfg.model, stage, recipe, figures)
+    stage.log.info("sft: wrote %s (held-out loss %s)", output, f"{figures['loss']:.4f}" if figures else "n/a")
+    return output
+
+
+def _device(module) -> torch.device:
+    return next(module.parameters()).device
