@@ -96,7 +96,7 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
     """Next-token SFT on the traces; the loss covers the policy's tokens only."""
     from transformers import LlamaForCausalLM
 
-    from launch.demo import fit_next_token, tiny_llama_config
+    from launch.demo import tiny_llama_config
 
     def example(rng: random.Random) -> tuple[list[int], list[int]]:
         row = make_row(rng)
@@ -109,6 +109,28 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
     fit_next_token(model, example, steps, seed, log)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+
+
+def fit_next_token(model, example, steps: int, seed: int, log=print) -> None:
+    """The agent demo's SFT: ``steps`` AdamW steps (3e-3, 30 steps of warm-up, then a linear decay) on
+    batches of 64 ``example(rng)`` -> (token ids, labels: -100 where no loss is taken)."""
+    from common.sequences import pad_rows
+
+    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
+    for step in range(steps):
+        rows, labels = zip(*(example(rng) for _ in range(64)))
+        input_ids, attention_mask = pad_rows(list(rows), 0)
+        label_ids, _ = pad_rows(list(labels), 0)
+        label_ids[attention_mask == 0] = -100
+        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % 100 == 0 or step == steps - 1:
+            log(f"  sft step {step + 1}/{steps} loss {loss.item():.3f}")
 
 
 def write_rows(path: str, count: int, seed: int) -> None:

@@ -1,6 +1,7 @@
-"""The demo, built from nothing on disk: a tokenizer, a tiny Llama policy trained by SFT on a task
-with a verifiable answer, a reward model trained on preference pairs ranked by the task's gold
-rule, then PPO through the whole pipeline and a held-out report of gold and RM reward.
+"""The demo, built from nothing on disk with InstructGPT's three stages as tether runs them: a
+tokenizer and an untrained tiny Llama; demonstrations of a task with a verifiable answer, learned
+by `tether sft`; rankings of four SFT samples a prompt by the task's gold rule, learned by `tether
+rm`; then PPO through the whole pipeline and a held-out report of gold and RM reward.
 
 The task ("parity"): a prompt names a parity and three distractor digits, ``even 3 8 1 :``; a
 response is a few digits and an end-of-sequence token. Gold reward (0 to 1) is the fraction of
@@ -155,26 +156,6 @@ def run_stage_command(name: str, config_path: str, log=print) -> None:
             log("    " + line.split(" INFO ", 1)[-1])
     if process.returncode != 0:
         raise RuntimeError(f"tether {name} failed (exit {process.returncode}):\n" + "\n".join(lines[-30:]))
-
-
-def fit_next_token(model, example, steps: int, seed: int, log=print) -> None:
-    """The demos' SFT: ``steps`` AdamW steps (3e-3, 30 steps of warm-up, then a linear decay) on
-    batches of 64 ``example(rng)`` -> (token ids, labels: -100 where no loss is taken)."""
-    rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 30) * max(0.05, 1 - step / steps))
-    for step in range(steps):
-        rows, labels = zip(*(example(rng) for _ in range(64)))
-        input_ids, attention_mask = pad_rows(list(rows), PAD)
-        label_ids, _ = pad_rows(list(labels), PAD)
-        label_ids[attention_mask == 0] = -100
-        loss = model(input_ids=input_ids, attention_mask=attention_mask, labels=label_ids).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % 100 == 0 or step == steps - 1:
-            log(f"  sft step {step + 1}/{steps} loss {loss.item():.3f}")
 
 
 @torch.no_grad()
