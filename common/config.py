@@ -254,6 +254,9 @@ class StageConfig(_Strict):
     max_len: int = Field(1024, ge=2, description="most tokens of prompt + response; longer rows are left out and "
                                                  "counted")
     eval_every: int = Field(0, ge=0, description="held-out figures every N optimizer steps; 0: at each epoch's end")
+    checkpoint_every: int = Field(0, ge=0, description="save the stage's whole state (weights, optimizer) every N "
+                                  "optimizer steps into OUTPUT.state, as on SIGTERM or SIGHUP; the same command goes on "
+                                  "from it. 0: only on a signal")
     seed: int | None = Field(None, description="the shuffle, the held-out draw and the init; default: the run's seed")
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage, as learner.zero_stage")
     ranks: int = Field(1, ge=1, description="DeepSpeed data-parallel ranks (torch.distributed's launcher)")

@@ -153,14 +153,15 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
     raise typer.Exit(code)
 
 
-StageOverwrite = typer.Option(False, "--overwrite", help="train again where the output already holds this "
-                                                            "stage's model")
+StageOverwrite = typer.Option(False, "--overwrite", help="train from the start, even where the output already "
+                                                            "holds this stage's model or a saved state of it")
 
 
 def _run_stage(name: str, config: Path, override: Optional[list[str]], overwrite: bool) -> None:
     """`tether sft|rm|dpo`: the stage's ``run`` on this process, or its ranks through torchrun."""
     resolved = _load(config, override, ppo=False)
     from common.config import ConfigError
+    from learner.main import Preempted
 
     try:
         section = resolved.stage(name)
@@ -175,6 +176,8 @@ def _run_stage(name: str, config: Path, override: Optional[list[str]], overwrite
         fail(error, ExitCode.CONFIG_ERROR)
     except FloatingPointError as error:
         fail(error, ExitCode.TRAINING_STOPPED, label="stopped")
+    except Preempted as error:
+        fail(error, signalled(error.signal), label="stopped")
     if int(os.environ.get("RANK", 0)) == 0:
         typer.echo(output)
     exit_finished()

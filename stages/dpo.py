@@ -54,17 +54,18 @@ def figures_of(sums: dict[str, float]) -> dict[str, float]:
             "rejected_reward": rejected, "margin": chosen - rejected}
 
 
-def run(config: TetherConfig) -> str:
+def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``dpo.model`` on ``dpo.data`` against ``dpo.reference``; returns the output directory."""
     from transformers import AutoTokenizer
 
     from learner.lora import with_lora
     from learner.models import load_actor
     from learner.schedule import lr_factor, set_lr
+    from learner.main import StopSignal
     from learner.step import SkippedSteps
 
-    stage = training.start(config, "dpo")
-    cfg, recipe = stage.cfg, training.recipe_of(config, "dpo")
+    stage = training.start(config, "dpo", fresh)
+    cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train, evaluation = training.examples_loaded(stage, tokenizer, "pair")
     model = load_actor(cfg.model, cfg.dtype)
@@ -76,21 +77,26 @@ def run(config: TetherConfig) -> str:
     stage.log.info("dpo: %s against %s for %d epoch(s), %d steps of %d pairs, beta %g, ZeRO-%d, %d rank(s)",
                    cfg.model, cfg.reference, cfg.epochs, total_steps, cfg.batch_size, cfg.beta, cfg.zero_stage,
                    training.parallel.world_size())
-    progress, skipped, figures = training.Progress(stage, total_steps), SkippedSteps(5), {}
+    start_step = training.restore(engine, stage)
+    progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
 
     def sums_of(module, part):
         return pair_sums(module, part, pad_token_id, cfg.beta)
 
     for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
+        if step <= start_step:
+            continue  # trained before the state it goes on from was saved
         lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
         set_lr(engine, lr)
         sums = training.train_step(engine, training.rank_parts(indices, train, stage), train, sums_of,
                                    len(indices), skipped, step)
         progress.step(step, epoch, {**figures_of(sums), "lr": lr, "grad_norm": sums["grad_norm"]}, len(indices))
         if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
-            figures = figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage))
-            progress.held_out(step, figures)
-    output = training.save_output(engine, cfg.model, stage, recipe, figures)
+            progress.held_out(step, figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage)))
+        training.after_step(engine, stage, step, stop)
+    figures = figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage)) if evaluation else {}
+    progress.held_out(total_steps, figures)
+    output = training.save_output(engine, cfg.model, stage, figures)
     stage.log.info("dpo: wrote %s (held-out preference accuracy %s)", output,
                    f"{figures['accuracy']:.3f}" if figures else "n/a")
     return output

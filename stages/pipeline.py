@@ -23,7 +23,8 @@ STAGE_RUNS = {"sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo"}
 
 def run_stage(config: TetherConfig, name: str, overwrite: bool = False) -> str:
     """Train stage ``name`` (this process is one rank of it) unless its output already holds the
-    model of this recipe (then say so, and return it); returns the output directory."""
+    model of this recipe (then say so, and return it), going on from its saved state if it has
+    one of this recipe; ``overwrite``: from the start, whatever is there. Returns the output."""
     import importlib
 
     output = config.stage_output(name)
@@ -32,7 +33,7 @@ def run_stage(config: TetherConfig, name: str, overwrite: bool = False) -> str:
         print(f"{name}: {output} already holds this stage's model (held-out {marker['held_out']}); "
               "--overwrite trains it again", file=sys.stderr, flush=True)
         return output
-    return importlib.import_module(STAGE_RUNS[name]).run(config)
+    return importlib.import_module(STAGE_RUNS[name]).run(config, fresh=overwrite)
 
 
 def run_pipeline_stages(config: TetherConfig, config_path, overrides: list[str], overwrite: bool) -> int:
@@ -52,8 +53,8 @@ def run_pipeline_stages(config: TetherConfig, config_path, overrides: list[str],
             continue
         overwrite = True  # a stage trained anew changes what every stage after it starts from
         print(f"tether pipeline: {name} -> {output}", flush=True)
-        code = _run_logged([sys.executable, "-m", "launch.cli", name, "-c", resolved_path, "--overwrite"],
-                           os.path.join(run_dir, "logs", f"{name}.log"))
+        command = [sys.executable, "-m", "launch.cli", name, "-c", resolved_path, *(["--overwrite"] if overwrite else [])]
+        code = _run_logged(command, os.path.join(run_dir, "logs", f"{name}.log"))
         if code != 0:
             print(f"tether pipeline: {name} failed (exit {code}); its log: {run_dir}/logs/{name}.log", flush=True)
             return code

@@ -95,7 +95,7 @@ def calibration(module, examples: list[Example], pad_token_id: int, how: str, st
     return {REWARD_OFFSET_KEY: offset, REWARD_SCALE_KEY: scale if scale > 0 else 1.0}
 
 
-def run(config: TetherConfig) -> str:
+def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``rm.model`` (a policy: its body, a new score head) on ``rm.data``; returns the output."""
     from transformers import AutoTokenizer
 
@@ -103,10 +103,11 @@ def run(config: TetherConfig) -> str:
     from learner.lora import with_lora
     from learner.models import load_reward_model
     from learner.schedule import lr_factor, set_lr
+    from learner.main import StopSignal
     from learner.step import SkippedSteps
 
-    stage = training.start(config, "rm")
-    cfg, recipe = stage.cfg, training.recipe_of(config, "rm")
+    stage = training.start(config, "rm", fresh)
+    cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train, evaluation = training.examples_loaded(stage, tokenizer, "ranking")
     model = load_reward_model(cfg.model, cfg.dtype, tokenizer)
@@ -121,8 +122,11 @@ def run(config: TetherConfig) -> str:
     stage.log.info("rm: %s for %d epoch(s), %d steps of %d rankings (K %d to %d), ZeRO-%d, %d rank(s)", cfg.model,
                    cfg.epochs, total_steps, cfg.batch_size, min(len(e.rows) for e in train),
                    max(len(e.rows) for e in train), cfg.zero_stage, training.parallel.world_size())
-    progress, skipped, figures = training.Progress(stage, total_steps), SkippedSteps(5), {}
+    start_step = training.restore(engine, stage)
+    progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
     for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
+        if step <= start_step:
+            continue  # trained before the state it goes on from was saved
         lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
         set_lr(engine, lr)
         prompts = sum(has_pair(train[int(i)]) for i in indices)
@@ -134,11 +138,13 @@ def run(config: TetherConfig) -> str:
                                     "accuracy": sums["correct"] / max(sums["pairs"], 1.0),
                                     "grad_norm": sums["grad_norm"], "pairs": sums["pairs"]}, len(indices))
         if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
-            figures = held_out_accuracy(engine.module, evaluation, pad_token_id, stage)
-            progress.held_out(step, figures)
+            progress.held_out(step, held_out_accuracy(engine.module, evaluation, pad_token_id, stage))
+        training.after_step(engine, stage, step, stop)
+    figures = held_out_accuracy(engine.module, evaluation, pad_token_id, stage) if evaluation else {}
+    progress.held_out(total_steps, figures)
     calibrated = calibration(engine.module, train, pad_token_id, cfg.calibration, stage)
     stage.log.info("rm: calibration %s", calibrated)
-    output = training.save_output(engine, cfg.model, stage, recipe, {**figures, **calibrated}, calibrated)
+    output = training.save_output(engine, cfg.model, stage, {**figures, **calibrated}, calibrated)
     stage.log.info("rm: wrote %s (held-out pair accuracy %s)", output,
                    f"{figures['accuracy']:.3f}" if figures else "n/a")
     return output

@@ -33,17 +33,18 @@ def held_out_loss(module, examples: list[Example], pad_token_id: int, stage: tra
     return {"loss": sums["loss"] / sums["tokens"], "tokens": sums["tokens"]}
 
 
-def run(config: TetherConfig) -> str:
+def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``sft.model`` on ``sft.data``; returns the output directory."""
     from transformers import AutoTokenizer
 
     from learner.lora import with_lora
     from learner.models import load_actor
     from learner.schedule import lr_factor, set_lr
+    from learner.main import StopSignal
     from learner.step import SkippedSteps
 
-    stage = training.start(config, "sft")
-    cfg, recipe = stage.cfg, training.recipe_of(config, "sft")
+    stage = training.start(config, "sft", fresh)
+    cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train, evaluation = training.examples_loaded(stage, tokenizer, "demonstration")
     model = with_lora(load_actor(cfg.model, cfg.dtype), cfg)
@@ -53,8 +54,11 @@ def run(config: TetherConfig) -> str:
     total_steps = per_epoch * cfg.epochs
     stage.log.info("sft: %s for %d epoch(s), %d steps of %d examples, ZeRO-%d, %d rank(s)", cfg.model, cfg.epochs,
                    total_steps, cfg.batch_size, cfg.zero_stage, training.parallel.world_size())
-    progress, skipped, figures = training.Progress(stage, total_steps), SkippedSteps(5), {}
+    start_step = training.restore(engine, stage)
+    progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
     for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
+        if step <= start_step:
+            continue  # trained before the state it goes on from was saved
         lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
         set_lr(engine, lr)
         parts = training.rank_parts(indices, train, stage)
@@ -64,9 +68,11 @@ def run(config: TetherConfig) -> str:
         progress.step(step, epoch, {"loss": sums["loss"] / sums["tokens"], "lr": lr, "grad_norm": sums["grad_norm"],
                                     "tokens": sums["tokens"]}, len(indices))
         if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
-            figures = held_out_loss(engine.module, evaluation, pad_token_id, stage)
-            progress.held_out(step, figures)
-    output = training.save_output(engine, cfg.model, stage, recipe, figures)
+            progress.held_out(step, held_out_loss(engine.module, evaluation, pad_token_id, stage))
+        training.after_step(engine, stage, step, stop)
+    figures = held_out_loss(engine.module, evaluation, pad_token_id, stage) if evaluation else {}
+    progress.held_out(total_steps, figures)
+    output = training.save_output(engine, cfg.model, stage, figures)
     stage.log.info("sft: wrote %s (held-out loss %s)", output, f"{figures['loss']:.4f}" if figures else "n/a")
     return output
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -36,13 +37,22 @@ class Stage:
     cfg: StageConfig
     output: str
     seed: int
+    recipe: dict
     log: object
     metrics: MetricsWriter | None  # rank 0's
+    resume_step: int = 0  # the optimizer step of the saved state it goes on from (0: from the start)
+
+    @property
+    def state_dir(self) -> str:
+        """Where the stage's whole state is saved (``checkpoint_every``, a stop signal)."""
+        return self.output + ".state"
 
 
-def start(config: TetherConfig, name: str) -> Stage:
+def start(config: TetherConfig, name: str, fresh: bool = False) -> Stage:
     """Logging, the process group (one rank without a launcher), the seed and, on rank 0, the
-    stage's metrics (RUN_DIR/metrics/<name>.jsonl and TensorBoard)."""
+    stage's metrics (RUN_DIR/metrics/<name>.jsonl and TensorBoard). A state saved by an earlier
+    run of the same recipe is gone on from (``restore``) unless ``fresh``; the metrics then keep
+    that run's records up to it, else they start over."""
     cfg = config.stage(name)
     rank = int(os.environ.get("RANK", 0))
     log = setup_logging(name if rank == 0 else f"{name}{rank}", config.log_level)
@@ -52,13 +62,75 @@ def start(config: TetherConfig, name: str) -> Stage:
                           "ranks")
     seed = config.seed if cfg.seed is None else cfg.seed
     torch.manual_seed(seed)
-    metrics = None
+    stage = Stage(name, cfg, config.stage_output(name), seed, recipe_of(config, name), log, None)
+    saved = _saved_state(stage.state_dir)
+    if saved is not None and saved["recipe"] == stage.recipe and not fresh:
+        stage.resume_step = saved["step"]
     if parallel.is_main():
         from stages.pipeline import forget_stage_metrics
 
-        forget_stage_metrics(config.run_dir, name)
-        metrics = MetricsWriter(config.run_dir, name)
-    return Stage(name, cfg, config.stage_output(name), seed, log, metrics)
+        if stage.resume_step:
+            _keep_records_to(config.run_dir, name, stage.resume_step)
+        else:
+            forget_stage_metrics(config.run_dir, name)
+        stage.metrics = MetricsWriter(config.run_dir, name)
+    return stage
+
+
+def _saved_state(directory: str) -> dict | None:
+    path = os.path.join(directory, "state.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        return json.load(file)
+
+
+def _keep_records_to(run_dir: str, name: str, step: int) -> None:
+    path = os.path.join(run_dir, "metrics", f"{name}.jsonl")
+    if os.path.exists(path):
+        with open(path) as file:
+            kept = [line for line in file if line.strip() and json.loads(line).get("step", 0) <= step]
+        with open(path, "w") as file:
+            file.writelines(kept)
+
+
+def restore(engine, stage: Stage) -> int:
+    """Load the saved state (weights, optimizer) into ``engine`` if the stage goes on from one;
+    returns the step it is at (0: none). Every rank calls it."""
+    if stage.resume_step:
+        engine.load_checkpoint(stage.state_dir, tag="state")
+        stage.log.info("%s: going on from the state saved at step %d (%s)", stage.name, stage.resume_step,
+                       stage.state_dir)
+    return stage.resume_step
+
+
+def after_step(engine, stage: Stage, step: int, stop) -> None:
+    """Save the stage's state every ``checkpoint_every`` steps, and when a stop signal came (then
+    stop: ``learner.main.Preempted``, for the exit code 128 + the signal). Every rank calls it."""
+    from learner.checkpoints import fsync_tree, replace_directory
+    from learner.main import Preempted, signal_name
+
+    stopping = stop.requested()
+    every = stage.cfg.checkpoint_every
+    if not stopping and not (every and step % every == 0):
+        return
+    temporary = stage.state_dir + ".tmp"
+    if parallel.is_main():
+        shutil.rmtree(temporary, ignore_errors=True)
+    parallel.barrier()
+    engine.save_checkpoint(temporary, tag="state")
+    parallel.barrier()
+    if parallel.is_main():
+        with open(os.path.join(temporary, "state.json"), "w") as file:
+            json.dump({"recipe": stage.recipe, "step": step}, file)
+        fsync_tree(temporary)
+        replace_directory(temporary, stage.state_dir)
+    parallel.barrier()
+    if stopping:
+        message = (f"{stage.name}: got {signal_name(stop.number)} at step {step}: saved {stage.state_dir}; the same "
+                   f"command goes on from there")
+        stage.log.warning("%s", message)
+        raise Preempted(message, stop.number)
 
 
 def finished(output: str, recipe: dict) -> dict | None:
@@ -162,10 +234,11 @@ def forward_sums(module, examples: list[Example], sums_of: LossSums, stage: Stag
 
 
 def evaluate_due(step: int, total_steps: int, per_epoch: int, every: int) -> bool:
-    """Whether held-out figures are due after optimizer step ``step`` (1-based): every ``every``
-    steps, or at each epoch's end when ``every`` is 0; always after the last."""
-    if step == total_steps:
-        return True
+    """Whether held-out figures are due after optimizer step ``step`` (1-based) before the last:
+    every ``every`` steps, or at each epoch's end when ``every`` is 0 (after the last step they
+    are taken anyway, for the output)."""
+    if step >= total_steps:
+        return False
     return step % every == 0 if every else step % per_epoch == 0
 
 
@@ -203,7 +276,7 @@ class Progress:
                             " ".join(f"{key} {value:.4g}" for key, value in figures.items()))
 
 
-def save_output(engine, source: str, stage: Stage, recipe: dict, figures: dict[str, float],
+def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
                 config_updates: dict | None = None) -> str:
     """The trained model as an HF directory at the stage's output (LoRA merged, as the rollout and
     scorer load it), the tokenizer of ``source`` beside it, ``config_updates`` in its config.json,
@@ -218,7 +291,8 @@ def save_output(engine, source: str, stage: Stage, recipe: dict, figures: dict[s
     save_hf_checkpoint(engine, source, stage.output)
     if parallel.is_main():
         with open(os.path.join(stage.output, MARKER), "w") as file:
-            json.dump({"recipe": recipe, "held_out": figures}, file, indent=2)
+            json.dump({"recipe": stage.recipe, "held_out": figures}, file, indent=2)
+        shutil.rmtree(stage.state_dir, ignore_errors=True)  # finished: nothing to go on from
     parallel.barrier()
     return stage.output
 

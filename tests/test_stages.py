@@ -381,3 +381,39 @@ def test_pipeline_chains_sft_rm_and_ppo_and_picks_up_where_it_stopped(tmp_path, 
     assert "tether pipeline: sft is done" in partial.stdout and "tether pipeline: rm -> " in partial.stdout
     assert "tether pipeline: ppo on " in partial.stdout and "ppo is done" not in partial.stdout
     assert [r["step"] for r in read_metrics(str(run_dir), "learner")] == [1, 2]  # a new PPO run, not appended
+
+
+@pytest.mark.slow
+def test_a_stopped_stage_goes_on_from_its_saved_state_to_the_same_model(tmp_path, tiny_assets):
+    """SIGTERM mid-way: the stage saves its state and exits 128 + 15; the same command goes on from
+    there and writes the model an uninterrupted run writes."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    data = demonstrations(tmp_path, 2560, 1)
+    section = {"model": tiny_assets["base"], "data": data, "eval_data": demonstrations(tmp_path, 64, 2), **SFT,
+               "batch_size": 16, "checkpoint_every": 40}
+    whole = stage_config(tmp_path, "sft", {**section, "output": str(tmp_path / "whole")}, file="whole")
+    assert tether("sft", "-c", whole).returncode == 0
+    path = stage_config(tmp_path, "sft", {**section, "output": str(tmp_path / "stopped")}, file="stopped")
+    process = subprocess.Popen([sys.executable, "-m", "launch.cli", "sft", "-c", path], cwd=REPO,
+                               stderr=subprocess.PIPE, text=True)
+    for line in process.stderr:  # the first step's progress line: the loop runs, the signal is caught
+        if "sft step 1/160" in line:
+            process.send_signal(signal.SIGTERM)
+            break
+    rest = process.stderr.read()
+    assert process.wait(timeout=120) == 128 + signal.SIGTERM, rest[-2000:]
+    stopped_at = json.loads((tmp_path / "stopped.state" / "state.json").read_text())["step"]
+    assert 1 <= stopped_at < 160 and "the same command goes on from there" in rest
+    again = tether("sft", "-c", path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"going on from the state saved at step {stopped_at}" in again.stderr
+    assert not (tmp_path / "stopped.state").exists()  # finished: its state is gone
+    records = [json.loads(line) for line in open(tmp_path / "run" / "metrics" / "sft.jsonl")]
+    assert [r["step"] for r in records if "loss" in r] == list(range(1, 161))  # each step once
+    assert marker(tmp_path / "stopped")["held_out"]["loss"] == pytest.approx(
+        marker(tmp_path / "whole")["held_out"]["loss"], abs=1e-6)
