@@ -60,7 +60,6 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
 
     from learner.lora import with_lora
     from learner.models import load_actor
-    from learner.schedule import lr_factor, set_lr
     from learner.main import StopSignal
     from learner.step import SkippedSteps
 
@@ -72,26 +71,20 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     reference_logprobs(cfg.reference, cfg.dtype, train + evaluation, pad_token_id, stage)
     engine = training.engine_of(with_lora(model, cfg), stage)
-    per_epoch = training.steps_per_epoch(len(train), stage)
-    total_steps = per_epoch * cfg.epochs
+    total_steps = training.total_steps(len(train), stage)
     stage.log.info("dpo: %s against %s for %d epoch(s), %d steps of %d pairs, beta %g, ZeRO-%d, %d rank(s)",
                    cfg.model, cfg.reference, cfg.epochs, total_steps, cfg.batch_size, cfg.beta, cfg.zero_stage,
                    training.parallel.world_size())
-    start_step = training.restore(engine, stage)
     progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
 
     def sums_of(module, part):
         return pair_sums(module, part, pad_token_id, cfg.beta)
 
-    for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
-        if step <= start_step:
-            continue  # trained before the state it goes on from was saved
-        lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
-        set_lr(engine, lr)
+    for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
         sums = training.train_step(engine, training.rank_parts(indices, train, stage), train, sums_of,
                                    len(indices), skipped, step)
         progress.step(step, epoch, {**figures_of(sums), "lr": lr, "grad_norm": sums["grad_norm"]}, len(indices))
-        if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
+        if evaluation and training.evaluate_due(step, len(train), stage):
             progress.held_out(step, figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage)))
         training.after_step(engine, stage, step, stop)
     figures = figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage)) if evaluation else {}

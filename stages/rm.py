@@ -102,7 +102,6 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     from common.sequences import classification_head
     from learner.lora import with_lora
     from learner.models import load_reward_model
-    from learner.schedule import lr_factor, set_lr
     from learner.main import StopSignal
     from learner.step import SkippedSteps
 
@@ -117,18 +116,12 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     model = with_lora(model, cfg, exclude=[head_name])
     head.requires_grad_(True)  # new: it trains whole, also beside LoRA adapters
     engine = training.engine_of(model, stage)
-    per_epoch = training.steps_per_epoch(len(train), stage)
-    total_steps = per_epoch * cfg.epochs
+    total_steps = training.total_steps(len(train), stage)
     stage.log.info("rm: %s for %d epoch(s), %d steps of %d rankings (K %d to %d), ZeRO-%d, %d rank(s)", cfg.model,
                    cfg.epochs, total_steps, cfg.batch_size, min(len(e.rows) for e in train),
                    max(len(e.rows) for e in train), cfg.zero_stage, training.parallel.world_size())
-    start_step = training.restore(engine, stage)
     progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
-    for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
-        if step <= start_step:
-            continue  # trained before the state it goes on from was saved
-        lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
-        set_lr(engine, lr)
+    for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
         prompts = sum(has_pair(train[int(i)]) for i in indices)
         if not prompts:
             continue  # every ranking in the batch is a tie: nothing to learn
@@ -137,7 +130,7 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
         progress.step(step, epoch, {"loss": sums["loss"] / max(sums["prompts"], 1.0), "lr": lr,
                                     "accuracy": sums["correct"] / max(sums["pairs"], 1.0),
                                     "grad_norm": sums["grad_norm"], "pairs": sums["pairs"]}, len(indices))
-        if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
+        if evaluation and training.evaluate_due(step, len(train), stage):
             progress.held_out(step, held_out_accuracy(engine.module, evaluation, pad_token_id, stage))
         training.after_step(engine, stage, step, stop)
     figures = held_out_accuracy(engine.module, evaluation, pad_token_id, stage) if evaluation else {}

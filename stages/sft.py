@@ -39,7 +39,6 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
 
     from learner.lora import with_lora
     from learner.models import load_actor
-    from learner.schedule import lr_factor, set_lr
     from learner.main import StopSignal
     from learner.step import SkippedSteps
 
@@ -50,24 +49,18 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     model = with_lora(load_actor(cfg.model, cfg.dtype), cfg)
     pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     engine = training.engine_of(model, stage)
-    per_epoch = training.steps_per_epoch(len(train), stage)
-    total_steps = per_epoch * cfg.epochs
+    total_steps = training.total_steps(len(train), stage)
     stage.log.info("sft: %s for %d epoch(s), %d steps of %d examples, ZeRO-%d, %d rank(s)", cfg.model, cfg.epochs,
                    total_steps, cfg.batch_size, cfg.zero_stage, training.parallel.world_size())
-    start_step = training.restore(engine, stage)
     progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
-    for step, (epoch, indices) in enumerate(training.epochs_of(len(train), stage), 1):
-        if step <= start_step:
-            continue  # trained before the state it goes on from was saved
-        lr = cfg.lr * lr_factor(step - 1, total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
-        set_lr(engine, lr)
+    for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
         parts = training.rank_parts(indices, train, stage)
         tokens = sum(taught_tokens(train[int(i)]) for i in indices)
         sums = training.train_step(engine, parts, train, lambda m, part: nll_sums(m, part, pad_token_id),
                                    tokens, skipped, step)
         progress.step(step, epoch, {"loss": sums["loss"] / sums["tokens"], "lr": lr, "grad_norm": sums["grad_norm"],
                                     "tokens": sums["tokens"]}, len(indices))
-        if evaluation and training.evaluate_due(step, total_steps, per_epoch, cfg.eval_every):
+        if evaluation and training.evaluate_due(step, len(train), stage):
             progress.held_out(step, held_out_loss(engine.module, evaluation, pad_token_id, stage))
         training.after_step(engine, stage, step, stop)
     figures = held_out_loss(engine.module, evaluation, pad_token_id, stage) if evaluation else {}

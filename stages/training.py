@@ -233,13 +233,34 @@ def forward_sums(module, examples: list[Example], sums_of: LossSums, stage: Stag
     return sums
 
 
-def evaluate_due(step: int, total_steps: int, per_epoch: int, every: int) -> bool:
-    """Whether held-out figures are due after optimizer step ``step`` (1-based) before the last:
-    every ``every`` steps, or at each epoch's end when ``every`` is 0 (after the last step they
-    are taken anyway, for the output)."""
-    if step >= total_steps:
+def evaluate_due(step: int, count: int, stage: Stage) -> bool:
+    """Whether held-out figures are due after optimizer step ``step`` (1-based) of training on
+    ``count`` examples, before the last: every ``eval_every`` steps, or at each epoch's end when
+    it is 0 (after the last step they are taken anyway, for the output)."""
+    if step >= total_steps(count, stage):
         return False
-    return step % every == 0 if every else step % per_epoch == 0
+    every = stage.cfg.eval_every
+    return step % every == 0 if every else step % steps_per_epoch(count, stage) == 0
+
+
+def total_steps(count: int, stage: Stage) -> int:
+    """Optimizer steps of training on ``count`` examples for ``epochs``."""
+    return steps_per_epoch(count, stage) * stage.cfg.epochs
+
+
+def optimizer_steps(engine, stage: Stage, count: int) -> Iterator[tuple[int, int, torch.Tensor, float]]:
+    """(step, epoch, batch, learning rate) of each optimizer step left of training on ``count``
+    examples, the rate set on ``engine`` (``lr_schedule``); the steps before a saved state the
+    stage goes on from (``restore``, done here) are passed over."""
+    from learner.schedule import lr_factor, set_lr
+
+    cfg, total, done = stage.cfg, total_steps(count, stage), restore(engine, stage)
+    for step, (epoch, indices) in enumerate(epochs_of(count, stage), 1):
+        if step <= done:
+            continue
+        lr = cfg.lr * lr_factor(step - 1, total, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
+        set_lr(engine, lr)
+        yield step, epoch, indices, lr
 
 
 class Progress:
