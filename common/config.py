@@ -172,6 +172,14 @@ class LearnerConfig(_Strict):
     dual_clip: float | None = Field(None, gt=1, description="dual-clip PPO (Ye et al. 2020): with a negative "
                                                             "advantage the loss is at most dual_clip x |A|; None: off")
     value_clip: float | None = Field(0.2, gt=0, description="None for an unclipped value loss")
+    value_targets: Literal["gae", "vtrace"] = Field("gae", description="the critic's targets: gae, GAE's returns; "
+                                                    "vtrace, V-trace's (Espeholt et al. 2018), corrected for samples "
+                                                    "of an older policy by truncated importance weights (the same "
+                                                    "at max_staleness 0)")
+    vtrace_rho_clip: float = Field(1.0, gt=0, description="V-trace's rho-bar: the importance weight on each "
+                                                          "token's TD error is at most this")
+    vtrace_c_clip: float = Field(1.0, gt=0, description="V-trace's c-bar: the trace's weight per token is lam x at "
+                                                        "most this")
     value_loss_coef: float = Field(1.0, gt=0, description="the critic's loss is scaled by this")
     advantage_estimator: Literal["gae", "grpo", "rloo", "reinforce_pp"] = Field(
         "gae", description="gae: a critic (PPO); grpo / rloo: each response against the other responses to its "
@@ -213,6 +221,9 @@ class LearnerConfig(_Strict):
     cpu_shm_allreduce: bool = Field(False, description="CPU only: DeepSpeed's shared-memory all-reduce between "
                                                        "ranks (JIT-compiled once, ~90 s); off: gloo")
     checkpoint_every: int = Field(0, ge=0, description="save every N steps; 0: only at the end")
+    record_batches: bool = Field(False, description="write every trained batch (sample ids, tokens, behavior and "
+                                 "reference logprobs, scores, versions) to RUN_DIR/batches, for tether replay to "
+                                 "train on again step for step")
     behavior_gap_every: int = Field(10, ge=0, description="with max_staleness >= 1, every N steps keep this "
                                                           "version's weights (a CPU copy) to measure "
                                                           "behavior_logprob_gap on its samples a step later; "
@@ -532,6 +543,9 @@ class TetherConfig(_Strict):
         if rollout.in_process and rollout.tensor_parallel_size > 1:
             raise ValueError("rollout.in_process needs rollout.tensor_parallel_size 1: vLLM runs tensor-parallel "
                              "workers as processes of their own")
+        if learner.value_targets == "vtrace" and learner.advantage_estimator != "gae":
+            raise ValueError(f"learner.value_targets vtrace corrects a critic's targets; learner.advantage_estimator "
+                             f"{learner.advantage_estimator} trains no critic (use gae)")
         if learner.advantage_estimator in ("grpo", "rloo") and rollout.samples_per_prompt < 2:
             raise ValueError(f"learner.advantage_estimator {learner.advantage_estimator} compares the responses to "
                              "one prompt: rollout.samples_per_prompt must be >= 2")

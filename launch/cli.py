@@ -264,6 +264,30 @@ def evaluate(checkpoint: Path = typer.Argument(..., help="an HF model directory 
 
 
 @app.command()
+def replay(run_dir: Path = typer.Argument(..., help="a run made with learner.record_batches: true"),
+           until: Optional[int] = typer.Option(None, help="the last step to replay; default: the run's last"),
+           checkpoint: Optional[Path] = typer.Option(None, help="a checkpoints/state-N of the run to start from; "
+                                                               "default: the start"),
+           out: Optional[Path] = typer.Option(None, help="where the replay writes; default RUN_DIR/replay")) -> None:
+    """Train the learner alone on the batches the run recorded, step for step, and compare each
+    step's losses and the final weights with the run's."""
+    from common.config import ConfigError
+    from learner.replay import replay as replay_run
+
+    destination = out or run_dir / "replay"
+    try:
+        report = replay_run(str(run_dir), str(destination), until, str(checkpoint) if checkpoint else None)
+    except (ConfigError, FileNotFoundError) as error:
+        fail(error, ExitCode.CONFIG_ERROR)
+    weights = report["max_weight_difference"]
+    typer.echo(f"replayed steps {report['steps'][0]}..{report['steps'][-1]} into {destination}: largest difference "
+               f"from the run's losses {report['max_metric_difference']:.3g}"
+               + (f", from its final weights {weights:.3g}" if weights is not None else ""))
+    exact = report["max_metric_difference"] == 0 and weights in (0.0, None)
+    raise typer.Exit(ExitCode.OK if exact else ExitCode.FAILED)
+
+
+@app.command()
 def plot(run_dir: Path = typer.Argument(..., help="a run directory"),
          output: Optional[Path] = typer.Option(None, help="PNG path; default RUN_DIR/dashboard.png")) -> None:
     """One PNG dashboard: reward (RM, gold), KL, length, entropy, value loss, clip fraction,

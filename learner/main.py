@@ -162,9 +162,11 @@ def ptx_stream(config: TetherConfig) -> PtxStream | None:
                               config.rollout.max_model_len), cfg.ptx_batch_size or cfg.minibatch_size, config.seed)
 
 
-def run(config: TetherConfig) -> str:
+def run(config: TetherConfig, recorded: str | None = None) -> str:
     """One rank of the learner. Rank 0 talks to the buffer, publishes weights, writes metrics and
-    checkpoints; every rank trains its share of each batch (``learner.parallel``)."""
+    checkpoints; every rank trains its share of each batch (``learner.parallel``). ``recorded``: a
+    run's recorded batches (``learner.replay``), trained on instead of the buffer's, no weights
+    published."""
     rank = int(os.environ.get("RANK", 0))
     name = "learner" if rank == 0 else f"learner{rank}"
     log = setup_logging(name, config.log_level)
@@ -174,6 +176,7 @@ def run(config: TetherConfig) -> str:
     from learner.checkpoints import load_state, save_hf_checkpoint, save_state
     from learner.deepspeed_engine import snapshot_weights
     from learner.publish import WeightPublisher
+    from learner.replay import BatchRecorder, RecordedBuffer
     from learner.step import SkippedSteps, StepCarry, behavior_gap, ppo_step
 
     cfg = config.learner
@@ -186,13 +189,18 @@ def run(config: TetherConfig) -> str:
     carry = StepCarry(SkippedSteps(cfg.max_skipped_steps), ppo.RunningMoments() if cfg.normalize_rewards else None,
                       ptx_stream(config))
     checkpoints = os.path.join(config.run_dir, "checkpoints")
-    publisher = WeightPublisher(config, main)
-    client = metrics = monitor = None
+    publisher = WeightPublisher(config, main and recorded is None)
+    client = metrics = monitor = recorder = None
     if main:
         monitor = HealthMonitor(config.health)
         metrics = MetricsWriter(config.run_dir, "learner")
-        client = connect_to_buffer(config, "learner", "0")
-        timeline.phase("buffer connect")
+        if recorded is not None:
+            client = RecordedBuffer(recorded, config.transport.max_frame_bytes)
+        else:
+            client = connect_to_buffer(config, "learner", "0")
+            timeline.phase("buffer connect")
+        if cfg.record_batches:
+            recorder = BatchRecorder(config.run_dir)
         log.info("training %s for %d steps (%s, batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), "
                  "max_staleness %d)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
                  cfg.minibatch_size, cfg.ppo_epochs,
@@ -218,6 +226,8 @@ def run(config: TetherConfig) -> str:
                        "`tether run --resume` continues from there")
             log.warning("%s", message)
             raise Preempted(message, stop.number)
+        if recorder is not None:
+            recorder.write(policy_version, reply)
         samples = unpack_samples(reply)
         if policy_version == first_version:
             timeline.phase("first batch")  # waiting for the rollout, scorers and buffer to deliver it

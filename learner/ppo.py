@@ -22,6 +22,10 @@ L_clip = -E[min(rho A,         ``ppo_policy_loss``; dual clip (Ye et al. 2020) a
 delta_t = r_t + gamma V_{t+1}  ``gae_advantages``
   - V_t; A_t = sum (gamma
   lambda)^l delta_{t+l}
+v_s = V_s + sum_t gamma^(t-s)     ``vtrace_targets``: the critic's targets corrected for stale
+  (prod_{i<t} c_i) rho_t delta_t   samples (V-trace, Espeholt et al. 2018, eq. 1), rho_t =
+  (rho, c: truncated pi / mu)      min(rho_clip, pi_prox/pi_behavior), c_i = lambda min(c_clip,
+                                   ratio); at ratio 1 they are GAE's returns
 beta <- max(0, beta (1 + clip  ``learner.kl_control.adaptive_kl_coef`` (Ziegler et al. 2019)
   ((KL-target)/target, ±0.2)
   n/horizon))
@@ -311,6 +315,50 @@ def gae_advantages(
         next_advantage = torch.where(valid, advantage, next_advantage)
     returns = (advantages + values) * mask
     return advantages, returns
+
+
+def vtrace_targets(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    log_ratios: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    rho_clip: float = 1.0,
+    c_clip: float = 1.0,
+) -> torch.Tensor:
+    """V-trace value targets (Espeholt et al. 2018, IMPALA, eq. 1, with its lambda): the critic's
+    regression targets when the samples came from an older policy mu than the one trained, pi.
+
+    rewards, values, log_ratios (log pi - log mu per token: proximal minus behavior logprobs),
+    response_mask: [B, T]. Returns v [B, T], zero at masked positions.
+
+    v_s = V(x_s) + sum_{t>=s} gamma^(t-s) (prod_{i=s}^{t-1} c_i) rho_t delta_t,
+    delta_t = r_t + gamma V(x_{t+1}) - V(x_t), rho_t = min(rho_clip, pi/mu), c_i = lam min(c_clip, pi/mu);
+    computed backwards: v_s - V(x_s) = rho_s delta_s + gamma c_s (v_{s+1} - V(x_{s+1})).
+    With every ratio 1 (k = 0: the behavior policy is the one trained) and both clips >= 1 this
+    is GAE's return, A_s + V(x_s). rho_clip bounds how far a stale sample moves the fixed point
+    (the value of min(rho_clip pi, mu), normalised); c_clip how far its correction reaches back.
+    Masked positions are skipped as in ``gae_advantages`` (the next valid token is "t+1").
+    """
+    mask = _check_token_tensors(response_mask, rewards=rewards, values=values, log_ratios=log_ratios)
+    if rho_clip <= 0 or c_clip <= 0:
+        raise ValueError(f"rho_clip and c_clip must be > 0, got {rho_clip} and {c_clip}")
+    rewards, values = rewards.detach().float(), values.detach().float()
+    ratios = torch.exp(log_ratios.detach().float())
+    rho, c = ratios.clamp(max=rho_clip), lam * ratios.clamp(max=c_clip)
+    batch, length = mask.shape
+    next_value = torch.zeros(batch, device=values.device)
+    next_correction = torch.zeros(batch, device=values.device)  # v_{t+1} - V(x_{t+1})
+    targets = torch.zeros_like(values)
+    for t in reversed(range(length)):
+        valid = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        correction = rho[:, t] * delta + gamma * c[:, t] * next_correction
+        targets[:, t] = torch.where(valid, values[:, t] + correction, 0.0)
+        next_value = torch.where(valid, values[:, t], next_value)
+        next_correction = torch.where(valid, correction, next_correction)
+    return targets * mask
 
 
 def _group_scores(scores: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -79,7 +79,7 @@ class WeightPublisher:
         """Write ``policy_version`` of the actor and tell the buffer (rank 0, ``client`` given)."""
         announcer = self.stream.announcer(policy_version) if self.stream is not None else None
         manifest = publish_weights(engine, policy_version, self.writer, announcer, self.bucket_bytes)
-        if client is not None:
+        if client is not None and manifest is not None:  # None: this rank writes nothing (or a replay)
             client.request("weights_published", {"policy_version": policy_version,
                                                  "weights_manifest": manifest.to_dict()})
 

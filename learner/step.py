@@ -121,13 +121,18 @@ def _ptx_loss(actor, input_ids: torch.Tensor, attention_mask: torch.Tensor, tota
 
 
 def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: torch.Tensor, cfg: LearnerConfig,
-                  group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  group_size: int, log_ratios: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns [B, T] by ``cfg.advantage_estimator`` from token rewards [B, T]
     (and the critic's values [B, T] for GAE). The group estimators compare each response's total
     reward (its score, plus the KL penalty when it is in the reward) with the other responses to its
-    prompt: the batch holds whole groups, each group's rows together."""
+    prompt: the batch holds whole groups, each group's rows together. With ``value_targets``
+    vtrace the critic's targets are V-trace's, from ``log_ratios`` [B, T] (proximal - behavior
+    logprobs); the policy's advantages stay GAE's, corrected by the PPO loss's own weights."""
     if cfg.advantage_estimator == "gae":
         advantages, returns = ppo.gae_advantages(rewards, old_values, mask, cfg.gamma, cfg.lam)
+        if cfg.value_targets == "vtrace":
+            returns = ppo.vtrace_targets(rewards, old_values, log_ratios, mask, cfg.gamma, cfg.lam,
+                                         cfg.vtrace_rho_clip, cfg.vtrace_c_clip)
         return (ppo.masked_whiten(advantages, mask) if cfg.whiten_advantages else advantages), returns
     if cfg.advantage_estimator == "reinforce_pp":
         return ppo.reinforce_pp_advantages(rewards, mask, cfg.gamma)
@@ -183,7 +188,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     #    into the loss) and advantages
     kl, advantages, returns = rewards_and_advantages(samples, old_logprobs, old_values, ref_logprobs, scores,
                                                      truncated, mask, cfg, kl_coef, carry.moments,
-                                                     config.rollout.samples_per_prompt, turn_rewards)
+                                                     config.rollout.samples_per_prompt, turn_rewards,
+                                                     behavior_logprobs)
     targets = Targets(mask, behavior_logprobs, ref_logprobs, old_logprobs, old_values, advantages, returns)
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step
     totals, updates, grad_norms = train_epochs(actor, critic, batch, targets, config, kl_coef, policy_version, carry)
@@ -214,12 +220,15 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
                            ref_logprobs: torch.Tensor, scores: torch.Tensor, truncated: torch.Tensor,
                            mask: torch.Tensor, cfg: LearnerConfig, kl_coef: float,
                            moments: ppo.RunningMoments | None, group_size: int,
-                           turn_rewards: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           turn_rewards: torch.Tensor | None = None,
+                           behavior_logprobs: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Part 2: (kl, advantages, returns), each [B, T]. The scores [B] (normalised by ``moments``
     when kept) become token rewards with ``-kl_coef * KL`` at every token when the KL is in the
     reward, plus an episode's ``turn_rewards`` [B, T], and advantages by ``cfg.advantage_estimator``
     (``advantages_of``). ``group_size``: the responses to one prompt (``rollout.samples_per_prompt``),
-    contiguous in the batch. ``mask`` is 1 at the policy's tokens only."""
+    contiguous in the batch. ``mask`` is 1 at the policy's tokens only. ``behavior_logprobs``: the
+    rollout's [B, T], for V-trace's value targets (``learner.value_targets``)."""
     trained_scores = scores
     if moments is not None:
         moments.update(scores)
@@ -232,7 +241,8 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
         if any(len(group) != 1 for group in groups):
             raise ValueError(f"a batch for {cfg.advantage_estimator} must hold the {group_size} responses of each "
                              "prompt together")
-    advantages, returns = advantages_of(rewards, old_values, mask, cfg, group_size)
+    log_ratios = (old_logprobs - behavior_logprobs) * mask if behavior_logprobs is not None else None
+    advantages, returns = advantages_of(rewards, old_values, mask, cfg, group_size, log_ratios)
     return kl, advantages, returns
 
 

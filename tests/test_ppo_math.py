@@ -432,3 +432,99 @@ def test_a_turn_reward_on_an_environment_token_is_an_error():
     with pytest.raises(ValueError, match="turn_rewards has a reward on a token response_mask leaves out"):
         ppo.token_rewards(torch.zeros(1, 3), torch.zeros(1, 3), t([0.0]), mask, 0.1,
                           turn_rewards=t([[0.0, 1.0, 0.0]]))
+
+
+# --------------------------------------------------------------------------- V-trace value targets
+
+
+def vtrace_by_the_sum(rewards, values, ratios, gamma, lam, rho_clip, c_clip) -> list[float]:
+    """Espeholt et al. 2018, eq. 1, term by term for one trajectory (its valid tokens in order):
+    v_s = V_s + sum_{t>=s} gamma^(t-s) (prod_{i=s}^{t-1} c_i) rho_t (r_t + gamma V_{t+1} - V_t)."""
+    n = len(rewards)
+    rho = [min(rho_clip, ratio) for ratio in ratios]
+    c = [lam * min(c_clip, ratio) for ratio in ratios]
+    following = [*values[1:], 0.0]
+    targets = []
+    for s in range(n):
+        total, trace = values[s], 1.0
+        for t in range(s, n):
+            total += gamma ** (t - s) * trace * rho[t] * (rewards[t] + gamma * following[t] - values[t])
+            trace *= c[t]
+        targets.append(total)
+    return targets
+
+
+def test_vtrace_by_hand():
+    from learner.ppo import vtrace_targets
+
+    # ratios 2 and 0.5, both clips 1: rho = c = [1, 0.5]; delta_1 = 1 - 0.2 = 0.8 -> v_1 = 0.2 + 0.4 = 0.6;
+    # delta_0 = 0.2 - 0.5 = -0.3 -> v_0 = 0.5 - 0.3 + 1 x (v_1 - V_1 = 0.4) = 0.6
+    targets = vtrace_targets(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.2]]),
+                             torch.log(torch.tensor([[2.0, 0.5]])), torch.ones(1, 2), gamma=1.0, lam=1.0)
+    assert targets[0].tolist() == pytest.approx([0.6, 0.6])
+
+
+@pytest.mark.parametrize("rho_clip, c_clip", [(1.0, 1.0), (2.0, 0.5), (0.7, 1.5)])
+def test_vtrace_matches_the_papers_sum_on_trajectories_with_holes(rho_clip, c_clip):
+    from learner.ppo import vtrace_targets
+
+    generator = torch.Generator().manual_seed(3)
+    rewards, values = torch.randn(4, 7, generator=generator), torch.randn(4, 7, generator=generator)
+    log_ratios = torch.randn(4, 7, generator=generator)  # ratios from 0.1 to 10: both clips bite
+    mask = torch.ones(4, 7)
+    mask[0, 5:] = 0  # right padding
+    mask[1, 2:4] = 0  # a hole (an episode's environment tokens)
+    mask[2, 0] = 0
+    gamma, lam = 0.9, 0.8
+    targets = vtrace_targets(rewards, values, log_ratios, mask, gamma, lam, rho_clip, c_clip)
+    for row in range(4):
+        valid = mask[row].bool()
+        expected = vtrace_by_the_sum(rewards[row][valid].tolist(), values[row][valid].tolist(),
+                                     log_ratios[row][valid].exp().tolist(), gamma, lam, rho_clip, c_clip)
+        assert targets[row][valid].tolist() == pytest.approx(expected, rel=1e-5, abs=1e-5)
+        assert (targets[row][~valid] == 0).all()
+
+
+def test_vtrace_is_gae_on_policy_and_clipped_ratios_are_the_clip():
+    from learner.ppo import gae_advantages, vtrace_targets
+
+    generator = torch.Generator().manual_seed(4)
+    rewards, values = torch.randn(3, 6, generator=generator), torch.randn(3, 6, generator=generator)
+    mask = torch.ones(3, 6)
+    mask[1, 4:] = 0
+    _, returns = gae_advantages(rewards, values, mask, gamma=1.0, lam=0.95)
+    on_policy = vtrace_targets(rewards, values, torch.zeros(3, 6), mask, 1.0, 0.95, rho_clip=1.0, c_clip=1.0)
+    assert torch.allclose(on_policy, returns, atol=1e-6)  # k = 0: the same targets
+    # every ratio above both clips counts as the clip: ratios of 3 and of 1 give the same targets at clip 1
+    above = vtrace_targets(rewards, values, torch.full((3, 6), math.log(3.0)), mask, 1.0, 0.95, 1.0, 1.0)
+    assert torch.allclose(above, returns, atol=1e-6)
+    raised = vtrace_targets(rewards, values, torch.full((3, 6), math.log(3.0)), mask, 1.0, 0.95, 2.0, 2.0)
+    assert not torch.allclose(raised, returns, atol=1e-3)  # at clip 2 the weight 2 enters
+    with pytest.raises(ValueError, match="rho_clip"):
+        vtrace_targets(rewards, values, torch.zeros(3, 6), mask, rho_clip=0.0)
+
+
+def test_the_learners_step_trains_the_critic_toward_vtrace_targets_when_asked():
+    """rewards_and_advantages, the learner step's part 2: value_targets vtrace changes the critic's
+    targets only, and only where the behavior policy differs from the proximal one."""
+    from common.config import LearnerConfig
+    from learner.step import rewards_and_advantages
+
+    generator = torch.Generator().manual_seed(5)
+    old, values = -torch.rand(4, 5, generator=generator), torch.randn(4, 5, generator=generator)
+    mask = torch.ones(4, 5)
+    mask[2, 3:] = 0
+    scores, truncated = torch.randn(4, generator=generator), torch.zeros(4, dtype=torch.bool)
+    results = {}
+    for targets in ("gae", "vtrace"):
+        cfg = LearnerConfig(value_targets=targets)
+        for name, behavior in (("fresh", old), ("stale", old + 0.7)):  # pi_prox / pi_behavior = e^-0.7
+            results[targets, name] = rewards_and_advantages([], old, values, old - 0.1, scores, truncated, mask, cfg,
+                                                            0.05, None, 1, None, behavior)
+    for name in ("fresh", "stale"):  # the policy's advantages are GAE's either way
+        torch.testing.assert_close(results["gae", name][1], results["vtrace", name][1])
+    torch.testing.assert_close(results["gae", "fresh"][2], results["vtrace", "fresh"][2])
+    rewards, _ = ppo.token_rewards(old, old - 0.1, scores, mask, 0.05)
+    expected = ppo.vtrace_targets(rewards, values, torch.full((4, 5), -0.7) * mask, mask, 1.0, 0.95)
+    torch.testing.assert_close(results["vtrace", "stale"][2], expected)
+    assert not torch.allclose(results["vtrace", "stale"][2], results["gae", "stale"][2], atol=1e-3)
