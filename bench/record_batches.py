@@ -80,7 +80,8 @@ def main() -> None:
     started = time.monotonic()
     replay = subprocess.run([sys.executable, "-m", "launch.cli", "replay", os.path.join(work, "recorded"), "--out",
                              os.path.join(work, "replay")], cwd=REPO, capture_output=True, text=True)
-    print(f"tether replay ({time.monotonic() - started:.1f} s, exit {replay.returncode}): {replay.stdout.strip()}")
+    lines = replay.stdout.strip().splitlines() or ["(no output)"]
+    print(f"tether replay ({time.monotonic() - started:.1f} s, exit {replay.returncode}): {lines[-1]}")
 
 
 if __name__ == "__main__":
