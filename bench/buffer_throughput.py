@@ -93,7 +93,8 @@ def learner_process(config, batch: int, total: int, out: str) -> None:
     client.connect(60, 0.5)
     received, version, started = 0, 0, None
     while received < total:
-        reply = client.request("batch_request", {"policy_version": version, "batch_size": batch})
+        reply = client.request("batch_request", {"policy_version": version, "batch_size": batch,
+                                                  "max_staleness": config.buffer.initial_staleness})
         if started is None:
             started, first = time.perf_counter(), len(reply.fields["sample_ids"])
         received += len(reply.fields["sample_ids"])

@@ -52,7 +52,8 @@ def pipeline_stubs(config, batch: int, batches: int) -> None:
     learner = BufferClient(config.buffer_address, "learner", "0")
     learner.connect(120, 0.5)
     for _ in range(batches):
-        learner.request("batch_request", {"policy_version": 0, "batch_size": batch})
+        learner.request("batch_request", {"policy_version": 0, "batch_size": batch,
+                                          "max_staleness": config.buffer.initial_staleness})
     learner.request("finish", {"policy_version": 0})
     buffer.join()
 

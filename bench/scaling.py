@@ -121,7 +121,8 @@ def rollout_pool_alone(engines: int, demo: dict, out: str, batches: int = 40) ->
     learner.connect(120, 0.5)
     tokens, started = 0, None
     for _ in range(batches):
-        batch = unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": 64},
+        batch = unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": 64,
+                                                                "max_staleness": config.buffer.initial_staleness},
                                                timeout_s=600))
         if started is None:  # the first batch waited for the engines to start
             started = time.monotonic()

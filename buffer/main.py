@@ -52,14 +52,15 @@ class Buffer:
     def __init__(self, config: TetherConfig) -> None:
         self.config = config
         self.log = setup_logging("buffer", config.log_level)
-        batch_size, k, n = config.learner.batch_size, config.buffer.max_staleness, config.rollout.samples_per_prompt
-        if config.resume_from:
-            self.state = load_snapshot(os.path.join(config.resume_from, "buffer.snapshot"), batch_size, k, n)
+        batch_size, n = config.learner.batch_size, config.rollout.samples_per_prompt
+        k, ceiling = config.buffer.initial_staleness, config.buffer.staleness_ceiling
+        if config.resume_from:  # under auto the learner's first request brings its bound
+            self.state = load_snapshot(os.path.join(config.resume_from, "buffer.snapshot"), batch_size, k, n, ceiling)
             self.log.info("resumed from %s: policy version %d, %d samples held, prompt stream at %d",
                           config.resume_from, self.state.policy_version, self.state.in_flight,
                           self.state.next_prompt_index)
         else:
-            self.state = BufferState(batch_size, k, n)
+            self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling)
         self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve)
         self.metrics = MetricsWriter(config.run_dir, "buffer")
         self.run_id = os.path.basename(os.path.abspath(config.run_dir))
@@ -194,6 +195,11 @@ class Buffer:
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
 
     def on_batch_request(self, identity: bytes, message: Message) -> None:
+        bound = message.fields["max_staleness"]  # the learner's: fixed, or its controller's under auto
+        if bound != self.state.max_staleness:
+            previous = self.state.set_max_staleness(bound)
+            self.log.info("max_staleness %d -> %d from policy version %d (the learner's bound)", previous, bound,
+                          message.fields["policy_version"])
         self.batch_waits.append(Pending(identity, message.id, message.fields["policy_version"],
                                         message.fields["batch_size"]))
 
@@ -314,6 +320,7 @@ class Buffer:
                             "granted": state.granted, "generated": state.accounting.generated,
                             "trained": state.accounting.trained, "credits_returned": state.accounting.credits_returned,
                             "refused_messages": self.server.refused, "busy_s_total": self.busy_s_total,
+                            "max_staleness": state.max_staleness,
                             "elapsed_s": now - self.started, "stalled": self.stalled_workers(now)})
 
     def close(self) -> dict:

@@ -9,6 +9,12 @@ lands in a batch numbered at most ``u + k`` and is at most ``k`` versions old wh
 With ``k = 0`` the rollout generates exactly one batch per version: synchronous on-policy PPO.
 Batches are still checked as they are served; a stale sample is dropped with a reason and
 counted (at steady state there are none).
+
+A bound that changes (``buffer.max_staleness: auto``, ``set_max_staleness``) keeps the rule at
+every moment: the batch served for version ``v`` holds no sample older than the bound in force
+when it is served. Raising k only lets more be granted. Lowering it leaves samples granted under
+the higher bound that may land too late: each is dropped as stale when its batch is taken (its
+credit returned), and none is waited for once it can no longer be trained.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ class Accounting:
 
 class BufferState:
     def __init__(self, batch_size: int, max_staleness: int, samples_per_prompt: int = 1,
-                 dedupe_window: int | None = None) -> None:
+                 dedupe_window: int | None = None, staleness_ceiling: int | None = None) -> None:
         if batch_size % samples_per_prompt:
             raise ValueError(f"batch_size {batch_size} is not a multiple of samples_per_prompt {samples_per_prompt}")
         self.batch_size, self.max_staleness, self.samples_per_prompt = batch_size, max_staleness, samples_per_prompt
@@ -71,7 +77,8 @@ class BufferState:
         # and never trained. Twice that, with a floor, is the window (~130 bytes an id).
         self.seen_ids: set[str] = set()
         self.seen_order: deque[str] = deque()
-        self.dedupe_window = dedupe_window or max(20_000, 4 * (max_staleness + 1) * batch_size)
+        ceiling = max(max_staleness, staleness_ceiling or 0)  # the highest bound the run may set
+        self.dedupe_window = dedupe_window or max(20_000, 4 * (ceiling + 1) * batch_size)
         self.accounting = Accounting()
         self.finished = False
 
@@ -102,6 +109,13 @@ class BufferState:
         if indices:
             self._owe(version, len(indices) * self.samples_per_prompt)
         return indices
+
+    def set_max_staleness(self, bound: int) -> int:
+        """The bound from now on (the learner's, under ``auto``); returns the one it replaces."""
+        if bound < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {bound}")
+        previous, self.max_staleness = self.max_staleness, bound
+        return previous
 
     def outstanding(self, engine: str) -> int:
         """Samples ``engine`` was granted and has not sent."""
@@ -316,6 +330,8 @@ class BufferState:
             left[sample.behavior_version] -= 1
         count = 0
         for version in sorted(left):
+            if version + self.max_staleness < policy_version:
+                continue  # too old even for this batch (a lowered bound): dropped when it comes, not waited for
             count += left[version]
             if count > max(0, version + self.max_staleness - policy_version) * batch_size:
                 return True
@@ -353,6 +369,7 @@ class BufferState:
             "prompts_handed_out": self.next_prompt_index,
             "owed": sum(self.owed.values()),
             "policy_version": self.policy_version,
+            "max_staleness": self.max_staleness,
         }
 
 
@@ -396,7 +413,8 @@ _COUNTS = ("generated", "scored", "trained", "staleness_violations", "unexpected
            "credits_returned")
 
 
-def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_prompt: int = 1) -> BufferState:
+def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_prompt: int = 1,
+                  staleness_ceiling: int | None = None) -> BufferState:
     import msgpack
 
     from protocol.codec import ProtocolError, decode
@@ -408,7 +426,7 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
     if "next_prompt_index" not in header:
         raise ValueError(f"{path} was written by an earlier tether (its buffer does not own the prompt stream); "
                          "this version cannot resume it: start the run again")
-    state = BufferState(batch_size, max_staleness, samples_per_prompt)
+    state = BufferState(batch_size, max_staleness, samples_per_prompt, staleness_ceiling=staleness_ceiling)
     try:
         unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
     except ProtocolError as error:

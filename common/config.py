@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -128,9 +129,37 @@ class ScorerConfig(_Strict):
 
 
 class BufferConfig(_Strict):
-    """The buffer between the roles: the staleness bound it keeps."""
-    max_staleness: int = Field(1, ge=0, description="k: train at version v only on samples of version >= v - k")
+    """The buffer between the roles: the staleness bound it keeps, fixed or tuned as the run goes."""
+    max_staleness: int | Literal["auto"] = Field(1, description="k: train at version v only on samples of version "
+                                                 ">= v - k; auto: k between staleness_min and staleness_max, raised "
+                                                 "while the off-policy health the learner measures stays within "
+                                                 "the staleness_* targets, halved when it does not")
+    staleness_min: int = Field(0, ge=0, description="auto: the lowest k, and where it starts")
+    staleness_max: int = Field(4, ge=0, description="auto: the highest k")
+    staleness_ess_min: float = Field(0.9, gt=0, le=1, description="auto: the effective sample size of the batch's "
+                                     "importance weights pi_prox / pi_behavior, as a share of its tokens, at least")
+    staleness_truncated_max: float = Field(0.01, ge=0, le=1, description="auto: the share of tokens whose weight "
+                                           "learner.behavior_weight_cap truncates, at most")
+    staleness_kl_max: float = Field(0.02, gt=0, description="auto: KL(behavior || proximal) per token, at most")
+    staleness_raise_after: int = Field(5, ge=1, description="auto: healthy steps in a row before k is raised by one")
     stall_warn_s: float = Field(60.0, gt=0, description="name a role that owes the buffer work and is silent this long")
+
+    @model_validator(mode="after")
+    def _bounds(self) -> "BufferConfig":
+        if self.max_staleness == "auto" and self.staleness_min > self.staleness_max:
+            raise ValueError(f"buffer.staleness_min ({self.staleness_min}) is above buffer.staleness_max "
+                             f"({self.staleness_max})")
+        return self
+
+    @property
+    def initial_staleness(self) -> int:
+        """The bound the run starts with."""
+        return self.staleness_min if self.max_staleness == "auto" else self.max_staleness
+
+    @property
+    def staleness_ceiling(self) -> int:
+        """The highest bound the run can have."""
+        return self.staleness_max if self.max_staleness == "auto" else self.max_staleness
 
 
 class LearnerConfig(_Strict):
@@ -676,14 +705,19 @@ def _moved_keys(data: dict[str, Any]) -> list[str]:
 
 
 def _format_validation_error(error: ValidationError) -> str:
-    lines = []
+    messages: dict[str, list[str]] = {}
     for item in error.errors():
-        key = ".".join(str(part) for part in item["loc"])
+        # a union's members add their tag to the location (max_staleness.int, .literal['auto']): one key
+        key = ".".join(str(part) for part in item["loc"] if not _UNION_TAG.fullmatch(str(part)))
         message = "unknown key" if item["type"] == "extra_forbidden" else item["msg"]
         if item["type"] == "value_error":  # a check across keys: its message names them
             message = message.removeprefix("Value error, ")
-        lines.append(f"  {key}: {message}" if key else f"  {message}")
+        messages.setdefault(key, []).append(message)
+    lines = [f"  {key}: {'; or '.join(texts)}" if key else f"  {'; '.join(texts)}" for key, texts in messages.items()]
     return "invalid config:\n" + "\n".join(lines)
+
+
+_UNION_TAG = re.compile(r"int|float|str|bool|none|literal\[.*\]|list\[.*\]|dict\[.*\]")
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None,

@@ -27,7 +27,8 @@ PANELS = (
     ("entropy", (("learner", "entropy", "nats/token"),)),
     ("value loss", (("learner", "value_loss", "value loss"),)),
     ("clip fraction", (("learner", "clipfrac", "clipfrac"), ("learner", "approx_kl", "approx_kl"))),
-    ("staleness", (("learner", "staleness", "mean"), ("learner", "staleness_max", "max"))),
+    ("staleness", (("learner", "staleness", "mean"), ("learner", "staleness_max", "max"),
+                   ("learner", "max_staleness", "bound k"))),  # k's trace under buffer.max_staleness: auto
     ("throughput", (("learner", "trained_tokens_per_s", "trained tokens/s"),
                     ("rollout", "tokens_per_s", "rollout tokens/s"))),  # one line per engine
     # episodes (rollout.environment, rollout.tools): empty for single responses

@@ -83,7 +83,8 @@ def _exchange(first: str, second: str) -> bool:
     return libc.renameat2(at_fdcwd, os.fsencode(first), at_fdcwd, os.fsencode(second), rename_exchange) == 0
 
 
-def save_state(checkpoints: str, version: int, actor, critic, kl_controller, moments, client, keep: int = 2) -> str:
+def save_state(checkpoints: str, version: int, actor, critic, kl_controller, moments, client, keep: int = 2,
+               staleness=None) -> str:
     """An atomic checkpoint: the DeepSpeed engines (weights and optimizer, every rank's
     partition), the policy version, the KL controller, the reward moments and the buffer's
     samples and accounting, written into a temporary directory that becomes ``state-N`` by one
@@ -106,7 +107,8 @@ def save_state(checkpoints: str, version: int, actor, critic, kl_controller, mom
                                 "policy_version": version})
     with open(os.path.join(temporary, "learner.json"), "w") as file:
         json.dump({"policy_version": version, "kl_controller": kl_controller.state_dict(),
-                   "reward_moments": moments.state_dict() if moments is not None else None}, file)
+                   "reward_moments": moments.state_dict() if moments is not None else None,
+                   "staleness": staleness.state_dict() if staleness is not None else None}, file)
     with open(os.path.join(temporary, "COMPLETE"), "w") as file:
         file.write(str(version))
     fsync_tree(temporary)
@@ -116,7 +118,7 @@ def save_state(checkpoints: str, version: int, actor, critic, kl_controller, mom
         shutil.rmtree(os.path.join(checkpoints, old), ignore_errors=True)
     return final
 
-def load_state(directory: str, actor, critic, kl_controller, moments) -> int:
+def load_state(directory: str, actor, critic, kl_controller, moments, staleness=None) -> int:
     actor.load_checkpoint(os.path.join(directory, "actor"), tag="state")
     if critic is not None:
         critic.load_checkpoint(os.path.join(directory, "critic"), tag="state")
@@ -125,6 +127,8 @@ def load_state(directory: str, actor, critic, kl_controller, moments) -> int:
     kl_controller.load_state_dict(state["kl_controller"])
     if moments is not None and state["reward_moments"] is not None:
         moments.load_state_dict(state["reward_moments"])
+    if staleness is not None and staleness.auto and state.get("staleness") is not None:
+        staleness.load_state_dict(state["staleness"])  # auto's k where the run left it
     return int(state["policy_version"])
 
 def newest_state(run_dir: str) -> str | None:

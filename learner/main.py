@@ -86,11 +86,14 @@ def signal_name(number: int) -> str:
     return signal.Signals(number).name
 
 
-def receive_batch(client, policy_version: int, config: TetherConfig, log, stop: StopSignal | None = None):
+def receive_batch(client, policy_version: int, config: TetherConfig, log, stop: StopSignal | None = None,
+                  max_staleness: int | None = None):
     """The batch for ``policy_version`` on every rank, or None if a stop signal came while waiting:
-    rank 0 asks the buffer for it; every rank hears "not yet" each second while it waits (and
-    whether to stop), then gets its message frames, the same bytes decoded by the same codec."""
-    fields = {"policy_version": policy_version, "batch_size": config.learner.batch_size}
+    rank 0 asks the buffer for it, under the bound ``max_staleness`` (default: the config's fixed
+    one); every rank hears "not yet" each second while it waits (and whether to stop), then gets
+    its message frames, the same bytes decoded by the same codec."""
+    bound = config.buffer.initial_staleness if max_staleness is None else max_staleness
+    fields = {"policy_version": policy_version, "batch_size": config.learner.batch_size, "max_staleness": bound}
     main = client is not None
     request_id = client.send("batch_request", fields) if main else None
     started = last_log = time.monotonic()
@@ -177,6 +180,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     from learner.deepspeed_engine import snapshot_weights
     from learner.publish import WeightPublisher
     from learner.replay import BatchRecorder, RecordedBuffer
+    from learner.staleness import StalenessController
     from learner.step import SkippedSteps, StepCarry, behavior_gap, ppo_step
 
     cfg = config.learner
@@ -202,13 +206,14 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
         if cfg.record_batches:
             recorder = BatchRecorder(config.run_dir)
         log.info("training %s for %d steps (%s, batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), "
-                 "max_staleness %d)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
+                 "max_staleness %s)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
                  cfg.minibatch_size, cfg.ppo_epochs,
                  cfg.zero_stage, parallel.world_size(), config.buffer.max_staleness)
 
     policy_version = 0
+    staleness = StalenessController(config.buffer)
     if config.resume_from:
-        policy_version = load_state(config.resume_from, actor, critic, kl_controller, carry.moments)
+        policy_version = load_state(config.resume_from, actor, critic, kl_controller, carry.moments, staleness)
         if carry.ptx is not None:  # where the stream would be: one ptx batch per optimizer step
             carry.ptx.position = (policy_version * cfg.ppo_epochs * (cfg.batch_size // cfg.minibatch_size)
                                   * carry.ptx.batch_size)
@@ -219,9 +224,11 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     snapshot = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
-        reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop)
+        bound = staleness.k  # the batch's bound: the buffer serves no sample older
+        reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop, bound)
         if reply is None:
-            saved = save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client)
+            saved = save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
+                               staleness=staleness)
             message = (f"got {signal_name(stop.number)} at policy version {policy_version}: saved {saved}; "
                        "`tether run --resume` continues from there")
             log.warning("%s", message)
@@ -241,7 +248,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
         if snapshot is not None:
             gap = behavior_gap(actor, snapshot[1], snapshot[0], samples, batch, config.sampling)
             snapshot = None
-        if (config.buffer.max_staleness and cfg.behavior_gap_every
+        if (staleness.k and cfg.behavior_gap_every
                 and (policy_version + 1) % cfg.behavior_gap_every == 0):  # its samples come in the next batches
             snapshot = (policy_version, snapshot_weights(actor))
         try:
@@ -253,6 +260,11 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
             stats["behavior_logprob_gap"] = gap
         stats["actor_lr"] = cfg.actor_lr * factor
         kl_controller.update(stats["kl"], n_steps=len(samples))
+        stats["max_staleness"] = bound
+        change = staleness.update(stats)
+        if change is not None:
+            stats["staleness_change"] = change
+            log.info("max_staleness %s after step %d", change, policy_version + 1)
         policy_version += 1
         sync_started = time.monotonic()
         publisher.publish(actor, policy_version, client)
@@ -268,7 +280,8 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
                                os.path.join(checkpoints, f"eval-step-{policy_version:06d}"))
         if cfg.checkpoint_every and policy_version % cfg.checkpoint_every == 0 and policy_version < cfg.total_steps:
             save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"step-{policy_version:06d}"))
-            save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client)
+            save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
+                       staleness=staleness)
 
     final = save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, "final"))
     if main:

@@ -19,6 +19,7 @@ from common.sequences import SequenceBatch, gather_response
 from learner import micro_batches, parallel, ppo
 from learner.deepspeed_engine import skip_step, weights_swapped
 from learner.ptx import PtxStream, ptx_token_losses
+from learner.staleness import behavior_health
 from protocol.samples import Sample
 
 log = logging.getLogger("learner")
@@ -194,8 +195,11 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step
     totals, updates, grad_norms = train_epochs(actor, critic, batch, targets, config, kl_coef, policy_version, carry)
     # 4. what the step did, averaged over its optimizer steps and ranks
-    return step_statistics(samples, scores, truncated, targets, kl, kl_coef, policy_version, totals, updates,
-                           grad_norms)
+    stats = step_statistics(samples, scores, truncated, targets, kl, kl_coef, policy_version, totals, updates,
+                            grad_norms)
+    # the batch's off-policy health, over all its tokens (buffer.max_staleness: auto reads it)
+    stats.update(behavior_health(old_logprobs, behavior_logprobs, mask, cfg.behavior_weight_cap))
+    return stats
 
 
 def recompute(actor, critic, batch: SequenceBatch, cfg: LearnerConfig,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-SCHEMA_VERSION = 7  # 7: episodes (a sample's loss_mask, turn_rewards, messages; episodes_dropped)
+SCHEMA_VERSION = 8  # 8: batch_request carries the learner's max_staleness (buffer.max_staleness: auto)
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -61,7 +61,7 @@ MESSAGES: dict[str, MessageSchema] = {
     # scorer -> buffer: samples with reference logprobs and scores (RM + reward functions)
     "scored": MessageSchema(fields=dict(_SCORED_FIELDS), tensors=dict(_SCORED_TENSORS)),
     # learner -> buffer: a batch for this policy version (held until one is ready)
-    "batch_request": MessageSchema(fields={"policy_version": "int", "batch_size": "int"}),
+    "batch_request": MessageSchema(fields={"policy_version": "int", "batch_size": "int", "max_staleness": "int"}),
     "batch": MessageSchema(fields={**_SCORED_FIELDS, "stop": "bool"}, tensors=dict(_SCORED_TENSORS)),
     # learner -> buffer: a new version is written; the manifest says where its buckets lie
     # (weight_sync.buckets.WeightManifest.to_dict) and how to check them

@@ -229,7 +229,8 @@ def rollout_one_batch(tmp_path, assets: dict, batch: int, *overrides: str):
     def learner_stub() -> None:
         learner = BufferClient(config.buffer_address, "learner", "0")
         learner.connect(60, 0.5)
-        samples.extend(unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": batch})))
+        samples.extend(unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": batch,
+                                                                       "max_staleness": config.buffer.initial_staleness})))
         learner.request("finish", {"policy_version": 0})
 
     threading.Thread(target=learner_stub, daemon=True).start()

@@ -43,7 +43,7 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
         s.reward = 0.25
     assert scorer.request("scored", *pack_samples(work, scored=True)).fields["accepted"] == 2
 
-    batch = unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": 2}))
+    batch = unpack_samples(learner.request("batch_request", {"policy_version": 0, "batch_size": 2, "max_staleness": 0}))
     assert [s.sample_id for s in batch] == ["s0", "s1"]
     np.testing.assert_array_equal(batch[0].ref_logprobs, np.full(4, -1.5, np.float32))
     np.testing.assert_array_equal(batch[1].response_tokens, samples[1].response_tokens)
@@ -260,7 +260,7 @@ def test_roles_hear_a_dead_or_restarted_buffer_through_heartbeats(tmp_path):
         scorer = connected("scorer", Liveness(heartbeat_s=0.2, peer_deadline_s=30))
         learner = connected("learner", Liveness(heartbeat_s=0.2, peer_deadline_s=30, reconnect=False))
         scored, scorer_thread = wait_in_thread(scorer, "score_request", {"max_samples": 4})
-        batch, learner_thread = wait_in_thread(learner, "batch_request", {"policy_version": 0, "batch_size": 2})
+        batch, learner_thread = wait_in_thread(learner, "batch_request", {"policy_version": 0, "batch_size": 2, "max_staleness": 0})
         time.sleep(1.0)
         buffer.send_signal(signal.SIGKILL)
         buffer.wait()

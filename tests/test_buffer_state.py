@@ -659,3 +659,71 @@ def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size
                                                            deadline_s=3.0)))
         train()
     assert learner_version >= target, state.report()
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    actions=st.lists(st.sampled_from(["grant0", "grant1", "send0", "send1", "score", "train", "sync0", "sync1",
+                                      "raise", "lower"]), max_size=150),
+    bound=st.integers(0, 3),
+    batch_size=st.integers(1, 4),
+)
+def test_a_bound_that_changes_holds_at_every_batch_and_the_run_goes_on(actions, bound, batch_size):
+    """buffer.max_staleness auto: the learner raises or lowers k between batches. Every batch holds
+    no sample older than the bound in force when it is served; samples granted under a higher
+    bound that can no longer be trained are dropped as stale (their credit returned), never
+    waited for; the accounting identity holds; and once everyone keeps going, batches keep coming."""
+    state = BufferState(batch_size, bound, staleness_ceiling=4)
+    versions = {"rollout:0": 0, "rollout:1": 0}
+    granted: dict[str, list[tuple[int, int]]] = {engine: [] for engine in versions}
+    learner_version, next_id, trained = 0, 0, set()
+
+    def send(engine: str) -> None:
+        nonlocal next_id
+        if granted[engine]:
+            index, version = granted[engine].pop(0)
+            state.add_samples([sample(next_id, version, index)], engine)
+            next_id += 1
+
+    for action in actions:
+        engine = f"rollout:{action[-1]}"
+        if action.startswith("grant"):
+            granted[engine] += [(index, versions[engine]) for index in
+                                state.credits_for(engine, versions[engine], 2, engines=2)]
+        elif action.startswith("send"):
+            send(engine)
+        elif action.startswith("sync"):
+            versions[engine] = state.policy_version
+        elif action == "raise":
+            state.set_max_staleness(min(4, state.max_staleness + 1))
+        elif action == "lower":
+            state.set_max_staleness(state.max_staleness // 2)
+        elif action == "score":
+            score_all(state)
+        elif action == "train":
+            learner_version = train_checked(state, learner_version, batch_size, state.max_staleness, trained)
+        assert state.report()["identity_holds"], state.report()
+    target = learner_version + 3
+    for _ in range(100):
+        for engine in versions:
+            while granted[engine]:
+                send(engine)
+            versions[engine] = state.policy_version
+            granted[engine] += [(index, versions[engine]) for index in
+                                state.credits_for(engine, versions[engine], 2, engines=2)]
+        score_all(state)
+        learner_version = train_checked(state, learner_version, batch_size, state.max_staleness, trained)
+    assert learner_version >= target, state.report()
+    assert state.report()["identity_holds"]
+
+
+def test_lowering_the_bound_drops_what_it_makes_too_old_and_waits_for_none_of_it():
+    state = BufferState(batch_size=2, max_staleness=2)
+    assert generate(state, 6, version=0) == 6  # (0 + 2 + 1) batches of 2 granted at version 0
+    score_all(state)
+    assert len(state.take_batch(0, 2)) == 2
+    state.publish_weights(1, None)
+    state.set_max_staleness(0)  # at version 1 the other four (version 0) are now one version too old
+    assert state.take_batch(1, 2) is None
+    assert state.accounting.dropped["stale"] == 4 and state.granted == 2  # their credits came back
+    assert state.credits_for("rollout:0", 1, 10) == [6, 7]  # (1 + 0 + 1) x 2 - 2: one batch, at version 1

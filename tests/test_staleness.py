@@ -1,0 +1,83 @@
+"""buffer.max_staleness auto: the off-policy health the learner reads of a batch, and the
+controller that moves k from it (additive increase, multiplicative decrease)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from common.config import BufferConfig, ConfigError, load_config
+from learner.staleness import StalenessController, behavior_health
+
+HEALTHY = {"behavior_ess": 0.99, "behavior_truncated_frac": 0.0, "behavior_kl": 0.001}
+
+
+def test_health_by_hand():
+    old = torch.tensor([[-1.0, -1.0, -2.0, 0.0]])
+    behavior = torch.tensor([[-1.0, -1.0 - math.log(2), -2.0, 5.0]])  # weights 1, 2, 1 and a padding token
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    health = behavior_health(old, behavior, mask, cap=1.5)
+    assert health["behavior_ess"] == pytest.approx(16 / (3 * 6))  # (1 + 2 + 1)^2 / (3 (1 + 4 + 1))
+    assert health["behavior_truncated_frac"] == pytest.approx(1 / 3)  # the weight 2 is over the cap
+    assert health["behavior_kl"] == pytest.approx(-math.log(2) / 3)
+    on_policy = behavior_health(old, old, mask, cap=2.0)
+    assert on_policy == {"behavior_ess": pytest.approx(1.0), "behavior_truncated_frac": 0.0, "behavior_kl": 0.0}
+
+
+def test_auto_raises_after_healthy_steps_and_halves_on_a_step_over_a_target():
+    controller = StalenessController(BufferConfig(max_staleness="auto", staleness_min=1, staleness_max=3,
+                                                  staleness_raise_after=2))
+    assert controller.k == 1  # starts at the lowest
+    assert controller.update(HEALTHY) is None
+    assert controller.update(HEALTHY).startswith("k 1 -> 2: 2 steps within targets")
+    controller.update(HEALTHY)
+    controller.update(HEALTHY)
+    assert controller.k == 3
+    for _ in range(5):
+        assert controller.update(HEALTHY) is None  # staleness_max
+    assert controller.k == 3
+    reason = controller.update({**HEALTHY, "behavior_ess": 0.5})
+    assert reason == "k 3 -> 1: behavior_ess 0.5 < 0.9" and controller.k == 1
+    assert controller.update({**HEALTHY, "behavior_kl": 0.5}) is None  # at staleness_min already
+    assert controller.update(HEALTHY) is None  # the streak started over after the bad step
+    state = controller.state_dict()
+    again = StalenessController(controller.cfg)
+    again.load_state_dict(state)
+    assert again.update(HEALTHY) == "k 1 -> 2: 2 steps within targets (ess 0.99 >= 0.9, truncated 0 <= 0.01, kl 0.001 <= 0.02)"
+
+
+def test_a_fixed_bound_never_moves_and_auto_bounds_are_checked():
+    fixed = StalenessController(BufferConfig(max_staleness=2))
+    assert fixed.k == 2 and all(fixed.update({**HEALTHY, "behavior_ess": 0.1}) is None for _ in range(3))
+    assert fixed.k == 2
+    with pytest.raises(ConfigError, match=r"buffer.staleness_min \(3\) is above buffer.staleness_max \(1\)"):
+        load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q", "buffer.max_staleness=auto",
+                           "buffer.staleness_min=3", "buffer.staleness_max=1"])
+    with pytest.raises(ConfigError, match="buffer.max_staleness"):
+        load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q", "buffer.max_staleness=often"])
+
+
+@pytest.mark.slow
+def test_tether_run_with_auto_raises_k_and_no_batch_passes_its_bound(tmp_path, tiny_assets):
+    from common.runlog import read_metrics
+    from tests.helpers import run_to_the_end, base_config
+
+    config = base_config(tmp_path, tiny_assets, buffer={"max_staleness": "auto", "staleness_max": 2,
+                                                        "staleness_raise_after": 1},
+                         rollout={"max_new_tokens": 6, "prompts_per_generate": 16, "max_model_len": 64},
+                         learner={"total_steps": 8, "batch_size": 16, "minibatch_size": 8, "ppo_epochs": 1})
+    run_to_the_end(tmp_path, config)
+    steps = read_metrics(config["run_dir"], "learner")
+    bounds = [record["max_staleness"] for record in steps]
+    assert bounds[0] == 0 and max(bounds) == 2, bounds  # healthy at this learning rate: up to staleness_max
+    for record in steps:
+        assert record["staleness_max"] <= record["max_staleness"]  # the bound in force for that batch
+        assert 0 < record["behavior_ess"] <= 1 + 1e-9
+    changes = [record["staleness_change"] for record in steps if "staleness_change" in record]
+    assert changes[0].startswith("k 0 -> 1: 1 steps within targets"), changes
+    # the buffer applied each bound (its last record is written after the last request)
+    assert {record["max_staleness"] for record in read_metrics(config["run_dir"], "buffer")} <= {0, 1, 2}
+    with open(f"{config['run_dir']}/metrics/buffer_accounting.json") as file:
+        accounting = json.load(file)
+    assert accounting["max_staleness"] == bounds[-1] and accounting["staleness_violations"] == 0
