@@ -133,15 +133,17 @@ class BufferConfig(_Strict):
     max_staleness: int | Literal["auto"] = Field(1, description="k: train at version v only on samples of version "
                                                  ">= v - k; auto: k between staleness_min and staleness_max, raised "
                                                  "while the off-policy health the learner measures stays within "
-                                                 "the staleness_* targets, halved when it does not")
-    staleness_min: int = Field(0, ge=0, description="auto: the lowest k, and where it starts")
+                                                 "the staleness_* targets (a mean over a few steps), halved when it "
+                                                 "does not")
+    staleness_min: int = Field(0, ge=0, description="auto: the lowest k (it starts at 1, within the bounds)")
     staleness_max: int = Field(4, ge=0, description="auto: the highest k")
     staleness_ess_min: float = Field(0.9, gt=0, le=1, description="auto: the effective sample size of the batch's "
                                      "importance weights pi_prox / pi_behavior, as a share of its tokens, at least")
-    staleness_truncated_max: float = Field(0.01, ge=0, le=1, description="auto: the share of tokens whose weight "
+    staleness_truncated_max: float = Field(0.02, ge=0, le=1, description="auto: the share of tokens whose weight "
                                            "learner.behavior_weight_cap truncates, at most")
-    staleness_kl_max: float = Field(0.02, gt=0, description="auto: KL(behavior || proximal) per token, at most")
-    staleness_raise_after: int = Field(5, ge=1, description="auto: healthy steps in a row before k is raised by one")
+    staleness_kl_max: float = Field(0.05, gt=0, description="auto: KL(behavior || proximal) per token, at most")
+    staleness_raise_after: int = Field(3, ge=1, description="auto: steps at a bound whose mean health is within "
+                                       "the targets before k is raised by one (and the most a mean is taken over)")
     stall_warn_s: float = Field(60.0, gt=0, description="name a role that owes the buffer work and is silent this long")
 
     @model_validator(mode="after")
@@ -153,8 +155,11 @@ class BufferConfig(_Strict):
 
     @property
     def initial_staleness(self) -> int:
-        """The bound the run starts with."""
-        return self.staleness_min if self.max_staleness == "auto" else self.max_staleness
+        """The bound the run starts with: under auto, 1 (the fixed default) within the bounds, so a
+        run does not begin synchronous and climb."""
+        if self.max_staleness == "auto":
+            return min(max(self.staleness_min, 1), self.staleness_max)
+        return self.max_staleness
 
     @property
     def staleness_ceiling(self) -> int:

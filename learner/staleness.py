@@ -12,17 +12,21 @@ them, each with a target (``buffer.staleness_*``):
 - ``behavior_kl``: KL(behavior || proximal) per token, mean of log pi_behavior - log pi_prox over
   the sampled tokens (the k1 estimate under the behavior policy, which sampled them).
 
-The rule is additive increase, multiplicative decrease (as TCP's congestion window): after
-``staleness_raise_after`` healthy steps in a row k rises by one, up to ``staleness_max``; a step
-outside any target halves it, down to ``staleness_min``. A raise is slow to take effect (the
-batches of the new bound come a step or more later) and cheap to undo; a step over a target means
+The rule is additive increase, multiplicative decrease (as TCP's congestion window): when the
+mean health of ``staleness_raise_after`` steps at a bound is within every target k rises by one,
+up to ``staleness_max``; a mean outside any target halves it, down to ``staleness_min``. Health
+measured at k says little of k + 1 (at k = 0 it is perfect whatever k = 1 would do), so after a
+fall the next raise waits twice as long (at most 16 x ``staleness_raise_after``), and each raise
+that holds halves the wait again: a run where a higher bound keeps hurting probes it less and
+less often (the demo at a raised learning rate, docs/benchmarks.md). A raise is slow to take effect (the
+batches of the new bound come a step or more later) and cheap to undo; health over a target means
 the batches trained now are already too stale, so the fall is fast. Each change comes with its
 reason, for the learner's metrics and log.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,16 +48,25 @@ def behavior_health(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
     return {"behavior_ess": ess, "behavior_truncated_frac": truncated, "behavior_kl": float(-log_weights.mean())}
 
 
+HEALTH = (("behavior_ess", "<", "staleness_ess_min"), ("behavior_truncated_frac", ">", "staleness_truncated_max"),
+          ("behavior_kl", ">", "staleness_kl_max"))
+
+
 @dataclass
 class StalenessController:
     """k for the next batches. ``update`` takes a step's statistics and returns the reason when k
-    changed (None when not); a fixed bound never changes."""
+    changed (None when not); a fixed bound never changes. The health compared with the targets is
+    the mean over the steps since k last changed, at most ``staleness_raise_after`` of them and at
+    least 2 before a fall: one batch's spike (measured on the demo at k = 1: behavior_kl 0.038 on
+    one step, 0.007 the median) is not a trend."""
     cfg: BufferConfig
     k: int = 0
-    healthy_steps: int = 0
+    window: list = field(default_factory=list)  # health of the last steps at this bound, newest last
+    steps: int = 0  # steps trained since k last changed
+    patience: int = 0  # steps at a bound before a raise: staleness_raise_after, doubled by each fall
 
     def __post_init__(self) -> None:
-        self.k = self.cfg.initial_staleness
+        self.k, self.patience = self.cfg.initial_staleness, self.cfg.staleness_raise_after
 
     @property
     def auto(self) -> bool:
@@ -62,31 +75,33 @@ class StalenessController:
     def update(self, stats: dict) -> str | None:
         if not self.auto:
             return None
-        cfg = self.cfg
-        over = [f"{name} {stats[name]:.3g} {sign} {limit:g}" for name, sign, limit, bad in (
-            ("behavior_ess", "<", cfg.staleness_ess_min, stats["behavior_ess"] < cfg.staleness_ess_min),
-            ("behavior_truncated_frac", ">", cfg.staleness_truncated_max,
-             stats["behavior_truncated_frac"] > cfg.staleness_truncated_max),
-            ("behavior_kl", ">", cfg.staleness_kl_max, stats["behavior_kl"] > cfg.staleness_kl_max)) if bad]
+        cfg, base = self.cfg, self.cfg.staleness_raise_after
+        self.steps += 1
+        self.window = [*self.window, {name: float(stats[name]) for name, _, _ in HEALTH}][-base:]
+        mean = {name: sum(step[name] for step in self.window) / len(self.window) for name, _, _ in HEALTH}
+        over = [f"{name} {mean[name]:.3g} {sign} {getattr(cfg, limit):g}" for name, sign, limit in HEALTH
+                if (mean[name] < getattr(cfg, limit) if sign == "<" else mean[name] > getattr(cfg, limit))]
+        steps = f"mean of {len(self.window)} step{'s' if len(self.window) > 1 else ''}"
         if over:
-            self.healthy_steps = 0
             lowered = max(cfg.staleness_min, self.k // 2)
-            if lowered == self.k:
+            if len(self.window) < min(2, base) or lowered == self.k:
                 return None
-            previous, self.k = self.k, lowered
-            return f"k {previous} -> {lowered}: {', '.join(over)}"
-        self.healthy_steps += 1
-        if self.healthy_steps < cfg.staleness_raise_after or self.k >= cfg.staleness_max:
+            # health at a bound says nothing of the next one up (at k = 0 it is perfect): a raise that
+            # fell is tried again only after twice as long
+            previous, self.k, self.window, self.steps = self.k, lowered, [], 0
+            self.patience = min(16 * base, 2 * self.patience)
+            return f"k {previous} -> {lowered}: {', '.join(over)} ({steps}); next raise after {self.patience} steps"
+        if self.steps < self.patience or len(self.window) < base or self.k >= cfg.staleness_max:
             return None
-        self.healthy_steps = 0
-        self.k += 1
-        return (f"k {self.k - 1} -> {self.k}: {cfg.staleness_raise_after} steps within targets (ess "
-                f"{stats['behavior_ess']:.3g} >= {cfg.staleness_ess_min:g}, truncated "
-                f"{stats['behavior_truncated_frac']:.3g} <= {cfg.staleness_truncated_max:g}, kl "
-                f"{stats['behavior_kl']:.3g} <= {cfg.staleness_kl_max:g})")
+        self.k, self.window, self.steps = self.k + 1, [], 0
+        self.patience = max(base, self.patience // 2)
+        return (f"k {self.k - 1} -> {self.k}: within targets ({steps}: ess {mean['behavior_ess']:.3g} >= "
+                f"{cfg.staleness_ess_min:g}, truncated {mean['behavior_truncated_frac']:.3g} <= "
+                f"{cfg.staleness_truncated_max:g}, kl {mean['behavior_kl']:.3g} <= {cfg.staleness_kl_max:g})")
 
     def state_dict(self) -> dict:
-        return {"k": self.k, "healthy_steps": self.healthy_steps}
+        return {"k": self.k, "window": self.window, "steps": self.steps, "patience": self.patience}
 
     def load_state_dict(self, state: dict) -> None:
-        self.k, self.healthy_steps = int(state["k"]), int(state["healthy_steps"])
+        self.k, self.window = int(state["k"]), list(state["window"])
+        self.steps, self.patience = int(state["steps"]), int(state["patience"])
