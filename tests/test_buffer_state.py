@@ -334,6 +334,45 @@ def test_a_batch_waits_for_a_slow_engine_s_older_samples():
     assert report["staleness_violations"] == 0 and not report["dropped"] and report["identity_holds"]
 
 
+class TwoEngines:
+    """A pool of two rollout engines driven by hand: each is granted credits at the version it
+    holds, and sends its samples one at a time whenever the test says."""
+
+    def __init__(self, state: BufferState, wanted: int) -> None:
+        self.state, self.wanted, self.next_id = state, wanted, 0
+        self.versions = {"rollout:0": 0, "rollout:1": 0}
+        self.granted: dict[str, list[tuple[int, int]]] = {engine: [] for engine in self.versions}
+
+    def grant(self, engine: str) -> None:
+        self.granted[engine] += [(index, self.versions[engine]) for index in
+                                 self.state.credits_for(engine, self.versions[engine], self.wanted, engines=2)]
+
+    def send(self, engine: str) -> None:
+        if self.granted[engine]:
+            index, version = self.granted[engine].pop(0)
+            self.state.add_samples([sample(self.next_id, version, index)], engine)
+            self.next_id += 1
+
+    def sync(self, engine: str) -> None:
+        self.versions[engine] = self.state.policy_version
+
+    def act(self, action: str) -> bool:
+        """Do ``action`` if it is an engine's ("grant0", "send1", "sync0"...); whether it was."""
+        kind, engine = action[:-1], f"rollout:{action[-1]}"
+        if kind not in ("grant", "send", "sync"):
+            return False
+        getattr(self, kind)(engine)
+        return True
+
+    def keep_going(self) -> None:
+        """Both engines send all they hold, take the newest weights and ask for more."""
+        for engine in self.versions:
+            while self.granted[engine]:
+                self.send(engine)
+            self.sync(engine)
+            self.grant(engine)
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     actions=st.lists(st.sampled_from(["grant0", "grant1", "send0", "send1", "score", "train", "sync0", "sync1",
@@ -350,32 +389,16 @@ def test_a_pool_of_engines_never_trains_a_sample_past_the_bound(actions, max_sta
     far behind the other), a scorer, a learner training whenever a batch is ready: no sample is
     dropped as stale, none trained past the bound, and once everyone keeps going the run goes on."""
     state = BufferState(batch_size, max_staleness)
-    versions = {"rollout:0": 0, "rollout:1": 0}
-    granted: dict[str, list[tuple[int, int]]] = {engine: [] for engine in versions}  # (index, version held)
-    learner_version, next_id, trained = 0, 0, set()
-
-    def send(engine: str) -> None:
-        nonlocal next_id
-        if granted[engine]:
-            index, version = granted[engine].pop(0)
-            state.add_samples([sample(next_id, version, index)], engine)
-            next_id += 1
-
+    pool, learner_version, trained = TwoEngines(state, wanted), 0, set()
     for action in actions:
         engine = f"rollout:{action[-1]}"
-        if action.startswith("grant"):
-            granted[engine] += [(index, versions[engine]) for index in
-                                state.credits_for(engine, versions[engine], wanted, engines=2)]
-        elif action.startswith("send"):
-            send(engine)
-        elif action.startswith("sync"):
-            versions[engine] = state.policy_version
+        if pool.act(action):
+            pass
         elif action.startswith("rush"):  # this engine runs a whole round while the other one lags
-            versions[engine] = state.policy_version
-            granted[engine] += [(index, versions[engine]) for index in
-                                state.credits_for(engine, versions[engine], wanted, engines=2)]
-            while granted[engine]:
-                send(engine)
+            pool.sync(engine)
+            pool.grant(engine)
+            while pool.granted[engine]:
+                pool.send(engine)
             score_all(state)
             learner_version = train_checked(state, learner_version, batch_size, max_staleness, trained)
         elif action == "score":
@@ -386,12 +409,7 @@ def test_a_pool_of_engines_never_trains_a_sample_past_the_bound(actions, max_sta
         assert report["staleness_violations"] == 0 and report["identity_holds"], report
     target = learner_version + 3
     for _ in range(100):
-        for engine in versions:
-            while granted[engine]:
-                send(engine)
-            versions[engine] = state.policy_version
-            granted[engine] += [(index, versions[engine]) for index in
-                                state.credits_for(engine, versions[engine], wanted, engines=2)]
+        pool.keep_going()
         score_all(state)
         learner_version = train_checked(state, learner_version, batch_size, max_staleness, trained)
     assert learner_version >= target and state.report()["staleness_violations"] == 0
@@ -674,26 +692,10 @@ def test_a_bound_that_changes_holds_at_every_batch_and_the_run_goes_on(actions, 
     bound that can no longer be trained are dropped as stale (their credit returned), never
     waited for; the accounting identity holds; and once everyone keeps going, batches keep coming."""
     state = BufferState(batch_size, bound, staleness_ceiling=4)
-    versions = {"rollout:0": 0, "rollout:1": 0}
-    granted: dict[str, list[tuple[int, int]]] = {engine: [] for engine in versions}
-    learner_version, next_id, trained = 0, 0, set()
-
-    def send(engine: str) -> None:
-        nonlocal next_id
-        if granted[engine]:
-            index, version = granted[engine].pop(0)
-            state.add_samples([sample(next_id, version, index)], engine)
-            next_id += 1
-
+    pool, learner_version, trained = TwoEngines(state, 2), 0, set()
     for action in actions:
-        engine = f"rollout:{action[-1]}"
-        if action.startswith("grant"):
-            granted[engine] += [(index, versions[engine]) for index in
-                                state.credits_for(engine, versions[engine], 2, engines=2)]
-        elif action.startswith("send"):
-            send(engine)
-        elif action.startswith("sync"):
-            versions[engine] = state.policy_version
+        if pool.act(action):
+            pass
         elif action == "raise":
             state.set_max_staleness(min(4, state.max_staleness + 1))
         elif action == "lower":
@@ -705,12 +707,7 @@ def test_a_bound_that_changes_holds_at_every_batch_and_the_run_goes_on(actions, 
         assert state.report()["identity_holds"], state.report()
     target = learner_version + 3
     for _ in range(100):
-        for engine in versions:
-            while granted[engine]:
-                send(engine)
-            versions[engine] = state.policy_version
-            granted[engine] += [(index, versions[engine]) for index in
-                                state.credits_for(engine, versions[engine], 2, engines=2)]
+        pool.keep_going()
         score_all(state)
         learner_version = train_checked(state, learner_version, batch_size, state.max_staleness, trained)
     assert learner_version >= target, state.report()
