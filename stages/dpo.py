@@ -27,13 +27,10 @@ def reference_logprobs(path: str, dtype: str, examples: list[Example], pad_token
                        stage: training.Stage) -> None:
     """Each example's reference logprobs (chosen, rejected), stored on it as ``reference``."""
     from learner.models import load_actor
-    from learner.step import micro_batches_of
 
     reference = load_actor(path, dtype).eval().to(training.parallel.device())
-    costs = torch.tensor([example.cost for example in examples], dtype=torch.long)
-    for part in micro_batches_of(torch.arange(len(examples)), costs, stage.cfg, 1):
-        chosen = [examples[int(i)] for i in part]
-        for example, values in zip(chosen, logprob_sums(reference, chosen, pad_token_id).view(-1, 2).cpu()):
+    for part in training.forward_parts(examples, stage):
+        for example, values in zip(part, logprob_sums(reference, part, pad_token_id).view(-1, 2).cpu()):
             example.reference = values
     del reference
 

@@ -85,11 +85,7 @@ def calibration(module, examples: list[Example], pad_token_id: int, how: str, st
         return {REWARD_OFFSET_KEY: 0.0, REWARD_SCALE_KEY: 1.0}
     was_training = module.training
     module.eval()
-    costs = torch.tensor([example.cost for example in examples], dtype=torch.long)
-    from learner.step import micro_batches_of
-
-    scores = torch.cat([scores_of(module, [examples[int(i)] for i in part], pad_token_id)
-                        for part in micro_batches_of(torch.arange(len(examples)), costs, stage.cfg, 1)])
+    scores = torch.cat([scores_of(module, part, pad_token_id) for part in training.forward_parts(examples, stage)])
     module.train(was_training)
     offset, scale = float(scores.mean()), float(scores.std()) if how == "normalize" and len(scores) > 1 else 1.0
     return {REWARD_OFFSET_KEY: offset, REWARD_SCALE_KEY: scale if scale > 0 else 1.0}

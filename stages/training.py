@@ -180,9 +180,22 @@ def rank_parts(indices: torch.Tensor, examples: list[Example], stage: Stage) -> 
     at most, as many as every other rank has. An example's rows are never split."""
     from learner.step import micro_batches_of
 
-    costs = torch.tensor([examples[int(i)].cost for i in range(len(examples))], dtype=torch.long)
-    mine = micro_batches.deal(indices, costs, parallel.rank(), parallel.world_size())
-    return [part.tolist() for part in micro_batches_of(mine, costs, stage.cfg, parallel.world_size())]
+    costs = _costs([examples[int(i)] for i in indices])  # the batch's alone: positions in ``indices``
+    mine = micro_batches.deal(torch.arange(len(indices)), costs, parallel.rank(), parallel.world_size())
+    return [indices[part].tolist() for part in micro_batches_of(mine, costs, stage.cfg, parallel.world_size())]
+
+
+def forward_parts(examples: list[Example], stage: Stage) -> Iterator[list[Example]]:
+    """``examples`` in the micro-batches a forward-only pass over all of them takes, on every rank
+    the same (held-out figures, calibration, DPO's reference)."""
+    from learner.step import micro_batches_of
+
+    for part in micro_batches_of(torch.arange(len(examples)), _costs(examples), stage.cfg, 1):
+        yield [examples[int(i)] for i in part]
+
+
+def _costs(examples: list[Example]) -> torch.Tensor:
+    return torch.tensor([example.cost for example in examples], dtype=torch.long)
 
 
 LossSums = Callable[[object, list[Example]], tuple[torch.Tensor, dict[str, float]]]
@@ -219,14 +232,11 @@ def train_step(engine, parts: list[list[int]], examples: list[Example], loss_sum
 def forward_sums(module, examples: list[Example], sums_of: LossSums, stage: Stage) -> dict[str, float]:
     """The summed loss and statistics of ``sums_of`` over ``examples``, forward only, in
     micro-batches like training's (every rank the same passes)."""
-    from learner.step import micro_batches_of
-
     was_training = module.training
     module.eval()
-    costs = torch.tensor([example.cost for example in examples], dtype=torch.long)
     sums: dict[str, float] = {}
-    for part in micro_batches_of(torch.arange(len(examples)), costs, stage.cfg, 1):
-        loss, stats = sums_of(module, [examples[int(i)] for i in part])
+    for part in forward_parts(examples, stage):
+        loss, stats = sums_of(module, part)
         for key, value in {"loss": float(loss), **stats}.items():
             sums[key] = sums.get(key, 0.0) + value
     module.train(was_training)
