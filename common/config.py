@@ -133,8 +133,8 @@ class BufferConfig(_Strict):
     max_staleness: int | Literal["auto"] = Field(1, description="k: train at version v only on samples of version "
                                                  ">= v - k; auto: k between staleness_min and staleness_max, raised "
                                                  "while the off-policy health the learner measures stays within "
-                                                 "the staleness_* targets (a mean over a few steps), halved when it "
-                                                 "does not")
+                                                 "the staleness_* targets (a mean over a few steps; doubled until "
+                                                 "the first fall, by one after), halved when it does not")
     staleness_min: int = Field(0, ge=0, description="auto: the lowest k (it starts at 1, within the bounds)")
     staleness_max: int = Field(4, ge=0, description="auto: the highest k")
     staleness_ess_min: float = Field(0.9, gt=0, le=1, description="auto: the effective sample size of the batch's "
@@ -143,7 +143,8 @@ class BufferConfig(_Strict):
                                            "learner.behavior_weight_cap truncates, at most")
     staleness_kl_max: float = Field(0.05, gt=0, description="auto: KL(behavior || proximal) per token, at most")
     staleness_raise_after: int = Field(3, ge=1, description="auto: steps at a bound whose mean health is within "
-                                       "the targets before k is raised by one (and the most a mean is taken over)")
+                                       "the targets before k is raised: doubled until the first fall, by one after (and the most a "
+                                       "mean is taken over)")
     stall_warn_s: float = Field(60.0, gt=0, description="name a role that owes the buffer work and is silent this long")
 
     @model_validator(mode="after")

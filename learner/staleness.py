@@ -14,7 +14,10 @@ them, each with a target (``buffer.staleness_*``):
 
 The rule is additive increase, multiplicative decrease (as TCP's congestion window): when the
 mean health of ``staleness_raise_after`` steps at a bound is within every target k rises by one,
-up to ``staleness_max``; a mean outside any target halves it, down to ``staleness_min``. Health
+up to ``staleness_max``; a mean outside any target halves it, down to ``staleness_min``. Until the
+first fall a raise doubles k instead (TCP's slow start): a task where every bound is healthy (the
+long-tail demo) reaches k = 8 in 9 steps rather than 21, which over a 40-step run was the 12%
+of throughput auto lost to the best fixed k (docs/benchmarks.md). Health
 measured at k says little of k + 1 (at k = 0 it is perfect whatever k = 1 would do), so after a
 fall the next raise waits twice as long (at most 16 x ``staleness_raise_after``), and each raise
 that holds halves the wait again: a run where a higher bound keeps hurting probes it less and
@@ -64,6 +67,7 @@ class StalenessController:
     window: list = field(default_factory=list)  # health of the last steps at this bound, newest last
     steps: int = 0  # steps trained since k last changed
     patience: int = 0  # steps at a bound before a raise: staleness_raise_after, doubled by each fall
+    fallen: bool = False  # a fall ends the slow start: raises add one from then on
 
     def __post_init__(self) -> None:
         self.k, self.patience = self.cfg.initial_staleness, self.cfg.staleness_raise_after
@@ -88,20 +92,23 @@ class StalenessController:
                 return None
             # health at a bound says nothing of the next one up (at k = 0 it is perfect): a raise that
             # fell is tried again only after twice as long
-            previous, self.k, self.window, self.steps = self.k, lowered, [], 0
+            previous, self.k, self.window, self.steps, self.fallen = self.k, lowered, [], 0, True
             self.patience = min(16 * base, 2 * self.patience)
             return f"k {previous} -> {lowered}: {', '.join(over)} ({steps}); next raise after {self.patience} steps"
         if self.steps < self.patience or len(self.window) < base or self.k >= cfg.staleness_max:
             return None
-        self.k, self.window, self.steps = self.k + 1, [], 0
+        previous, self.window, self.steps = self.k, [], 0
+        self.k = self.k + 1 if self.fallen else min(cfg.staleness_max, max(self.k + 1, 2 * self.k))
         self.patience = max(base, self.patience // 2)
-        return (f"k {self.k - 1} -> {self.k}: within targets ({steps}: ess {mean['behavior_ess']:.3g} >= "
+        return (f"k {previous} -> {self.k}: within targets ({steps}: ess {mean['behavior_ess']:.3g} >= "
                 f"{cfg.staleness_ess_min:g}, truncated {mean['behavior_truncated_frac']:.3g} <= "
                 f"{cfg.staleness_truncated_max:g}, kl {mean['behavior_kl']:.3g} <= {cfg.staleness_kl_max:g})")
 
     def state_dict(self) -> dict:
-        return {"k": self.k, "window": self.window, "steps": self.steps, "patience": self.patience}
+        return {"k": self.k, "window": self.window, "steps": self.steps, "patience": self.patience,
+                "fallen": self.fallen}
 
     def load_state_dict(self, state: dict) -> None:
         self.k, self.window = int(state["k"]), list(state["window"])
         self.steps, self.patience = int(state["steps"]), int(state["patience"])
+        self.fallen = bool(state["fallen"])

@@ -52,6 +52,15 @@ def test_auto_raises_on_a_healthy_mean_and_halves_on_a_mean_over_a_target():
     assert again.patience == 2  # the raise held its ground: the wait halves
 
 
+def test_auto_doubles_k_until_its_first_fall_and_adds_one_after():
+    controller = StalenessController(BufferConfig(max_staleness="auto", staleness_max=8, staleness_raise_after=1))
+    assert [controller.k] + [(controller.update(HEALTHY), controller.k)[1] for _ in range(4)] == [1, 2, 4, 8, 8]
+    assert controller.update({**HEALTHY, "behavior_kl": 0.5}).startswith("k 8 -> 4: behavior_kl 0.5 > 0.05")
+    for expected in (4, 5, 6):  # the fall doubled the wait to 2 steps, each raise adds one and halves it
+        controller.update(HEALTHY)
+        assert controller.k == expected
+
+
 def test_a_fixed_bound_never_moves_and_auto_bounds_are_checked():
     fixed = StalenessController(BufferConfig(max_staleness=2))
     assert fixed.k == 2 and all(fixed.update({**HEALTHY, "behavior_ess": 0.1}) is None for _ in range(3))
