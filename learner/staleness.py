@@ -19,8 +19,8 @@ first fall a raise doubles k instead (TCP's slow start): a task where every boun
 long-tail demo) reaches k = 8 in 9 steps rather than 21, which over a 40-step run was the 12%
 of throughput auto lost to the best fixed k (docs/benchmarks.md). Health
 measured at k says little of k + 1 (at k = 0 it is perfect whatever k = 1 would do), so after a
-fall the next raise waits twice as long (at most 16 x ``staleness_raise_after``), and each raise
-that holds halves the wait again: a run where a higher bound keeps hurting probes it less and
+fall the next raise waits twice as long (at most 16 x ``staleness_raise_after``), and a raise
+that holds (its bound earns a raise in turn) halves the wait again: a run where a higher bound keeps hurting probes it less and
 less often (the demo at a raised learning rate, docs/benchmarks.md). A raise is slow to take effect (the
 batches of the new bound come a step or more later) and cheap to undo; health over a target means
 the batches trained now are already too stale, so the fall is fast. Each change comes with its
@@ -68,6 +68,7 @@ class StalenessController:
     steps: int = 0  # steps trained since k last changed
     patience: int = 0  # steps at a bound before a raise: staleness_raise_after, doubled by each fall
     fallen: bool = False  # a fall ends the slow start: raises add one from then on
+    raised: bool = False  # the last change was a raise: the next raise means it held
 
     def __post_init__(self) -> None:
         self.k, self.patience = self.cfg.initial_staleness, self.cfg.staleness_raise_after
@@ -92,23 +93,25 @@ class StalenessController:
                 return None
             # health at a bound says nothing of the next one up (at k = 0 it is perfect): a raise that
             # fell is tried again only after twice as long
-            previous, self.k, self.window, self.steps, self.fallen = self.k, lowered, [], 0, True
+            previous, self.k, self.window, self.steps, self.fallen, self.raised = self.k, lowered, [], 0, True, False
             self.patience = min(16 * base, 2 * self.patience)
             return f"k {previous} -> {lowered}: {', '.join(over)} ({steps}); next raise after {self.patience} steps"
         if self.steps < self.patience or len(self.window) < base or self.k >= cfg.staleness_max:
             return None
         previous, self.window, self.steps = self.k, [], 0
         self.k = self.k + 1 if self.fallen else min(cfg.staleness_max, max(self.k + 1, 2 * self.k))
-        self.patience = max(base, self.patience // 2)
+        if self.raised:  # the bound the last raise reached held: the wait it was given halves
+            self.patience = max(base, self.patience // 2)
+        self.raised = True
         return (f"k {previous} -> {self.k}: within targets ({steps}: ess {mean['behavior_ess']:.3g} >= "
                 f"{cfg.staleness_ess_min:g}, truncated {mean['behavior_truncated_frac']:.3g} <= "
                 f"{cfg.staleness_truncated_max:g}, kl {mean['behavior_kl']:.3g} <= {cfg.staleness_kl_max:g})")
 
     def state_dict(self) -> dict:
         return {"k": self.k, "window": self.window, "steps": self.steps, "patience": self.patience,
-                "fallen": self.fallen}
+                "fallen": self.fallen, "raised": self.raised}
 
     def load_state_dict(self, state: dict) -> None:
         self.k, self.window = int(state["k"]), list(state["window"])
         self.steps, self.patience = int(state["steps"]), int(state["patience"])
-        self.fallen = bool(state["fallen"])
+        self.fallen, self.raised = bool(state["fallen"]), bool(state["raised"])

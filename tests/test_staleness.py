@@ -49,16 +49,33 @@ def test_auto_raises_on_a_healthy_mean_and_halves_on_a_mean_over_a_target():
     assert again.update(HEALTHY) is None  # 3 steps since the fall; a raise waits for 4
     assert again.update(HEALTHY) == ("k 1 -> 2: within targets (mean of 2 steps: ess 0.99 >= 0.9, truncated 0 <= "
                                      "0.02, kl 0.001 <= 0.05)")
-    assert again.patience == 2  # the raise held its ground: the wait halves
+    assert again.patience == 4  # halved only once k = 2 holds and earns a raise in turn
+    for _ in range(4):
+        again.update(HEALTHY)
+    assert again.k == 3 and again.patience == 2
 
 
 def test_auto_doubles_k_until_its_first_fall_and_adds_one_after():
     controller = StalenessController(BufferConfig(max_staleness="auto", staleness_max=8, staleness_raise_after=1))
     assert [controller.k] + [(controller.update(HEALTHY), controller.k)[1] for _ in range(4)] == [1, 2, 4, 8, 8]
     assert controller.update({**HEALTHY, "behavior_kl": 0.5}).startswith("k 8 -> 4: behavior_kl 0.5 > 0.05")
-    for expected in (4, 5, 6):  # the fall doubled the wait to 2 steps, each raise adds one and halves it
-        controller.update(HEALTHY)
+    for expected in (4, 5, 5, 6, 7):  # the fall doubled the wait to 2; a raise adds one, and halves the wait
+        controller.update(HEALTHY)   # once the bound it reached earns a raise in turn
         assert controller.k == expected
+    assert controller.patience == 1
+
+
+def test_a_bound_that_keeps_falling_is_probed_less_and_less_often():
+    """The stress case of docs/benchmarks.md: at k = 0 health is perfect, at k = 1 it is not."""
+    controller = StalenessController(BufferConfig(max_staleness="auto", staleness_max=8, staleness_raise_after=2))
+    waits = []
+    for _ in range(6):
+        while controller.k == 1:
+            controller.update({**HEALTHY, "behavior_kl": 0.3})
+        waits.append(controller.patience)
+        while controller.k == 0:
+            controller.update(HEALTHY)
+    assert waits == [4, 8, 16, 32, 32, 32]  # 16 x staleness_raise_after at most
 
 
 def test_a_fixed_bound_never_moves_and_auto_bounds_are_checked():
