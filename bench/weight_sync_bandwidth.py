@@ -27,13 +27,13 @@ import zmq
 GOAL = 0.5  # of memcpy
 
 
-def rollout_process(address: str, stream_address: str) -> None:
+def rollout_process(address: str, stream_address: str, directory: str) -> None:
     from weight_sync.buckets import WeightManifest, read_manifest
     from weight_sync.stream import WeightPrefetcher
 
     socket = zmq.Context.instance().socket(zmq.PAIR)
     socket.connect(address)
-    prefetcher = WeightPrefetcher(stream_address)
+    prefetcher = WeightPrefetcher(stream_address, directory)
     while True:
         message = socket.recv_json()
         if message is None:
@@ -73,7 +73,7 @@ def main() -> None:
     socket = zmq.Context.instance().socket(zmq.PAIR)
     socket.bind(address)
     publisher = WeightStreamPublisher(stream_address)
-    child = multiprocessing.get_context("spawn").Process(target=rollout_process, args=(address, stream_address))
+    child = multiprocessing.get_context("spawn").Process(target=rollout_process, args=(address, stream_address, directory))
     child.start()
     writer = ShmWeightWriter(directory, bucket_bytes=args.bucket_mb << 20, slots=2)
 

@@ -7,7 +7,7 @@ import os
 import time
 
 from common.config import ConfigError, TetherConfig
-from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError
+from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError, outside
 from weight_sync.stream import WeightPrefetcher
 from weight_sync.tcp import fetch_over_tcp
 
@@ -116,6 +116,9 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
         if staging is not None:  # another host: bring the buckets here first
             manifest = fetch_over_tcp(manifest, config.transport.weights_address, staging,
                                       max_frame_bytes=config.transport.max_frame_bytes, curve=config.transport.curve)
+        refused = outside(manifest, staging.directory if staging is not None else config.weights_dir)
+        if refused:
+            raise WeightStreamError(refused)
         checked = prefetcher is not None and prefetcher.checked(manifest)
         results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
         refusals = [result["refused"] for result in results if "refused" in result]
@@ -164,7 +167,7 @@ class WeightLoads:
         if config.transport.weight_transport == "tcp":
             self.staging = ShmWeightWriter(f"{config.weights_dir}-{name}", config.transport.weight_bucket_mb << 20)
         else:
-            self.prefetcher = WeightPrefetcher(config.weights_stream_address)
+            self.prefetcher = WeightPrefetcher(config.weights_stream_address, config.weights_dir)
         self.failures = 0  # loads failed in a row
         self.retry_at = 0.0  # after a failed load: no credit request before then
 

@@ -137,7 +137,7 @@ def stream(tmp_path):
 
     address = f"ipc://{tmp_path}/stream"
     publisher = WeightStreamPublisher(address)
-    prefetcher = WeightPrefetcher(address)
+    prefetcher = WeightPrefetcher(address, str(tmp_path))  # the tests write their versions under tmp_path
     time.sleep(0.3)  # let the subscription reach the publisher
     yield publisher, prefetcher
     prefetcher.close()

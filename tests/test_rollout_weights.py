@@ -4,6 +4,7 @@ the engine keeps the weights it had."""
 
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 from common.config import load_config
 from tests.helpers import base_config
-from weight_sync.buckets import ShmWeightWriter
+from weight_sync.buckets import BucketEntry, ShmWeightWriter, WeightManifest
 
 PROMPT = [1, 3, 7, 9, 8, 5]  # <bos> even 1 3 2 :
 TOLERANCE = 1e-3  # float32 on both sides; measured ~1e-6 here
@@ -96,11 +97,17 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
 
     from rollout.engine import IncompatibleWeights, apply_weights
 
-    config = SimpleNamespace(models=SimpleNamespace(policy=tiny_assets["policy"]))
+    config = SimpleNamespace(models=SimpleNamespace(policy=tiny_assets["policy"]), weights_dir=writer.directory)
     log = logging.getLogger("test-rollout")
     grant = SimpleNamespace(fields={"weights_manifest": damaged.to_dict(), "policy_version": 2})
     version, error = apply_weights(engine, grant, None, None, config, log)
     assert version is None and "fails its checksum" in error  # no version to tag samples with until one loads
+    # a manifest naming a file outside the run's weight directory is refused before the engine reads it
+    foreign = WeightManifest(6, [BucketEntry(0, os.path.getsize("/etc/passwd"), "0" * 16, "/etc/passwd", [])])
+    grant = SimpleNamespace(fields={"weights_manifest": foreign.to_dict(), "policy_version": 6})
+    version, error = apply_weights(engine, grant, None, None, config, log)
+    assert version is None and error.endswith(f"bucket 0 lies at /etc/passwd, outside this run's weight directory "
+                                              f"{writer.directory}: refused")
 
     alien = writer.publish(3, [*updated.state_dict().items(), ("not_a_parameter.weight", torch.zeros(4))])
     grant = SimpleNamespace(fields={"weights_manifest": alien.to_dict(), "policy_version": 3})

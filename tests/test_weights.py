@@ -181,6 +181,29 @@ def test_a_bad_or_missed_bucket_leaves_the_version_to_the_full_check(tmp_path, s
         assert_equal_state(tensors, state(2))
 
 
+def test_a_manifest_naming_a_file_outside_the_weight_directory_is_refused_unread(tmp_path, stream):
+    """A manifest is a message: whoever speaks as the learner could name any file of the host."""
+    from weight_sync.buckets import outside
+
+    publisher, prefetcher = stream
+    writer = ShmWeightWriter(str(tmp_path / "w"), bucket_bytes=16 * 1024)
+    manifest = writer.publish(1, state(1).items())
+    assert outside(manifest, str(tmp_path / "w")) is None
+    os.symlink("/etc", tmp_path / "w" / "etc")
+    for path in ("/etc/passwd", str(tmp_path / "w" / ".." / "elsewhere"), str(tmp_path / "w" / "etc" / "passwd"),
+                 str(tmp_path / "w-other" / "slot0" / "bucket00000")):
+        foreign = WeightManifest(2, [*manifest.buckets[:1], BucketEntry(1, 10, "0" * 16, path, [])])
+        assert outside(foreign, str(tmp_path / "w")) == (f"version 2: bucket 1 lies at {path}, outside this run's "
+                                                         f"weight directory {tmp_path / 'w'}: refused")
+    # the prefetcher neither maps nor locks an announced bucket outside its directory
+    publisher.announcer(3)(1, BucketEntry(0, os.path.getsize("/etc/passwd"), "0" * 16, "/etc/passwd", []))
+    elsewhere = tmp_path.parent / f"{tmp_path.name}-elsewhere"
+    publisher.announcer(4)(1, BucketEntry(0, 0, "0" * 16, str(elsewhere / "bucket00000"), []))
+    foreign = WeightManifest(4, [BucketEntry(0, 0, "0" * 16, str(elsewhere / "bucket00000"), [])])
+    assert not wait_until(lambda: prefetcher.checked(foreign), timeout_s=0.5)
+    assert not elsewhere.exists()  # no lock file was created there
+
+
 def test_a_tied_tensor_is_published_once_under_its_first_name():
     """GPT-2 ties lm_head to the input embedding: save_pretrained writes it once, and vLLM's models
     that tie it have no `lm_head` parameter to load (Bloom refused every reload). Untied weights

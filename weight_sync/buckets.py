@@ -337,6 +337,20 @@ def _write_bucket(target: np.ndarray, entries: list[TensorEntry], tensors: dict[
 _reader_maps: dict[str, tuple[tuple[int, int, int], mmap.mmap]] = {}
 
 
+def outside(manifest: WeightManifest, directory: str) -> str | None:
+    """Why ``manifest`` may not be read by a reader whose versions lie under ``directory`` (None
+    when every bucket lies there). A manifest is only a message: whoever can speak as the learner
+    (a local user, on loopback TCP without CURVE) could otherwise have a rollout map any file of
+    the host, /etc/passwd as well as another run's weights. Links are resolved first, so a link
+    under ``directory`` leads nowhere else."""
+    root = os.path.realpath(directory)
+    for bucket in manifest.buckets:
+        if os.path.commonpath([root, os.path.realpath(bucket.path)]) != root:
+            return (f"version {manifest.policy_version}: bucket {bucket.index} lies at {bucket.path}, outside this "
+                    f"run's weight directory {directory}: refused")
+    return None
+
+
 def _reader_map(path: str, nbytes: int) -> mmap.mmap:
     """A read-only mapping of a bucket file, kept across versions: the writer reuses its files,
     so the page tables filled once stay valid (mapping 1 GiB afresh costs ~0.07 s here)."""

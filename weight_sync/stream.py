@@ -18,7 +18,7 @@ import zmq
 
 from protocol.codec import ProtocolError, decode, encode
 from protocol.transport import prepare_endpoint
-from weight_sync.buckets import BucketEntry, WeightManifest, _reader_map, _slot_lock, checksum
+from weight_sync.buckets import BucketEntry, WeightManifest, _reader_map, _slot_lock, checksum, outside
 
 log = logging.getLogger(__name__)
 
@@ -45,9 +45,11 @@ class WeightStreamPublisher:
 
 
 class WeightPrefetcher:
-    """The rollout's side: a thread that checks announced buckets as they come."""
+    """The rollout's side: a thread that checks announced buckets as they come, those under
+    ``directory`` (the run's weight directory) only."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, directory: str) -> None:
+        self.directory = directory
         self.socket = zmq.Context.instance().socket(zmq.SUB)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.RCVHWM, 100_000)
@@ -73,6 +75,9 @@ class WeightPrefetcher:
                 if notice.type != "weights_bucket_ready":
                     raise ProtocolError(f"unexpected {notice.type!r} on the weight stream")
                 bucket = BucketEntry.from_dict(notice.fields["bucket"])
+                refused = outside(WeightManifest(notice.fields["policy_version"], [bucket]), self.directory)
+                if refused:
+                    raise ProtocolError(refused)
             except ProtocolError as error:
                 log.warning("weight stream: refused a notice: %s", error)
                 continue

@@ -1,0 +1,46 @@
+"""What a role would find wrong with the run's data and user code only after ``tether run`` started
+every process (a prompt file's bad line, read by the rollout seconds later, exit 1 while the other
+roles wait): checked once before any process starts, each error naming the config key, the file
+and the line. The roles check again as they read (``tether launch ROLE`` alone starts no runner).
+
+What needs a model's tokenizer (a chat the template refuses, prompts longer than
+``rollout.max_model_len``) stays with the roles: loading transformers here would cost every start
+seconds.
+"""
+
+from __future__ import annotations
+
+from common.config import TetherConfig
+
+
+def check_run_data(config: TetherConfig) -> None:
+    """The files and functions PPO reads: data.prompts, eval.prompts, data.ptx, scorer.reward_functions,
+    rollout.tools and rollout.environment. Raises ``ConfigError`` at the first problem."""
+    from common.prompts import read_rows, read_texts
+    from rollout.environments import Environments
+    from rollout.tools import load_tools
+    from scorer.rewards import RewardFunction
+
+    read_rows(config.data.prompts)
+    if config.eval.prompts:
+        read_rows(config.eval.prompts, "eval.prompts")
+    if config.data.ptx:
+        read_texts(config.data.ptx)
+    for i, function in enumerate(config.scorer.reward_functions):
+        RewardFunction.load(function.function, function.weight, f"scorer.reward_functions[{i}].function")
+    Environments.load(config.rollout.environment, load_tools(config.rollout.tools))
+
+
+def check_stage_data(config: TetherConfig) -> None:
+    """Each stage's rows (``sft.data``, ``rm.eval_data``, ...) have its form, for ``tether pipeline``,
+    where the reward model's data would otherwise be read only after SFT trained."""
+    from common.prompts import read_records
+    from stages.examples import FORMS, STAGE_FORMS
+
+    for name, form in STAGE_FORMS.items():
+        section = getattr(config, name)
+        if section is None:
+            continue
+        for key in ("data", "eval_data"):
+            if getattr(section, key):
+                read_records(getattr(section, key), f"{name}.{key}", *FORMS[form])
