@@ -39,11 +39,17 @@ def dataset_row(seed: int, size: int, prompt_index: int) -> int:
     return int(_epoch_order(seed, size, epoch)[offset])
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
-    """Every row of a prompt file (``data.prompts``), checked: each has a text ``prompt`` or a
+def read_rows(path: str, key: str = "data.prompts") -> list[dict[str, Any]]:
+    """Every row of a prompt file (config key ``key``), checked: each has a text ``prompt`` or a
     ``messages`` chat. The error names the key, the file and the line or row."""
-    return read_records(path, "data.prompts", _valid_row,
+    return read_records(path, key, _valid_row,
                         'has neither "prompt" (text) nor "messages" (a list of {"role": ..., "content": ...})')
+
+
+def read_texts(path: str) -> list[dict[str, Any]]:
+    """Every row of a PPO-ptx file (``data.ptx``), checked: each has a ``text``."""
+    return read_records(path, "data.ptx", lambda row: isinstance(row, dict) and isinstance(row.get("text"), str),
+                        'has no "text"')
 
 
 def read_records(path: str, key: str, valid, problem: str) -> list[dict[str, Any]]:
@@ -59,8 +65,11 @@ def read_records(path: str, key: str, valid, problem: str) -> list[dict[str, Any
             raise ConfigError(f"{key}: {path} does not read as Parquet: {error}") from None
         numbered = [(f"row {number}", row) for number, row in enumerate(rows, 1)]
     else:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
+        try:
+            with open(path, encoding="utf-8") as file:
+                text = file.read()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ConfigError(f"{key}: cannot read {path}: {error}") from None
         if path.endswith(".json") and text.lstrip().startswith("["):
             try:
                 numbered = [(f"row {number}", row) for number, row in enumerate(json.loads(text), 1)]

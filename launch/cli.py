@@ -138,9 +138,12 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
     from common.config import ConfigError
     from common.models import resolve_models
 
+    from launch.preflight import check_run_data
+
     try:  # before any process starts: a hub id is fetched once here, the roles then find it cached
         for role in ("rollout", "scorer", "learner"):
             resolve_models(resolved, role)
+        check_run_data(resolved)
     except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)
     from launch.runner import run_pipeline
@@ -214,9 +217,13 @@ def pipeline(config: Path = ConfigOption, override: Optional[list[str]] = Overri
     output the next one's input; a stage already finished with the same section is not run again."""
     resolved = _load(config, override, ppo=False)
     from common.config import ConfigError
+    from launch.preflight import check_run_data, check_stage_data
     from stages.pipeline import run_pipeline_stages
 
-    try:
+    try:  # every stage's data and PPO's before the first stage trains
+        check_stage_data(resolved)
+        if resolved.models is not None and resolved.data is not None:
+            check_run_data(resolved)
         code = run_pipeline_stages(resolved, config, override or [], overwrite)
     except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)

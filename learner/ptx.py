@@ -8,15 +8,14 @@ from __future__ import annotations
 import torch
 
 from common.distributions import logprobs_from_logits
-from common.prompts import read_records
+from common.prompts import read_texts
 from common.sequences import pad_rows
 
 
 def read_ptx(path: str, tokenizer, max_tokens: int) -> list[list[int]]:
     """Token ids of every ``{"text": ...}`` row of ``data.ptx`` (JSON lines or Parquet), cut to
     ``max_tokens``; rows of fewer than two tokens teach nothing and are left out."""
-    rows = read_records(path, "data.ptx", lambda row: isinstance(row, dict) and isinstance(row.get("text"), str),
-                        'has no "text"')
+    rows = read_texts(path)
     sequences = [tokenizer(row["text"])["input_ids"][:max_tokens] for row in rows]
     return [ids for ids in sequences if len(ids) >= 2]
 

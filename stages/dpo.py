@@ -63,7 +63,7 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     stage = training.start(config, "dpo", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    train, evaluation = training.examples_loaded(stage, tokenizer, "pair")
+    train, evaluation = training.examples_loaded(stage, tokenizer)
     model = load_actor(cfg.model, cfg.dtype)
     pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     reference_logprobs(cfg.reference, cfg.dtype, train + evaluation, pad_token_id, stage)

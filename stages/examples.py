@@ -113,6 +113,7 @@ def _valid_pair(row: Any) -> bool:
     return _has_prompt(row) and _is_text(row.get("chosen")) and _is_text(row.get("rejected"))
 
 
+STAGE_FORMS = {"sft": "demonstration", "rm": "ranking", "dpo": "pair"}  # the rows each stage reads
 FORMS = {
     "demonstration": (_valid_demonstration, 'is neither {"prompt", "response"} nor {"messages"} (a chat whose '
                                             "assistant turns are taught)"),

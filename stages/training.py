@@ -328,11 +328,12 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
     return stage.output
 
 
-def examples_loaded(stage: Stage, tokenizer, form: str) -> tuple[list[Example], list[Example]]:
+def examples_loaded(stage: Stage, tokenizer) -> tuple[list[Example], list[Example]]:
     """(train, held out) examples of the stage's data, and the log of what was left out."""
-    from stages.examples import held_out, read_examples
+    from stages.examples import STAGE_FORMS, held_out, read_examples
 
     cfg, key = stage.cfg, stage.name
+    form = STAGE_FORMS[key]
     train, dropped = read_examples(cfg.data, f"{key}.data", tokenizer, form, cfg.max_len)
     if cfg.eval_data:
         evaluation, dropped_eval = read_examples(cfg.eval_data, f"{key}.eval_data", tokenizer, form, cfg.max_len)

@@ -217,3 +217,41 @@ def test_the_shipped_configs_show_on_their_own(name):
     assert result.exit_code == 0, result.output
     shown = yaml.safe_load(result.output)
     assert shown["models"]["policy"] and shown["data"]["prompts"]
+
+
+EXTRA = {"eval.prompts": ["eval.every=5"], "data.ptx": ["learner.ptx_coef=0.1"]}  # what makes the key read
+
+
+@pytest.mark.parametrize("key, file_text, message", [
+    ("data.prompts", '{"prompt": "a"}\n\n{"prompt": "b"}\n{"promt": "c"}\n', 'line 4 has neither "prompt"'),
+    ("eval.prompts", '{"messages": "hi"}\n', 'line 1 has neither "prompt"'),
+    ("data.ptx", '{"text": "a b"}\n{"txt": "c"}\n', 'line 2 has no "text"'),
+    ("data.ptx", '{"text": "a b"}\n{"text": \n', "line 2 is not JSON"),
+])
+def test_tether_run_checks_its_data_before_any_process_starts(tmp_path, tiny_assets, key, file_text, message):
+    """A bad row was found by the rollout seconds after `tether run` started four processes."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(file_text)
+    overrides = [f"{key}={bad}", f"run_dir={tmp_path / 'run'}", *EXTRA.get(key, [])]
+    config = {"models": {"policy": tiny_assets["policy"], "reward": tiny_assets["reward"]},
+              "data": {"prompts": tiny_assets["prompts"]}}
+    result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, config)), *sum((["-o", o] for o in overrides), [])])
+    assert result.exit_code == 2 and f"{key}: {bad} {message}" in result.output, result.output
+    assert not (tmp_path / "run").exists()  # no process started, nothing written
+
+
+def test_tether_run_and_pipeline_check_user_functions_and_every_stage_s_rows_first(tmp_path, tiny_assets):
+    config = {"models": {"policy": tiny_assets["policy"], "reward": tiny_assets["reward"]},
+              "data": {"prompts": tiny_assets["prompts"]}, "run_dir": str(tmp_path / "run"),
+              "scorer": {"reward_functions": [{"function": "tests.test_config:_no_such_function"}]}}
+    result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, config))])
+    assert result.exit_code == 2 and ("scorer.reward_functions[0].function: cannot import "
+                                      "'tests.test_config:_no_such_function'") in result.output, result.output
+    demonstrations, rankings = tmp_path / "sft.jsonl", tmp_path / "rm.jsonl"
+    demonstrations.write_text('{"prompt": "a", "response": "b"}\n')
+    rankings.write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n')
+    stages = {"sft": {"model": tiny_assets["policy"], "data": str(demonstrations)}, "rm": {"data": str(rankings)},
+              "run_dir": str(tmp_path / "run")}
+    result = CliRunner().invoke(app, ["pipeline", "-c", str(write(tmp_path, stages, "stages.yaml"))])
+    assert result.exit_code == 2 and f"rm.data: {rankings} line 2 is neither" in result.output, result.output
+    assert not (tmp_path / "run" / "sft").exists()  # found before SFT trained
