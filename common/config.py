@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ROLES = ("buffer", "rollout", "scorer", "learner")
 
@@ -91,8 +91,10 @@ class RolloutConfig(_Strict):
     prompts_per_generate: int = Field(64, ge=1, description="most prompts generating at once in one engine")
     max_new_tokens: int = Field(32, ge=1, description="most tokens generated per response (vLLM's max_tokens)")
     ignore_eos: bool = Field(False, description="generate max_new_tokens always (benchmarks)")
-    max_model_len: int = Field(256, ge=8, description="most tokens of prompt + response; longer prompts are "
-                                                     "skipped and counted")
+    max_model_len: int | None = Field(None, ge=8, description="most tokens of prompt + response; longer prompts "
+                                      "are skipped and counted. None: as many as the policy's positions allow "
+                                      "(its config.json), on CPU at most what rollout.kv_cache_gib holds; a value "
+                                      "over either is refused at load")
     kv_cache_gib: float = Field(1.0, gt=0, description="CPU KV cache, GiB (vLLM's kv_cache_memory_bytes; "
                                                        "allocating it is part of the engine's start-up)")
     in_process: bool | None = Field(None, description="run vLLM's engine inside the rollout process "
@@ -479,6 +481,27 @@ class EvalConfig(_Strict):
     deadline_s: float = Field(1800.0, gt=0, description="an evaluation running longer is stopped and reported")
 
 
+class MetricsConfig(_Strict):
+    """Where the run's metrics go besides RUN_DIR/metrics/*.jsonl (always written, the record every
+    tool of tether reads)."""
+    trackers: list[Literal["tensorboard", "wandb", "mlflow", "trackio"]] = Field(
+        default_factory=lambda: ["tensorboard"], description="tensorboard: each role writes RUN_DIR/tensorboard; "
+        "wandb, mlflow, trackio (the extras .[wandb], .[mlflow], .[trackio]): tether run sends every role's "
+        "records, the config and the evaluations' worst cases to one run there, each role's series under its name")
+    project: str = Field("tether", description="the wandb / trackio project, the mlflow experiment")
+    run_name: str | None = Field(None, description="the tracker run's name; None: run_dir's last part")
+    mlflow_tracking_uri: str | None = Field(None, description="None: MLflow's own (MLFLOW_TRACKING_URI, else ./mlruns)")
+    wandb_entity: str | None = Field(None, description="the wandb team or user; None: the logged-in user's")
+    every_s: float = Field(2.0, gt=0, description="how often new records are sent")
+
+    @field_validator("trackers")
+    @classmethod
+    def _once_each(cls, trackers: list[str]) -> list[str]:
+        if len(set(trackers)) != len(trackers):
+            raise ValueError(f"names a tracker twice: {trackers}")
+        return trackers
+
+
 class LaunchConfig(_Strict):
     """What tether run does when a role dies or it is asked to stop."""
     max_restarts: int = Field(3, ge=0, description="restarts of a rollout or scorer that dies, each")
@@ -506,6 +529,7 @@ class TetherConfig(_Strict):
     placement: PlacementConfig = Field(default_factory=PlacementConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     resume_from: str | None = Field(None, description="a checkpoints/state-* directory (set by tether run --resume)")
     sft: SftConfig | None = Field(None, description="tether sft: supervised fine-tuning, the first InstructGPT stage")
     rm: RewardModelConfig | None = Field(None, description="tether rm: the reward model, the second stage")
@@ -585,7 +609,7 @@ class TetherConfig(_Strict):
             raise ValueError(f"learner.advantage_estimator {learner.advantage_estimator} compares the responses to "
                              "one prompt: rollout.samples_per_prompt must be >= 2")
         budget = learner.max_tokens_per_microbatch
-        if budget is not None and budget < rollout.max_model_len:
+        if budget is not None and rollout.max_model_len is not None and budget < rollout.max_model_len:
             raise ValueError(f"learner.max_tokens_per_microbatch ({budget}) is less than rollout.max_model_len "
                              f"({rollout.max_model_len}): a sequence that long would not fit in one pass")
         if learner.minibatch_size % learner.ranks:
