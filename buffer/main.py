@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from buffer.state import BufferState, load_snapshot, save_snapshot
 from common.config import TetherConfig
-from common.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.codec import Message, ProtocolError
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SENDER_ROLES, SENDERS
@@ -62,7 +62,7 @@ class Buffer:
         else:
             self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling)
         self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve)
-        self.metrics = MetricsWriter(config.run_dir, "buffer")
+        self.metrics = metrics_writer(config, "buffer")
         self.run_id = os.path.basename(os.path.abspath(config.run_dir))
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted buffer is told from this one by its clients
         self.weight_failures: dict[str, tuple[int, int, str]] = {}  # rollout -> (failures, version, reason)

@@ -62,6 +62,11 @@ class MetricsWriter:
             self.board.close()
 
 
+def metrics_writer(config, name: str) -> MetricsWriter:
+    """A role's writer of ``config`` (a TetherConfig): TensorBoard where ``metrics.trackers`` has it."""
+    return MetricsWriter(config.run_dir, name, tensorboard="tensorboard" in config.metrics.trackers)
+
+
 def read_metrics(run_dir: str, name: str) -> list[dict[str, Any]]:
     path = os.path.join(run_dir, "metrics", f"{name}.jsonl")
     if not os.path.exists(path):

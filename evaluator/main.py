@@ -18,7 +18,7 @@ import numpy as np
 from common.config import ConfigError, TetherConfig
 from common.models import resolve_models
 from common.prompts import prompts_within, read_rows
-from common.runlog import MetricsWriter, setup_logging
+from common.runlog import metrics_writer, setup_logging
 from protocol.samples import Sample
 
 
@@ -100,18 +100,28 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     return figures, samples, {"kl": kl, "repetition": repetition}
 
 
-def worst_cases_text(samples: list[Sample], per_sample: dict[str, np.ndarray], tokenizer, count: int,
-                     step: int) -> str:
-    """Markdown: the ``count`` lowest-reward and highest-KL responses with their prompts."""
-    lines = [f"# Evaluation at step {step}", ""]
-    for title, order in (("Lowest reward", np.argsort([s.reward for s in samples])),
-                         ("Highest KL to the reference", np.argsort(-per_sample["kl"]))):
-        lines += [f"## {title}", ""]
+def worst_cases(samples: list[Sample], per_sample: dict[str, np.ndarray], tokenizer, count: int) -> list[dict]:
+    """The ``count`` lowest-reward and highest-KL responses, a row each: ``case``, ``reward``,
+    ``kl``, ``tokens``, ``repetition`` and ``conversation`` (its prompt and response, a line each)."""
+    rows = []
+    for case, order in (("lowest reward", np.argsort([s.reward for s in samples])),
+                        ("highest KL to the reference", np.argsort(-per_sample["kl"]))):
         for i in order[:count]:
             sample = samples[i]
-            lines += [f"- reward {sample.reward:+.3f}, KL {per_sample['kl'][i]:.3f}, "
-                      f"{len(sample.response_tokens)} tokens, repetition {per_sample['repetition'][i]:.2f}",
-                      *_conversation_lines(sample, tokenizer), ""]
+            rows.append({"case": case, "reward": float(sample.reward), "kl": float(per_sample["kl"][i]),
+                         "tokens": len(sample.response_tokens), "repetition": float(per_sample["repetition"][i]),
+                         "conversation": "\n".join(_conversation_lines(sample, tokenizer))})
+    return rows
+
+
+def worst_cases_text(rows: list[dict], step: int) -> str:
+    """Markdown of ``worst_cases``' rows."""
+    lines = [f"# Evaluation at step {step}", ""]
+    for case in dict.fromkeys(row["case"] for row in rows):
+        lines += [f"## {case[0].upper()}{case[1:]}", ""]
+        for row in (row for row in rows if row["case"] == case):
+            lines += [f"- reward {row['reward']:+.3f}, KL {row['kl']:.3f}, {row['tokens']} tokens, repetition "
+                      f"{row['repetition']:.2f}", row["conversation"], ""]
     return "\n".join(lines)
 
 
@@ -127,7 +137,8 @@ def _conversation_lines(sample: Sample, tokenizer) -> list[str]:
 
 def run(config: TetherConfig, checkpoint: str, step: int) -> dict:
     """Evaluate ``checkpoint`` as the policy of learner step ``step``: one record in
-    ``metrics/eval.jsonl``, the worst cases in ``eval/step-N.md``. Returns the figures."""
+    ``metrics/eval.jsonl``, the worst cases in ``eval/step-N.md`` (and as rows, ``.jsonl``). Returns
+    the figures."""
     from transformers import AutoTokenizer
 
     log = setup_logging("eval", config.log_level)
@@ -140,14 +151,16 @@ def run(config: TetherConfig, checkpoint: str, step: int) -> dict:
     started = time.monotonic()
     figures, samples, per_sample = evaluate(config, checkpoint, log)
     figures["eval_s"] = time.monotonic() - started
-    metrics = MetricsWriter(config.run_dir, "eval")
+    metrics = metrics_writer(config, "eval")
     metrics.write({"step": step, "checkpoint": os.path.abspath(checkpoint), **figures})
     metrics.close()
     directory = os.path.join(config.run_dir, "eval")
     os.makedirs(directory, exist_ok=True)
+    rows = worst_cases(samples, per_sample, AutoTokenizer.from_pretrained(checkpoint), config.eval.worst_cases)
     with open(os.path.join(directory, f"step-{step:06d}.md"), "w") as file:
-        file.write(worst_cases_text(samples, per_sample, AutoTokenizer.from_pretrained(checkpoint),
-                                    config.eval.worst_cases, step))
+        file.write(worst_cases_text(rows, step))
+    with open(os.path.join(directory, f"step-{step:06d}.jsonl"), "w") as file:  # the trackers' table
+        file.writelines(json.dumps(row) + "\n" for row in rows)
     log.info("step %d: reward %.3f, kl %.3f, length %.1f, repetition %.3f on %d prompts (%.0fs)", step,
              figures["reward"], figures["kl_to_reference"], figures["response_length"], figures["repetition_rate"],
              figures["prompts"], figures["eval_s"])

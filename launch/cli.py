@@ -309,6 +309,16 @@ def plot(run_dir: Path = typer.Argument(..., help="a run directory"),
 
 
 @app.command()
+def track(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption) -> None:
+    """Send a run's metrics, config and evaluations to metrics.trackers (wandb, mlflow, trackio) as the
+    roles write them: for roles started by hand with tether launch (tether run does it itself).
+    Ends when the learner has written its final policy, or on Ctrl-C."""
+    from launch.trackers import follow
+
+    raise typer.Exit(follow(_load(config, override, ppo=False)))
+
+
+@app.command()
 def profile(run_dir: Path = typer.Argument(..., help="a run directory")) -> None:
     """Each role's busy fraction, where its time went, the bottleneck and what to give more devices."""
     from launch.report import format_profile, profile_run

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from common.config import STAGES, TetherConfig, dump_config
 from common.runlog import StartupTimeline, read_metrics
 from launch.exit_codes import ExitCode, signalled
+from launch.trackers import STATE_FILE as TRACKERS_STATE
+from launch.trackers import Trackers
 
 SHUTDOWN_GRACE_S = 60.0  # after the learner is done, time for the others to hear "stop" and exit
 TERMINATE_GRACE_S = 10.0
@@ -364,6 +366,8 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
         for entry in previous:
             path = os.path.join(run_dir, entry)
             shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+    if not resume and os.path.exists(os.path.join(run_dir, TRACKERS_STATE)):
+        os.remove(os.path.join(run_dir, TRACKERS_STATE))  # a new run is a new tracker run; --resume goes on in its own
     os.makedirs(os.path.join(run_dir, "logs"), exist_ok=True)
     os.makedirs(os.path.join(run_dir, "metrics"), exist_ok=True)
     config_path = os.path.join(run_dir, "config.yaml")
@@ -371,15 +375,19 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
         file.write(dump_config(config))
 
     timeline = StartupTimeline(run_dir, "tether run")
-    if ray is None:
-        return _watch(config, config_path, resume, timeline, start_role)
-    from launch.ray_cluster import RayPlacement
-
-    placement = RayPlacement(config, config_path, ray)
+    trackers = Trackers(config).start()  # wandb / mlflow / trackio, where metrics.trackers names them
     try:
-        return _watch(config, config_path, resume, timeline, placement.start_role)
+        if ray is None:
+            return _watch(config, config_path, resume, timeline, start_role)
+        from launch.ray_cluster import RayPlacement
+
+        placement = RayPlacement(config, config_path, ray)
+        try:
+            return _watch(config, config_path, resume, timeline, placement.start_role)
+        finally:
+            placement.close()
     finally:
-        placement.close()
+        trackers.close()
 
 
 def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: StartupTimeline, start) -> int:

@@ -9,7 +9,7 @@ import torch
 
 from common.config import TetherConfig
 from common.models import critic_source, resolve_models
-from common.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
 from learner import parallel, ppo
 from learner.health import HealthMonitor
@@ -197,7 +197,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     client = metrics = monitor = recorder = None
     if main:
         monitor = HealthMonitor(config.health)
-        metrics = MetricsWriter(config.run_dir, "learner")
+        metrics = metrics_writer(config, "learner")
         if recorded is not None:
             client = RecordedBuffer(recorded, config.transport.max_frame_bytes)
         else:

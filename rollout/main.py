@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from common.config import TetherConfig
 from common.models import resolve_models
 from common.prompts import dataset_row, prompts_within, read_rows
-from common.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import connect_to_buffer
 from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
@@ -85,7 +85,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")
     source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log)
-    metrics = MetricsWriter(config.run_dir, name)
+    metrics = metrics_writer(config, name)
     weights = WeightLoads(engine, config, name, log)
     id_prefix = uuid.uuid4().hex[:8]
     log.info("generating with %s, %d prompts, %d samples per prompt, up to %d prompts at once%s", config.models.policy,

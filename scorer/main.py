@@ -15,7 +15,7 @@ import torch
 from common.config import ConfigError, TetherConfig
 from common.models import resolve_models, same_tokens
 from common.prompts import chat_of, read_rows
-from common.runlog import MetricsWriter, StartupTimeline, setup_logging
+from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction
@@ -128,7 +128,7 @@ def run(config: TetherConfig, worker_index: int = 0) -> None:
     timeline.phase("import")
     scorer = Scorer(config, log)
     timeline.phase("model load")
-    metrics = MetricsWriter(config.run_dir, f"scorer{worker_index}")
+    metrics = metrics_writer(config, f"scorer{worker_index}")
     client = connect_to_buffer(config, "scorer", str(worker_index))
     timeline.phase("buffer connect")
     log.info("scoring with reference %s on %s; %s", config.reference_path, scorer.device, scorer.describe())

@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from common.config import ConfigError, StageConfig, TetherConfig
-from common.runlog import MetricsWriter, setup_logging
+from common.runlog import MetricsWriter, metrics_writer, setup_logging
 from learner import micro_batches, parallel
 from stages.examples import Example
 
@@ -73,7 +73,7 @@ def start(config: TetherConfig, name: str, fresh: bool = False) -> Stage:
             _keep_records_to(config.run_dir, name, stage.resume_step)
         else:
             forget_stage_metrics(config.run_dir, name)
-        stage.metrics = MetricsWriter(config.run_dir, name)
+        stage.metrics = metrics_writer(config, name)
     return stage
 
 

@@ -9,12 +9,18 @@ import pytest
 from common.runlog import read_metrics
 from launch.demo import evaluate
 from tests.helpers import base_config, run_to_the_end, tether
+from tests.test_trackers import assert_every_tracker_holds_the_json_lines
 
 STEPS = 12
 
 
 @pytest.mark.slow
-def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp_path, tiny_assets):
+def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp_path, tiny_assets, monkeypatch):
+    # every tracker too, offline: the series each holds must be the JSON lines (tests/test_trackers.py)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("TRACKIO_DIR", str(tmp_path / "trackio"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store in maintenance mode
+    mlflow_uri = f"file://{tmp_path}/mlruns"
     config = base_config(tmp_path, tiny_assets,
                          models={"reward": None},
                          scorer={"reward_functions": [{"function": "launch.demo:gold_reward", "weight": 1.0}]},
@@ -23,8 +29,11 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
                          learner={"total_steps": STEPS, "batch_size": 32, "minibatch_size": 16, "ppo_epochs": 2,
                                   "actor_lr": 5e-4, "kl_coef": 0.01, "advantage_estimator": "grpo",
                                   "kl_in": "loss"},
-                         eval={"prompts": tiny_assets["eval_prompts"], "every": 6, "max_prompts": 32})
+                         eval={"prompts": tiny_assets["eval_prompts"], "every": 6, "max_prompts": 32},
+                         metrics={"trackers": ["tensorboard", "wandb", "mlflow", "trackio"],
+                                  "mlflow_tracking_uri": mlflow_uri})
     run_to_the_end(tmp_path, config)
+    assert_every_tracker_holds_the_json_lines(config["run_dir"], mlflow_uri, evaluations=2, total_steps=STEPS)
 
     steps = read_metrics(config["run_dir"], "learner")
     assert len(steps) == STEPS and all("value_loss" not in step and "kl_loss" in step for step in steps)
