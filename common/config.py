@@ -195,6 +195,10 @@ class LearnerConfig(_Strict):
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling: alpha / rank")
     lora_target_modules: list[str] = Field(["all-linear"], description='module names to adapt; ["all-linear"]: '
                                                                        "every linear layer but the output head")
+    lora_sync: Literal["auto", "adapters", "merged"] = Field("auto", description="with lora_rank, what a policy "
+                                                             "version moves: adapters (vLLM applies them to the base "
+                                                             "weights), merged (the whole model); auto: adapters "
+                                                             "where vLLM's model of the family takes LoRA")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
                                                             "memory, about a third more compute")
     weight_decay: float = Field(0.0, ge=0, description="AdamW's decoupled weight decay, actor and critic")

@@ -1,6 +1,7 @@
-"""LoRA (peft) on the actor and the critic: only the adapters (and the critic's value head) train;
-the rollout and the HF export get the merged weights under the base model's own names, so vLLM
-loads them as it loads any checkpoint of the family. The reference stays the frozen base on disk.
+"""LoRA (peft) on the actor and the critic: only the adapters (and the critic's value head) train.
+The rollout gets the adapters alone where vLLM's LoRA serves the family (``learner.lora_sync``,
+``rollout.adapters``), else the merged weights under the base model's own names, which vLLM loads
+as any checkpoint of the family; the HF export is merged. The reference stays the frozen base.
 """
 
 from __future__ import annotations
@@ -38,6 +39,15 @@ def is_lora(model: nn.Module) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
+
+
+@torch.no_grad()
+def adapter_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The adapter's tensors alone, named as peft saves them (``base_model.model.<module>.lora_A
+    .weight``): what vLLM's LoRA loads (``learner.lora_sync: adapters``, ``rollout.adapters``)."""
+    from peft import get_peft_model_state_dict
+
+    return [(name, tensor.detach()) for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()]
 
 
 @torch.no_grad()

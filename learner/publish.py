@@ -9,23 +9,26 @@ from contextlib import contextmanager
 import zmq
 
 from common.config import TetherConfig
-from learner.lora import merged_named_tensors
+from learner.lora import adapter_named_tensors, merged_named_tensors
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, plan_buckets, without_tied_duplicates
 
 
 def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_bucket=None,
-                    bucket_bytes: int | None = None) -> WeightManifest | None:
+                    bucket_bytes: int | None = None, adapters: bool = False) -> WeightManifest | None:
     """Write the actor's weights for ``version`` into shared memory as checked buckets; the
     returned manifest is what the rollout needs to find and verify them. Called on every rank:
     rank 0 (``writer`` given) writes, the others only take part in the gathers (and plan the same
     buckets: ``bucket_bytes``, the writer's). Under ZeRO-3 the
-    parameters of one bucket at a time are gathered, so no rank holds the whole model twice."""
+    parameters of one bucket at a time are gathered, so no rank holds the whole model twice.
+    ``adapters``: a LoRA actor's adapters alone (``learner.lora_sync``)."""
     import deepspeed
 
     if engine.zero_optimization_stage() != 3:  # whole on rank 0; LoRA (never with ZeRO-3): merged there only
         if writer is None:
             return None
-        return writer.publish(version, without_tied_duplicates(merged_named_tensors(engine.module)), on_bucket)
+        named = (adapter_named_tensors(engine.module) if adapters
+                 else without_tied_duplicates(merged_named_tensors(engine.module)))
+        return writer.publish(version, named, on_bucket)
     named = without_tied_duplicates(engine.module.state_dict(keep_vars=True).items())
     # a partitioned parameter's full shape is ds_shape; its data is empty until gathered
     layout = plan_buckets([(name, getattr(t, "ds_shape", t.shape), t.dtype) for name, t in named],
@@ -59,8 +62,13 @@ class WeightPublisher:
         transport = config.transport
         self.bucket_bytes = transport.weight_bucket_mb << 20
         self.writer = self.server = self.stream = None
+        self.adapters = False
         if not main:
             return
+        if config.learner.lora_rank:  # rank 0 alone publishes: only it asks vLLM (an import of seconds)
+            from rollout.adapters import lora_sync_logged
+
+            self.adapters = lora_sync_logged(config, logging.getLogger("learner")) == "adapters"
         self.writer = ShmWeightWriter(config.weights_dir, self.bucket_bytes, transport.weight_slots)
         if transport.weight_transport == "tcp":  # rollouts on other hosts fetch the buckets from here
             self.server = WeightServer(self.writer, transport.weights_address, transport.max_frame_bytes,
@@ -78,7 +86,7 @@ class WeightPublisher:
     def publish(self, engine, policy_version: int, client) -> None:
         """Write ``policy_version`` of the actor and tell the buffer (rank 0, ``client`` given)."""
         announcer = self.stream.announcer(policy_version) if self.stream is not None else None
-        manifest = publish_weights(engine, policy_version, self.writer, announcer, self.bucket_bytes)
+        manifest = publish_weights(engine, policy_version, self.writer, announcer, self.bucket_bytes, self.adapters)
         if client is not None and manifest is not None:  # None: this rank writes nothing (or a replay)
             client.request("weights_published", {"policy_version": policy_version,
                                                  "weights_manifest": manifest.to_dict()})

@@ -7,7 +7,7 @@ import os
 import time
 
 from common.config import ConfigError, TetherConfig
-from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError, outside
+from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError, outside, read_manifest
 from weight_sync.stream import WeightPrefetcher
 from weight_sync.tcp import fetch_over_tcp
 
@@ -106,7 +106,8 @@ def sampling_params(config: TetherConfig, **overrides):
                              "ignore_eos": rollout.ignore_eos, "logprobs": 0, **overrides})
 
 
-def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log) -> tuple[int | None, str | None]:
+def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log,
+                  adapter=None) -> tuple[int | None, str | None]:
     """Load the version the buffer announced: (the version now in the engine, None), or (None, why)
     when nothing of it could be read: the engine is then tagged with no version and generates
     nothing until a whole one loads. A load that failed part-way raises ``EngineNeedsRestart``."""
@@ -120,7 +121,15 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
         if refused:
             raise WeightStreamError(refused)
         checked = prefetcher is not None and prefetcher.checked(manifest)
-        results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
+        if adapter is not None:  # learner.lora_sync adapters: the version is the policy's LoRA adapter alone
+            with read_manifest(manifest, verify=not checked) as tensors:
+                try:
+                    adapter.load(engine, manifest.policy_version, tensors)
+                except ValueError as error:
+                    raise IncompatibleWeights(f"learner.lora_sync: {error}") from None
+            results = [{"tensors": len(adapter.names)}]
+        else:
+            results = engine.collective_rpc("load_published_weights", args=(manifest.to_dict(), checked))
         refusals = [result["refused"] for result in results if "refused" in result]
         partial = [result["partial"] for result in results if "partial" in result]
         failures = [result["unreadable"] for result in results if "unreadable" in result]
@@ -140,6 +149,7 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log)
         engine.reset_prefix_cache(reset_running_requests=True)
         how = ("fetch over tcp and load" if staging is not None else
                "load from shared memory, checked while written" if checked else "load from shared memory")
+        how += " its LoRA adapter" if adapter is not None else ""
         log.info("now generating with policy version %d (%.2fs to %s)", manifest.policy_version,
                  time.monotonic() - started, how)
         return grant.fields["policy_version"], None
@@ -161,8 +171,8 @@ class WeightLoads:
     no version, the buffer is told, the next credit request waits (``retry_at``, backing off), and
     ``rollout.max_weight_load_failures`` failures in a row raise ``WeightsNotLoading``."""
 
-    def __init__(self, engine, config: TetherConfig, name: str, log) -> None:
-        self.engine, self.config, self.log = engine, config, log
+    def __init__(self, engine, config: TetherConfig, name: str, log, adapter=None) -> None:
+        self.engine, self.config, self.log, self.adapter = engine, config, log, adapter
         self.staging = self.prefetcher = None
         if config.transport.weight_transport == "tcp":
             self.staging = ShmWeightWriter(f"{config.weights_dir}-{name}", config.transport.weight_bucket_mb << 20)
@@ -173,7 +183,8 @@ class WeightLoads:
 
     def load(self, grant, client) -> int | None:
         """The version ``grant`` announces, into the engine: that version, or None when it failed."""
-        version, error = apply_weights(self.engine, grant, self.staging, self.prefetcher, self.config, self.log)
+        version, error = apply_weights(self.engine, grant, self.staging, self.prefetcher, self.config, self.log,
+                                       self.adapter)
         if error is None:
             self.failures = 0
             return version
@@ -187,7 +198,14 @@ class WeightLoads:
         self.retry_at = time.monotonic() + min(30.0, REFUSED_WEIGHTS_BACKOFF_S * 2 ** (self.failures - 1))
         return None
 
+    @property
+    def lora_request(self):
+        """What every request carries: the policy's adapter with ``learner.lora_sync`` adapters."""
+        return self.adapter.request if self.adapter is not None else None
+
     def close(self) -> None:
+        if self.adapter is not None:
+            self.adapter.close()
         if self.staging is not None:
             self.staging.close(remove=True)
         if self.prefetcher is not None:

@@ -13,6 +13,7 @@ from common.prompts import dataset_row, prompts_within, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import connect_to_buffer
+from rollout.adapters import PolicyAdapter, lora_arguments, lora_sync_logged
 from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
 from rollout.environments import Environments
 from rollout.episodes import Episodes, Renderer
@@ -80,13 +81,15 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     timeline.phase("prompts")
     # the engine first: it is the longest part of anyone's start-up and needs nobody
     own_engine = engine is None
-    engine = engine or make_vllm_engine(config, worker_index)
+    adapters = config.learner.lora_rank > 0 and lora_sync_logged(config, log) == "adapters"
+    engine = engine or make_vllm_engine(config, worker_index, **(lora_arguments(config) if adapters else {}))
     timeline.phase("engine init")
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")
     source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log)
     metrics = metrics_writer(config, name)
-    weights = WeightLoads(engine, config, name, log)
+    weights = WeightLoads(engine, config, name, log,
+                          PolicyAdapter(config, f"{config.weights_dir}-{name}-lora") if adapters else None)
     id_prefix = uuid.uuid4().hex[:8]
     log.info("generating with %s, %d prompts, %d samples per prompt, up to %d prompts at once%s", config.models.policy,
              len(prompts), rollout_cfg.samples_per_prompt, rollout_cfg.prompts_per_generate,
@@ -140,7 +143,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
             for what, ids, sampling in source.take_ready(version):
                 request_id = str(requests_added)
                 requests_added += 1
-                engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), sampling)
+                engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), sampling,
+                                              lora_request=weights.lora_request)
                 in_flight[request_id] = what
             period.busy_s += time.monotonic() - adding_started
         # 4. one engine step; environments answer beside it

@@ -3,9 +3,10 @@ transformers and vLLM support, each with a reward model of its own family, at ma
 After every weight reload the rollout's logprobs must be the learner's for the same weights.
 
 - llama: the reference layout, given as a hub id found in the local Hugging Face cache, trained
-  with LoRA (the rollout gets the merged weights under the base names);
+  with LoRA: a version is its adapters alone, which vLLM applies (learner.lora_sync auto);
 - qwen2: grouped-query attention, tied embeddings, chat prompts through its chat template;
-- gpt2: Conv1D (transposed) projections, fused qkv in vLLM, tied lm_head;
+- gpt2: Conv1D (transposed) projections, fused qkv in vLLM, tied lm_head; LoRA too, and vLLM's
+  GPT-2 takes no adapters: the rollout gets the merged weights under the base names;
 - opt: no token-classification class in transformers (the critic is tether's own);
 - bloom: vLLM's model ties lm_head to the embedding and has no parameter of that name.
 """
@@ -92,7 +93,7 @@ def test_a_family_trains_and_the_rollout_logprobs_stay_the_learners(tmp_path, ti
         policy = "tether-tests/tiny-llama"
 
     scorer, learner = {}, {"total_steps": STEPS, "batch_size": 8, "minibatch_size": 8, "ppo_epochs": 1}
-    if family == "llama":
+    if family in ("llama", "gpt2"):
         learner.update(lora_rank=8, actor_lr=1e-2)  # LoRA starts at the base weights: a rate that moves them
     if family == "qwen2":
         scorer["reward_functions"] = [{"function": "tests.test_families:prompt_is_the_chat_template", "weight": 0.0}]
@@ -111,6 +112,12 @@ def test_a_family_trains_and_the_rollout_logprobs_stay_the_learners(tmp_path, ti
     with open(os.path.join(config["run_dir"], "logs", "rollout0.log")) as file:
         log = file.read()
     assert all(f"now generating with policy version {v} " in log for v in range(1, STEPS)), log[-2000:]
+    if family == "llama":  # only the adapters moved, and vLLM applied them
+        assert "a policy version moves its adapters alone" in log and "load from shared memory" in log
+        assert "its LoRA adapter" in log
+    if family == "gpt2":
+        assert ("a policy version moves the whole merged model (learner.lora_sync: auto, and vLLM's GPT2LMHeadModel "
+                "takes no LoRA adapters") in log
     if family == "qwen2":  # the scorer saw each sample's prompt tokens: every one was its chat's template
         matches = [record["tests.test_families:prompt_is_the_chat_template"] for record in
                    read_metrics(config["run_dir"], "scorer0")]

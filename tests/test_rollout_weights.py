@@ -28,11 +28,12 @@ def perturbed(policy_dir, seed):
     return model
 
 
-def engine_logprobs(engine, temperature=1.0, top_p=1.0, top_k=0):
+def engine_logprobs(engine, temperature=1.0, top_p=1.0, top_k=0, lora_request=None):
     from vllm import SamplingParams, TokensPrompt
 
     params = SamplingParams(n=4, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=6, logprobs=0, seed=0)
-    output = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)[0]
+    output = engine.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False,
+                             lora_request=lora_request)[0]
     return [(list(c.token_ids), [entry[t].logprob for entry, t in zip(c.logprobs, c.token_ids)]) for c in output.outputs]
 
 
@@ -177,3 +178,54 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
     assert any("rollout:0" in record["stalled"] for record in metrics)
     # the one grant that came with version 1 (2 prompts), kept for after a load: none since, none used
     assert result["granted"] == 2 and result["generated"] == 0
+
+
+@pytest.mark.slow
+def test_a_lora_version_moves_its_adapters_alone_and_vllm_applies_them(tmp_path, tiny_assets):
+    """learner.lora_sync adapters: the engine holds the base weights and the policy's adapter;
+    version 0 is the zero adapter (the base), each version reloads it in place, and the logprobs
+    are then those of the merged model. A version that is not the adapter is refused for good."""
+    from types import SimpleNamespace
+
+    from learner.lora import adapter_named_tensors, merged_named_tensors, with_lora
+    from rollout.adapters import PolicyAdapter, lora_arguments, lora_sync
+    from rollout.engine import IncompatibleWeights, apply_weights, make_vllm_engine
+
+    config = load_config(None, ["rollout.max_model_len=64", "learner.lora_rank=4", "learner.lora_alpha=8"],
+                         base=base_config(tmp_path, tiny_assets))
+    assert lora_sync(config)[0] == "adapters"
+    assert lora_sync(config.model_copy(update={"learner": config.learner.model_copy(
+        update={"lora_sync": "merged"})}))[0] == "merged"
+    engine = make_vllm_engine(config, **lora_arguments(config))
+    writer = ShmWeightWriter(config.weights_dir, bucket_bytes=1 << 14)
+    adapter = PolicyAdapter(config, str(tmp_path / "lora"))
+    log = logging.getLogger("test-rollout")
+    try:
+        sft = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
+        assert_matches(sft, engine_logprobs(engine, lora_request=adapter.request))  # the zero adapter: the base
+        actor = with_lora(AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]), config.learner)
+        generator = torch.Generator().manual_seed(3)
+        for version in (1, 2):
+            with torch.no_grad():  # as training moves them: the adapters alone
+                for name, parameter in actor.named_parameters():
+                    if ".lora_" in name:
+                        parameter.add_(0.2 * torch.randn(parameter.shape, generator=generator))
+            manifest = writer.publish(version, adapter_named_tensors(actor))
+            merged = dict(merged_named_tensors(actor))
+            assert manifest.total_bytes == sum(t.numel() * 4 for _, t in adapter_named_tensors(actor))
+            assert manifest.total_bytes < 0.2 * sum(t.numel() * t.element_size() for t in merged.values())
+            grant = SimpleNamespace(fields={"weights_manifest": manifest.to_dict(), "policy_version": version})
+            assert apply_weights(engine, grant, None, None, config, log, adapter) == (version, None)
+            engine.reset_prefix_cache()
+            policy = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).eval()
+            policy.load_state_dict(merged)
+            assert_matches(policy, engine_logprobs(engine, lora_request=adapter.request))
+        whole = writer.publish(3, merged.items())
+        grant = SimpleNamespace(fields={"weights_manifest": whole.to_dict(), "policy_version": 3})
+        with pytest.raises(IncompatibleWeights, match="learner.lora_sync: policy version 3 is not the policy's LoRA "
+                                                      "adapter"):
+            apply_weights(engine, grant, None, None, config, log, adapter)
+    finally:
+        engine.llm_engine.engine_core.shutdown()
+        adapter.close()
+        writer.close(remove=True)
