@@ -46,7 +46,13 @@ def lora_sync(config: TetherConfig) -> tuple[str, str]:
     cfg = config.learner
     if cfg.lora_sync == "merged":
         return "merged", "learner.lora_sync: merged"
-    reason = lora_not_served(config.models.policy)
+    try:
+        reason = lora_not_served(config.models.policy)
+    except ImportError as error:  # a learner's host without vLLM: the rollouts', which have it, check
+        if cfg.lora_sync == "adapters":
+            return "adapters", "learner.lora_sync: adapters (vLLM is not importable here; the rollouts check it)"
+        raise ConfigError(f"learner.lora_sync: auto asks vLLM which to publish, and it is not importable here "
+                          f"({error}); set adapters or merged") from None
     if reason is None and cfg.lora_rank > LORA_RANKS[-1]:
         reason = f"vLLM serves LoRA ranks up to {LORA_RANKS[-1]}, learner.lora_rank is {cfg.lora_rank}"
     if reason is None:

@@ -40,7 +40,7 @@ def test_toml_is_read_too(tmp_path):
     (["learner.batch_size=30"], "must be a multiple of learner.minibatch_size"),
     (["placement.cores.critic=[1]"], "unknown role 'critic'"),
     (["learner"], "must look like key.subkey=value"),
-    (["learner.max_tokens_per_microbatch=100"],
+    (["learner.max_tokens_per_microbatch=100", "rollout.max_model_len=128"],
      "learner.max_tokens_per_microbatch \\(100\\) is less than rollout.max_model_len"),
 ])
 def test_bad_values_name_the_key(tmp_path, overrides, message):
@@ -90,7 +90,7 @@ def test_a_hub_id_resolves_from_the_local_cache_and_an_unknown_one_names_the_key
     cache = tmp_path / "hub"
     snapshot = cache / "models--tether-tests--tiny" / "snapshots" / ("a" * 40)
     snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text("{}")
+    (snapshot / "config.json").write_text('{"max_position_embeddings": 64}')
     (snapshot / "model.safetensors").write_bytes(b"")
     (cache / "models--tether-tests--tiny" / "refs").mkdir()
     (cache / "models--tether-tests--tiny" / "refs" / "main").write_text("a" * 40)

@@ -91,8 +91,8 @@ def test_unset_it_is_what_the_policy_reads_and_the_cache_holds(policies):
     big_cache = config_for(llama, "rollout.kv_cache_gib=1")
     assert length(big_cache) == 4096 and length(big_cache, "learner") == 4096 and length(big_cache, "scorer") == 4096
     assert resolve_models(big_cache, "buffer").rollout.max_model_len is None  # the buffer loads no model
-    small_cache = config_for(llama, f"rollout.kv_cache_gib={2000 / 2**20}")  # 2,000 tokens: 15 blocks of 128
-    assert length(small_cache) == (1920 if vllm_on_cpu() else 4096)
+    small_cache = config_for(llama, f"rollout.kv_cache_gib={2000 / 2**20}")  # 2,000 tokens: 15 blocks, 1 vLLM's
+    assert length(small_cache) == (1792 if vllm_on_cpu() else 4096)
     assert length(config_for(llama, "rollout.kv_cache_gib=1", "rollout.dtype=bfloat16")) == 4096
     assert length(config_for(policies["yarn"], "rollout.kv_cache_gib=1")) == 8192  # 2,048 x 4
 
@@ -105,7 +105,7 @@ def test_set_it_is_checked_against_the_policy_and_the_cache_naming_the_key(polic
         length(config_for(llama, "rollout.max_model_len=8192"))
     if vllm_on_cpu():
         with pytest.raises(ConfigError, match=r"rollout.max_model_len: 4096 tokens do not fit in rollout.kv_cache_gib "
-                                              r"\(0.0038147 GiB holds 3968 of"):
+                                              r"\(0.0038147 GiB holds 3840 of"):
             length(config_for(llama, "rollout.max_model_len=4096", f"rollout.kv_cache_gib={4000 / 2**20}"))
         with pytest.raises(ConfigError, match="rollout.kv_cache_gib: .* holds less than one block of 128 tokens"):
             length(config_for(llama, f"rollout.kv_cache_gib={100 / 2**20}"))
@@ -121,26 +121,42 @@ def test_set_it_is_checked_against_the_policy_and_the_cache_naming_the_key(polic
 @pytest.mark.skipif(not vllm_on_cpu(), reason="the KV cache's size is rollout.kv_cache_gib on vLLM's CPU build")
 def test_vllm_serves_the_length_tether_picks_for_a_small_cache(tmp_path):
     """The cap from config.json against vLLM's own check of the cache: the length tether picks
-    starts an engine that generates a sequence that long."""
-    import transformers
+    starts an engine that generates a sequence that long. The engine runs in a process of its own:
+    one built in the test process left it unable to reach a Ray cluster after (tests/test_ray.py)."""
+    import multiprocessing
 
-    from rollout.engine import make_vllm_engine, sampling_params
+    import transformers
 
     model_config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                             num_attention_heads=2, max_position_embeddings=4096, **COMMON)
     saved(tmp_path / "policy", model_config)
     (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n')
-    config = resolve_models(load_config(None, [
-        f"models.policy={tmp_path / 'policy'}", f"models.reward={tmp_path / 'policy'}", f"data.prompts={tmp_path}/p.jsonl",
-        f"rollout.kv_cache_gib={2000 / 2**20}", "rollout.ignore_eos=true", f"run_dir={tmp_path / 'run'}"]), "rollout")
-    assert config.rollout.max_model_len == 1920
+    overrides = [f"models.policy={tmp_path / 'policy'}", f"models.reward={tmp_path / 'policy'}",
+                 f"data.prompts={tmp_path}/p.jsonl", f"rollout.kv_cache_gib={2000 / 2**20}", "rollout.ignore_eos=true",
+                 f"run_dir={tmp_path / 'run'}"]
+    assert resolve_models(load_config(None, overrides), "rollout").rollout.max_model_len == 1792
+    context = multiprocessing.get_context("spawn")
+    answers = context.Queue()
+    child = context.Process(target=generate_to_the_length, args=(overrides, answers))
+    child.start()
+    try:
+        assert answers.get(timeout=300) == 1792 - 4  # the whole length fits the cache
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()
+
+
+def generate_to_the_length(overrides, answers) -> None:
+    from vllm import TokensPrompt
+
+    from rollout.engine import make_vllm_engine, sampling_params
+
+    config = resolve_models(load_config(None, overrides), "rollout")
     engine = make_vllm_engine(config)
     try:
-        from vllm import TokensPrompt
-
-        prompt = TokensPrompt(prompt_token_ids=[BOS, 5, 6, 7])
-        params = sampling_params(config, n=1, max_tokens=1920 - 4, logprobs=None)
-        output = engine.generate([prompt], params, use_tqdm=False)[0]
-        assert len(output.outputs[0].token_ids) == 1920 - 4  # the whole length fits the cache
+        params = sampling_params(config, n=1, max_tokens=config.rollout.max_model_len - 4, logprobs=None)
+        output = engine.generate([TokensPrompt(prompt_token_ids=[BOS, 5, 6, 7])], params, use_tqdm=False)[0]
+        answers.put(len(output.outputs[0].token_ids))
     finally:
         engine.llm_engine.engine_core.shutdown()

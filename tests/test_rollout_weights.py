@@ -229,3 +229,30 @@ def test_a_lora_version_moves_its_adapters_alone_and_vllm_applies_them(tmp_path,
         engine.llm_engine.engine_core.shutdown()
         adapter.close()
         writer.close(remove=True)
+
+
+def test_lora_sync_picks_adapters_where_vllm_serves_lora_and_says_why_not(tmp_path):
+    """auto: adapters for a family vLLM's LoRA serves (config.json alone is read), merged with the
+    reason elsewhere; adapters asked for where vLLM cannot is an error naming the key."""
+    import transformers
+
+    from common.config import ConfigError
+    from rollout.adapters import lora_sync
+
+    for name, model_config in (("llama", transformers.LlamaConfig(architectures=["LlamaForCausalLM"])),
+                               ("gpt2", transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(model_config.to_json_string())
+
+    def choice(name, *overrides):
+        return lora_sync(load_config(None, [f"models.policy={tmp_path / name}", "models.reward=/r", "data.prompts=/q",
+                                            "learner.lora_rank=8", *overrides]))
+
+    assert choice("llama") == ("adapters", "learner.lora_sync: auto; vLLM applies the adapters")
+    assert choice("gpt2") == ("merged", "learner.lora_sync: auto, and vLLM's GPT2LMHeadModel takes no LoRA adapters: "
+                                        "whole merged weights are published")
+    assert choice("llama", "learner.lora_rank=1024")[0] == "merged"
+    assert choice("gpt2", "learner.lora_sync=merged") == ("merged", "learner.lora_sync: merged")
+    with pytest.raises(ConfigError, match="learner.lora_sync: adapters, but vLLM's GPT2LMHeadModel takes no LoRA "
+                                          "adapters; use merged"):
+        choice("gpt2", "learner.lora_sync=adapters")
