@@ -182,7 +182,8 @@ class Trackers:
                 rows = [json.loads(line) for line in file if line.strip()]
             self.tables.add(path)
             if rows:
-                key = f"eval/worst_cases_{os.path.basename(path)[:-len('.jsonl')].replace('-', '_')}"
+                # not under "eval/": wandb would stamp the row with the eval role's step, as a series
+                key = f"eval_worst_cases/{os.path.basename(path)[:-len('.jsonl')].replace('-', '_')}"
                 self._send(lambda run: run.table(key, rows))
         with open(self.path, "w") as file:
             json.dump({"ids": self.ids, "offsets": self.offsets, "tables": sorted(self.tables)}, file)

@@ -151,7 +151,7 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
         "rollout.max_weight_load_failures=3", "buffer.max_staleness=1", "rollout.prompts_per_generate=2")
     learner = BufferClient(config.buffer_address, "learner", "0")
     learner.connect(retries=20, interval_s=0.5)
-    writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 14)
+    writer = ShmWeightWriter(config.weights_dir, bucket_bytes=1 << 14)  # where the rollout reads versions
     manifest = writer.publish(1, [("w", torch.zeros(4))])
     learner.request("weights_published", {"policy_version": 1, "weights_manifest": manifest.to_dict()})
 

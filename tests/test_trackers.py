@@ -75,7 +75,7 @@ def test_the_follower_sends_whole_new_lines_once_and_a_failing_tracker_is_a_warn
     trackers.poll()
     trackers.poll()  # nothing new: nothing sent twice
     assert run.logged[1:] == [("learner", 2, {"policy_loss": 0.25}), ("rollout0", 1, {"samples_per_s": 9.5})]
-    assert run.tables == [("eval/worst_cases_step_000002", [{"case": "lowest reward", "reward": -1.0}])]
+    assert run.tables == [("eval_worst_cases/step_000002", [{"case": "lowest reward", "reward": -1.0}])]
     trackers.close()
     assert run.closed
 
@@ -117,7 +117,8 @@ def test_each_real_tracker_holds_the_json_lines_offline(tmp_path, monkeypatch):
         append(run_dir / "metrics" / "rollout0.jsonl", record[:9])
         trackers.poll()  # half a rollout line: sent with its second half, next time
         append(run_dir / "metrics" / "rollout0.jsonl", record[9:] + "\n")
-        if step % 3 == 0:
+        if step % 3 == 0:  # an evaluation: its record, then its worst cases (what wandb stamped with eval/step)
+            append(run_dir / "metrics" / "eval.jsonl", json.dumps({"time": step, "step": step, "reward": -step}) + "\n")
             (run_dir / "eval" / f"step-{step:06d}.jsonl").write_text(json.dumps(
                 {"case": "lowest reward", "reward": -step, "kl": 0.5, "tokens": 4, "repetition": 0.0,
                  "conversation": "  - prompt: `a`\n  - response: `b`"}) + "\n")
@@ -216,5 +217,5 @@ def assert_every_tracker_holds_the_json_lines(run_dir, mlflow_uri, evaluations: 
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(mlflow_uri)
-    assert len(client.list_artifacts(ids["mlflow"], "eval")) == evaluations
+    assert len(client.list_artifacts(ids["mlflow"], "eval_worst_cases")) == evaluations
     assert client.get_run(ids["mlflow"]).data.params["learner.total_steps"] == str(total_steps)  # the config
