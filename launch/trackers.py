@@ -251,6 +251,7 @@ def follow(config: TetherConfig) -> int:
     ``tether launch``, until the learner has written its final policy (or Ctrl-C). The exit code."""
     from launch.exit_codes import ExitCode
 
+    os.makedirs(config.run_dir, exist_ok=True)  # roles started by hand may not have made it yet
     trackers = Trackers(config)
     if not trackers.runs:
         print(f"tether track: no tracker to send to (metrics.trackers: {config.metrics.trackers})", file=sys.stderr)
