@@ -231,7 +231,7 @@ def remove_orphan_shared_memory(directory: str = "/dev/shm", min_age_s: float = 
 
 
 class Stopped(Exception):
-    """tether run got SIGTERM or SIGHUP."""
+    """tether run got SIGINT, SIGTERM or SIGHUP."""
 
     def __init__(self, number: int) -> None:
         super().__init__(f"got {signal.Signals(number).name}")
@@ -406,8 +406,10 @@ def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: Start
     shown_steps = len(read_metrics(run_dir, "learner")) if resume else 0
     learner_done_at: float | None = None
     evaluations = Evaluations(config, config_path)
-    # what a scheduler, `timeout` or a closed terminal sends: stop every role as Ctrl-C does
-    previous_handlers = {number: signal.signal(number, _raise_stopped) for number in (signal.SIGTERM, signal.SIGHUP)}
+    # what a scheduler, `timeout` or a closed terminal sends: stop every role as Ctrl-C does. SIGINT too:
+    # a shell starts a background job with it ignored, and `kill -INT` must still stop the run
+    previous_handlers = {number: signal.signal(number, _raise_stopped)
+                         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         while True:
             time.sleep(0.5)

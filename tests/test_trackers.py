@@ -123,7 +123,10 @@ def test_each_real_tracker_holds_the_json_lines_offline(tmp_path, monkeypatch):
                 {"case": "lowest reward", "reward": -step, "kl": 0.5, "tokens": 4, "repetition": 0.0,
                  "conversation": "  - prompt: `a`\n  - response: `b`"}) + "\n")
     trackers.close()
-    assert_every_tracker_holds_the_json_lines(str(run_dir), uri, evaluations=2, total_steps=7)
+    import trackio.sqlite_storage  # in this process trackio writes where TRACKIO_DIR said at its first import
+
+    assert_every_tracker_holds_the_json_lines(str(run_dir), uri, evaluations=2, total_steps=7,
+                                              trackio_dir=str(trackio.sqlite_storage.TRACKIO_DIR))
 
 
 # --- reading back what each real tracker holds (offline), to compare with the JSON lines ---------
@@ -193,15 +196,20 @@ def mlflow_series(tracking_uri, run_id, keys) -> dict:
     return {key: sorted((m.step, m.value) for m in client.get_metric_history(run_id, key)) for key in keys}
 
 
-def trackio_series(project, name) -> tuple[dict, int]:
-    from trackio.sqlite_storage import SQLiteStorage
+def trackio_series(trackio_dir, project, name) -> tuple[dict, int]:
+    """What trackio's local store holds (``TRACKIO_DIR/<project>.db``, a row of JSON a log call),
+    read with sqlite3: trackio's own reader takes its directory from where it was first imported."""
+    import sqlite3
 
-    rows = SQLiteStorage.get_logs(project, name)
+    with sqlite3.connect(os.path.join(trackio_dir, f"{project}.db")) as db:
+        rows = [json.loads(raw) for (raw,) in db.execute("SELECT metrics FROM metrics WHERE run_name = ? ORDER BY id",
+                                                         (name,))]
     tables = sum(isinstance(value, dict) and value.get("_type") == "trackio.table" for row in rows for value in row.values())
     return _by_role_step(rows), tables
 
 
-def assert_every_tracker_holds_the_json_lines(run_dir, mlflow_uri, evaluations: int, total_steps: int) -> None:
+def assert_every_tracker_holds_the_json_lines(run_dir, mlflow_uri, evaluations: int, total_steps: int,
+                                              trackio_dir: str) -> None:
     """After a real `tether run` with metrics.trackers [tensorboard, wandb, mlflow, trackio] offline."""
     import glob
 
@@ -210,7 +218,7 @@ def assert_every_tracker_holds_the_json_lines(run_dir, mlflow_uri, evaluations: 
     ids = json.loads(open(os.path.join(run_dir, "trackers.json")).read())["ids"]
     (wandb_file,) = glob.glob(os.path.join(run_dir, "wandb", f"offline-run-*-{ids['wandb']}", f"run-{ids['wandb']}.wandb"))
     in_wandb, wandb_tables = wandb_series(wandb_file)
-    in_trackio, trackio_tables = trackio_series("tether", os.path.basename(run_dir))
+    in_trackio, trackio_tables = trackio_series(trackio_dir, "tether", os.path.basename(run_dir))
     assert in_wandb == expected and in_trackio == expected
     assert mlflow_series(mlflow_uri, ids["mlflow"], expected) == expected
     assert wandb_tables == trackio_tables == evaluations

@@ -33,7 +33,8 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
                          metrics={"trackers": ["tensorboard", "wandb", "mlflow", "trackio"],
                                   "mlflow_tracking_uri": mlflow_uri})
     run_to_the_end(tmp_path, config)
-    assert_every_tracker_holds_the_json_lines(config["run_dir"], mlflow_uri, evaluations=2, total_steps=STEPS)
+    assert_every_tracker_holds_the_json_lines(config["run_dir"], mlflow_uri, evaluations=2, total_steps=STEPS,
+                                              trackio_dir=str(tmp_path / "trackio"))  # where `tether run` wrote
 
     steps = read_metrics(config["run_dir"], "learner")
     assert len(steps) == STEPS and all("value_loss" not in step and "kl_loss" in step for step in steps)
