@@ -54,12 +54,13 @@ class WandbRun:
     """A wandb run; each role's series on its own step axis (``define_metric``), since wandb's own
     step must only grow and the roles' steps do not agree."""
 
-    def __init__(self, config: TetherConfig, name: str, run_id: str, settings: dict) -> None:
+    def __init__(self, config: TetherConfig, name: str, run_id: str | None, settings: dict) -> None:
         import wandb
 
-        self.wandb, self.run_id = wandb, run_id
-        self.run = wandb.init(project=config.metrics.project, entity=config.metrics.wandb_entity, name=name, id=run_id,
-                              resume="allow", dir=config.run_dir, config=settings, reinit="create_new")
+        self.wandb, self.run_id = wandb, run_id or uuid.uuid4().hex[:12]
+        self.run = wandb.init(project=config.metrics.project, entity=config.metrics.wandb_entity, name=name,
+                              id=self.run_id, resume="allow", dir=config.run_dir, config=settings,
+                              reinit="create_new")
         self.axes: set[str] = set()
 
     def log(self, role: str, step: int, values: dict[str, float]) -> None:
@@ -114,10 +115,10 @@ class MlflowRun:
 class TrackioRun:
     """A trackio run (its local store, or the Space ``TRACKIO_SPACE_ID`` names)."""
 
-    def __init__(self, config: TetherConfig, name: str, run_id: str, settings: dict) -> None:
+    def __init__(self, config: TetherConfig, name: str, run_id: str | None, settings: dict) -> None:
         import trackio
 
-        self.trackio, self.run_id = trackio, run_id
+        self.trackio, self.run_id = trackio, name  # trackio resumes a run by its name
         self.run = trackio.init(project=config.metrics.project, name=name, config=settings, resume="allow")
 
     def log(self, role: str, step: int, values: dict[str, float]) -> None:
@@ -155,8 +156,7 @@ class Trackers:
         self.runs: dict[str, Any] = {}
         for tracker in (t for t in config.metrics.trackers if t in RUNS):
             try:
-                run = RUNS[tracker](config, name, self.ids.get(tracker) or
-                                    (None if tracker == "mlflow" else uuid.uuid4().hex[:12]), settings)
+                run = RUNS[tracker](config, name, self.ids.get(tracker), settings)  # None: a new run
             except Exception as error:  # not installed, not logged in, no server: the run goes on
                 self.warn(f"tether: metrics.trackers {tracker} did not start ({type(error).__name__}: {error}); the "
                           "run goes on without it")
