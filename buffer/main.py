@@ -164,6 +164,9 @@ class Buffer:
 
     def on_weights_refused(self, identity: bytes, message: Message) -> None:
         worker, fields = self.workers[identity], message.fields
+        if self.state.finished:  # the learner is gone and its weights with it: expected, and said as such (0)
+            self.server.reply(identity, message.id, "ack", {"accepted": 0})
+            return
         self.weight_failures[worker] = (fields["failures"], fields["policy_version"], fields["reason"])
         self.log.warning("%s could not load policy version %d (%d time(s) in a row): %s", worker,
                          fields["policy_version"], fields["failures"], fields["reason"])
@@ -323,7 +326,20 @@ class Buffer:
                             "max_staleness": state.max_staleness,
                             "elapsed_s": now - self.started, "stalled": self.stalled_workers(now)})
 
+    def drain(self, quiet_s: float = 0.3, deadline_s: float = 3.0) -> None:
+        """After the run: what is already on its way (a rollout's samples sent before it heard
+        "stop") is taken in and counted, until nothing came for ``quiet_s``."""
+        deadline = time.monotonic() + deadline_s
+        while time.monotonic() < deadline:
+            received = self.server.receive(timeout_ms=int(quiet_s * 1000))
+            if received is None:
+                return
+            self.handle(*received)
+
     def close(self) -> dict:
+        if self.state.finished:
+            self.drain()
+        self.write_metrics(time.monotonic())  # the final state, which the accounting below reports too
         report = {**self.state.report(), "refused_messages": self.server.refused, **_percentiles_ms(self.handling_s)}
         with open(os.path.join(self.config.run_dir, "metrics", "buffer_accounting.json"), "w") as file:
             json.dump(report, file, indent=2)

@@ -155,11 +155,14 @@ class BufferState:
         """Unscored samples from ``engine``. Dropped and counted: a sample id seen before (a resent
         message: its credit was used once), a prompt index the engine does not hold (a stranger,
         or a restarted engine's old process), a version never published (from the future) or older
-        than the grant's (both give their credit back)."""
+        than the grant's (both give their credit back), or one that came after the learner finished."""
         lease = self.leases.get(engine, {})
         accepted = 0
         for sample in samples:
             self.accounting.generated += 1
+            if self.finished:  # sent before its engine heard "stop": counted, never trained
+                self._drop("after_finish", returns_credit=False)
+                continue
             if sample.sample_id in self.seen_ids:
                 self._drop("duplicate_id", returns_credit=False)
                 continue

@@ -117,6 +117,10 @@ class RolloutConfig(_Strict):
     max_turns: int = Field(4, ge=1, description="most policy turns in an episode")
     env_step_deadline_s: float = Field(30.0, gt=0, description="an environment that takes longer to make, reset or "
                                        "answer a turn ends its episode (env_deadline)")
+    env_failure_limit: int = Field(100, ge=1, description="this many episodes in a row ended by their environment "
+                                   "(env_error, env_deadline) with none ending well between them end the run (exit "
+                                   "code 4, the first failure in the log): an environment that fails every episode "
+                                   "is a bug to fix, not a run to keep going")
 
 
 class ScorerConfig(_Strict):
@@ -576,8 +580,9 @@ class TetherConfig(_Strict):
                                  "config for tether sft, rm or dpo alone has that section instead)")
             return self
         learner, rollout = self.learner, self.rollout
-        if self.models.reward is None and not self.scorer.reward_functions:
-            raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or both")
+        if self.models.reward is None and not self.scorer.reward_functions and rollout.environment is None:
+            raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or rollout.environment "
+                             "(its turn rewards), alone or together")
         if learner.lora_rank and learner.zero_stage == 3:
             raise ValueError("learner.lora_rank with learner.zero_stage 3 is not supported: use ZeRO 0-2 (the "
                              "adapters are small; the frozen base is not partitioned)")

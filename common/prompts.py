@@ -41,21 +41,27 @@ def dataset_row(seed: int, size: int, prompt_index: int) -> int:
 
 def read_rows(path: str, key: str = "data.prompts") -> list[dict[str, Any]]:
     """Every row of a prompt file (config key ``key``), checked: each has a text ``prompt`` or a
-    ``messages`` chat. The error names the key, the file and the line or row."""
-    return read_records(path, key, _valid_row,
-                        'has neither "prompt" (text) nor "messages" (a list of {"role": ..., "content": ...})')
+    ``messages`` chat. The error names the key, the file, the line or row, and what is wrong."""
+    return read_records(path, key, prompt_problem,
+                        '{"prompt": text} or {"messages": [{"role": ..., "content": ...}, ...]}')
 
 
 def read_texts(path: str) -> list[dict[str, Any]]:
     """Every row of a PPO-ptx file (``data.ptx``), checked: each has a ``text``."""
-    return read_records(path, "data.ptx", lambda row: isinstance(row, dict) and isinstance(row.get("text"), str),
-                        'has no "text"')
+    return read_records(path, "data.ptx", lambda row: None if isinstance(row, dict) and isinstance(
+        row.get("text"), str) else 'has no "text"', '{"text": text}')
 
 
-def read_records(path: str, key: str, valid, problem: str) -> list[dict[str, Any]]:
-    """The rows of a data file (config key ``key``): JSON lines (a ``.json`` file may also hold one
-    list of rows) or Parquet. A row for which ``valid(row)`` is false is an error saying ``problem``,
-    naming the key, the file and the line or row."""
+def read_records(path: str, key: str, problem_of, expected: str) -> list[dict[str, Any]]:
+    """The rows of a data file (config key ``key``), each checked by ``problem_of(row)``: None
+    where the row is good, else what is wrong with it, for an error naming the key, the file, the
+    line (or a Parquet or JSON list's row), the problem and the ``expected`` form."""
+    return [row for _, row in numbered_records(path, key, problem_of, expected)]
+
+
+def numbered_records(path: str, key: str, problem_of, expected: str) -> list[tuple[str, dict[str, Any]]]:
+    """``read_records``' rows with where each is: ("line 5", row) in JSON lines (blank lines
+    counted, as an editor counts them), ("row 3", row) in Parquet or a JSON list."""
     if path.endswith(".parquet"):
         import pyarrow.parquet
 
@@ -84,22 +90,44 @@ def read_records(path: str, key: str, valid, problem: str) -> list[dict[str, Any
                     except json.JSONDecodeError as error:
                         raise ConfigError(f"{key}: {path} line {number} is not JSON: {error}") from None
     for where, row in numbered:
-        if not valid(row):
-            raise ConfigError(f"{key}: {path} {where} {problem}")
+        problem = problem_of(row)
+        if problem:
+            raise ConfigError(f"{key}: {path} {where} {problem}; a row is {expected}")
     if not numbered:
         raise ConfigError(f"{key}: {path} holds no row")
-    return [row for _, row in numbered]
+    return numbered
 
 
-def _valid_row(row: Any) -> bool:
+def keys_of(row: dict) -> str:
+    """A row's keys, for an error that says what it has in place of what it lacks."""
+    return f"(its keys: {', '.join(map(str, row)) or 'none'})"
+
+
+def messages_problem(messages: Any) -> str | None:
+    """What is wrong with a chat, or None: a non-empty list of {"role": text, "content": text}."""
+    if not isinstance(messages, list) or not messages:
+        return f'has "messages" {json.dumps(messages)[:80]}, not a list of messages'
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f'has "messages"[{i}] {json.dumps(message)[:80]}, not a {{"role", "content"}} object'
+        for field in ("role", "content"):
+            if not isinstance(message.get(field), str):
+                found = "no" if field not in message else f"a non-text {json.dumps(message[field])[:40]} as"
+                return f'has {found} "{field}" in "messages"[{i}] {keys_of(message)}'
+    return None
+
+
+def prompt_problem(row: Any) -> str | None:
+    """What keeps ``row`` from being a prompt, or None: a text ``prompt`` or a ``messages`` chat."""
     if not isinstance(row, dict):
-        return False
+        return f"is {json.dumps(row)[:80]}, not a JSON object"
     if isinstance(row.get("prompt"), str):
-        return True
-    messages = row.get("messages")
-    return (isinstance(messages, list) and bool(messages)
-            and all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages))
+        return None
+    if "messages" in row:
+        return messages_problem(row["messages"])
+    if "prompt" in row:
+        return f'has a non-text "prompt" {json.dumps(row["prompt"])[:80]}'
+    return f'has no "prompt" and no "messages" {keys_of(row)}'
 
 
 def chat_of(row: dict[str, Any], system_prompt: str | None) -> list[dict[str, str]] | None:
@@ -114,22 +142,32 @@ def chat_of(row: dict[str, Any], system_prompt: str | None) -> list[dict[str, st
 
 
 def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None = None,
-                     tools: list[dict] | None = None) -> list[int]:
+                     tools: list[dict] | None = None, model_key: str = "models.policy") -> list[int]:
     """The token ids the policy generates from for one row: a text prompt tokenized as is (with
     the tokenizer's special tokens), a chat through the tokenizer's chat template with the
-    generation prompt added (and the ``tools``' JSON schemas, where the rollout has tools)."""
+    generation prompt added (and the ``tools``' JSON schemas, where the rollout has tools).
+    ``model_key``: the config key of the model whose tokenizer this is, for the errors (the
+    caller adds the data's key, file and line)."""
     chat = chat_of(row, system_prompt)
     if chat is None:
         return list(tokenizer(row["prompt"])["input_ids"])
+    return chat_token_ids(tokenizer, chat, True, model_key, tools,
+                          " (with data.system_prompt)" if system_prompt else "")
+
+
+def chat_token_ids(tokenizer, chat: list[dict[str, Any]], generation_prompt: bool, model_key: str,
+                   tools: list[dict] | None = None, note: str = "") -> list[int]:
+    """``chat`` through the chat template of ``model_key``'s tokenizer; one it has not, or that its
+    template refuses, is a ``ConfigError`` naming the model's key (a template's own exception, a
+    Jinja traceback, would name neither)."""
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError('data.prompts: a row is a chat ("messages") but the policy tokenizer has no chat template '
-                          '(chat_template in tokenizer_config.json); give "prompt" text instead')
+        raise ConfigError(f'a row is a chat ("messages") but the tokenizer of {model_key} has no chat template '
+                          '(chat_template.jinja, or chat_template in tokenizer_config.json); give "prompt" text')
     try:
-        ids = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=generation_prompt, tokenize=True)
     except Exception as error:  # the template's own checks (roles must alternate, no system role, ...)
-        with_system = " (with data.system_prompt)" if system_prompt else ""
-        raise ConfigError(f"data.prompts: the policy tokenizer's chat template refuses a chat{with_system}: "
-                          f"{type(error).__name__}: {error}; chat: {json.dumps(chat)[:300]}") from None
+        raise ConfigError(f"the chat template of {model_key} refuses a chat{note}: {type(error).__name__}: "
+                          f"{str(error)[:300]}; chat: {json.dumps(chat)[:300]}") from None
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
 
@@ -140,7 +178,10 @@ def prompts_within(rows: list[dict[str, Any]], tokenizer, limit: int, system_pro
     fitting is an error naming the key and the file."""
     token_ids, kept = [], []
     for row_index, row in enumerate(rows):
-        ids = prompt_token_ids(row, tokenizer, system_prompt, tools)
+        try:
+            ids = prompt_token_ids(row, tokenizer, system_prompt, tools)
+        except ConfigError as error:
+            raise ConfigError(f"{key}: {path} prompt {row_index + 1}: {error}") from None
         if 0 < len(ids) <= limit:
             token_ids.append(ids)
             kept.append(row_index)

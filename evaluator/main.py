@@ -80,12 +80,16 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     for i, sample in enumerate(samples):
         sample.sample_id = f"eval-{i}"
     parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row
+    if environments is not None:  # what is trained on: the scorer's score plus the environment's turn rewards
+        episode_figures.update(environment_rewards(samples))
+        for sample in samples:
+            sample.reward += float(np.sum(sample.turn_rewards))
     # over the policy's tokens: an episode's environment tokens have no behavior logprob
     kl = np.array([float(np.sum((s.behavior_logprobs - s.ref_logprobs) * (1 if s.loss_mask is None else s.loss_mask)))
                    for s in samples])
     repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])
     figures = {
-        "reward": float(np.mean([s.reward for s in samples])),
+        "reward": float(np.mean([s.reward for s in samples])),  # an episode's: the scorer's and its environment's
         **{name: value for name, value in parts.items() if name != "reward_function_failures"},
         "reward_function_failures": parts["reward_function_failures"],
         "kl_to_reference": float(kl.mean()),
@@ -98,6 +102,15 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     if samples[0].gold_reward is not None:
         figures["gold_reward"] = float(np.mean([s.gold_reward for s in samples]))
     return figures, samples, {"kl": kl, "repetition": repetition}
+
+
+def environment_rewards(samples: list[Sample]) -> dict[str, float]:
+    """The environment's part of the episodes' reward: ``env_reward`` per episode (the rollout's
+    metric of the same name) and ``env_reward_per_turn``; ``scorer_reward``, the rest of it."""
+    rewards = np.array([float(np.sum(s.turn_rewards)) for s in samples])
+    turns = sum(int(np.sum(np.diff(np.concatenate([[0], s.loss_mask.astype(np.int8)])) == 1)) for s in samples)
+    return {"env_reward": float(rewards.mean()), "env_reward_per_turn": float(rewards.sum() / max(turns, 1)),
+            "scorer_reward": float(np.mean([s.reward for s in samples]))}
 
 
 def worst_cases(samples: list[Sample], per_sample: dict[str, np.ndarray], tokenizer, count: int) -> list[dict]:

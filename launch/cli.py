@@ -29,6 +29,19 @@ class Role(str, Enum):
     learner = "learner"
 
 
+@app.callback()
+def _user_code_importable() -> None:
+    """The user's reward functions, tools and environments are imported from where tether runs, as
+    ``python -m`` would find them: the console script's own path holds only its bin directory. The
+    processes it starts (roles, ranks, vLLM's, Ray's) inherit the directory through PYTHONPATH."""
+    here = os.getcwd()
+    if here not in sys.path:
+        sys.path.append(here)
+    paths = os.environ.get("PYTHONPATH", "").split(os.pathsep)
+    if here not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join(path for path in (*paths, here) if path)
+
+
 def fail(message: object, code: ExitCode, label: str = "error") -> NoReturn:
     """The one way a command reports an error: ``label: message`` on stderr, then exit ``code``."""
     typer.echo(f"{label}: {message}", err=True)
@@ -67,11 +80,14 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             run(resolved)
         elif role is Role.rollout:
             from rollout.engine import EngineNeedsRestart
+            from rollout.environments import EnvironmentFailing
             from rollout.main import run
             try:
                 run(resolved, worker_index)
             except EngineNeedsRestart as error:  # `tether run` starts it again
                 fail(error, ExitCode.FAILED)
+            except EnvironmentFailing as error:  # `tether run` ends the run with it
+                fail(error, ExitCode.ENVIRONMENT_FAILED, label="stopped")
         elif role is Role.scorer:
             from scorer.main import run
             run(resolved, worker_index)
@@ -341,6 +357,10 @@ def status(run_dir: Path = typer.Argument(..., help="a run directory"),
 
     from launch.report import status_table
 
+    if not os.path.isdir(run_dir) or not any(os.path.exists(os.path.join(run_dir, name))
+                                             for name in ("config.yaml", "metrics")):
+        fail(f"{run_dir} is not a tether run directory (it holds neither config.yaml nor metrics/)",
+             ExitCode.CONFIG_ERROR)
     if once:
         Console().print(status_table(str(run_dir)))
         return

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import math
 import os
 import shutil
 import signal
@@ -43,6 +44,7 @@ from launch.runner import DIST_ENV_KEYS, RoleProcess, _role_command, role_name
 
 POLL_DEADLINE_S = 30.0  # a host that answers no poll this long is lost with its node
 PLACEMENT_DEADLINE_S = 300.0  # the cluster has this long to find room for every process
+PLACEMENT_PROGRESS_S = 15  # a line while waiting for room, this often
 MARKER = ".tether-run"  # the driver writes the run's id here: a node that reads it back shares run_dir
 SHIPPED = ("metrics", "logs")  # what a process on a node without run_dir sends back
 
@@ -149,6 +151,59 @@ class ProcessHost:
             return False
 
 
+def cpus_that_fit(config: TetherConfig, cluster_cpus: float, grows: bool) -> dict[str, float]:
+    """CPUs per process of each role: ``placement.ray.cpus`` where it says, else 1, or, where the
+    cluster has fewer CPUs than that asks in all, an equal share of what the roles set leave (a
+    2-CPU machine runs the demo's four processes at 0.5 each). What the set ones ask alone is
+    refused at once where it cannot fit, unless the cluster may grow (one tether joined, which an
+    autoscaler may extend): then a warning, and the placement waits."""
+    learner = config.learner
+    counts = {"buffer": 1, "learner": learner.ranks * learner.nodes, "rollout": config.rollout.engines,
+              "scorer": config.scorer.workers}
+    asked = config.placement.ray.cpus
+    explicit = sum(asked[role] * count for role, count in counts.items() if role in asked)
+    unset = sum(count for role, count in counts.items() if role not in asked)
+    if explicit + unset <= cluster_cpus:
+        return {role: asked.get(role, 1.0) for role in counts}
+    if explicit + (0.01 * unset) > cluster_cpus:
+        message = (f"placement.ray.cpus: the run's processes ask {explicit:g} CPUs "
+                   f"({', '.join(f'{role} {asked[role]:g} x {counts[role]}' for role in counts if role in asked)})"
+                   f"{f' and {unset} more processes at least a share' if unset else ''}; the cluster has "
+                   f"{cluster_cpus:g}. Lower placement.ray.cpus (fractions work: 0.5)")
+        if not grows:
+            raise ConfigError(message)
+        print(f"tether run: warning: {message}, or let the cluster grow; waiting for room", file=sys.stderr,
+              flush=True)
+        return {role: asked.get(role, 1.0) for role in counts}
+    share = math.floor((cluster_cpus - explicit) / unset * 1000) / 1000
+    print(f"tether run: the cluster has {cluster_cpus:g} CPUs for {explicit + unset:g} asked: each process whose "
+          f"role placement.ray.cpus leaves unset gets {share:g}", file=sys.stderr, flush=True)
+    return {role: asked.get(role, share) for role in counts}
+
+
+def _resources(resources: dict) -> str:
+    """Ray's resources as a reader wants them: CPUs, GPUs and memory first, none of Ray's own
+    per-node markers."""
+    shown = {key: value for key, value in resources.items() if not key.startswith(("node:", "accelerator_type"))}
+    for key in ("memory", "object_store_memory"):
+        if key in shown:
+            shown[key] = f"{shown[key] / 2 ** 30:.1f} GiB"
+    return "{" + ", ".join(f"{key}: {value:g}" if isinstance(value, float) else f"{key}: {value}"
+                           for key, value in sorted(shown.items(), key=lambda item: (item[0] not in ("CPU", "GPU"),
+                                                                                      item[0]))) + "}"
+
+
+def _own_session_dir() -> str | None:
+    """Ray's session directory where this process started the cluster itself (its logs, sockets,
+    runtime resources); None where it joined one that others run."""
+    from ray._private import worker
+
+    node = getattr(worker, "_global_node", None)
+    if node is None or not node.head:
+        return None
+    return node.get_session_dir_path()
+
+
 def _client_key(name: str) -> str:
     """A process's CURVE key name, bound to its role (protocol.security.role_of_key): ``rollout-0``
     for ``rollout0``; the learner's and the buffer's are their role's."""
@@ -234,14 +289,20 @@ class RayPlacement:
     from where they land; a restart places a fresh host (on another node when the old one's is gone)."""
 
     def __init__(self, config: TetherConfig, config_path: str, address: str) -> None:
+        alone = not address and not os.environ.get("RAY_ADDRESS")
+        if alone:  # a cluster of this machine alone: on loopback (Ray reads this when imported), as nothing joins it
+            os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
         try:
             import ray
         except ImportError:
             raise ConfigError("tether run --ray needs Ray: pip install 'tether[ray]'") from None
         self.ray, self.config, self.config_path = ray, config, config_path
         self.started_ray = not ray.is_initialized()
+        self.session_dir: str | None = None  # Ray's logs of a cluster tether started itself
         if self.started_ray:
-            ray.init(address=address or None, namespace="tether", log_to_driver=False)
+            ray.init(address=address or None, namespace="tether", log_to_driver=False,
+                     **({"include_dashboard": False} if alone else {}))
+            self.session_dir = _own_session_dir()
         self.run_id = uuid.uuid4().hex
         with open(os.path.join(config.run_dir, MARKER), "w") as file:
             file.write(self.run_id)
@@ -254,9 +315,14 @@ class RayPlacement:
         self.started: set[str] = set()  # names whose hosts ran a process: a start of one places anew
         names = ["buffer", "learner", *(role_name("rollout", i) for i in range(config.rollout.engines)),
                  *(role_name("scorer", i) for i in range(config.scorer.workers))]
-        for name in names:
-            self.hosts[name] = self._place(name)
-        self.where = self._locate(names)
+        try:
+            self.cpus = cpus_that_fit(config, ray.cluster_resources().get("CPU", 0.0), grows=self.session_dir is None)
+            for name in names:
+                self.hosts[name] = self._place(name)
+            self.where = self._locate(names)
+        except BaseException:  # a refusal, the deadline, or Ctrl-C while waiting: nothing of the run stays
+            self.close()
+            raise
         self.nodes = {info["node"] for infos in self.where.values() for info in infos}
         self.keys = tempfile.mkdtemp(prefix="tether-keys-") if len(self.nodes) > 1 else None
         self.endpoints = self._endpoints() if self.keys else {}
@@ -278,7 +344,7 @@ class RayPlacement:
 
         ray_cfg, rollout = self.config.placement.ray, self.config.rollout
         default_gpus = {"rollout": rollout.tensor_parallel_size, "scorer": 1, "learner": 1}.get(role, 0)
-        options = {"num_cpus": ray_cfg.cpus.get(role, 1.0) * processes,
+        options = {"num_cpus": self.cpus[role] * processes,
                    "num_gpus": ray_cfg.gpus.get(role, default_gpus if self.gpus else 0) * processes,
                    "max_restarts": 0}
         preferred = ray_cfg.nodes.get(role)
@@ -307,14 +373,33 @@ class RayPlacement:
                                                                                   share, name)]
 
     def _locate(self, names: list[str]) -> dict[str, list[dict]]:
-        """Where each host landed, once Ray found room for all of them."""
+        """Where each host landed, once Ray found room for all of them: waited for a second at a
+        time (a signal stops the wait), with a line of progress every ``PLACEMENT_PROGRESS_S``."""
         calls = {name: [host.where.remote() for host in self.hosts[name]] for name in names}
-        try:
-            return {name: self.ray.get(refs, timeout=PLACEMENT_DEADLINE_S) for name, refs in calls.items()}
-        except self.ray.exceptions.GetTimeoutError:
-            waiting = [name for name, refs in calls.items() if self.ray.wait(refs, timeout=0)[1]]
-            raise ConfigError(f"placement.ray: the cluster found no room within {PLACEMENT_DEADLINE_S:.0f}s for "
-                              f"{', '.join(waiting)} (resources: {self.ray.available_resources()})") from None
+        refs = [ref for name_refs in calls.values() for ref in name_refs]
+        started = time.monotonic()
+        note_at = started + PLACEMENT_PROGRESS_S
+        while True:
+            _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            if not pending:
+                return {name: self.ray.get(name_refs, timeout=POLL_DEADLINE_S) for name, name_refs in calls.items()}
+            waited = time.monotonic() - started
+            waiting = [name for name, name_refs in calls.items() if set(name_refs) & set(pending)]
+            asks = ", ".join(f"{name} {self._asks(name)}" for name in waiting)
+            if waited > PLACEMENT_DEADLINE_S:
+                raise ConfigError(
+                    f"placement.ray: the cluster found no room within {PLACEMENT_DEADLINE_S:.0f}s for {asks}; it "
+                    f"has {_resources(self.ray.cluster_resources())} in all, {_resources(self.ray.available_resources())} "
+                    "free. Lower placement.ray.cpus or placement.ray.gpus (fractions work), or add nodes")
+            if time.monotonic() >= note_at:
+                note_at += PLACEMENT_PROGRESS_S
+                print(f"tether run: waiting {waited:.0f}s of {PLACEMENT_DEADLINE_S:.0f}s for Ray to place {asks} "
+                      f"(free: {_resources(self.ray.available_resources())})", file=sys.stderr, flush=True)
+
+    def _asks(self, name: str) -> str:
+        role = name.rstrip("0123456789")
+        options = self._options(role, self.config.learner.ranks if role == "learner" else 1)
+        return f"({options['num_cpus']:g} CPU" + (f", {options['num_gpus']:g} GPU)" if options["num_gpus"] else ")")
 
     def _endpoints(self) -> dict[str, str]:
         """Across nodes: TCP on the nodes the buffer and the learner landed on, CURVE on."""
@@ -378,8 +463,11 @@ class RayPlacement:
                 master = self.where[name][0]
                 command += ["--nnodes", str(len(hosts)), "--node-rank", str(node_rank), "--master-addr", master["ip"],
                             "--master-port", str(self._learner_port(hosts[0]))]
+            # the user's modules (reward functions, tools, environments) where tether was started:
+            # found on every node that has that directory (a shared filesystem), as locally
             environment = {"PYTHONUNBUFFERED": "1", "TETHER_NODE": where["node"],
-                           "OMP_NUM_THREADS": str(max(1, int(config.placement.ray.cpus.get(role, 1.0))))}
+                           "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+                           "OMP_NUM_THREADS": str(max(1, int(self.cpus.get(role, 1.0))))}
             pids.append(self.ray.get(host.start.remote(command, environment, os.getcwd()), timeout=POLL_DEADLINE_S))
         log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
         return RoleProcess(name, role, worker_index, RayProcess(name, hosts, pids, config.run_dir), log_path)
@@ -414,7 +502,9 @@ class RayPlacement:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.learner_group)
-        if self.keys:
+        if getattr(self, "keys", None):
             shutil.rmtree(self.keys, ignore_errors=True)
         if self.started_ray:
             self.ray.shutdown()
+        if self.session_dir is not None:  # Ray's session of a cluster tether started: its logs go with it
+            shutil.rmtree(self.session_dir, ignore_errors=True)

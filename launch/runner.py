@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from common.config import STAGES, TetherConfig, dump_config
 from common.runlog import StartupTimeline, read_metrics
-from launch.exit_codes import ExitCode, signalled
+from launch.exit_codes import ExitCode, describe, signalled
 from launch.trackers import STATE_FILE as TRACKERS_STATE
 from launch.trackers import Trackers
 
@@ -26,6 +26,7 @@ DIST_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 
 
 RESTARTABLE = ("rollout", "scorer")  # their state is in the buffer; the buffer and learner hold it
+NOT_RESTARTED = (ExitCode.CONFIG_ERROR, ExitCode.ENVIRONMENT_FAILED)  # a restart would end the same way
 
 
 class LocalProcess:
@@ -238,6 +239,9 @@ class Stopped(Exception):
         self.signal = number
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
 def _raise_stopped(number: int, frame) -> None:
     raise Stopped(number)
 
@@ -381,7 +385,17 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
             return _watch(config, config_path, resume, timeline, start_role)
         from launch.ray_cluster import RayPlacement
 
-        placement = RayPlacement(config, config_path, ray)
+        # Ray's placement waits up to minutes for room: a signal stops it, as it stops the run
+        handlers = {number: signal.signal(number, _raise_stopped) for number in STOP_SIGNALS}
+        try:
+            placement = RayPlacement(config, config_path, ray)
+        except Stopped as stop:
+            print(f"tether run: {stop} while Ray placed the processes; nothing was started", file=sys.stderr,
+                  flush=True)
+            return signalled(stop.signal)
+        finally:
+            for number, handler in handlers.items():
+                signal.signal(number, handler)
         try:
             return _watch(config, config_path, resume, timeline, placement.start_role)
         finally:
@@ -408,8 +422,7 @@ def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: Start
     evaluations = Evaluations(config, config_path)
     # what a scheduler, `timeout` or a closed terminal sends: stop every role as Ctrl-C does. SIGINT too:
     # a shell starts a background job with it ignored, and `kill -INT` must still stop the run
-    previous_handlers = {number: signal.signal(number, _raise_stopped)
-                         for number in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    previous_handlers = {number: signal.signal(number, _raise_stopped) for number in STOP_SIGNALS}
     try:
         while True:
             time.sleep(0.5)
@@ -424,9 +437,9 @@ def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: Start
                 if code in (None, 0):
                     continue
                 if (role.role in RESTARTABLE and role.restarts < config.launch.max_restarts and learner_done_at is None
-                        and code != ExitCode.CONFIG_ERROR):  # a restart would be refused the same way
+                        and code not in NOT_RESTARTED):
                     delay = config.launch.restart_backoff_s * 2 ** role.restarts
-                    print(f"tether run: {role.name} exited with code {code}; restarting it in {delay:.0f}s "
+                    print(f"tether run: {role.name} exited with {describe(code)}; restarting it in {delay:.0f}s "
                           f"({role.restarts + 1} of {config.launch.max_restarts}); last lines:\n"
                           f"{_tail(role.log_path, 5)}", file=sys.stderr, flush=True)
                     time.sleep(delay)
@@ -438,7 +451,7 @@ def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: Start
                     roles[index] = replacement
                     _write_pids(run_dir, roles)
                     continue
-                print(f"tether run: {role.name} exited with code {code}; last lines of {role.log_path}:\n"
+                print(f"tether run: {role.name} exited with {describe(code)}; last lines of {role.log_path}:\n"
                       f"{_tail(role.log_path)}", file=sys.stderr, flush=True)
                 _stop(roles)
                 evaluations.stop()

@@ -5,6 +5,7 @@ buffer's samples), each written beside its name, fsynced and renamed into place.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -14,8 +15,23 @@ from learner.deepspeed_engine import full_parameters
 from learner.lora import is_lora, merged_named_tensors
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "generation_config.json")
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer_of(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+def save_tokenizer(source: str, directory: str) -> None:
+    """The tokenizer of the model at ``source`` into ``directory``, every file of it, as the
+    tokenizer itself writes them: a fixed list of file names lost the chat template, which
+    transformers 5 keeps in ``chat_template.jinja``. The model's ``generation_config.json`` (its
+    sampling defaults) comes along where the model's own save did not write one."""
+    _tokenizer_of(source).save_pretrained(directory)
+    generation = os.path.join(source, "generation_config.json")
+    if os.path.exists(generation) and not os.path.exists(os.path.join(directory, "generation_config.json")):
+        shutil.copy(generation, directory)
 
 def save_hf_checkpoint(engine, policy_path: str, directory: str) -> str:
     """An HF model directory of the actor (weights, config, tokenizer), loadable by transformers
@@ -32,10 +48,7 @@ def save_hf_checkpoint(engine, policy_path: str, directory: str) -> str:
             module.save_pretrained(os.path.join(temporary, "adapter"), safe_serialization=True)
         else:
             module.save_pretrained(temporary, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        source = os.path.join(policy_path, name)
-        if os.path.exists(source):
-            shutil.copy(source, temporary)
+    save_tokenizer(policy_path, temporary)
     fsync_tree(temporary)
     replace_directory(temporary, directory)
     return directory

@@ -101,6 +101,13 @@ def replay_config(run_dir: str, out: str, until: int | None, checkpoint: str | N
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
         raise ConfigError(f"{run_dir} holds no config.yaml: not a tether run directory")
+    if checkpoint is not None and not os.path.exists(os.path.join(checkpoint, "COMPLETE")):
+        saved = sorted(name for name in os.listdir(os.path.join(run_dir, "checkpoints"))
+                       if name.startswith("state-") and os.path.exists(os.path.join(run_dir, "checkpoints", name,
+                                                                                    "COMPLETE"))) \
+            if os.path.isdir(os.path.join(run_dir, "checkpoints")) else []
+        raise ConfigError(f"--checkpoint {checkpoint} is not a complete state-N directory of a run; this run's are: "
+                          f"{', '.join(os.path.join(run_dir, 'checkpoints', name) for name in saved) or 'none'}")
     config = load_config(path, [f"run_dir={out}", "learner.record_batches=false", "learner.checkpoint_every=0",
                                 "eval.every=0", f"resume_from={checkpoint if checkpoint else 'null'}"])
     if until is not None:

@@ -155,8 +155,7 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log,
         return grant.fields["policy_version"], None
     except (IncompatibleWeights, EngineNeedsRestart):
         raise
-    except Exception as error:
-        log.warning("could not load policy version %d: %s", grant.fields["policy_version"], error)
+    except Exception as error:  # WeightLoads.load says it, once it knows whether the run is still on
         return None, f"{type(error).__name__}: {error}"
     finally:
         if prefetcher is not None:
@@ -190,7 +189,12 @@ class WeightLoads:
             return version
         self.failures += 1
         announced = grant.fields["policy_version"]
-        client.request("weights_refused", {"policy_version": announced, "failures": self.failures, "reason": error})
+        answer = client.request("weights_refused", {"policy_version": announced, "failures": self.failures,
+                                                    "reason": error})
+        if not answer.fields["accepted"]:  # the run is over: the learner's slots went with it, as expected
+            self.log.info("the run finished while policy version %d was loading (%s)", announced, error)
+            return None
+        self.log.warning("could not load policy version %d: %s", announced, error)
         if self.failures >= self.config.rollout.max_weight_load_failures:
             raise WeightsNotLoading(f"{self.failures} loads of the learner's weights in a row failed "
                                     f"(rollout.max_weight_load_failures); the last, of policy version {announced}: "

@@ -21,10 +21,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
+
 from common.functions import load_function
-from rollout.tools import Tool, call_tool, parse_tool_calls
+from rollout.tools import Tool, ToolError, call_tool, parse_tool_calls
 
 Observation = str | list[dict] | None
+
+
+class EnvironmentFailing(RuntimeError):
+    """``rollout.env_failure_limit`` episodes in a row ended by their environment: the run ends
+    (exit code 4), since every later episode would fail the same way."""
 
 
 class BadStep(ValueError):
@@ -37,27 +44,38 @@ class Step:
     reward: float = 0.0
     done: bool = False
     tool_calls: int = 0  # calls answered in this step
-    tool_errors: list[str] = field(default_factory=list)  # what went wrong with each that failed (tools.call_tool)
+    tool_errors: list[ToolError] = field(default_factory=list)  # what went wrong with each call that failed
 
 
 def as_step(value: Any) -> Step:
-    """An environment's answer as a ``Step``; anything else is a ``BadStep`` saying what it was."""
+    """An environment's answer as a ``Step``; anything else is a ``BadStep`` saying what it was.
+    Types are taken as they are, never coerced: ``done="False"`` would be true and ``reward="0.5"``
+    a string an environment meant as something else, so both are refused, as is a dict that lacks
+    one of the three keys (``{}`` would be a step that says nothing)."""
     if isinstance(value, Step):
         step = value
-    elif isinstance(value, dict) and set(value) <= {"observation", "reward", "done"}:
-        step = Step(value.get("observation"), value.get("reward", 0.0), value.get("done", False))
+    elif isinstance(value, dict):
+        keys = {"observation", "reward", "done"}
+        if set(value) != keys:
+            missing, extra = sorted(keys - set(value)), sorted(set(value) - keys)
+            raise BadStep("step returned a dict " + "; ".join(
+                part for part in (f"without {', '.join(missing)}" if missing else "",
+                                  f"with unknown keys {', '.join(map(str, extra))}" if extra else "") if part)
+                          + ": expected the keys observation, reward and done")
+        step = Step(value["observation"], value["reward"], value["done"])
     elif isinstance(value, tuple) and len(value) == 3:
         step = Step(*value)
     else:
         raise BadStep(f"step returned {type(value).__name__}: expected Step(observation, reward, done), "
                       "a 3-tuple or a dict of those keys")
     check_observation(step.observation)
-    try:
-        step.reward = float(step.reward)
-    except (TypeError, ValueError):
-        raise BadStep(f"step's reward is {step.reward!r}, not a number") from None
+    if isinstance(step.reward, (bool, np.bool_)) or not isinstance(step.reward, (int, float, np.integer, np.floating)):
+        raise BadStep(f"step's reward is {step.reward!r} ({type(step.reward).__name__}), not a number")
+    step.reward = float(step.reward)
     if not math.isfinite(step.reward):
         raise BadStep(f"step's reward is {step.reward}")
+    if not isinstance(step.done, (bool, np.bool_)):
+        raise BadStep(f"step's done is {step.done!r} ({type(step.done).__name__}), not True or False")
     step.done = bool(step.done)
     return step
 

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import threading
 import time
+import traceback
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -29,7 +31,8 @@ import numpy as np
 from common.config import ConfigError, TetherConfig
 from common.prompts import chat_of
 from protocol.samples import Sample
-from rollout.environments import BadStep, Environments, Observation, Step, as_step, check_observation
+from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Step, as_step,
+                                  check_observation)
 
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
 # the reply is text no template writes itself, so where the assistant's turn ends can be found after it
@@ -69,10 +72,11 @@ class Renderer:
                          for m in messages)
 
     def prompt_ids(self, first: Observation) -> list[int]:
-        """An episode's start from an environment's ``reset``: messages through the template with the
-        generation prompt, text tokenized as a text prompt is (with the tokenizer's special tokens)."""
+        """An episode's start from an environment's ``reset``, by the rule of every observation: text
+        is a user message, and messages go through the template with the generation prompt; without
+        a template, the text as a text prompt is tokenized (with the tokenizer's special tokens)."""
         if isinstance(first, str):
-            return list(self.tokenizer(first)["input_ids"])
+            first = [{"role": "user", "content": first}]
         if not self.chat:
             return list(self.tokenizer(self._text(first))["input_ids"])
         return self._ids(self._render(first, generation_prompt=True))
@@ -140,7 +144,8 @@ def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
     return future
 
 
-def _reset(environments: Environments, row: dict) -> tuple[Any, Observation]:
+def _reset(environments: Environments, row: dict, delay_s: float = 0.0) -> tuple[Any, Observation]:
+    time.sleep(delay_s)  # backing off from an environment that keeps failing (Episodes.backoff_s)
     environment = environments.make(row)
     reset = getattr(environment, "reset", None)
     return environment, check_observation(reset()) if reset is not None else None
@@ -148,6 +153,38 @@ def _reset(environments: Environments, row: dict) -> tuple[Any, Observation]:
 
 def _step(environment: Any, response: str, messages: list[dict]) -> Step:
     return as_step(environment.step(response, messages))
+
+
+class FailureLog:
+    """Each distinct failure (its kind, error type and where it was raised) logged once, whole, with
+    its traceback and data row; its repeats counted and said at 10, 100, 1000... times, so an
+    environment that fails every episode writes a few lines, not a line an episode."""
+
+    def __init__(self, log: logging.Logger) -> None:
+        self.log, self.seen = log, Counter()
+
+    def report(self, kind: str, error: BaseException | None, summary: str, detail: str, where: tuple = ()) -> None:
+        """``kind``: what failed (``env_error``, ``tool raised``...); ``summary``: one line;
+        ``detail``: what a reader needs the first time (the traceback, the row)."""
+        if error is not None:
+            frames = traceback.extract_tb(error.__traceback__)
+            where = (*where, type(error).__name__, *((frames[-1].filename, frames[-1].lineno) if frames else ()))
+        key = (kind, *where)
+        self.seen[key] += 1
+        count = self.seen[key]
+        if count == 1:
+            self.log.error("%s: %s (logged once; its repeats are counted)\n%s", kind, summary, detail.rstrip())
+        elif math.log10(count).is_integer():
+            self.log.warning("%s: %s: %d times so far", kind, summary, count)
+
+    @staticmethod
+    def traceback_of(error: BaseException) -> str:
+        return "".join(traceback.format_exception(type(error), error, error.__traceback__))
+
+
+# an environment's failures in a row before new episodes wait, and how long at most
+BACKOFF_AFTER, BACKOFF_FIRST_S, BACKOFF_MAX_S = 4, 0.1, 5.0
+FAILED_ENDINGS = ("env_error", "env_deadline")
 
 
 class Episodes:
@@ -165,6 +202,8 @@ class Episodes:
         self.ready: list[Episode] = []  # waiting to generate their next turn
         self.waiting: list[Episode] = []  # waiting on their environment
         self.counters: Counter = Counter()  # since the last metrics record
+        self.failures = FailureLog(log)
+        self.failed_in_a_row = 0  # episodes ended by their environment since the last that ended well
 
     def start(self, prompt_index: int, row: int) -> None:
         """The episodes of the prompt at ``row`` of the kept prompts: each makes its environment
@@ -177,7 +216,16 @@ class Episodes:
                               messages=chat_of(data_row, self.config.data.system_prompt)
                               or [{"role": "user", "content": data_row.get("prompt", "")}])
             group.episodes.append(episode)
-            self._call(episode, _reset, self.environments, data_row)
+            delay = self.backoff_s()
+            self._call(episode, _reset, self.environments, data_row, delay)
+            episode.deadline += delay
+
+    def backoff_s(self) -> float:
+        """How long a new episode waits before its environment is made: 0 until BACKOFF_AFTER
+        episodes in a row failed, then doubling from BACKOFF_FIRST_S to BACKOFF_MAX_S."""
+        if self.failed_in_a_row < BACKOFF_AFTER:
+            return 0.0
+        return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** (self.failed_in_a_row - BACKOFF_AFTER))
 
     @property
     def active(self) -> int:
@@ -232,9 +280,10 @@ class Episodes:
                 self._answered(episode, future)
             elif now >= episode.deadline:
                 episode.pending = None
-                self.log.warning("episode of prompt %d: the environment did not answer within %.1fs "
-                                 "(rollout.env_step_deadline_s); the episode ends", episode.group.prompt_index,
-                                 self.config.rollout.env_step_deadline_s)
+                self.failures.report("env_deadline", None, f"the environment did not answer within "
+                                     f"{self.config.rollout.env_step_deadline_s:.1f}s (rollout.env_step_deadline_s); "
+                                     "the episode ends", self._row_text(episode),
+                                     ("reset" if episode.environment is None else "step",))
                 self._end(episode, "env_deadline")
             else:
                 still.append(episode)
@@ -264,8 +313,10 @@ class Episodes:
     def _answered(self, episode: Episode, future: Future) -> None:
         error = future.exception()
         if error is not None:
-            self.log.warning("episode of prompt %d: the environment failed (%s: %s); the episode ends",
-                             episode.group.prompt_index, type(error).__name__, error)
+            call = "reset" if episode.environment is None else "step"
+            self.failures.report("env_error", error, f"the environment's {call} failed ({type(error).__name__}: "
+                                 f"{error}); the episode ends",
+                                 f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", (call,))
             self._end(episode, "env_error")
         elif episode.environment is None:  # the reset
             episode.environment, first = future.result()
@@ -281,8 +332,9 @@ class Episodes:
         try:
             episode.prompt_tokens = self.renderer.prompt_ids(first)
         except Exception as error:  # the template refuses the environment's chat
-            self.log.warning("episode of prompt %d: the chat template refuses the environment's first messages "
-                             "(%s: %s)", episode.group.prompt_index, type(error).__name__, error)
+            self.failures.report("env_error", error, f"the chat template refuses the environment's first messages "
+                                 f"({type(error).__name__}: {error})",
+                                 f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", ("render",))
             return self._end(episode, "env_error")
         if len(episode.prompt_tokens) >= self.config.rollout.max_model_len:
             return self._end(episode, "token_budget")
@@ -293,6 +345,10 @@ class Episodes:
             episode.turn_rewards[-1] += step.reward  # a step answers a turn: the last token is the turn's
         episode.tool_calls += step.tool_calls
         episode.tool_errors += len(step.tool_errors)
+        for error in step.tool_errors:
+            self.failures.report(f"tool {error.kind}", None, f"{error.tool or 'a tool call'} failed "
+                                 "(the policy reads the error as the tool's answer)",
+                                 f"arguments: {json.dumps(error.arguments)}\n{error.detail}", (error.tool,))
         if step.done:
             return self._end(episode, "done")
         if episode.turns >= self.config.rollout.max_turns:
@@ -302,8 +358,9 @@ class Episodes:
         try:
             ids = self.renderer.observation_ids(observation, episode.last_token)
         except Exception as error:
-            self.log.warning("episode of prompt %d: its observation does not render (%s: %s)",
-                             episode.group.prompt_index, type(error).__name__, error)
+            self.failures.report("env_error", error, f"an observation does not render ({type(error).__name__}: "
+                                 f"{error})", f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}",
+                                 ("render",))
             return self._end(episode, "env_error")
         # the next turn needs room for at least one token
         if len(episode.prompt_tokens) + len(episode.tokens) + len(ids) >= self.config.rollout.max_model_len:
@@ -315,9 +372,22 @@ class Episodes:
         episode.messages = [*episode.messages, *observation]
         self.ready.append(episode)
 
+    def _row_text(self, episode: Episode) -> str:
+        row = self.rows[episode.group.data_row]
+        return f"prompt {episode.group.prompt_index}, data row {episode.group.data_row}: {json.dumps(row)[:2000]}"
+
     def _end(self, episode: Episode, reason: str) -> None:
         episode.ended = reason
         self.counters[f"ended_{reason}"] += 1
+        self.failed_in_a_row = self.failed_in_a_row + 1 if reason in FAILED_ENDINGS else 0
+        limit = self.config.rollout.env_failure_limit
+        if self.failed_in_a_row >= limit:
+            raise EnvironmentFailing(
+                f"{self.failed_in_a_row} episodes in a row ended by their environment ({', '.join(FAILED_ENDINGS)}) "
+                f"and none ended well (rollout.env_failure_limit {limit}); the first of each failure is in the log "
+                f"above with its traceback and data row. Ends so far: "
+                + ", ".join(f"{k.removeprefix('ended_')} {v}" for k, v in sorted(self.counters.items())
+                            if k.startswith("ended_")))
         if episode.tokens:
             self.counters["episodes"] += 1
             self.counters["turns"] += episode.turns

@@ -12,7 +12,7 @@ from common.models import resolve_models
 from common.prompts import dataset_row, prompts_within, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.samples import Sample, pack_samples
-from protocol.transport import connect_to_buffer
+from protocol.transport import BufferLost, connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments, lora_sync_logged
 from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
 from rollout.environments import Environments
@@ -183,9 +183,17 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                            "in_flight": len(in_flight), "prompts_skipped": skipped, **period.record(now),
                            **source.record(), **client.counters})
             period = RolloutPeriod(now)
-    log.info("stopping after %d samples at policy version %s", generated, version)
     if in_flight:  # the run is over: what is still generating is of no use
         engine.llm_engine.abort_request(list(in_flight))
+    # what was sent is acknowledged (the buffer counts samples that came after the learner finished),
+    # and the last period's record written: the totals in the metrics are the log's
+    unacknowledged = acknowledged(client, unacknowledged, ACK_GRACE_S)
+    metrics.write({"step": version if version is not None else -1, "generated_total": generated,
+                   "in_flight": len(in_flight), "prompts_skipped": skipped, **period.record(time.monotonic()),
+                   **source.record(), **client.counters})
+    log.info("stopping after %d samples at policy version %s%s", generated, version,
+             f"; {len(unacknowledged)} messages of samples were not acknowledged before the buffer stopped"
+             if unacknowledged else "")
     weights.close()
     metrics.close()
     client.close()
@@ -198,6 +206,20 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
 
 
 METRICS_EVERY_S = 1.0
+ACK_GRACE_S = 5.0  # at the end: how long what was sent may take to be acknowledged
+
+
+def acknowledged(client, requests: list[int], grace_s: float) -> list[int]:
+    """Wait up to ``grace_s`` for the answers to ``requests``; returns those still unanswered."""
+    deadline = time.monotonic() + grace_s
+    try:
+        while requests and time.monotonic() < deadline:
+            requests = [request for request in requests if client.poll(request) is None]
+            if requests:
+                time.sleep(0.01)
+    except BufferLost:  # the buffer is gone already: what is left stays unanswered
+        pass
+    return requests
 ENVIRONMENT_POLL_S = 0.05  # with nothing in the engine: the longest wait for an environment's answer
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 import re
+import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -87,26 +88,38 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
-def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, str | None]:
+@dataclass
+class ToolError:
+    """What went wrong with one call: its ``kind`` (``malformed``, ``unknown_tool``, ``raised``,
+    ``unserialisable``: what ``tool_errors`` counts), the tool and arguments, and the detail
+    (a raised error's traceback) for the rollout's log."""
+    kind: str
+    tool: str | None
+    arguments: dict
+    detail: str
+
+
+def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, ToolError | None]:
     """The tool message's content for ``call``, and what went wrong if anything did (then the
-    content is that error, for the policy to read): ``malformed``, ``unknown_tool``, ``raised``,
-    ``unserialisable``."""
+    content is that error, for the policy to read)."""
     if call.name is None:
-        return f"error: {call.error}", "malformed"
+        return f"error: {call.error}", ToolError("malformed", None, {}, call.error or "")
     tool = tools.get(call.name)
     if tool is None:
-        return f"error: unknown tool {call.name!r}; the tools are {', '.join(sorted(tools))}", "unknown_tool"
+        message = f"unknown tool {call.name!r}; the tools are {', '.join(sorted(tools))}"
+        return f"error: {message}", ToolError("unknown_tool", call.name, call.arguments, message)
     try:
         result = tool.function(**call.arguments)
     except Exception as error:
-        return f"error: {call.name} raised {type(error).__name__}: {error}", "raised"
+        return (f"error: {call.name} raised {type(error).__name__}: {error}",
+                ToolError("raised", call.name, call.arguments, traceback.format_exc()))
     if isinstance(result, str):
         return result, None
     try:
         return json.dumps(result), None
     except (TypeError, ValueError) as error:
-        return f"error: {call.name} returned {type(result).__name__}, which JSON cannot hold ({error})", \
-            "unserialisable"
+        message = f"{call.name} returned {type(result).__name__}, which JSON cannot hold ({error})"
+        return f"error: {message}", ToolError("unserialisable", call.name, call.arguments, message)
 
 
 def load_tools(specs: list[str]) -> dict[str, Tool]:

@@ -11,6 +11,7 @@ as the assistant's turn. So the reward model scores, and SFT teaches, the tokens
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,8 @@ from typing import Any
 import torch
 
 from common.config import ConfigError
-from common.prompts import chat_of, prompt_token_ids, read_records
+from common.prompts import (chat_of, chat_token_ids, keys_of, numbered_records, prompt_problem,
+                            prompt_token_ids)
 
 
 @dataclass
@@ -40,19 +42,19 @@ def read_examples(path: str, key: str, tokenizer, form: str, max_len: int) -> tu
     """The examples of a stage's data file (config key ``key``) and how many rows were left out for
     passing ``max_len`` tokens. ``form``: "demonstration" (sft), "ranking" (rm) or "pair" (dpo).
     A row of the wrong form is an error naming the key, the file and the row."""
-    valid, problem = FORMS[form]
-    rows = read_records(path, key, valid, problem)
+    numbered = numbered_records(path, key, *FORMS[form])
+    model_key = f"{key.split('.')[0]}.model"  # rm.data -> rm.model: whose tokenizer reads the rows
     examples = []
-    for number, row in enumerate(rows, 1):
+    for where, row in numbered:
         try:
-            example = EXAMPLE_OF[form](row, tokenizer)
+            example = EXAMPLE_OF[form](row, tokenizer, model_key)
         except ConfigError as error:
-            raise ConfigError(f"{key}: {path} row {number}: {error}") from None
+            raise ConfigError(f"{key}: {path} {where}: {error}") from None
         if max(len(ids) for ids in example.rows) <= max_len and all(any(mask) for mask in example.loss_masks):
             examples.append(example)
     if not examples:
-        raise ConfigError(f"{key}: none of the {len(rows)} rows of {path} fits in {max_len} tokens (max_len)")
-    return examples, len(rows) - len(examples)
+        raise ConfigError(f"{key}: none of the {len(numbered)} rows of {path} fits in {max_len} tokens (max_len)")
+    return examples, len(numbered) - len(examples)
 
 
 def held_out(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -90,68 +92,81 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str)
 
 
-def _has_prompt(row: Any) -> bool:
-    return isinstance(row, dict) and (_is_text(row.get("prompt")) or isinstance(row.get("messages"), list))
+def _texts_problem(row: dict, *keys: str) -> str | None:
+    for key in keys:
+        if not _is_text(row.get(key)):
+            return f'has no "{key}" text {keys_of(row)}' if key not in row else f'has a non-text "{key}"'
+    return None
 
 
-def _valid_demonstration(row: Any) -> bool:
-    return _has_prompt(row) and (_is_text(row.get("response")) or not _is_text(row.get("prompt")))
+def _demonstration_problem(row: Any) -> str | None:
+    problem = prompt_problem(row)
+    if problem or not _is_text(row.get("prompt")):  # a chat teaches its assistant turns
+        return problem
+    return _texts_problem(row, "response")
 
 
-def _valid_ranking(row: Any) -> bool:
-    if not _has_prompt(row):
-        return False
-    if _is_text(row.get("chosen")) and _is_text(row.get("rejected")):
-        return True
+def _ranking_problem(row: Any) -> str | None:
+    problem = prompt_problem(row)
+    if problem:
+        return problem
+    if "responses" not in row and "ranking" not in row:
+        return _texts_problem(row, "chosen", "rejected")
     responses, ranking = row.get("responses"), row.get("ranking")
-    return (isinstance(responses, list) and len(responses) >= 2 and all(map(_is_text, responses))
-            and isinstance(ranking, list) and len(ranking) == len(responses)
-            and all(isinstance(rank, int) and not isinstance(rank, bool) for rank in ranking))
+    if not isinstance(responses, list) or len(responses) < 2 or not all(map(_is_text, responses)):
+        return f'has "responses" {json.dumps(responses)[:80]}, not a list of 2 or more texts'
+    if not isinstance(ranking, list) or not all(isinstance(rank, int) and not isinstance(rank, bool)
+                                                for rank in ranking):
+        return f'has "ranking" {json.dumps(ranking)[:80]}, not a list of int ranks'
+    if len(ranking) != len(responses):
+        return f'has {len(ranking)} ranks in "ranking" for {len(responses)} "responses" (one a response)'
+    return None
 
 
-def _valid_pair(row: Any) -> bool:
-    return _has_prompt(row) and _is_text(row.get("chosen")) and _is_text(row.get("rejected"))
+def _pair_problem(row: Any) -> str | None:
+    return prompt_problem(row) or _texts_problem(row, "chosen", "rejected")
 
 
 STAGE_FORMS = {"sft": "demonstration", "rm": "ranking", "dpo": "pair"}  # the rows each stage reads
-FORMS = {
-    "demonstration": (_valid_demonstration, 'is neither {"prompt", "response"} nor {"messages"} (a chat whose '
-                                            "assistant turns are taught)"),
-    "ranking": (_valid_ranking, 'is neither {"prompt", "chosen", "rejected"} nor {"prompt", "responses": [2 or more '
-                                'texts], "ranking": [an int rank per response, 0 the best]}'),
-    "pair": (_valid_pair, 'is not {"prompt" (or "messages"), "chosen", "rejected"}'),
+FORMS = {  # each form: what is wrong with a row (None: nothing), and what a row of it is
+    "demonstration": (_demonstration_problem, '{"prompt", "response"} or {"messages"} (a chat whose assistant turns '
+                                              "are taught)"),
+    "ranking": (_ranking_problem, '{"prompt", "chosen", "rejected"} or {"prompt", "responses": [2 or more texts], '
+                                  '"ranking": [an int rank per response, 0 the best]} ("messages" for "prompt")'),
+    "pair": (_pair_problem, '{"prompt" (or "messages"), "chosen", "rejected"}'),
 }
 
 
-def response_ids(row: dict[str, Any], prompt_ids: list[int], response: str, tokenizer) -> list[int]:
+def response_ids(row: dict[str, Any], prompt_ids: list[int], response: str, tokenizer,
+                 model_key: str = "models.policy") -> list[int]:
     """The token ids of ``response`` after ``row``'s prompt (``prompt_ids``): its text and the
     end-of-sequence token after a text prompt; the chat template's assistant turn after a chat."""
     chat = chat_of(row, None)
     if chat is None:
         ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
         return ids + ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
-    whole = _rendered(tokenizer, [*chat, {"role": "assistant", "content": response}], False)
+    whole = chat_token_ids(tokenizer, [*chat, {"role": "assistant", "content": response}], False, model_key)
     if whole[:len(prompt_ids)] != prompt_ids:
         raise ConfigError("the chat template does not render the prompt as the start of prompt + response")
     return whole[len(prompt_ids):]
 
 
-def demonstration(row: dict[str, Any], tokenizer) -> Example:
+def demonstration(row: dict[str, Any], tokenizer, model_key: str = "sft.model") -> Example:
     """{"prompt", "response"}: the loss on the response. {"messages"}: on each assistant turn,
     found as the tokens the template adds for it after the chat before it with the generation
     prompt."""
     if _is_text(row.get("response")):
-        prompt = prompt_token_ids(row, tokenizer)
-        response = response_ids(row, prompt, row["response"], tokenizer)
+        prompt = prompt_token_ids(row, tokenizer, model_key=model_key)
+        response = response_ids(row, prompt, row["response"], tokenizer, model_key)
         return Example([prompt + response], [[0] * len(prompt) + [1] * len(response)], [0])
     messages = row["messages"]
-    ids = _rendered(tokenizer, messages, False)
+    ids = chat_token_ids(tokenizer, messages, False, model_key)
     mask = [0] * len(ids)
     for turn, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = _rendered(tokenizer, messages[:turn], True) if turn else []
-        through = _rendered(tokenizer, messages[:turn + 1], False)
+        before = chat_token_ids(tokenizer, messages[:turn], True, model_key) if turn else []
+        through = chat_token_ids(tokenizer, messages[:turn + 1], False, model_key)
         if through[:len(before)] != before or ids[:len(through)] != through:
             raise ConfigError(f"the chat template renders turn {turn} differently once later turns follow; its "
                               "assistant tokens cannot be found")
@@ -161,28 +176,22 @@ def demonstration(row: dict[str, Any], tokenizer) -> Example:
     return Example([ids], [mask], [0])
 
 
-def ranking(row: dict[str, Any], tokenizer) -> Example:
+def ranking(row: dict[str, Any], tokenizer, model_key: str = "rm.model") -> Example:
     """{"prompt", "chosen", "rejected"} (ranks 0, 1) or {"prompt", "responses", "ranking"}."""
     if _is_text(row.get("chosen")):
         responses, ranks = [row["chosen"], row["rejected"]], [0, 1]
     else:
         responses, ranks = row["responses"], row["ranking"]
-    prompt = prompt_token_ids(row, tokenizer)
-    answers = [response_ids(row, prompt, response, tokenizer) for response in responses]
+    prompt = prompt_token_ids(row, tokenizer, model_key=model_key)
+    answers = [response_ids(row, prompt, response, tokenizer, model_key) for response in responses]
     return Example([prompt + answer for answer in answers], [[0] * len(prompt) + [1] * len(answer)
                                                              for answer in answers], list(ranks))
 
 
-def pair(row: dict[str, Any], tokenizer) -> Example:
+def pair(row: dict[str, Any], tokenizer, model_key: str = "dpo.model") -> Example:
     """{"prompt", "chosen", "rejected"}: rows chosen then rejected."""
-    return ranking({key: row[key] for key in ("prompt", "messages", "chosen", "rejected") if key in row}, tokenizer)
+    return ranking({key: row[key] for key in ("prompt", "messages", "chosen", "rejected") if key in row}, tokenizer,
+                   model_key)
 
 
 EXAMPLE_OF = {"demonstration": demonstration, "ranking": ranking, "pair": pair}
-
-
-def _rendered(tokenizer, messages: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
-    if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError('a row is a chat ("messages") but the tokenizer has no chat template; give "prompt" text')
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -27,6 +27,12 @@ def run_stage(config: TetherConfig, name: str, overwrite: bool = False) -> str:
     one of this recipe; ``overwrite``: from the start, whatever is there. Returns the output."""
     import importlib
 
+    from common.models import local_model_dir
+
+    section = config.stage(name)
+    for key in ("model", "reference"):  # checked as `tether run` checks its models: a missing path is named
+        if getattr(section, key, None):
+            local_model_dir(f"{name}.{key}", getattr(section, key))
     output = config.stage_output(name)
     marker = training.finished(output, training.recipe_of(config, name))
     if marker is not None and not overwrite:

@@ -173,7 +173,7 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions or both"),
+    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions or rollout.environment"),
     (["models.reward=null", "models.critic_init=reward", "scorer.reward_functions=[{function: 'a:b'}]"],
      "models.critic_init is reward but there is no models.reward"),
     (["scorer.reward_functions=[{function: 'a:b', wieght: 2}]"], r"scorer.reward_functions.0.wieght: unknown key"),
@@ -223,8 +223,9 @@ EXTRA = {"eval.prompts": ["eval.every=5"], "data.ptx": ["learner.ptx_coef=0.1"]}
 
 
 @pytest.mark.parametrize("key, file_text, message", [
-    ("data.prompts", '{"prompt": "a"}\n\n{"prompt": "b"}\n{"promt": "c"}\n', 'line 4 has neither "prompt"'),
-    ("eval.prompts", '{"messages": "hi"}\n', 'line 1 has neither "prompt"'),
+    ("data.prompts", '{"prompt": "a"}\n\n{"prompt": "b"}\n{"promt": "c"}\n',
+     'line 4 has no "prompt" and no "messages" (its keys: promt)'),
+    ("eval.prompts", '{"messages": "hi"}\n', 'line 1 has "messages" "hi", not a list of messages'),
     ("data.ptx", '{"text": "a b"}\n{"txt": "c"}\n', 'line 2 has no "text"'),
     ("data.ptx", '{"text": "a b"}\n{"text": \n', "line 2 is not JSON"),
 ])
@@ -253,5 +254,5 @@ def test_tether_run_and_pipeline_check_user_functions_and_every_stage_s_rows_fir
     stages = {"sft": {"model": tiny_assets["policy"], "data": str(demonstrations)}, "rm": {"data": str(rankings)},
               "run_dir": str(tmp_path / "run")}
     result = CliRunner().invoke(app, ["pipeline", "-c", str(write(tmp_path, stages, "stages.yaml"))])
-    assert result.exit_code == 2 and f"rm.data: {rankings} line 2 is neither" in result.output, result.output
+    assert result.exit_code == 2 and f'rm.data: {rankings} line 2 has no "rejected" text' in result.output, result.output
     assert not (tmp_path / "run" / "sft").exists()  # found before SFT trained

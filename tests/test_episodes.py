@@ -179,8 +179,10 @@ def test_tool_calls_are_parsed_from_the_policys_text_and_every_failure_is_a_mess
             '<tool_call>{"name": "unserialisable", "arguments": {}}</tool_call>'
             '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
     answers = [call_tool(tools, call) for call in parse_tool_calls(text)]
-    assert [error for _, error in answers] == [None, None, "malformed", "malformed", "unknown_tool", "raised",
-                                               "unserialisable", "raised"]
+    assert [error and error.kind for _, error in answers] == [None, None, "malformed", "malformed", "unknown_tool",
+                                                              "raised", "unserialisable", "raised"]
+    assert answers[5][1].tool == "broken" and answers[5][1].arguments == {"x": 1}
+    assert 'raise ValueError("broken on purpose")' in answers[5][1].detail  # the traceback, for the log
     assert answers[0][0] == "42" and answers[1][0] == "3"
     assert "unknown tool 'mul'" in answers[4][0] and "broken on purpose" in answers[5][0]
     assert "missing 1 required positional argument: 'b'" in answers[7][0]

@@ -31,8 +31,9 @@ def test_json_lines_and_parquet_give_the_same_rows(tmp_path):
 
 
 @pytest.mark.parametrize("line, message", [
-    ('{"text": "no prompt"}', 'line 2 has neither "prompt" \\(text\\) nor "messages"'),
-    ('{"messages": [{"role": "user"}]}', "line 2 has neither"),
+    ('{"text": "no prompt"}', 'line 2 has no "prompt" and no "messages" \\(its keys: text\\)'),
+    ('{"messages": [{"role": "user", "text": "hi"}]}',
+     'line 2 has no "content" in "messages"\\[0\\] \\(its keys: role, text\\)'),
     ("not json", "line 2 is not JSON"),
 ])
 def test_a_bad_row_is_named_with_its_line(tmp_path, line, message):

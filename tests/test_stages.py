@@ -5,6 +5,7 @@ reports checked against another way of computing it."""
 import itertools
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -119,11 +120,36 @@ def test_bad_rows_are_named_with_key_file_and_row(tmp_path, tiny_assets):
     path = tmp_path / "rankings.jsonl"
     path.write_text(json.dumps({"prompt": "even 1 :", "chosen": "2", "rejected": "1"}) + "\n"
                     + json.dumps({"prompt": "even 1 :", "responses": ["2", "1"], "ranking": [0]}) + "\n")
-    with pytest.raises(ConfigError, match=r"rm.data: .*rankings.jsonl line 2 is neither"):
+    with pytest.raises(ConfigError, match=r'rm.data: .*rankings.jsonl line 2 has 1 ranks in "ranking" for 2 '):
         read_examples(str(path), "rm.data", tokenizer, "ranking", 64)
     path.write_text(json.dumps({"prompt": "even 1 :", "response": "2 " * 80}) + "\n")
     with pytest.raises(ConfigError, match=r"sft.data: none of the 1 rows .* fits in 16 tokens"):
         read_examples(str(path), "sft.data", tokenizer, "demonstration", 16)
+    # the line an editor shows (blank lines count), and the key that is missing
+    path.write_text("\n\n" + json.dumps({"prompt": "even 1 :", "answer": "2"}) + "\n")
+    with pytest.raises(ConfigError, match=r'sft.data: .* line 3 has no "response" text \(its keys: prompt, answer\)'):
+        read_examples(str(path), "sft.data", tokenizer, "demonstration", 64)
+    chat = [{"role": "user", "content": "even 1 :"}, {"role": "assistant", "text": "2"}]
+    path.write_text(json.dumps({"prompt": "odd 1 :", "response": "1"}) + "\n" + json.dumps({"messages": chat}) + "\n")
+    with pytest.raises(ConfigError, match=r'line 2 has no "content" in "messages"\[1\] \(its keys: role, text\)'):
+        read_examples(str(path), "sft.data", tokenizer, "demonstration", 64)
+    # a chat for a tokenizer without a template names the stage's data and model keys, and the line
+    path.write_text(json.dumps({"messages": chat[:1], "chosen": "2", "rejected": "1"}) + "\n")
+    with pytest.raises(ConfigError, match=r"rm.data: .* line 1: a row is a chat .* the tokenizer of rm.model has no "):
+        read_examples(str(path), "rm.data", tokenizer, "ranking", 64)
+
+
+def test_a_stage_command_names_a_model_path_that_is_not_there(tmp_path):
+    from typer.testing import CliRunner
+
+    from launch.cli import app
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
+    path = stage_config(tmp_path, "sft", {"model": str(tmp_path / "nonexistent"), "data": str(data)})
+    result = CliRunner().invoke(app, ["sft", "-c", path])
+    assert result.exit_code == 2 and f"sft.model: {tmp_path / 'nonexistent'} does not exist" in result.output, \
+        result.output
 
 
 def test_stage_outputs_chain_into_the_next_stage_and_ppo():
@@ -328,8 +354,9 @@ def test_dpo_prefers_the_chosen_responses_it_trained_on(tmp_path, tiny_assets):
     assert marker(output)["held_out"]["accuracy"] == last["eval_accuracy"]
 
 
-def rankings(path, prompts: int, seed: int) -> str:
-    """Rankings of four made-up responses a prompt by the gold rule (a tie where gold is equal)."""
+def rankings(path, prompts: int, seed: int, chats: bool = False) -> str:
+    """Rankings of four made-up responses a prompt by the gold rule (a tie where gold is equal);
+    with ``chats`` every other prompt is a one-message chat."""
     import random
 
     from launch.demo import gold_reward, make_prompt
@@ -342,20 +369,32 @@ def rankings(path, prompts: int, seed: int) -> str:
             prompt_ids = [1, vocabulary.index(prompt.split()[0])]
             golds = [gold_reward(prompt_ids, [len(vocabulary) + int(d) for d in r.split()]) for r in responses]
             order = sorted(set(golds), reverse=True)
-            file.write(json.dumps({"prompt": prompt, "responses": responses,
-                                   "ranking": [order.index(g) for g in golds]}) + "\n")
+            asked = ({"messages": [{"role": "user", "content": prompt}]} if chats and rng.random() < 0.5
+                     else {"prompt": prompt})
+            file.write(json.dumps({**asked, "responses": responses, "ranking": [order.index(g) for g in golds]}) + "\n")
     return str(path)
 
 
 @pytest.mark.slow
 def test_pipeline_chains_sft_rm_and_ppo_and_picks_up_where_it_stopped(tmp_path, tiny_assets):
-    from common.runlog import read_metrics
-    from tests.helpers import TWO_CORES
+    """The base model's chat template (transformers 5 writes it to chat_template.jinja) reaches every
+    model the pipeline writes: rm trains on chat rows after sft, and PPO's policy renders a
+    conversation to the ids the base renders it to."""
+    from transformers import AutoTokenizer
 
+    from common.runlog import read_metrics
+    from tests.helpers import CHAT_TEMPLATE_WITH_SYSTEM, TWO_CORES
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_assets["base"], base)
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    tokenizer.chat_template = CHAT_TEMPLATE_WITH_SYSTEM
+    tokenizer.save_pretrained(base)
+    assert (base / "chat_template.jinja").exists()
     run_dir = tmp_path / "run"
     config = {"run_dir": str(run_dir),
-              "sft": {"model": tiny_assets["base"], "data": demonstrations(tmp_path, 256, 1), **SFT},
-              "rm": {"data": rankings(tmp_path / "rankings.jsonl", 64, 3), "batch_size": 16, "lr": 1e-3},
+              "sft": {"model": str(base), "data": demonstrations(tmp_path, 256, 1), **SFT},
+              "rm": {"data": rankings(tmp_path / "rankings.jsonl", 64, 3, chats=True), "batch_size": 16, "lr": 1e-3},
               "data": {"prompts": tiny_assets["prompts"]},
               "rollout": {"max_new_tokens": 6, "prompts_per_generate": 16, "max_model_len": 64},
               "learner": {"total_steps": 2, "batch_size": 16, "minibatch_size": 8, "ppo_epochs": 1},
@@ -371,6 +410,14 @@ def test_pipeline_chains_sft_rm_and_ppo_and_picks_up_where_it_stopped(tmp_path, 
     stage_steps = {name: [r["step"] for r in read_metrics(str(run_dir), name) if "loss" in r] for name in ("sft", "rm")}
     assert stage_steps["sft"][-1] == 8 and stage_steps["rm"][-1] == 4  # 256 x 0.95 / 32; 64 x 0.95 / 16, cut
     assert (tmp_path / "run" / "logs" / "sft.log").read_text().count("sft step") >= 1
+    conversation = [{"role": "system", "content": "odd"}, {"role": "user", "content": "even 1 2 3"},
+                    {"role": "assistant", "content": "4 5"}, {"role": "user", "content": "odd 7 7 1"}]
+    rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)["input_ids"]
+    for written in (run_dir / "sft", run_dir / "rm", run_dir / "checkpoints" / "final"):
+        again = AutoTokenizer.from_pretrained(written)
+        assert again.chat_template == CHAT_TEMPLATE_WITH_SYSTEM, written
+        assert again.apply_chat_template(conversation, add_generation_prompt=True,
+                                         tokenize=True)["input_ids"] == rendered, written
 
     again = tether("pipeline", "-c", str(path), timeout=600)  # everything done: nothing is trained again
     assert again.returncode == 0, again.stdout[-3000:]
