@@ -40,7 +40,7 @@ import time
 import uuid
 
 from common.config import ConfigError, TetherConfig
-from launch.runner import DIST_ENV_KEYS, RoleProcess, _role_command, role_name
+from launch.runner import DIST_ENV_KEYS, RoleProcess, Stopped, _role_command, role_name
 
 POLL_DEADLINE_S = 30.0  # a host that answers no poll this long is lost with its node
 PLACEMENT_DEADLINE_S = 300.0  # the cluster has this long to find room for every process
@@ -288,7 +288,9 @@ class RayPlacement:
     for `tether run --ray`. Hosts are placed before any process starts, since the endpoints follow
     from where they land; a restart places a fresh host (on another node when the old one's is gone)."""
 
-    def __init__(self, config: TetherConfig, config_path: str, address: str) -> None:
+    def __init__(self, config: TetherConfig, config_path: str, address: str, stop=lambda: None) -> None:
+        """``stop()``: the number of a signal that asked the run to stop while it is placed, or None."""
+        self.stop = stop
         alone = not address and not os.environ.get("RAY_ADDRESS")
         if alone:  # a cluster of this machine alone: on loopback (Ray reads this when imported), as nothing joins it
             os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -381,6 +383,8 @@ class RayPlacement:
         note_at = started + PLACEMENT_PROGRESS_S
         while True:
             _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            if self.stop() is not None:
+                raise Stopped(self.stop())
             if not pending:
                 return {name: self.ray.get(name_refs, timeout=POLL_DEADLINE_S) for name, name_refs in calls.items()}
             waited = time.monotonic() - started

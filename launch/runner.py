@@ -385,10 +385,14 @@ def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = F
             return _watch(config, config_path, resume, timeline, start_role)
         from launch.ray_cluster import RayPlacement
 
-        # Ray's placement waits up to minutes for room: a signal stops it, as it stops the run
-        handlers = {number: signal.signal(number, _raise_stopped) for number in STOP_SIGNALS}
+        # Ray's placement waits up to minutes for room: a signal stops it, as it stops the run. The
+        # handler only notes it (an exception raised inside Ray's C wait comes out as a SystemError);
+        # the placement looks between its waits of a second
+        received: list[int] = []
+        handlers = {number: signal.signal(number, lambda number, _: received.append(number))
+                    for number in STOP_SIGNALS}
         try:
-            placement = RayPlacement(config, config_path, ray)
+            placement = RayPlacement(config, config_path, ray, stop=lambda: received[0] if received else None)
         except Stopped as stop:
             print(f"tether run: {stop} while Ray placed the processes; nothing was started", file=sys.stderr,
                   flush=True)

@@ -83,3 +83,17 @@ def broken(x):
 
 def unserialisable():
     return object()
+
+
+def always_fails_reset(row: dict) -> Counting:
+    """An environment that cannot be had: every reset raises."""
+    return ResetRaises(row)
+
+
+class TextReset(Counting):
+    def reset(self):
+        return "What is 17 plus 25?"
+
+
+def text_reset(row: dict) -> Counting:
+    return TextReset(row)

@@ -258,3 +258,77 @@ def test_a_chat_template_that_cannot_carry_a_conversation_is_named(tmp_path):
     tok.chat_template = "{{ raise_exception('only one user message, please') }}"
     with pytest.raises(ConfigError, match="models.policy: its chat template cannot render .*only one user message"):
         Renderer(tok, None)
+
+
+# --------------------------------------------------------------------------- environments that fail
+
+
+def test_an_environment_that_fails_every_episode_backs_off_is_logged_once_and_ends_the_run(
+        tmp_path, demo_tokenizer, monkeypatch, caplog):
+    """Every reset raises: new episodes wait longer and longer before their environment is made, the
+    failure is logged once with its traceback and data row (its repeats only counted), and
+    rollout.env_failure_limit failures in a row end the run with the reason."""
+    from rollout import episodes as module
+    from rollout.environments import EnvironmentFailing
+
+    monkeypatch.setattr(module, "BACKOFF_FIRST_S", 0.001)
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:always_fails_reset",
+                             [{"prompt": "odd 1 :", "answer": "x"}], "rollout.env_failure_limit=10")
+    delays = []
+    with caplog.at_level(logging.INFO, logger="test"), pytest.raises(EnvironmentFailing) as ended:
+        for index in range(20):
+            delays.append(episodes.backoff_s())
+            episodes.start(index, 0)
+            settle(episodes)
+            assert episodes.finished() == ([], [(index, "env_error")])
+    assert index == 9 and "10 episodes in a row ended by their environment" in str(ended.value)
+    assert "rollout.env_failure_limit 10" in str(ended.value) and "env_error 10" in str(ended.value)
+    assert delays == [0, 0, 0, 0, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032]
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 1, [r.getMessage() for r in errors]
+    assert "no sandbox to be had" in errors[0].getMessage() and "Traceback" in errors[0].getMessage()
+    assert '{"prompt": "odd 1 :", "answer": "x"}' in errors[0].getMessage()  # the data row
+    assert any("10 times so far" in r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_an_episode_that_ends_well_resets_the_count_of_failures(tmp_path, demo_tokenizer):
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:reset_raises_once",
+                             [{"prompt": "odd 1 :"}], "rollout.env_failure_limit=2", "rollout.max_turns=1")
+    import tests.environments as environments
+
+    environments._made = __import__("itertools").count()  # the first environment made fails, the rest count
+    episodes.start(0, 0)
+    settle(episodes)
+    assert episodes.failed_in_a_row == 1
+    episodes.start(1, 0)
+    settle(episodes)
+    (episode, _, _), = episodes.take_ready(0)
+    episodes.turn_finished(episode, fake_output([10, EOS]), 0)
+    settle(episodes)
+    assert episodes.failed_in_a_row == 0 and [s.finish_reason for s in episodes.finished()[0]] == ["max_turns"]
+
+
+@pytest.mark.parametrize("answer, reason", [
+    ((None, 0.0, "False"), "step's done is 'False' \\(str\\), not True or False"),
+    ((None, "0.5", False), "step's reward is '0.5' \\(str\\), not a number"),
+    ((None, True, False), "step's reward is True \\(bool\\), not a number"),
+    ({}, "step returned a dict without done, observation, reward"),
+    ({"observation": None, "reward": 0.0, "done": True, "info": 1}, "with unknown keys info"),
+])
+def test_a_step_of_the_wrong_types_is_refused_not_coerced(answer, reason):
+    from rollout.environments import BadStep, Step, as_step
+
+    with pytest.raises(BadStep, match=reason):
+        as_step(answer)
+    assert as_step({"observation": "x", "reward": 1, "done": np.bool_(True)}) == Step("x", 1.0, True)
+
+
+def test_text_from_reset_is_a_user_message_through_the_template_as_text_from_step_is(tmp_path):
+    tok = chatml_tokenizer(str(tmp_path / "tok"))
+    episodes = make_episodes(tmp_path, tok, "tests.environments:text_reset", [{"prompt": "ignored"}])
+    episodes.start(0, 0)
+    settle(episodes)
+    (episode, ids, _), = episodes.take_ready(0)
+    first = [{"role": "user", "content": "What is 17 plus 25?"}]
+    assert ids == tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert episode.messages == first

@@ -86,6 +86,73 @@ def left_behind(run_dir: str) -> list[str]:
     return found
 
 
+# --------------------------------------------------------------------------- a cluster tether starts itself
+# (first in the file: no cluster of the module's fixture may run yet, or `ray.init()` would join it)
+
+
+def ray_sessions() -> set[str]:
+    import glob
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "ray", "session_2*")))
+
+
+def demo_on_ray_alone(tmp_path, demo_assets, *overrides, **popen) -> subprocess.Popen:
+    """`tether run -c configs/demo.yaml --ray`, no address and no RAY_ADDRESS: tether starts Ray on
+    this machine; the demo's own config, its placement untouched."""
+    paths = [f"models.policy={demo_assets['policy']}", f"models.reward={demo_assets['reward']}",
+             f"data.prompts={demo_assets['prompts']}", f"run_dir={tmp_path / 'run'}", *overrides]
+    environment = {key: value for key, value in os.environ.items() if key != "RAY_ADDRESS"}
+    return subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "-c", "configs/demo.yaml", "--ray",
+                             *(item for o in paths for item in ("-o", o))], cwd=REPO, env=environment,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+
+
+@pytest.mark.slow
+def test_the_demo_config_runs_with_ray_on_a_two_cpu_box_as_it_is(tmp_path, demo_assets):
+    """The four processes would ask 1 CPU each of this machine's 2: each gets an equal share and the
+    demo trains; CPUs set by hand that cannot fit are refused at once, naming the key and what the
+    cluster has; Ray's session directory goes with the cluster tether started."""
+    before = ray_sessions()
+    refused = demo_on_ray_alone(tmp_path, demo_assets, "placement.ray.cpus.learner=4")
+    _, stderr = refused.communicate(timeout=120)
+    assert refused.returncode == 2, stderr[-3000:]
+    assert "placement.ray.cpus: the run's processes ask 4 CPUs (learner 4 x 1)" in stderr
+    assert "the cluster has 2" in stderr
+
+    run = demo_on_ray_alone(tmp_path, demo_assets, "learner.total_steps=4")
+    stdout, stderr = run.communicate(timeout=400)
+    assert run.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert "the cluster has 2 CPUs for 4 asked: each process whose role placement.ray.cpus leaves unset gets 0.5" \
+        in stderr
+    assert [r["step"] for r in read_metrics(str(tmp_path / "run"), "learner")] == [1, 2, 3, 4]
+    assert left_behind(str(tmp_path / "run")) == []
+    assert ray_sessions() <= before  # what tether's own Ray wrote is gone
+
+
+@pytest.mark.slow
+def test_a_background_tether_run_waiting_for_placement_stops_on_sigint(tmp_path, demo_assets):
+    """A rollout that asks for a GPU this cluster has not: the wait shows progress, and SIGINT stops
+    it at once, though the shell started the job with SIGINT ignored."""
+    import signal as signals
+
+    run = demo_on_ray_alone(tmp_path, demo_assets, "placement.ray.gpus.rollout=1",
+                            preexec_fn=lambda: signals.signal(signals.SIGINT, signals.SIG_IGN))
+    try:
+        for line in run.stderr:  # the first progress line: the wait is on
+            if "for Ray to place rollout0 (0.5 CPU, 1 GPU)" in line:
+                break
+        stopped_at = time.monotonic()
+        run.send_signal(signals.SIGINT)
+        _, rest = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            run.kill()
+    assert run.returncode == 130 and time.monotonic() - stopped_at < 30, rest[-3000:]
+    assert "got SIGINT while Ray placed the processes" in rest
+    assert left_behind(str(tmp_path / "run")) == []
+
+
 @pytest.mark.slow
 def test_the_demo_learns_on_two_ray_nodes_placed_as_the_config_says(tmp_path, demo_assets, cluster):
     """The buffer and the learner on node_a, the rollout and the scorer on node_b: each process's

@@ -1,0 +1,86 @@
+"""The README's examples as a user runs them: the files it gives (``# my_env.py`` as a block's first
+line names the file) written into a directory of their own, and the installed `tether` command
+run from there, so the documentation cannot drift from the code."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from common.runlog import read_metrics
+from tests.helpers import REPO, TWO_CORES
+
+FILE_BLOCK = re.compile(r"```(?:python|yaml)\n# ([\w.]+\.(?:py|yaml))\n(.*?)```", re.S)
+# the run made small for two cores; the README's own keys (environment, tools, reward) stay its own
+SMALL = ["learner.total_steps=2", "learner.batch_size=8", "learner.minibatch_size=4", "rollout.max_new_tokens=6",
+         "rollout.max_model_len=64", "rollout.kv_cache_gib=0.1", "rollout.prompts_per_generate=8",
+         "transport.connect_retries=60", "transport.connect_interval_s=0.5",
+         *(f"placement.cores.{role}={cores}" for role, cores in TWO_CORES["cores"].items())]
+
+
+def readme_files() -> dict[str, str]:
+    """Every file the README gives whole, by name; one given twice must be given the same."""
+    with open(os.path.join(REPO, "README.md")) as file:
+        text = file.read()
+    files: dict[str, str] = {}
+    for name, body in FILE_BLOCK.findall(text):
+        content = f"# {name}\n{body}"
+        assert files.setdefault(name, content) == content, f"the README gives {name} twice, differently"
+        files[name] = content
+    return files
+
+
+def test_the_readme_gives_its_episode_example_whole():
+    files = readme_files()
+    assert {"my.yaml", "my_env.py", "my_tools.py", "my_rewards.py"} <= set(files)
+    assert "my_env:make" in files["my.yaml"] and "my_tools:add" in files["my.yaml"]
+
+
+def tether_from(directory, *args) -> subprocess.CompletedProcess:
+    """The installed `tether` command (its own script, not ``python -m``: the script's path holds
+    only its bin directory), in ``directory``, with no PYTHONPATH of the caller's."""
+    environment = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    command = os.path.join(os.path.dirname(sys.executable), "tether")
+    return subprocess.run([command, *args], cwd=directory, capture_output=True, text=True, timeout=400,
+                          env=environment)
+
+
+@pytest.mark.slow
+def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_environment_ends_the_run(
+        tmp_path, tiny_assets):
+    """The README's my.yaml, my_env.py, my_tools.py and my_rewards.py, run as they are from their
+    directory (no reward model: the environment's turn rewards and the reward function), train;
+    then the same run with an environment whose every reset raises ends with the reason, exit
+    code 4 from the rollout, not restarted, and a short log."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    for name, content in readme_files().items():
+        (mine / name).write_text(content)
+    with open(tiny_assets["prompts"]) as file:
+        prompts = [json.loads(line)["prompt"] for line in file][:64]
+    (mine / "guess.jsonl").write_text("".join(json.dumps({"prompt": prompt, "answer": str(i % 10)}) + "\n"
+                                              for i, prompt in enumerate(prompts)))
+    overrides = [item for o in [f"models.policy={tiny_assets['policy']}", *SMALL] for item in ("-o", o)]
+    result = tether_from(mine, "run", "-c", "my.yaml", *overrides)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    run_dir = str(mine / "runs" / "guess")
+    assert [r["step"] for r in read_metrics(run_dir, "learner")] == [1, 2]
+    rollout = read_metrics(run_dir, "rollout0")
+    assert sum(r.get("episodes", 0) for r in rollout) >= 16  # two batches of episodes
+    assert sum(r.get("episodes_ended_done", 0) + r.get("episodes_ended_max_turns", 0) for r in rollout) > 0
+    assert any("my_rewards:exact_answer" in r for r in read_metrics(run_dir, "scorer0"))
+
+    (mine / "broken_env.py").write_text("def make(row):\n    raise RuntimeError('no sandbox to be had')\n")
+    broken = tether_from(mine, "run", "-c", "my.yaml", *overrides, "-o", "rollout.environment=broken_env:make",
+                         "-o", "rollout.env_failure_limit=20", "-o", "run_dir=runs/broken")
+    assert broken.returncode == 1, broken.stdout[-3000:] + broken.stderr[-3000:]
+    assert "rollout0 exited with code 4: the environment failed every episode" in broken.stderr, broken.stderr[-3000:]
+    assert "restarting" not in broken.stderr
+    log = (mine / "runs" / "broken" / "logs" / "rollout0.log").read_text()
+    assert "20 episodes in a row ended by their environment" in log
+    assert log.count("(logged once") == 1 and log.count("Traceback") == 1, log[-3000:]
+    assert "no sandbox to be had" in log
+    assert len(log) < 100_000
