@@ -375,6 +375,9 @@ def rankings(path, prompts: int, seed: int, chats: bool = False) -> str:
     return str(path)
 
 
+PLAIN_CHAT = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
 @pytest.mark.slow
 def test_pipeline_chains_sft_rm_and_ppo_and_picks_up_where_it_stopped(tmp_path, tiny_assets):
     """The base model's chat template (transformers 5 writes it to chat_template.jinja) reaches every
@@ -383,12 +386,12 @@ def test_pipeline_chains_sft_rm_and_ppo_and_picks_up_where_it_stopped(tmp_path, 
     from transformers import AutoTokenizer
 
     from common.runlog import read_metrics
-    from tests.helpers import CHAT_TEMPLATE_WITH_SYSTEM, TWO_CORES
+    from tests.helpers import TWO_CORES
 
     base = tmp_path / "base"
     shutil.copytree(tiny_assets["base"], base)
     tokenizer = AutoTokenizer.from_pretrained(base)
-    tokenizer.chat_template = CHAT_TEMPLATE_WITH_SYSTEM
+    tokenizer.chat_template = PLAIN_CHAT  # an assistant turn that extends its prompt: rm's chat rows need one
     tokenizer.save_pretrained(base)
     assert (base / "chat_template.jinja").exists()
     run_dir = tmp_path / "run"
@@ -410,12 +413,12 @@ def test_pipeline_chains_sft_rm_and_ppo_and_picks_up_where_it_stopped(tmp_path, 
     stage_steps = {name: [r["step"] for r in read_metrics(str(run_dir), name) if "loss" in r] for name in ("sft", "rm")}
     assert stage_steps["sft"][-1] == 8 and stage_steps["rm"][-1] == 4  # 256 x 0.95 / 32; 64 x 0.95 / 16, cut
     assert (tmp_path / "run" / "logs" / "sft.log").read_text().count("sft step") >= 1
-    conversation = [{"role": "system", "content": "odd"}, {"role": "user", "content": "even 1 2 3"},
-                    {"role": "assistant", "content": "4 5"}, {"role": "user", "content": "odd 7 7 1"}]
+    conversation = [{"role": "user", "content": "even 1 2 3 :"}, {"role": "assistant", "content": "4 5"},
+                    {"role": "user", "content": "odd 7 7 1 :"}]
     rendered = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)["input_ids"]
     for written in (run_dir / "sft", run_dir / "rm", run_dir / "checkpoints" / "final"):
         again = AutoTokenizer.from_pretrained(written)
-        assert again.chat_template == CHAT_TEMPLATE_WITH_SYSTEM, written
+        assert again.chat_template == PLAIN_CHAT, written
         assert again.apply_chat_template(conversation, add_generation_prompt=True,
                                          tokenize=True)["input_ids"] == rendered, written
 
