@@ -51,7 +51,7 @@ class Buffer:
 
     def __init__(self, config: TetherConfig) -> None:
         self.config = config
-        self.log = setup_logging("buffer", config.log_level)
+        self.log = setup_logging("buffer", config.log_level, libraries=False)  # it loads no model
         batch_size, n = config.learner.batch_size, config.rollout.samples_per_prompt
         k, ceiling = config.buffer.initial_staleness, config.buffer.staleness_ceiling
         if config.resume_from:  # under auto the learner's first request brings its bound

@@ -29,7 +29,10 @@ def local_model_dir(key: str, name: str) -> str:
     if os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1:  # a path, not an id
         raise ConfigError(f"{key}: {name} does not exist")
     from huggingface_hub import snapshot_download
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars, enable_progress_bars
 
+    quiet = are_progress_bars_disabled()
+    enable_progress_bars()  # a download is long work: its progress shows, whatever a model load's does
     try:
         directory = snapshot_download(repo_id=name, allow_patterns=HUB_FILES)
         if not any(file.endswith(".safetensors") for file in os.listdir(directory)):  # an older repo
@@ -38,6 +41,9 @@ def local_model_dir(key: str, name: str) -> str:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise ConfigError(f"{key}: {name!r} is not a directory, and as a Hugging Face hub id it cannot be had "
                           f"here ({type(error).__name__}: {reason})") from None
+    finally:
+        if quiet:
+            disable_progress_bars()
     if not any(file.endswith((".safetensors", ".bin")) for file in os.listdir(directory)):
         raise ConfigError(f"{key}: hub model {name!r} has no weights tether can load (*.safetensors, *.bin)")
     return directory

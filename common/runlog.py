@@ -6,12 +6,29 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 import time
 from typing import Any
 
 
-def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class PlainText(logging.Filter):
+    """Terminal colour codes out of a record: transformers writes its load report's title in bold
+    whatever the output is, which a log file shows as raw escapes."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str) and "\x1b[" in record.msg:
+            record.msg = ANSI.sub("", record.msg)
+        return True
+
+
+def setup_logging(role: str, level: str = "INFO", libraries: bool = True) -> logging.Logger:
+    """The process's log: a line a record, with the time and the role, on stderr. With ``libraries``
+    (a role that loads models), transformers' records come through the same lines (its own handler
+    off), its colour codes stripped."""
     logging.basicConfig(
         level=getattr(logging, level),
         format=f"%(asctime)s {role:>8} %(levelname)s %(message)s",
@@ -19,6 +36,13 @@ def setup_logging(role: str, level: str = "INFO") -> logging.Logger:
         stream=sys.stderr,
         force=True,
     )
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(PlainText())
+    if libraries:
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_default_handler()
+        transformers_logging.enable_propagation()
     return logging.getLogger(role)
 
 

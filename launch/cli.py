@@ -13,9 +13,9 @@ import typer
 
 from launch.exit_codes import ExitCode, signalled
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, rich_markup_mode="markdown",
                   help="tether: asynchronous PPO-RLHF with vLLM, DeepSpeed and ZeroMQ.")
-config_app = typer.Typer(no_args_is_help=True, help="Inspect configs.")
+config_app = typer.Typer(no_args_is_help=True, rich_markup_mode="markdown", help="Inspect configs.")
 app.add_typer(config_app, name="config")
 
 ConfigOption = typer.Option(..., "--config", "-c", help="YAML or TOML config file")
@@ -34,6 +34,9 @@ def _user_code_importable() -> None:
     """The user's reward functions, tools and environments are imported from where tether runs, as
     ``python -m`` would find them: the console script's own path holds only its bin directory. The
     processes it starts (roles, ranks, vLLM's, Ray's) inherit the directory through PYTHONPATH."""
+    # no "Loading weights" bar per model load in any tether process: a role's load is a line of its
+    # log (common.models turns the hub's bars back on for a download, which is long work)
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     here = os.getcwd()
     if here not in sys.path:
         sys.path.append(here)

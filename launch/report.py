@@ -31,10 +31,21 @@ PANELS = (
                    ("learner", "max_staleness", "bound k"))),  # k's trace under buffer.max_staleness: auto
     ("throughput", (("learner", "trained_tokens_per_s", "trained tokens/s"),
                     ("rollout", "tokens_per_s", "rollout tokens/s"))),  # one line per engine
-    # episodes (rollout.environment, rollout.tools): empty for single responses
+    # episodes (rollout.environment, rollout.tools): drawn only for a run that has them (EPISODES)
     ("episodes", (("rollout", "turns_per_episode", "turns per episode"),
                   ("rollout", "tool_calls_per_episode", "tool calls per episode"))),
 )
+
+
+EPISODES = "episodes"
+
+
+def panels_of(metrics: dict[str, list[dict]]) -> list[tuple]:
+    """PPO's panels for a run's metrics: the episodes panel only where the rollouts ran episodes
+    (an empty panel on every single-turn dashboard read as something missing)."""
+    episodes = any("turns_per_episode" in record for name, records in metrics.items()
+                   if name.startswith("rollout") for record in records)
+    return [panel for panel in PANELS if panel[0] != EPISODES or episodes]
 
 
 # tether sft / rm / dpo (metrics/<stage>.jsonl): (title, left axis, right axis), each (key, label)
@@ -65,11 +76,12 @@ def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
     stages = [name for name in STAGE_PANELS if metrics.get(name)]
     if not learner and not stages:
         raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet (nor sft, rm or dpo metrics)")
-    panels = (list(PANELS) if learner else []) + stages
+    ppo_panels = panels_of(metrics) if learner else []
+    panels = ppo_panels + stages
     figure, axes = plt.subplots((len(panels) + 1) // 2, 2, figsize=(13, 3.2 * ((len(panels) + 1) // 2)),
                                 constrained_layout=True, squeeze=False)
     titles = []
-    for axis, (title, series) in zip(axes.flat, PANELS if learner else ()):
+    for axis, (title, series) in zip(axes.flat, ppo_panels):
         # a pool's role names every process of it: rollout -> rollout0, rollout1, ...
         series = [(name, key, label.replace(role, name)) for role, key, label in series
                   for name in ([role] if role in metrics else [n for n in metrics if n.rstrip("0123456789") == role])]

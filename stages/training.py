@@ -217,9 +217,9 @@ def train_step(engine, parts: list[list[int]], examples: list[Example], loss_sum
         engine.set_gradient_accumulation_boundary(index == len(parts) - 1)
         loss, stats = loss_sums(engine, [examples[i] for i in part])
         if not torch.isfinite(loss):
-            raise FloatingPointError(f"the loss is {float(loss)} at step {step}")
+            raise FloatingPointError(f"the loss is {float(loss.detach())} at step {step}")
         engine.backward(loss * world / weight)
-        for key, value in {"loss": float(loss), **stats}.items():
+        for key, value in {"loss": float(loss.detach()), **stats}.items():
             sums[key] = sums.get(key, 0.0) + value
     before, grad_norm = _grad_norm_before_step(engine), math.nan
     if step_unless_nonfinite([engine], skipped, step):

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import zmq
 
+from common.runlog import read_metrics
 from protocol.codec import decode
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SCHEMA_VERSION
@@ -63,13 +64,25 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     assert grant.fields["weights_manifest"] == manifest
 
     learner.request("finish", {"policy_version": 1})
+    # what an engine says after the learner finished: a load that failed because the learner's weights
+    # went with it is expected (0: not counted against the engine), and samples are counted, not trained
+    refusal = {"policy_version": 1, "failures": 1, "reason": "slot 0 does not exist"}
+    assert rollout.request("weights_refused", refusal).fields["accepted"] == 0
+    late_samples = [random_sample(2)]
+    late_samples[0].behavior_version = late_samples[0].last_behavior_version = 1
+    assert rollout.request("samples", *pack_samples(late_samples)).fields["accepted"] == 0
     assert rollout.request("credit_request", {"policy_version": 1, "wanted": 10}).fields["stop"] is True
     assert scorer.request("score_request", {"max_samples": 8}).fields["stop"] is True
     assert late.request("credit_request", {"policy_version": 1, "wanted": 1}).fields["stop"] is True
+    # everyone was told to stop: what is already on its way is still taken in and counted
+    late_samples[0].sample_id = "s3"
+    assert rollout.request("samples", *pack_samples(late_samples), timeout_s=5).fields["accepted"] == 0
     thread.join(timeout=10)
     assert not thread.is_alive()
-    assert result["trained"] == 2 and result["generated"] == 2 and result["identity_holds"]
-    assert result["staleness_violations"] == 0
+    assert result["trained"] == 2 and result["generated"] == 4 and result["identity_holds"]
+    assert result["dropped"] == {"after_finish": 2} and result["staleness_violations"] == 0
+    final = read_metrics(config.run_dir, "buffer")[-1]  # the buffer's last record is its final state
+    assert (final["generated"], final["trained"]) == (result["generated"], result["trained"])
 
 
 def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):

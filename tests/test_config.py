@@ -256,3 +256,10 @@ def test_tether_run_and_pipeline_check_user_functions_and_every_stage_s_rows_fir
     result = CliRunner().invoke(app, ["pipeline", "-c", str(write(tmp_path, stages, "stages.yaml"))])
     assert result.exit_code == 2 and f'rm.data: {rankings} line 2 has no "rejected" text' in result.output, result.output
     assert not (tmp_path / "run" / "sft").exists()  # found before SFT trained
+
+
+def test_help_texts_flow_as_paragraphs_not_as_the_docstrings_lines():
+    """A docstring's line ends are not the help's: "A learner of / several ranks" broke mid-sentence."""
+    result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0
+    assert "A learner of several ranks (learner.ranks, or --nnodes) starts them" in result.output, result.output

@@ -1,0 +1,43 @@
+"""What `tether status` and `tether plot` read of a run directory, on files written here."""
+
+import json
+
+from typer.testing import CliRunner
+
+from launch.cli import app
+
+
+def write_metrics(run_dir, role: str, records: list[dict]) -> None:
+    (run_dir / "metrics").mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics" / f"{role}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_the_episodes_panel_is_drawn_only_for_a_run_with_episodes(tmp_path):
+    from launch.report import PANELS, plot_run
+
+    learner = [{"step": s, "reward": 0.1 * s, "kl": 0.01, "response_length": 4.0} for s in (1, 2)]
+    single, episodes = tmp_path / "single", tmp_path / "episodes"
+    for run_dir in (single, episodes):
+        write_metrics(run_dir, "learner", learner)
+    write_metrics(single, "rollout0", [{"step": 1, "tokens_per_s": 100.0}])
+    write_metrics(episodes, "rollout0", [{"step": 1, "tokens_per_s": 100.0, "turns_per_episode": 2.5}])
+    every = [title for title, _ in PANELS]
+    assert plot_run(str(single))[1] == [title for title in every if title != "episodes"]
+    assert plot_run(str(episodes))[1] == every
+
+
+def test_status_of_a_directory_that_is_not_a_run_is_an_error(tmp_path):
+    result = CliRunner().invoke(app, ["status", str(tmp_path / "nowhere"), "--once"])
+    assert result.exit_code == 2 and "is not a tether run directory" in result.output, result.output
+    result = CliRunner().invoke(app, ["status", str(tmp_path), "--once"])  # a directory, but no run in it
+    assert result.exit_code == 2
+
+
+def test_the_console_progress_line_shows_the_bound_and_why_it_moved():
+    from launch.runner import _progress_line
+
+    record = {"step": 7, "reward": 0.5, "kl": 0.01, "response_length": 4.0, "samples_per_s": 90.0, "staleness": 0.8,
+              "max_staleness": 2, "staleness_change": "2 -> 4: 4 healthy steps"}
+    assert _progress_line(record, 40).endswith("staleness 0.80 (k 2) | k changed: 2 -> 4: 4 healthy steps")
+    del record["staleness_change"]
+    assert _progress_line(record, 40).endswith("staleness 0.80 (k 2)")
