@@ -498,7 +498,9 @@ class MetricsConfig(_Strict):
         "records, the config and the evaluations' worst cases to one run there, each role's series under its name")
     project: str = Field("tether", description="the wandb / trackio project, the mlflow experiment")
     run_name: str | None = Field(None, description="the tracker run's name; None: run_dir's last part")
-    mlflow_tracking_uri: str | None = Field(None, description="None: MLflow's own (MLFLOW_TRACKING_URI, else ./mlruns)")
+    mlflow_tracking_uri: str | None = Field(None, description="None: MLFLOW_TRACKING_URI, else ./mlruns where tether "
+                                            "runs (a file store: tether sets MLFLOW_ALLOW_FILE_STORE, which MLflow 3 "
+                                            "asks for)")
     wandb_entity: str | None = Field(None, description="the wandb team or user; None: the logged-in user's")
     every_s: float = Field(2.0, gt=0, description="how often new records are sent")
 

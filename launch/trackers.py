@@ -60,7 +60,7 @@ class WandbRun:
         self.wandb, self.run_id = wandb, run_id or uuid.uuid4().hex[:12]
         self.run = wandb.init(project=config.metrics.project, entity=config.metrics.wandb_entity, name=name,
                               id=self.run_id, resume="allow", dir=config.run_dir, config=settings,
-                              reinit="create_new")
+                              reinit="create_new", settings=wandb.Settings(quiet=True))  # its end: no 50-line summary
         self.axes: set[str] = set()
 
     def log(self, role: str, step: int, values: dict[str, float]) -> None:
@@ -78,6 +78,18 @@ class WandbRun:
         self.run.finish()
 
 
+def mlflow_tracking_uri(config: TetherConfig) -> str:
+    """``metrics.mlflow_tracking_uri``, else MLFLOW_TRACKING_URI, else ``./mlruns`` (where ``mlflow
+    ui`` looks when started there). MLflow 3's own default is a sqlite store, which mlflow-skinny
+    cannot open (no SQLAlchemy), and it refuses a file store unless MLFLOW_ALLOW_FILE_STORE is set:
+    tether sets it for a file store, which is what a user of ./mlruns asked for."""
+    uri = config.metrics.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or \
+        f"file://{os.path.abspath('mlruns')}"
+    if uri.startswith("file:") or "://" not in uri:
+        os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return uri
+
+
 class MlflowRun:
     """An MLflow run of experiment ``metrics.project``; the config as its params (and config.yaml)."""
 
@@ -85,7 +97,7 @@ class MlflowRun:
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient(config.metrics.mlflow_tracking_uri)
+        self.client = MlflowClient(mlflow_tracking_uri(config))
         if run_id is None:
             experiment = self.client.get_experiment_by_name(config.metrics.project)
             experiment_id = (experiment.experiment_id if experiment is not None

@@ -227,3 +227,21 @@ def assert_every_tracker_holds_the_json_lines(run_dir, mlflow_uri, evaluations: 
     client = MlflowClient(mlflow_uri)
     assert len(client.list_artifacts(ids["mlflow"], "eval_worst_cases")) == evaluations
     assert client.get_run(ids["mlflow"]).data.params["learner.total_steps"] == str(total_steps)  # the config
+
+
+def test_mlflow_with_no_tracking_uri_writes_to_mlruns_where_tether_runs(tmp_path, monkeypatch):
+    """MLflow 3's own default (a sqlite store) cannot be opened by mlflow-skinny, and its file store
+    refuses to start without MLFLOW_ALLOW_FILE_STORE: tether's default, ./mlruns, works as it is."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    (tmp_path / "metrics").mkdir()
+    (tmp_path / "metrics" / "learner.jsonl").write_text(json.dumps({"time": 1, "step": 1, "kl": 0.5}) + "\n")
+    trackers = Trackers(config_of(tmp_path, "mlflow"), warn=pytest.fail)
+    trackers.poll()
+    run_id = trackers.runs["mlflow"].run_id
+    trackers.close()
+    assert mlflow_series(f"file://{tmp_path}/mlruns", run_id, ["learner/kl"]) == {"learner/kl": [(1, 0.5)]}
+    assert MlflowClient(f"file://{tmp_path}/mlruns").get_run(run_id).info.run_name == "trial"
