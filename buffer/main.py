@@ -229,6 +229,8 @@ class Buffer:
 
     def on_finish(self, identity: bytes, message: Message) -> None:
         self.state.finished, self.finished_at = True, time.monotonic()
+        # the final records are at the learner's last version (the trackers' step axis for the buffer)
+        self.state.learner_version = message.fields["policy_version"]
         self.stopped.add(identity)
         self.log.info("learner finished at policy version %d", message.fields["policy_version"])
         self.server.reply(identity, message.id, "ack", {"accepted": 1})

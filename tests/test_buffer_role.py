@@ -82,7 +82,7 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     assert result["trained"] == 2 and result["generated"] == 4 and result["identity_holds"]
     assert result["dropped"] == {"after_finish": 2} and result["staleness_violations"] == 0
     final = read_metrics(config.run_dir, "buffer")[-1]  # the buffer's last record is its final state
-    assert (final["generated"], final["trained"]) == (result["generated"], result["trained"])
+    assert (final["step"], final["generated"], final["trained"]) == (1, result["generated"], result["trained"])
 
 
 def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):

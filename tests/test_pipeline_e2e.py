@@ -127,7 +127,8 @@ def test_sigterm_to_tether_run_checkpoints_stops_every_role_and_leaves_nothing_b
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
     assert accounting["identity_holds"] and accounting["trained"] == (stopped_at + 2) * BATCH
-    assert accounting["staleness_violations"] == 0 and not accounting["dropped"]
+    # nothing dropped, but what a rollout sent after the learner finished (counted, never trained)
+    assert accounting["staleness_violations"] == 0 and set(accounting["dropped"]) <= {"after_finish"}
 
 
 @pytest.mark.slow
@@ -256,16 +257,17 @@ def test_pools_of_every_role_survive_a_killed_rollout_and_scorer(tmp_path, tiny_
 @pytest.mark.slow
 @pytest.mark.parametrize("victim", ["learner", "buffer"])
 def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(tmp_path, tiny_assets, victim):
-    """kill -9 the learner (or the buffer) after step 3 of 6, checkpoints every 2: the run fails;
-    `tether run --resume` continues from step 2 with the buffer's samples and accounting of that
-    moment, and finishes all 6 steps with the identity holding and nothing dropped. The learner
-    that is killed has 2 ranks under ZeRO-2: each rank's partition comes back from the checkpoint."""
+    """kill -9 the learner (or the buffer) after step 3, checkpoints every 2: the run fails;
+    `tether run --resume` continues from the newest checkpoint (state-2 or state-4) with the buffer's
+    samples and accounting of that moment, and finishes 4 steps past it with the identity holding
+    and nothing dropped. The learner that is killed has 2 ranks under ZeRO-2: each rank's partition
+    comes back from the checkpoint. The first run is one that cannot end before the kill (1000
+    steps, ~5 minutes): at 6 it finished between the test seeing step 3 and its kill."""
     import signal
     import time
 
-    steps = 6
     ranks = {"ranks": 2, "zero_stage": 2} if victim == "learner" else {}
-    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": steps, "checkpoint_every": 2, **ranks})
+    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": 1000, "checkpoint_every": 2, **ranks})
     run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", str(path)], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
@@ -282,21 +284,21 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     assert newest is not None and newest.endswith(("state-000002", "state-000004"))
     os.makedirs(os.path.join(run_dir, "checkpoints", "state-000099.tmp"))  # a half-written one is never picked
 
+    steps = int(newest[-6:]) + 4  # more than the buffer held at the checkpoint (k + 1 batches): the rollout generates
     resumed_at = time.time()
-    result = tether("run", "--resume", run_dir)
+    result = tether("run", "--resume", run_dir, "-o", f"learner.total_steps={steps}")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"resuming {run_dir} from {newest}" in result.stdout
     # the new rollout went on with the prompt stream from where it was at the checkpoint: no prompt
-    # trained before it is generated again (from state-4 the buffer may already hold what steps 5
-    # and 6 need, and the rollout generates nothing)
+    # trained before it is generated again
     after = [i for r in read_metrics(run_dir, "rollout0") if r["time"] > resumed_at for i in r["prompt_indices"]]
-    assert newest.endswith("state-000004") or after
-    assert all(index >= 2 * BATCH for index in after)
+    assert after and all(index >= 2 * BATCH for index in after)
     assert [r["step"] for r in read_metrics(run_dir, "learner")] == list(range(1, steps + 1))
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
     assert accounting["identity_holds"] and accounting["trained"] == steps * BATCH
-    assert accounting["staleness_violations"] == 0 and not accounting["dropped"]
+    # nothing dropped, but what a rollout sent after the learner finished (counted, never trained)
+    assert accounting["staleness_violations"] == 0 and set(accounting["dropped"]) <= {"after_finish"}
     assert os.path.exists(os.path.join(run_dir, "checkpoints", "final", "model.safetensors"))
     if ranks:  # both ranks' optimizer partitions were written, and read back on resume
         partitions = os.listdir(os.path.join(newest, "actor", "state"))

@@ -72,6 +72,10 @@ def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_e
     assert sum(r.get("episodes", 0) for r in rollout) >= 16  # two batches of episodes
     assert sum(r.get("episodes_ended_done", 0) + r.get("episodes_ended_max_turns", 0) for r in rollout) > 0
     assert any("my_rewards:exact_answer" in r for r in read_metrics(run_dir, "scorer0"))
+    # the rollout's last period is in its metrics (it was lost at shutdown): they add up to its log's total
+    generated = rollout[-1]["generated_total"]
+    assert sum(r["samples"] for r in rollout) == generated
+    assert f"stopping after {generated} samples" in (mine / "runs" / "guess" / "logs" / "rollout0.log").read_text()
 
     (mine / "broken_env.py").write_text("def make(row):\n    raise RuntimeError('no sandbox to be had')\n")
     broken = tether_from(mine, "run", "-c", "my.yaml", *overrides, "-o", "rollout.environment=broken_env:make",
