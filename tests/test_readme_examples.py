@@ -77,6 +77,14 @@ def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_e
     assert sum(r["samples"] for r in rollout) == generated
     assert f"stopping after {generated} samples" in (mine / "runs" / "guess" / "logs" / "rollout0.log").read_text()
 
+    # the evaluation of an environment's task counts the environment's rewards, beside the scorer's
+    evaluated = tether_from(mine, "eval", os.path.join(run_dir, "checkpoints", "final"), "-c", "my.yaml", *overrides,
+                            "-o", "eval.prompts=guess.jsonl", "-o", "eval.max_prompts=16", "--step", "2")
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    figures, = read_metrics(run_dir, "eval")
+    assert {"env_reward", "env_reward_per_turn", "scorer_reward"} <= set(figures), figures
+    assert figures["reward"] == pytest.approx(figures["scorer_reward"] + figures["env_reward"])
+
     (mine / "broken_env.py").write_text("def make(row):\n    raise RuntimeError('no sandbox to be had')\n")
     broken = tether_from(mine, "run", "-c", "my.yaml", *overrides, "-o", "rollout.environment=broken_env:make",
                          "-o", "rollout.env_failure_limit=20", "-o", "run_dir=runs/broken")

@@ -60,3 +60,16 @@ def test_replay_refuses_a_run_without_recorded_batches(tmp_path):
     (tmp_path / "config.yaml").write_text("models: {policy: /p, reward: /r}\ndata: {prompts: /q}\n")
     result = tether("replay", str(tmp_path))
     assert result.returncode == 2 and "has no recorded batches" in result.stderr
+
+
+def test_replay_names_a_checkpoint_that_is_not_a_saved_state(tmp_path):
+    """`--checkpoint state-4` (a name, not the directory) was a 130-line DeepSpeed assertion."""
+    (tmp_path / "config.yaml").write_text("models: {policy: /p, reward: /r}\ndata: {prompts: /q}\n")
+    (tmp_path / "batches").mkdir()
+    (tmp_path / "batches" / "recording.json").write_text('{"torch_threads": 1}')
+    (tmp_path / "checkpoints" / "state-000004").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "state-000004" / "COMPLETE").write_text("4")
+    result = tether("replay", str(tmp_path), "--checkpoint", "state-4")
+    assert result.returncode == 2, result.stderr
+    assert "--checkpoint state-4 is not a complete state-N directory" in result.stderr
+    assert f"{tmp_path}/checkpoints/state-000004" in result.stderr  # what it could have named

@@ -1,4 +1,4 @@
-"""What `tether status` and `tether plot` read of a run directory, on files written here."""
+"""What a user reads of a run: `tether status`, `tether plot`, the console line and the logs."""
 
 import json
 
@@ -41,3 +41,22 @@ def test_the_console_progress_line_shows_the_bound_and_why_it_moved():
     assert _progress_line(record, 40).endswith("staleness 0.80 (k 2) | k changed: 2 -> 4: 4 healthy steps")
     del record["staleness_change"]
     assert _progress_line(record, 40).endswith("staleness 0.80 (k 2)")
+
+
+def test_vllms_warnings_that_say_nothing_wrong_are_dropped_and_colour_codes_stripped():
+    import logging
+
+    from common.runlog import PlainText
+    from rollout.worker_extension import ExpectedWarnings
+
+    def record(message, *args, level=logging.WARNING):
+        return logging.LogRecord("vllm.x", level, __file__, 1, message, args, None)
+
+    expected = ExpectedWarnings()
+    assert not expected.filter(record("%s: Failed to load weights", "RotaryEmbedding"))  # as vLLM logs it
+    assert not expected.filter(record("CPU backend doesn't allow to use `torch.set_num_threads` after the thread "
+                                      "binding, skip it."))
+    assert expected.filter(record("%s: Failed to load weights", "QKVParallelLinear"))  # a real failure stays
+    assert expected.filter(record("RotaryEmbedding: Failed to load weights", level=logging.ERROR))
+    report = record("\x1b[1mLlamaForSequenceClassification LOAD REPORT\x1b[0m from: /m")
+    assert PlainText().filter(report) and report.getMessage() == "LlamaForSequenceClassification LOAD REPORT from: /m"
