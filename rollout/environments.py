@@ -69,9 +69,13 @@ def as_step(value: Any) -> Step:
         raise BadStep(f"step returned {type(value).__name__}: expected Step(observation, reward, done), "
                       "a 3-tuple or a dict of those keys")
     check_observation(step.observation)
-    if isinstance(step.reward, (bool, np.bool_)) or not isinstance(step.reward, (int, float, np.integer, np.floating)):
+    # a number is what converts itself (int, float, numpy's, a 0-d tensor); text converts only by parsing
+    if isinstance(step.reward, (bool, np.bool_)) or not hasattr(type(step.reward), "__float__"):
         raise BadStep(f"step's reward is {step.reward!r} ({type(step.reward).__name__}), not a number")
-    step.reward = float(step.reward)
+    try:
+        step.reward = float(step.reward)
+    except (TypeError, ValueError) as error:  # a tensor of several elements
+        raise BadStep(f"step's reward is {step.reward!r:.80}, not one number ({error})") from None
     if not math.isfinite(step.reward):
         raise BadStep(f"step's reward is {step.reward}")
     if not isinstance(step.done, (bool, np.bool_)):

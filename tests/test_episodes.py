@@ -321,6 +321,11 @@ def test_a_step_of_the_wrong_types_is_refused_not_coerced(answer, reason):
     with pytest.raises(BadStep, match=reason):
         as_step(answer)
     assert as_step({"observation": "x", "reward": 1, "done": np.bool_(True)}) == Step("x", 1.0, True)
+    import torch
+
+    assert as_step((None, torch.tensor(0.25), False)).reward == 0.25  # a 0-d tensor is a number
+    with pytest.raises(BadStep, match="not one number"):
+        as_step((None, torch.tensor([0.25, 1.0]), False))
 
 
 def test_text_from_reset_is_a_user_message_through_the_template_as_text_from_step_is(tmp_path):
