@@ -311,6 +311,7 @@ class RayPlacement:
         self.gpus = ray.cluster_resources().get("GPU", 0) > 0
         self.remote_host = ray.remote(ProcessHost)
         self.learner_group = None
+        self.keys: str | None = None  # the run's CURVE keys, made once the processes span several nodes
         self.master_port: int | None = None
         self.hosts: dict[str, list] = {}  # process name -> its hosts now (a learner: one per node)
         self.where: dict[str, list[dict]] = {}
@@ -506,7 +507,7 @@ class RayPlacement:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.learner_group)
-        if getattr(self, "keys", None):
+        if self.keys:
             shutil.rmtree(self.keys, ignore_errors=True)
         if self.started_ray:
             self.ray.shutdown()
