@@ -7,13 +7,13 @@ over the size limit is refused with a ``ProtocolError`` that says what was wrong
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import msgpack
 import numpy as np
 
 from protocol.errors import ProtocolError
+from protocol.message import Message
 from protocol.schema import MESSAGES, SCHEMA_VERSION
 
 __all__ = ["DEFAULT_MAX_FRAME_BYTES", "Message", "ProtocolError", "decode", "encode"]
@@ -22,15 +22,6 @@ DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
 
 _DTYPES = {name: np.dtype(name) for name in ("int32", "int64", "float32", "float16", "uint8", "bool")}
 _PY_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict}
-
-
-@dataclass
-class Message:
-    type: str
-    fields: dict[str, Any] = field(default_factory=dict)
-    tensors: dict[str, np.ndarray] = field(default_factory=dict)
-    id: int = -1
-    key: str = ""  # with CURVE, the name of the client key it came with (set by the receiving server)
 
 
 def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None,

@@ -24,7 +24,7 @@ import numpy as np
 from protocol.errors import ProtocolError
 
 if TYPE_CHECKING:
-    from protocol.codec import Message
+    from protocol.message import Message
 
 Per = Literal["sample", "prompt token", "response token"]
 
