@@ -3,7 +3,7 @@ held-out figure of each, on the same data, the same start model and the same hyp
 by side in one process (this machine's speed drifts: the two of a stage run back to back), the
 median of ``--seeds`` runs each.
 
-The data is the demo's task ("parity", launch/demo.py) on a Llama of ``--hidden`` x ``--layers``:
+The data is the demo's task ("parity", demos/parity.py) on a Llama of ``--hidden`` x ``--layers``:
 demonstrations for SFT; for the reward model and DPO, pairs of SFT samples ranked by the gold rule
 (TRL's RewardTrainer takes pairs; tether's K-wise loss with K = 2 is the pairwise loss). Each
 trainer runs as a process of its own, so both pay their imports and start-up in the wall time. The
@@ -50,7 +50,7 @@ METRIC_SLACK = {"loss": 0.01, "accuracy": 0.02}
 def build(work: str, hidden: int, layers: int, log=print) -> dict[str, str]:
     """Base model, demonstrations, the SFT model the RM and DPO start from (tether sft on the
     demonstrations) and ranked pairs of its samples."""
-    from launch.demo import (build_tokenizer, gold_reward, make_prompt, sample_responses, write_base_model,
+    from demos.parity import (build_tokenizer, gold_reward, make_prompt, sample_responses, write_base_model,
                              write_demonstrations)
 
     paths = {name: os.path.join(work, name) for name in ("base", "sft_start")}
@@ -192,11 +192,11 @@ def held_out(stage: str, output: str, paths: dict) -> tuple[str, float]:
             model = AutoModelForSequenceClassification.from_pretrained(output, num_labels=1).eval()
             scores = scores_of(model, examples, 0).view(-1, 2)
             return "accuracy", float((scores[:, 0] > scores[:, 1]).float().mean())
-        from learner.models import load_actor
+        from common.models import load_causal_lm
         from stages.dpo import logprob_sums
 
-        policy = logprob_sums(load_actor(output).eval(), examples, 0).view(-1, 2)
-        reference = logprob_sums(load_actor(paths["sft_start"]).eval(), examples, 0).view(-1, 2)
+        policy = logprob_sums(load_causal_lm(output).eval(), examples, 0).view(-1, 2)
+        reference = logprob_sums(load_causal_lm(paths["sft_start"]).eval(), examples, 0).view(-1, 2)
         rewards = policy - reference
         return "accuracy", float((rewards[:, 0] > rewards[:, 1]).float().mean())
 

@@ -41,7 +41,7 @@ def build_models(directory: str, hidden: int, layers: int) -> tuple[str, str]:
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
-    from launch.demo import build_tokenizer, tiny_llama_config
+    from demos.parity import build_tokenizer, tiny_llama_config
 
     torch.manual_seed(0)
     config = tiny_llama_config(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
@@ -82,8 +82,8 @@ def bare_step(models: list, optimizers: list, batch, minibatches: list, proximal
     import torch
 
     from common.distributions import logprobs_from_logits
+    from common.models import ValueModel
     from common.sequences import gather_response
-    from learner.models import ValueModel
 
     def loss_of(model, part):
         critic = isinstance(model, ValueModel)  # which builds no KV cache itself
@@ -135,11 +135,11 @@ def main() -> None:
 
     import learner.step
     from common.config import load_config
+    from common.models import load_causal_lm, load_critic
     from common.sequences import SequenceBatch, collate
-    from launch.demo import VOCAB
+    from demos.parity import VOCAB
     from learner import micro_batches
     from learner.deepspeed_engine import make_deepspeed_engine
-    from learner.models import load_actor, load_critic
     from learner.parallel import init_distributed
 
     torch.manual_seed(0)
@@ -159,9 +159,9 @@ def main() -> None:
             "data": {"prompts": "/unused"}}
     configs = {name: load_config(None, overrides, base=base) for name, overrides in configs.items()}
     init_distributed(configs["tether"])
-    engines = {name: (make_deepspeed_engine(load_actor(policy), 1e-5, config), make_deepspeed_engine(load_critic(rm), 1e-5, config))
+    engines = {name: (make_deepspeed_engine(load_causal_lm(policy), 1e-5, config), make_deepspeed_engine(load_critic(rm), 1e-5, config))
                for name, config in configs.items()}
-    bare_models = [load_actor(policy).train(), load_critic(rm).train()]
+    bare_models = [load_causal_lm(policy).train(), load_critic(rm).train()]
     bare_optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-5, eps=1e-8) for m in bare_models]
 
     # the bare loop's passes: tether's token-budget micro-batches of the same rows

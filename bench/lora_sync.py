@@ -28,7 +28,7 @@ def build_large(directory: str) -> str:
     import torch
     from transformers import LlamaForCausalLM
 
-    from launch.demo import build_tokenizer, tiny_llama_config
+    from demos.parity import build_tokenizer, tiny_llama_config
 
     torch.manual_seed(0)
     build_tokenizer(directory)
@@ -47,10 +47,10 @@ def measure(policy: str, mode: str, rank: int, versions: int, work: str) -> dict
 
     from common.config import load_config
     from common.models import resolve_models
-    from learner.lora import adapter_named_tensors, merged_named_tensors, with_lora
     from rollout.adapters import PolicyAdapter, lora_arguments
     from rollout.engine import apply_weights, make_vllm_engine
     from weight_sync.buckets import ShmWeightWriter, without_tied_duplicates
+    from weight_sync.lora import adapter_named_tensors, merged_named_tensors, with_lora
 
     config = resolve_models(load_config(None, [
         f"models.policy={policy}", f"models.reward={policy}", f"data.prompts={policy}/none", f"run_dir={work}/{mode}",
@@ -103,7 +103,7 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="tether-bench-lora-")
     for model in args.model or ["demo", "large"]:
         if model == "demo":
-            from launch.demo import build_assets
+            from demos.parity import build_assets
 
             policy = build_assets(os.path.join(REPO, ".demo", "assets"), log=lambda *_: None)["policy"]
         else:

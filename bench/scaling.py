@@ -30,7 +30,7 @@ def build_learner_bound_models(directory: str) -> dict[str, str]:
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
-    from launch.demo import build_tokenizer, tiny_llama_config
+    from demos.parity import build_tokenizer, tiny_llama_config
 
     torch.manual_seed(0)
     config = tiny_llama_config(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -47,12 +47,12 @@ def build_learner_bound_models(directory: str) -> dict[str, str]:
 def trial(name: str, base: dict, overrides: list[str], out: str) -> dict:
     from common.config import load_config
     from launch.report import profile_run
-    from launch.runner import run_pipeline
+    from launch.runner import run_roles
 
     run_dir = os.path.join(out, name)
     config = load_config(None, [f"run_dir={run_dir}", *overrides], base=base)
     print(f"  {name}: tether run ...", flush=True)
-    if run_pipeline(config, overwrite=True) != 0:
+    if run_roles(config, overwrite=True) != 0:
         raise SystemExit(f"trial {name} failed; see {run_dir}/logs")
     from common.runlog import read_metrics
 
@@ -166,10 +166,10 @@ def learner_worker(args) -> None:
     import numpy as np
 
     from common.config import load_config
+    from common.models import load_causal_lm, load_critic
     from common.sequences import collate
     from learner import parallel
     from learner.deepspeed_engine import make_deepspeed_engine
-    from learner.models import load_actor, load_critic
     from learner.parallel import init_distributed
     from learner.step import ppo_step
     from protocol.samples import Sample
@@ -184,7 +184,7 @@ def learner_worker(args) -> None:
     samples = [Sample(f"s{i}", i, 0, rng.integers(3, 16, 8).astype(np.int32), rng.integers(3, 16, 32).astype(np.int32),
                       np.full(32, -2.0, np.float32), "length", ref_logprobs=np.full(32, -2.0, np.float32),
                       reward=float(rng.normal())) for i in range(64)]
-    actor = make_deepspeed_engine(load_actor(args.policy), 1e-5, config)
+    actor = make_deepspeed_engine(load_causal_lm(args.policy), 1e-5, config)
     critic = make_deepspeed_engine(load_critic(args.reward), 1e-5, config)
     batch = collate(samples, pad_token_id=0)
     for step in range(args.steps + 1):
@@ -212,7 +212,7 @@ def main() -> None:
     if args.learner_worker:
         return learner_worker(args)
 
-    from launch.demo import build_assets
+    from demos.parity import build_assets
 
     assets_dir = os.path.join(args.out, "assets")
     demo = build_assets(os.path.join(assets_dir, "demo"), sft_steps=60, rm_prompts=32, rm_epochs=1, log=lambda *_: None)

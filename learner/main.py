@@ -1,57 +1,33 @@
-"""The learner's loop: fetch a batch, PPO step, publish weights, log, checkpoint. Top to bottom."""
+"""The learner's loop: fetch a batch, PPO step, publish weights, log, checkpoint. Top to bottom.
+``replay``: the same loop on a run's recorded batches (``learner/replay.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import torch
 
-from common.config import TetherConfig
+from common import models
+from common.config import ConfigError, TetherConfig
 from common.models import critic_source, resolve_models
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
-from learner.lora import critic_with_lora, with_lora
 from learner.ptx import PtxStream, read_ptx
 from learner.schedule import lr_factor, set_lr
+from learner.signals import Preempted, StopSignal, signal_name
 from protocol.codec import decode, encode
 from protocol.samples import unpack_samples
 from protocol.transport import connect_to_buffer
+from weight_sync.lora import critic_with_lora, with_lora
 
 
 class TrainingStopped(RuntimeError):
     """The learner stopped on purpose (a NaN loss); the message says why and where it saved."""
-
-
-class Preempted(RuntimeError):
-    """SIGTERM or SIGHUP (a scheduler taking the machine back): the learner saved a checkpoint to
-    resume from and stopped; ``signal``: the number, for the exit code 128 + it."""
-
-    def __init__(self, message: str, number: int) -> None:
-        super().__init__(message)
-        self.signal = number
-
-
-class StopSignal:
-    """Notes SIGTERM / SIGHUP instead of dying of it, so the learner ends at the next point where
-    its state is whole (between steps, or while it waits for a batch) and checkpoints there."""
-
-    def __init__(self) -> None:
-        import signal
-
-        self.number = 0
-        for number in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(number, self._note)
-
-    def _note(self, number: int, frame) -> None:
-        self.number = number
-
-    def requested(self) -> bool:
-        """Whether any rank got the signal (every rank calls it at the same point)."""
-        return parallel.any_rank(self.number != 0)
 
 
 def stop_on_nonfinite(error: FloatingPointError, actor, config: TetherConfig, policy_version: int, metrics,
@@ -78,12 +54,6 @@ def stop_on_nonfinite(error: FloatingPointError, actor, config: TetherConfig, po
         metrics.write({"step": policy_version, "alerts": ["nan_loss"], "alert_nan_loss": 1})
         log.error("ALERT nan_loss: %s; %s; stopping", error, where)
     raise TrainingStopped(f"{error} (policy version {policy_version}); {where}") from None
-
-
-def signal_name(number: int) -> str:
-    import signal
-
-    return signal.Signals(number).name
 
 
 def receive_batch(client, policy_version: int, config: TetherConfig, log, stop: StopSignal | None = None,
@@ -140,12 +110,11 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     then each in its DeepSpeed engine. The critic is None unless the estimator is gae: the
     critic-free estimators take their baseline from the rewards."""
     from learner.deepspeed_engine import make_deepspeed_engine
-    from learner.models import load_actor, load_critic
 
     cfg, dtype = config.learner, config.models.dtype
-    actor_model = with_lora(load_actor(config.models.policy, dtype), cfg)
-    pad_token_id = actor_model.config.pad_token_id if actor_model.config.pad_token_id is not None else 0
-    critic_model = (critic_with_lora(load_critic(critic_source(config), dtype), cfg)
+    actor_model = with_lora(models.load_causal_lm(config.models.policy, dtype), cfg)
+    pad_token_id = models.pad_token_id(actor_model)
+    critic_model = (critic_with_lora(models.load_critic(critic_source(config), dtype), cfg)
                     if cfg.advantage_estimator == "gae" else None)
     timeline.phase("model load")
     actor = make_deepspeed_engine(actor_model, cfg.actor_lr, config)
@@ -178,10 +147,11 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     torch.manual_seed(config.seed)
     from learner.checkpoints import load_state, save_hf_checkpoint, save_state
     from learner.deepspeed_engine import snapshot_weights
+    from learner.optimizer_step import SkippedSteps
     from learner.publish import WeightPublisher
     from learner.replay import BatchRecorder, RecordedBuffer
     from learner.staleness import StalenessController
-    from learner.step import SkippedSteps, StepCarry, behavior_gap, ppo_step
+    from learner.step import StepCarry, behavior_gap, ppo_step
 
     cfg = config.learner
     timeline.phase("import")
@@ -292,3 +262,18 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     publisher.close()
     parallel.barrier()
     return final
+
+
+def replay(run_dir: str, out: str, until: int | None = None, checkpoint: str | None = None) -> dict:
+    """The learner alone on ``run_dir``'s recorded batches, in ``out``; returns ``compare``'s report."""
+    from learner.replay import RECORDING, compare, replay_config
+
+    directory = os.path.join(run_dir, "batches")
+    if not os.path.exists(os.path.join(directory, RECORDING)):
+        raise ConfigError(f"{run_dir} has no recorded batches: run it with learner.record_batches: true")
+    config = replay_config(run_dir, out, until, checkpoint)
+    with open(os.path.join(directory, RECORDING)) as file:
+        torch.set_num_threads(json.load(file)["torch_threads"])  # another count sums in another order
+    os.makedirs(out, exist_ok=True)
+    run(config, recorded=directory)
+    return compare(run_dir, out)

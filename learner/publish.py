@@ -9,8 +9,8 @@ from contextlib import contextmanager
 import zmq
 
 from common.config import TetherConfig
-from learner.lora import adapter_named_tensors, merged_named_tensors
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, plan_buckets, without_tied_duplicates
+from weight_sync.lora import adapter_named_tensors, merged_named_tensors
 
 
 def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_bucket=None,
@@ -66,7 +66,7 @@ class WeightPublisher:
         if not main:
             return
         if config.learner.lora_rank:  # rank 0 alone publishes: only it asks vLLM (an import of seconds)
-            from rollout.adapters import lora_sync_logged
+            from weight_sync.lora import lora_sync_logged
 
             self.adapters = lora_sync_logged(config, logging.getLogger("learner")) == "adapters"
         self.writer = ShmWeightWriter(config.weights_dir, self.bucket_bytes, transport.weight_slots)

@@ -141,22 +141,3 @@ def compare(run_dir: str, out: str) -> dict:
         report["max_weight_difference"] = max((float((ours[k] - theirs[k]).abs().max()) for k in theirs),
                                               default=math.nan)
     return report
-
-
-def replay(run_dir: str, out: str, until: int | None = None, checkpoint: str | None = None) -> dict:
-    """The learner alone on ``run_dir``'s recorded batches, in ``out``; returns ``compare``'s report."""
-    import torch
-
-    from learner.main import run
-
-    directory = os.path.join(run_dir, "batches")
-    if not os.path.exists(os.path.join(directory, RECORDING)):
-        from common.config import ConfigError
-
-        raise ConfigError(f"{run_dir} has no recorded batches: run it with learner.record_batches: true")
-    config = replay_config(run_dir, out, until, checkpoint)
-    with open(os.path.join(directory, RECORDING)) as file:
-        torch.set_num_threads(json.load(file)["torch_threads"])  # another count sums in another order
-    os.makedirs(out, exist_ok=True)
-    run(config, recorded=directory)
-    return compare(run_dir, out)

@@ -8,7 +8,6 @@ lives in ``learner.ppo`` (and the sampled distribution in ``common.distributions
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +15,12 @@ import torch
 from common.config import LearnerConfig, SamplingConfig, TetherConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from common.sequences import SequenceBatch, gather_response
-from learner import micro_batches, parallel, ppo
-from learner.deepspeed_engine import skip_step, weights_swapped
+from learner import micro_batches, optimizer_step, parallel, ppo
+from learner.deepspeed_engine import weights_swapped
+from learner.optimizer_step import SkippedSteps
 from learner.ptx import PtxStream, ptx_token_losses
 from learner.staleness import behavior_health
 from protocol.samples import Sample
-
-log = logging.getLogger("learner")
 
 
 def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -45,60 +43,6 @@ def forward_values(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T] V(s_t) for each response token: the critic at the position before the token."""
     values = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.squeeze(-1)
     return _finite("critic values", gather_response(values, batch.response_positions).float())
-
-
-def _grad_norm_before_step(engine) -> float | None:
-    """The gradient norm where only the gradients tell it: ZeRO-0, whose whole gradients are on
-    every parameter until the step clears them. None under ZeRO 1-3 (``_grad_norm_after_step``)."""
-    if engine.zero_optimization_stage() > 0:
-        return None
-    grads = [p.grad.detach().float().norm() for p in engine.module.parameters() if p.grad is not None]
-    return float(torch.stack(grads).norm()) if grads else 0.0
-
-
-def _grad_norm_after_step(engine, before: float | None) -> float:
-    """The norm DeepSpeed computed inside ``step()`` (ZeRO 1-3, and bf16 / fp16 at any stage, where
-    ``p.grad`` holds a scaled or partial gradient): read before the step it would be the previous
-    step's. ``before``: the norm of the plain gradients, for fp32 ZeRO-0, which computes none."""
-    norm = engine.get_global_grad_norm()
-    if norm is not None:
-        return float(norm)
-    return before if before is not None else float("nan")
-
-
-class NonFiniteGradients(FloatingPointError):
-    """Optimizer steps kept finding NaN or inf gradients: ``learner.max_skipped_steps`` in a row."""
-
-
-@dataclass
-class SkippedSteps:
-    """Optimizer steps skipped for non-finite gradients, in all and in a row; ``limit`` in a row
-    stops the learner (a model that keeps producing them will not recover by itself)."""
-    limit: int
-    total: int = 0
-    in_a_row: int = 0
-
-
-def step_unless_nonfinite(engines: list, skipped: SkippedSteps, policy_version: int) -> bool:
-    """At the last micro-batch of a minibatch: step every engine, or, if any rank saw a NaN or inf
-    gradient in any of them, step none (``skip_step``: weights and optimizer state stay as they
-    were, the gradients are cleared) and count it. Returns whether the step was applied."""
-    bad = parallel.any_rank(any(engine.gradient_guard.take() for engine in engines))
-    if not bad:
-        for engine in engines:
-            engine.step()
-        skipped.in_a_row = 0
-        return True
-    for engine in engines:
-        skip_step(engine)
-    skipped.total += 1
-    skipped.in_a_row += 1
-    log.warning("non-finite gradients at policy version %d: optimizer step skipped (%d in a row, %d in all)",
-                policy_version, skipped.in_a_row, skipped.total)
-    if skipped.in_a_row >= skipped.limit:
-        raise NonFiniteGradients(f"{skipped.in_a_row} optimizer steps in a row had NaN or inf gradients "
-                                 f"(learner.max_skipped_steps {skipped.limit}) at policy version {policy_version}")
-    return False
 
 
 def _ptx_parts(ptx: PtxStream, parts: int, device) -> list[tuple | None]:
@@ -280,9 +224,9 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
                 contributions = train_micro_batch(actor, critic, batch, rows, all_rows, targets, config, kl_coef,
                                                   policy_version, ptx_parts[index])
                 if last:  # the boundary: DeepSpeed reduces, clips and steps
-                    norm = _grad_norm_before_step(actor)
-                    if step_unless_nonfinite(engines, carry.skipped, policy_version):
-                        grad_norms.append(_grad_norm_after_step(actor, norm))
+                    norm = optimizer_step.guarded_step(engines, carry.skipped, f"policy version {policy_version}")
+                    if norm is not None:
+                        grad_norms.append(norm)
                 for name, value in contributions.items():
                     totals[name] = totals.get(name, 0.0) + value
             updates += 1

@@ -13,12 +13,13 @@ from common.prompts import dataset_row, prompts_within, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.samples import Sample, pack_samples
 from protocol.transport import BufferLost, connect_to_buffer
-from rollout.adapters import PolicyAdapter, lora_arguments, lora_sync_logged
+from rollout.adapters import PolicyAdapter, lora_arguments
 from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
 from rollout.environments import Environments
 from rollout.episodes import Episodes, Renderer
 from rollout.responses import Responses
 from rollout.tools import load_tools
+from weight_sync.lora import lora_sync_logged
 
 def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | None = None,
                      tools: list[dict] | None = None) -> tuple[list[list[int]], list[int], int]:

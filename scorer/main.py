@@ -12,6 +12,7 @@ import time
 import numpy as np
 import torch
 
+from common import models
 from common.config import ConfigError, TetherConfig
 from common.models import resolve_models, same_tokens
 from common.prompts import chat_of, read_rows
@@ -25,9 +26,7 @@ class Scorer:
     """The frozen models and reward functions of one scorer, and how they score a list of samples."""
 
     def __init__(self, config: TetherConfig, log) -> None:
-        from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-        from common.sequences import classification_head, disable_dropout
+        from transformers import AutoTokenizer
 
         # the user's code first: a typo there should not wait for the models to load
         self.functions = [RewardFunction.load(f.function, f.weight, f"scorer.reward_functions[{i}].function")
@@ -40,21 +39,21 @@ class Scorer:
         # the KL tether is to the reference's whole distribution at the rollout's temperature
         self.log, self.sampling = log, config.sampling.without_truncation()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        self.reference = disable_dropout(AutoModelForCausalLM.from_pretrained(
-            config.reference_path, dtype=getattr(torch, config.models.dtype))).to(self.device).eval()
-        self.pad_token_id = self.reference.config.pad_token_id if self.reference.config.pad_token_id is not None else 0
+        self.reference = models.load_causal_lm(config.reference_path, config.models.dtype).to(self.device).eval()
+        self.pad_token_id = models.pad_token_id(self.reference)
         self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
         self.reward_model = self.rm_tokenizer = None
         if config.models.reward:
-            self.reward_model = disable_dropout(AutoModelForSequenceClassification.from_pretrained(
-                config.models.reward, num_labels=1, dtype=getattr(torch, config.models.dtype))).to(self.device).eval()
+            if not same_tokens(config.models.policy, config.models.reward):  # else ids go to it unchanged
+                self.rm_tokenizer = AutoTokenizer.from_pretrained(config.models.reward)
+            self.reward_model = models.load_reward_model(config.models.reward, config.models.dtype,
+                                                         self.rm_tokenizer or self.tokenizer).to(self.device).eval()
             try:
-                classification_head(self.reward_model)
+                models.classification_head(self.reward_model)
             except ValueError as error:
                 raise ConfigError(f"models.reward: {error}; tether scores the last token's hidden state with a "
                                   "single linear head") from None
-            if not same_tokens(config.models.policy, config.models.reward):  # else ids go to it unchanged
-                self.rm_tokenizer = AutoTokenizer.from_pretrained(config.models.reward)
+            if self.rm_tokenizer is not None:
                 self.rm_max_tokens = getattr(self.reward_model.config, "max_position_embeddings", None)
         self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer)
         self.rows = read_rows(config.data.prompts) if self.needs_text else []

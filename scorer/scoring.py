@@ -7,7 +7,8 @@ from torch import nn
 
 from common.config import SamplingConfig
 from common.distributions import logprobs_from_logits
-from common.sequences import classification_head, collate, gather_response, pad_rows
+from common.models import classification_head
+from common.sequences import collate, gather_response, pad_rows
 from protocol.samples import Sample
 
 # in the RM's config.json (tether rm's calibration): a score is (raw - offset) / scale
@@ -60,7 +61,7 @@ def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask:
                last_positions: torch.Tensor) -> torch.Tensor:
     """[B] fp32, uncalibrated: the RM's head on the hidden state of each row's last real token
     (``last_positions`` [B]), as the scorer reads it and tether rm trains it."""
-    from learner.lora import is_lora
+    from weight_sync.lora import is_lora
 
     model = reward_model.get_base_model() if is_lora(reward_model) else reward_model
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state

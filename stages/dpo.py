@@ -8,10 +8,14 @@ from __future__ import annotations
 
 import torch
 
+from common import models
 from common.config import TetherConfig
+from learner.optimizer_step import SkippedSteps
+from learner.signals import StopSignal
 from stages import training
 from stages.examples import Example, padded
 from stages.losses import dpo_loss, sequence_logprobs
+from weight_sync.lora import with_lora
 
 
 def logprob_sums(module, examples: list[Example], pad_token_id: int) -> torch.Tensor:
@@ -26,9 +30,7 @@ def logprob_sums(module, examples: list[Example], pad_token_id: int) -> torch.Te
 def reference_logprobs(path: str, dtype: str, examples: list[Example], pad_token_id: int,
                        stage: training.Stage) -> None:
     """Each example's reference logprobs (chosen, rejected), stored on it as ``reference``."""
-    from learner.models import load_actor
-
-    reference = load_actor(path, dtype).eval().to(training.parallel.device())
+    reference = models.load_causal_lm(path, dtype).eval().to(training.parallel.device())
     for part in training.forward_parts(examples, stage):
         for example, values in zip(part, logprob_sums(reference, part, pad_token_id).view(-1, 2).cpu()):
             example.reference = values
@@ -55,17 +57,12 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``dpo.model`` on ``dpo.data`` against ``dpo.reference``; returns the output directory."""
     from transformers import AutoTokenizer
 
-    from learner.lora import with_lora
-    from learner.models import load_actor
-    from learner.main import StopSignal
-    from learner.step import SkippedSteps
-
     stage = training.start(config, "dpo", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train, evaluation = training.examples_loaded(stage, tokenizer)
-    model = load_actor(cfg.model, cfg.dtype)
-    pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    model = models.load_causal_lm(cfg.model, cfg.dtype)
+    pad_token_id = models.pad_token_id(model)
     reference_logprobs(cfg.reference, cfg.dtype, train + evaluation, pad_token_id, stage)
     engine = training.engine_of(with_lora(model, cfg), stage)
     total_steps = training.total_steps(len(train), stage)

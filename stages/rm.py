@@ -9,30 +9,30 @@ from __future__ import annotations
 
 import torch
 
+from common import models
 from common.config import TetherConfig
+from learner.optimizer_step import SkippedSteps
+from learner.signals import StopSignal
 from stages import training
 from stages.examples import Example, padded
 from stages.losses import kwise_ranking_loss
+from weight_sync.lora import is_lora, with_lora
 
 
 def scores_of(module, examples: list[Example], pad_token_id: int) -> torch.Tensor:
     """[rows]: the raw score of every row of ``examples``, in order, from one forward pass (through
     the DeepSpeed engine when training: its forward hooks the backward). Pooled as the scorer
     pools (``scorer.scoring.raw_scores``): the head on each row's last real token."""
-    from common.sequences import classification_head
-
     input_ids, attention_mask, _ = padded(examples, pad_token_id)
     device = next(module.parameters()).device
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     hidden = module(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
     last = hidden[torch.arange(len(input_ids), device=device), attention_mask.sum(dim=1) - 1]
-    return classification_head(_model(module))(last).squeeze(-1).float()
+    return models.classification_head(_model(module))(last).squeeze(-1).float()
 
 
 def _model(module):
     """The HF model inside a DeepSpeed engine and a peft wrapper."""
-    from learner.lora import is_lora
-
     module = getattr(module, "module", module) if type(module).__name__ == "DeepSpeedEngine" else module
     return module.get_base_model() if is_lora(module) else module
 
@@ -95,19 +95,13 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``rm.model`` (a policy: its body, a new score head) on ``rm.data``; returns the output."""
     from transformers import AutoTokenizer
 
-    from common.sequences import classification_head
-    from learner.lora import with_lora
-    from learner.models import load_reward_model
-    from learner.main import StopSignal
-    from learner.step import SkippedSteps
-
     stage = training.start(config, "rm", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train, evaluation = training.examples_loaded(stage, tokenizer)
-    model = load_reward_model(cfg.model, cfg.dtype, tokenizer)
-    pad_token_id = model.config.pad_token_id
-    head = classification_head(model)
+    model = models.load_reward_model(cfg.model, cfg.dtype, tokenizer)
+    pad_token_id = models.pad_token_id(model)
+    head = models.classification_head(model)
     head_name = next(name for name, module in model.named_modules() if module is head)
     model = with_lora(model, cfg, exclude=[head_name])
     head.requires_grad_(True)  # new: it trains whole, also beside LoRA adapters

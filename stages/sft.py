@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import torch
 
+from common import models
 from common.config import TetherConfig
+from learner.optimizer_step import SkippedSteps
+from learner.signals import StopSignal
 from stages import training
 from stages.examples import Example, padded
 from stages.losses import token_nll
+from weight_sync.lora import with_lora
 
 
 def nll_sums(module, examples: list[Example], pad_token_id: int) -> tuple[torch.Tensor, dict[str, float]]:
@@ -37,17 +41,12 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``sft.model`` on ``sft.data``; returns the output directory."""
     from transformers import AutoTokenizer
 
-    from learner.lora import with_lora
-    from learner.models import load_actor
-    from learner.main import StopSignal
-    from learner.step import SkippedSteps
-
     stage = training.start(config, "sft", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     train, evaluation = training.examples_loaded(stage, tokenizer)
-    model = with_lora(load_actor(cfg.model, cfg.dtype), cfg)
-    pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    model = with_lora(models.load_causal_lm(cfg.model, cfg.dtype), cfg)
+    pad_token_id = models.pad_token_id(model)
     engine = training.engine_of(model, stage)
     total_steps = training.total_steps(len(train), stage)
     stage.log.info("sft: %s for %d epoch(s), %d steps of %d examples, ZeRO-%d, %d rank(s)", cfg.model, cfg.epochs,

@@ -47,10 +47,10 @@ def main() -> None:
 
     import learner.step
     from common.config import load_config
+    from common.models import load_causal_lm, load_critic
     from common.sequences import collate
     from learner import parallel
     from learner.deepspeed_engine import make_deepspeed_engine
-    from learner.models import load_actor, load_critic
     from learner.parallel import init_distributed
     from learner.publish import publish_weights
     from learner.step import ppo_step
@@ -70,7 +70,7 @@ def main() -> None:
     torch.manual_seed(0)
     init_distributed(config)
     samples = policy_samples(assets, PROMPTS, behavior_offset=-0.05)
-    actor = make_deepspeed_engine(load_actor(assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_causal_lm(assets["policy"]), config.learner.actor_lr, config)
     critic = make_deepspeed_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
     batch = collate(samples, pad_token_id=0)
     losses, passes, plan = [], [], learner.step.micro_batches_of

@@ -9,13 +9,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.config import SamplingConfig
 from common.config import load_config
+from common.models import load_causal_lm, load_critic
 from common.sequences import collate
 from learner.checkpoints import save_hf_checkpoint
 from learner.deepspeed_engine import make_deepspeed_engine
-from learner.models import load_actor, load_critic
+from learner.optimizer_step import SkippedSteps
 from learner.parallel import init_distributed, remove_stale_build_locks
 from learner.publish import publish_weights
-from learner.step import SkippedSteps, StepCarry, ppo_step
+from learner.step import StepCarry, ppo_step
 from protocol.samples import Sample
 from tests.helpers import base_config, with_learner
 from weight_sync.buckets import ShmWeightWriter, read_manifest
@@ -27,7 +28,7 @@ def test_ppo_step_on_real_engines(tmp_path, tiny_assets, samples, zero_stage, re
                                 "learner.minibatch_size=4", "learner.actor_lr=1e-3"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"]), config.learner.actor_lr, config)
     critic = make_deepspeed_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
     import deepspeed.comm.comm
 
@@ -64,7 +65,7 @@ def test_a_nan_in_the_actor_stops_the_step_before_any_update(tmp_path, tiny_asse
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=4"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor_model = load_actor(tiny_assets["policy"])
+    actor_model = load_causal_lm(tiny_assets["policy"])
     with torch.no_grad():
         actor_model.lm_head.weight[3, 0] = float("nan")
     actor = make_deepspeed_engine(actor_model, config.learner.actor_lr, config)
@@ -111,13 +112,13 @@ def test_nan_gradients_from_a_finite_loss_skip_the_step_and_keep_weights_and_ada
     """One good step (so Adam holds moments), then a step whose loss is finite and whose gradients
     are NaN: skipped and counted, the weights and Adam's moments and step count exactly as before;
     the step after it, with good gradients, trains again."""
-    from learner.step import SkippedSteps
+    from learner.optimizer_step import SkippedSteps
 
     config = load_config(None, [f"learner.zero_stage={zero_stage}", "learner.batch_size=8", "learner.minibatch_size=8",
                                 "learner.ppo_epochs=1", "learner.actor_lr=1e-3"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor_model = load_actor(tiny_assets["policy"])
+    actor_model = load_causal_lm(tiny_assets["policy"])
     poisoned = {"on": False}
     _nan_gradients_from(actor_model.get_input_embeddings(), lambda: poisoned["on"])
     actor = make_deepspeed_engine(actor_model, config.learner.actor_lr, config)
@@ -147,12 +148,12 @@ def test_nan_gradients_from_a_finite_loss_skip_the_step_and_keep_weights_and_ada
 
 
 def test_nan_gradients_step_after_step_stop_at_the_limit(tmp_path, tiny_assets, samples, restore_environment):
-    from learner.step import NonFiniteGradients, SkippedSteps
+    from learner.optimizer_step import NonFiniteGradients, SkippedSteps
 
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=4", "learner.ppo_epochs=2",
                                 "learner.max_skipped_steps=3"], base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor_model = load_actor(tiny_assets["policy"])
+    actor_model = load_causal_lm(tiny_assets["policy"])
     _nan_gradients_from(actor_model.get_input_embeddings())
     actor = make_deepspeed_engine(actor_model, config.learner.actor_lr, config)
     before = _weights(actor)
@@ -172,7 +173,7 @@ def test_a_nan_value_loss_stops_the_step_before_the_actor_steps(tmp_path, tiny_a
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"]), config.learner.actor_lr, config)
     critic_model = load_critic(tiny_assets["reward"])
     critic_model.head.register_forward_hook(lambda _, __, out: out * float("nan") if torch.is_grad_enabled() else out)
     critic = make_deepspeed_engine(critic_model, config.learner.critic_lr, config)
@@ -189,7 +190,7 @@ def test_final_is_replaced_whole_and_a_crash_before_the_rename_keeps_the_old_one
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
                                 "learner.actor_lr=1e-2"], base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"]), config.learner.actor_lr, config)
     final = str(tmp_path / "checkpoints" / "final")
     save_hf_checkpoint(actor, tiny_assets["policy"], final)
     first = AutoModelForCausalLM.from_pretrained(final).state_dict()
@@ -230,7 +231,7 @@ def test_the_logprob_gap_is_measured_on_last_versions_samples_with_last_versions
                                 "learner.minibatch_size=8", "learner.ppo_epochs=2", "learner.actor_lr=1e-2"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"]), config.learner.actor_lr, config)
     batch = collate(samples, pad_token_id=0)
     version_0 = snapshot_weights(actor)
     stats = ppo_step(actor, None, samples, batch, with_learner(config, {"advantage_estimator": "reinforce_pp"}),
@@ -265,7 +266,7 @@ def one_step(tmp_path, tiny_assets, samples, *overrides, ptx=None):
                                 "learner.actor_lr=1e-3", *overrides], base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
     torch.manual_seed(0)
-    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"], config.models.dtype), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"], config.models.dtype), config.learner.actor_lr, config)
     critic = (make_deepspeed_engine(load_critic(tiny_assets["reward"], config.models.dtype), config.learner.critic_lr, config)
               if config.learner.advantage_estimator == "gae" else None)
     stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config,
@@ -316,7 +317,7 @@ def test_a_batch_of_one_sample_with_a_one_token_response_trains(tmp_path, tiny_a
     config = load_config(None, ["learner.batch_size=1", "learner.minibatch_size=1"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_deepspeed_engine(load_actor(tiny_assets["policy"]), config.learner.actor_lr, config)
+    actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"]), config.learner.actor_lr, config)
     critic = make_deepspeed_engine(load_critic(tiny_assets["reward"]), config.learner.critic_lr, config)
     stats = ppo_step(actor, critic, [single], collate([single], pad_token_id=0), config,
                      policy_version=0, kl_coef=0.05)
@@ -341,16 +342,16 @@ def test_micro_batches_accumulate_to_the_minibatchs_step(tmp_path, tiny_assets, 
 def gradients_at_the_step(monkeypatch) -> list[dict]:
     """Record every engine's accumulated gradients (ZeRO-0: whole, unscaled, on ``p.grad``) just
     before each optimizer step."""
-    import learner.step
+    import learner.optimizer_step
 
-    recorded, step = [], learner.step.step_unless_nonfinite
+    recorded, step = [], learner.optimizer_step.step_unless_nonfinite
 
     def recording(engines, *args):
         recorded.append({f"{i}.{name}": p.grad.detach().clone() for i, engine in enumerate(engines)
                          for name, p in engine.module.named_parameters() if p.grad is not None})
         return step(engines, *args)
 
-    monkeypatch.setattr(learner.step, "step_unless_nonfinite", recording)
+    monkeypatch.setattr(learner.optimizer_step, "step_unless_nonfinite", recording)
     return recorded
 
 
@@ -447,13 +448,13 @@ def test_ppo_ptx_adds_the_language_modelling_loss_of_its_text(tmp_path, tiny_ass
 
 
 def test_lora_trains_only_adapters_and_publishes_merged_weights(tmp_path, tiny_assets, samples, restore_environment):
-    from learner.lora import critic_with_lora, with_lora
+    from weight_sync.lora import critic_with_lora, with_lora
 
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
                                 "learner.actor_lr=1e-2", "learner.lora_rank=4"],
                          base=base_config(tmp_path, tiny_assets))
     init_distributed(config)
-    actor = make_deepspeed_engine(with_lora(load_actor(tiny_assets["policy"]), config.learner), 1e-2, config)
+    actor = make_deepspeed_engine(with_lora(load_causal_lm(tiny_assets["policy"]), config.learner), 1e-2, config)
     critic = make_deepspeed_engine(critic_with_lora(load_critic(tiny_assets["reward"]), config.learner), 1e-3, config)
     trainable = {name for name, p in actor.module.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_" in name for name in trainable)

@@ -187,9 +187,9 @@ def test_a_lora_version_moves_its_adapters_alone_and_vllm_applies_them(tmp_path,
     are then those of the merged model. A version that is not the adapter is refused for good."""
     from types import SimpleNamespace
 
-    from learner.lora import adapter_named_tensors, merged_named_tensors, with_lora
-    from rollout.adapters import PolicyAdapter, lora_arguments, lora_sync
+    from rollout.adapters import PolicyAdapter, lora_arguments
     from rollout.engine import IncompatibleWeights, apply_weights, make_vllm_engine
+    from weight_sync.lora import adapter_named_tensors, lora_sync, merged_named_tensors, with_lora
 
     config = load_config(None, ["rollout.max_model_len=64", "learner.lora_rank=4", "learner.lora_alpha=8"],
                          base=base_config(tmp_path, tiny_assets))
@@ -237,7 +237,7 @@ def test_lora_sync_picks_adapters_where_vllm_serves_lora_and_says_why_not(tmp_pa
     import transformers
 
     from common.config import ConfigError
-    from rollout.adapters import lora_sync
+    from weight_sync.lora import lora_sync
 
     for name, model_config in (("llama", transformers.LlamaConfig(architectures=["LlamaForCausalLM"])),
                                ("gpt2", transformers.GPT2Config(architectures=["GPT2LMHeadModel"]))):

@@ -173,7 +173,7 @@ def test_stage_outputs_chain_into_the_next_stage_and_ppo():
 
 
 def demonstrations(tmp_path, count: int, seed: int) -> str:
-    from launch.demo import write_demonstrations
+    from demos.parity import write_demonstrations
 
     path = tmp_path / f"demonstrations-{seed}.jsonl"
     write_demonstrations(str(path), count, seed)
@@ -251,7 +251,7 @@ def test_sft_on_two_ranks_matches_one(tmp_path, tiny_assets):
 def test_ranking_scores_a_prompts_k_responses_in_one_forward_pass(tiny_assets):
     from transformers import AutoTokenizer
 
-    from learner.models import load_reward_model
+    from common.models import load_reward_model
     from stages.rm import ranking_sums, scores_of
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
@@ -283,7 +283,7 @@ def test_ranking_scores_a_prompts_k_responses_in_one_forward_pass(tiny_assets):
 @pytest.mark.slow
 def test_rm_on_the_demos_comparisons_reaches_the_demos_accuracy(tmp_path):
     """The demo's reward model, built by `tether rm` at the demo's recipe (make demo)."""
-    from launch.demo import build_assets
+    from demos.parity import build_assets
 
     paths = build_assets(tmp_path / "assets", log=lambda *_: None)
     held_out = marker(paths["reward"])["held_out"]
@@ -330,7 +330,7 @@ def test_rm_calibration_makes_the_training_responses_score_zero(tmp_path, tiny_a
 def test_dpo_prefers_the_chosen_responses_it_trained_on(tmp_path, tiny_assets):
     import random
 
-    from launch.demo import make_prompt
+    from demos.parity import make_prompt
 
     rng = random.Random(0)
     rows = []
@@ -359,7 +359,7 @@ def rankings(path, prompts: int, seed: int, chats: bool = False) -> str:
     with ``chats`` every other prompt is a one-message chat."""
     import random
 
-    from launch.demo import gold_reward, make_prompt
+    from demos.parity import gold_reward, make_prompt
 
     rng, vocabulary = random.Random(seed), ["<pad>", "<bos>", "<eos>", "even", "odd", ":"]
     with open(path, "w") as file:

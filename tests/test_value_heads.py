@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from common.sequences import classification_head, collate
-from learner.models import ValueModel, load_critic
+from common.models import ValueModel, classification_head, load_critic
+from common.sequences import collate
 from learner.step import forward_values
 from protocol.samples import Sample
 from scorer.scoring import reward_scores
