@@ -39,7 +39,7 @@ def figures(result: dict, batch_size: int) -> dict:
 
 def main() -> None:
     from common.config import load_config
-    from launch.agent_demo import build_assets
+    from demos.agent import build_assets
     from startup import median, run_once
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

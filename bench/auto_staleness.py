@@ -4,7 +4,7 @@ after training, on the demo and on the long-tail demo, and in a stress case wher
 
 Each variant is one `tether run` of the config's steps per round, the variants taking turns within
 a round (this machine's drift falls on all of them); a figure is the median over the rounds. Gold
-is `launch.demo.evaluate`'s on the held-out prompts (the same seed for every policy). Trained tokens/s: the learner's trained
+is `demos.parity.held_out_figures`'s on the held-out prompts (the same seed for every policy). Trained tokens/s: the learner's trained
 response tokens from its first step's end to its last, over that time.
 
 The limits printed, per task: auto's tokens/s at least 90% of the best fixed k's, and its gold at
@@ -41,7 +41,7 @@ def second_half_tokens_per_s(steps: list[dict]) -> float:
 
 
 def main() -> None:
-    from launch.demo import build_assets, evaluate
+    from demos.parity import build_assets, held_out_figures
     from startup import run_once
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -70,7 +70,7 @@ def main() -> None:
             for name, overrides in variants:
                 run_dir = os.path.join(work, f"{task}-{name}-{round_}")
                 steps = run_once(REPO, assets, run_dir, [*common, *overrides], config=config)["steps"]
-                gold = evaluate(os.path.join(run_dir, "checkpoints", "final"), paths["policy"], paths["reward"],
+                gold = held_out_figures(os.path.join(run_dir, "checkpoints", "final"), paths["policy"], paths["reward"],
                                 paths["eval_prompts"], max_new_tokens)["gold_reward"]
                 run = {"tokens_per_s": steady_tokens_per_s(steps), "late_tokens_per_s": second_half_tokens_per_s(steps),
                        "gold": gold,

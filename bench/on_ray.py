@@ -45,7 +45,7 @@ def main() -> None:
     from ray.cluster_utils import Cluster
 
     from common.config import load_config
-    from launch.demo import build_assets
+    from demos.parity import build_assets
     from startup import median, run_once
 
     assets = os.path.join(REPO, ".demo", "assets")

@@ -35,7 +35,7 @@ def steady_tokens_per_s(steps: list[dict]) -> float:
 
 
 def main() -> None:
-    from launch.demo import build_assets
+    from demos.parity import build_assets
     from learner.replay import BatchRecorder, read_batch
     from startup import median, run_once
 

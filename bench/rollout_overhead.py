@@ -28,7 +28,7 @@ def build_model(directory: str) -> None:
     import torch
     from transformers import LlamaForCausalLM
 
-    from launch.demo import build_tokenizer, tiny_llama_config
+    from demos.parity import build_tokenizer, tiny_llama_config
 
     torch.manual_seed(0)
     tokenizer = build_tokenizer(directory)
@@ -68,7 +68,7 @@ def main() -> None:
     from common.config import load_config
     from common.prompts import prompt_token_ids, read_rows
     from common.runlog import read_metrics
-    from launch.demo import write_prompts
+    from demos.parity import write_prompts
     from rollout.engine import make_vllm_engine, sampling_params
     from rollout.main import run
 

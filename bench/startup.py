@@ -61,7 +61,7 @@ def main() -> None:
     parser.add_argument("--baseline", help="another tether checkout to time the same way (before/after)")
     args = parser.parse_args()
 
-    from launch.demo import build_assets
+    from demos.parity import build_assets
     from launch.report import format_startup
 
     assets = os.path.join(REPO, ".demo", "assets")

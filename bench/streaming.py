@@ -70,7 +70,7 @@ def figures(result: dict, batch_size: int, prompt_tokens: int) -> dict:
 
 def main() -> None:
     from common.config import load_config
-    from launch.demo import DEMO_HIDDEN, DEMO_LAYERS, build_assets
+    from demos.parity import DEMO_HIDDEN, DEMO_LAYERS, build_assets
     from startup import median, run_once
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

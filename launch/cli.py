@@ -98,7 +98,8 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             from launch.ranks import launch_ranks
             raise typer.Exit(launch_ranks(resolved, sys.argv[1:], nnodes, node_rank, master_addr, master_port))
         else:
-            from learner.main import Preempted, TrainingStopped, run
+            from learner.main import TrainingStopped, run
+            from learner.signals import Preempted
             try:
                 run(resolved)
             except TrainingStopped as error:
@@ -165,11 +166,11 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         check_run_data(resolved)
     except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)
-    from launch.runner import run_pipeline
+    from launch.runner import run_roles
 
     address = ray_address if ray_address is not None else ("" if ray else None)
     try:
-        code = run_pipeline(resolved, overwrite, resume=resume is not None, ray=address)
+        code = run_roles(resolved, overwrite, resume=resume is not None, ray=address)
     except ConfigError as error:  # Ray missing, or no room on the cluster
         fail(error, ExitCode.CONFIG_ERROR)
     raise typer.Exit(code)
@@ -183,7 +184,7 @@ def _run_stage(name: str, config: Path, override: Optional[list[str]], overwrite
     """`tether sft|rm|dpo`: the stage's ``run`` on this process, or its ranks through torchrun."""
     resolved = _load(config, override, ppo=False)
     from common.config import ConfigError
-    from learner.main import Preempted
+    from learner.signals import Preempted
 
     try:
         section = resolved.stage(name)
@@ -191,7 +192,7 @@ def _run_stage(name: str, config: Path, override: Optional[list[str]], overwrite
             from launch.ranks import launch_ranks
 
             raise typer.Exit(launch_ranks(resolved, sys.argv[1:], 1, 0, "127.0.0.1", 0, section, name))
-        from stages.pipeline import run_stage
+        from launch.pipeline import run_stage
 
         output = run_stage(resolved, name, overwrite)
     except ConfigError as error:
@@ -237,13 +238,13 @@ def pipeline(config: Path = ConfigOption, override: Optional[list[str]] = Overri
     resolved = _load(config, override, ppo=False)
     from common.config import ConfigError
     from launch.preflight import check_run_data, check_stage_data
-    from stages.pipeline import run_pipeline_stages
+    from launch.pipeline import run_pipeline
 
     try:  # every stage's data and PPO's before the first stage trains
         check_stage_data(resolved)
         if resolved.models is not None and resolved.data is not None:
             check_run_data(resolved)
-        code = run_pipeline_stages(resolved, config, override or [], overwrite)
+        code = run_pipeline(resolved, overwrite)
     except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)
     raise typer.Exit(code)
@@ -258,10 +259,10 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
                                                 "alone (configs/demo-agent.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
     if agent:
-        from launch.agent_demo import run_demo as run_agent_demo
+        from demos.agent import run_demo as run_agent_demo
 
         raise typer.Exit(run_agent_demo(assets, override or []))
-    from launch.demo import run_demo
+    from demos.parity import run_demo
 
     raise typer.Exit(run_demo(assets, override or [], long_tail))
 
@@ -298,7 +299,7 @@ def replay(run_dir: Path = typer.Argument(..., help="a run made with learner.rec
     """Train the learner alone on the batches the run recorded, step for step, and compare each
     step's losses and the final weights with the run's."""
     from common.config import ConfigError
-    from learner.replay import replay as replay_run
+    from learner.main import replay as replay_run
 
     destination = out or run_dir / "replay"
     try:

@@ -40,7 +40,7 @@ import time
 import uuid
 
 from common.config import ConfigError, TetherConfig
-from launch.runner import DIST_ENV_KEYS, RoleProcess, Stopped, _role_command, role_name
+from launch.processes import DIST_ENV_KEYS, RoleProcess, Stopped, role_command, role_name
 
 POLL_DEADLINE_S = 30.0  # a host that answers no poll this long is lost with its node
 PLACEMENT_DEADLINE_S = 300.0  # the cluster has this long to find room for every process
@@ -462,7 +462,7 @@ class RayPlacement:
                 overrides["run_dir"] = where["run_dir"]
             self.ray.get(host.write.remote(files), timeout=POLL_DEADLINE_S)
             local_config = os.path.join(where["run_dir"], "config.yaml") if where["shipping"] else config_path
-            command = _role_command(role, local_config, worker_index)
+            command = role_command(role, local_config, worker_index)
             command += [item for key, value in overrides.items() for item in ("-o", f"{key}={value}")]
             if role == "learner" and len(hosts) > 1:
                 master = self.where[name][0]

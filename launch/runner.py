@@ -12,19 +12,16 @@ import subprocess
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
 
 from common.config import STAGES, TetherConfig, dump_config
 from common.runlog import StartupTimeline, read_metrics
 from launch.exit_codes import ExitCode, describe, signalled
+from launch.processes import DIST_ENV_KEYS, STOP_SIGNALS, RoleProcess, Stopped, role_command, role_name
 from launch.trackers import STATE_FILE as TRACKERS_STATE
 from launch.trackers import Trackers
 
 SHUTDOWN_GRACE_S = 60.0  # after the learner is done, time for the others to hear "stop" and exit
 TERMINATE_GRACE_S = 10.0
-DIST_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
 RESTARTABLE = ("rollout", "scorer")  # their state is in the buffer; the buffer and learner hold it
 NOT_RESTARTED = (ExitCode.CONFIG_ERROR, ExitCode.ENVIRONMENT_FAILED)  # a restart would end the same way
 
@@ -55,21 +52,6 @@ class LocalProcess:
         return _group_alive(self.pid)
 
 
-@dataclass
-class RoleProcess:
-    name: str
-    role: str
-    worker_index: int
-    process: LocalProcess
-    log_path: str
-    restarts: int = 0
-
-
-def _role_command(role: str, config_path: str, worker_index: int) -> list[str]:
-    return [sys.executable, "-m", "launch.cli", "launch", role, "--config", config_path,
-            "--worker-index", str(worker_index)]
-
-
 def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, str]:
     env = dict(os.environ)
     # `tether run` starts the learner's ranks with torch.distributed's launcher: a rendezvous
@@ -87,16 +69,11 @@ def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, s
     return env
 
 
-def role_name(role: str, worker_index: int = 0) -> str:
-    """The name of a process in logs, metrics and pids.json: ``rollout0``, ``scorer1``, ``learner``."""
-    return f"{role}{worker_index}" if role in ("rollout", "scorer") else role
-
-
 def start_role(config: TetherConfig, role: str, config_path: str, worker_index: int = 0) -> RoleProcess:
     """Worker ``worker_index`` of ``role`` as a process of this host."""
     name = role_name(role, worker_index)
     log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
-    process = _spawn(_role_command(role, config_path, worker_index), log_path, config, role, worker_index)
+    process = _spawn(role_command(role, config_path, worker_index), log_path, config, role, worker_index)
     return RoleProcess(name, role, worker_index, LocalProcess(process), log_path)
 
 
@@ -231,17 +208,6 @@ def remove_orphan_shared_memory(directory: str = "/dev/shm", min_age_s: float = 
     return removed
 
 
-class Stopped(Exception):
-    """tether run got SIGINT, SIGTERM or SIGHUP."""
-
-    def __init__(self, number: int) -> None:
-        super().__init__(f"got {signal.Signals(number).name}")
-        self.signal = number
-
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
 def _raise_stopped(number: int, frame) -> None:
     raise Stopped(number)
 
@@ -352,11 +318,11 @@ def _forget_steps_after(run_dir: str, version: int) -> None:
             shutil.rmtree(export, ignore_errors=True)
 
 
-def run_pipeline(config: TetherConfig, overwrite: bool = False, resume: bool = False, ray: str | None = None) -> int:
+def run_roles(config: TetherConfig, overwrite: bool = False, resume: bool = False, ray: str | None = None) -> int:
     """Every role of ``config`` as its own process, watched until the learner is done: on this host,
     or with ``ray`` (a cluster's address; "" for a cluster of this machine alone) wherever Ray
     places each (``launch.ray_cluster``). Returns the exit code."""
-    from stages.pipeline import stage_files
+    from stages.training import stage_files
 
     run_dir = config.run_dir
     kept = set().union(*(stage_files(name) for name in STAGES))  # tether pipeline's stages ran here first

@@ -86,7 +86,7 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
     """Each split at each bound for ``steps`` steps, ranked by trained tokens/s. With ``ray`` (a
     cluster's address, "" for one on this machine) a split's devices are counts: each process of a
     role asks Ray for its share of them (``placement.ray.gpus`` with ``gpus``, else ``cpus``)."""
-    from launch.runner import run_pipeline
+    from launch.runner import run_roles
 
     trials = []
     for split_text, k in itertools.product(splits, staleness):
@@ -105,7 +105,7 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
                 overrides.append(f"placement.cores.{role}=[{','.join(map(str, devices))}]")
         trial_config = load_config(None, overrides, base=config.model_dump(mode="json"))
         log(f"sweep: {format_split(split, counts)} max_staleness {k} -> {run_dir}")
-        if run_pipeline(trial_config, overwrite=True, ray=ray) != 0:
+        if run_roles(trial_config, overwrite=True, ray=ray) != 0:
             raise RuntimeError(f"trial {name} failed; see {run_dir}/logs")
         profile = profile_run(run_dir)
         busy = {r.role: r.wall_s - r.seconds.get("waiting", 0.0) for r in profile.roles if r.role != "buffer"}

@@ -22,9 +22,10 @@ from typing import Callable, Iterator
 
 import torch
 
-from common.config import ConfigError, StageConfig, TetherConfig
+from common.config import STAGES, ConfigError, StageConfig, TetherConfig
 from common.runlog import MetricsWriter, metrics_writer, setup_logging
 from learner import micro_batches, parallel
+from learner.optimizer_step import guarded_step
 from stages.examples import Example
 
 MARKER = "tether_stage.json"  # in a finished stage's output: the stage, its recipe and held-out figures
@@ -67,8 +68,6 @@ def start(config: TetherConfig, name: str, fresh: bool = False) -> Stage:
     if saved is not None and saved["recipe"] == stage.recipe and not fresh:
         stage.resume_step = saved["step"]
     if parallel.is_main():
-        from stages.pipeline import forget_stage_metrics
-
         if stage.resume_step:
             _keep_records_to(config.run_dir, name, stage.resume_step)
         else:
@@ -106,9 +105,9 @@ def restore(engine, stage: Stage) -> int:
 
 def after_step(engine, stage: Stage, step: int, stop) -> None:
     """Save the stage's state every ``checkpoint_every`` steps, and when a stop signal came (then
-    stop: ``learner.main.Preempted``, for the exit code 128 + the signal). Every rank calls it."""
+    stop: ``learner.signals.Preempted``, for the exit code 128 + the signal). Every rank calls it."""
     from learner.checkpoints import fsync_tree, replace_directory
-    from learner.main import Preempted, signal_name
+    from learner.signals import Preempted, signal_name
 
     stopping = stop.requested()
     every = stage.cfg.checkpoint_every
@@ -207,10 +206,8 @@ def train_step(engine, parts: list[list[int]], examples: list[Example], loss_sum
     summed statistics)`` for each micro-batch, scaled by the ranks over the batch's ``weight``
     (its tokens or pairs over all ranks), DeepSpeed accumulating to the boundary at the last. A
     step with NaN or inf gradients on any rank is skipped and counted in ``skipped`` (a
-    ``learner.step.SkippedSteps``: too many in a row stop the stage). Returns the sums of the
+    ``learner.optimizer_step.SkippedSteps``: too many in a row stop the stage). Returns the sums of the
     statistics over all ranks, and the gradient norm (NaN for a skipped step)."""
-    from learner.step import _grad_norm_after_step, _grad_norm_before_step, step_unless_nonfinite
-
     world = parallel.world_size()
     sums: dict[str, float] = {}
     for index, part in enumerate(parts):
@@ -221,11 +218,9 @@ def train_step(engine, parts: list[list[int]], examples: list[Example], loss_sum
         engine.backward(loss * world / weight)
         for key, value in {"loss": float(loss.detach()), **stats}.items():
             sums[key] = sums.get(key, 0.0) + value
-    before, grad_norm = _grad_norm_before_step(engine), math.nan
-    if step_unless_nonfinite([engine], skipped, step):
-        grad_norm = _grad_norm_after_step(engine, before)
+    grad_norm = guarded_step([engine], skipped, f"step {step}")
     totals = {key: value * world for key, value in parallel.mean_over_ranks(sums).items()}
-    return {**totals, "grad_norm": grad_norm}
+    return {**totals, "grad_norm": math.nan if grad_norm is None else grad_norm}
 
 
 @torch.no_grad()
@@ -313,7 +308,7 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
     scorer load it), the tokenizer of ``source`` beside it, ``config_updates`` in its config.json,
     and the marker that says the stage finished with this recipe. Every rank calls it."""
     from learner.checkpoints import save_hf_checkpoint
-    from learner.lora import is_lora
+    from weight_sync.lora import is_lora
 
     module = engine.module
     model_config = (module.get_base_model() if is_lora(module) else module).config
@@ -352,3 +347,19 @@ def epochs_of(count: int, stage: Stage) -> Iterator[tuple[int, torch.Tensor]]:
     for epoch in range(stage.cfg.epochs):
         for indices in batches(count, stage, epoch):
             yield epoch, indices
+
+
+def forget_stage_metrics(run_dir: str, name: str) -> None:
+    """A stage trained again starts its metrics over (RUN_DIR/metrics/<name>.jsonl, its TensorBoard)."""
+    path = os.path.join(run_dir, "metrics", f"{name}.jsonl")
+    if os.path.exists(path):
+        os.remove(path)
+    shutil.rmtree(os.path.join(run_dir, "tensorboard", name), ignore_errors=True)
+
+
+def stage_files(name: str) -> set[str]:
+    """The run-directory entries a stage owns (kept when a PPO run there is replaced)."""
+    if name not in STAGES:
+        raise ConfigError(f"unknown stage {name!r}")
+    return {os.path.join("metrics", f"{name}.jsonl"), os.path.join("tensorboard", name),
+            os.path.join("logs", f"{name}.log")}

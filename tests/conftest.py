@@ -22,7 +22,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory):
     """The demo's tokenizer, SFT policy and RM, built small and fast (real models, barely trained)."""
-    from launch.demo import build_assets
+    from demos.parity import build_assets
 
     directory = tmp_path_factory.mktemp("assets")
     return build_assets(directory, sft_steps=60, rm_prompts=32, rm_epochs=1, log=lambda *_: None)

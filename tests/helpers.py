@@ -82,7 +82,7 @@ def policy_samples(assets: dict, texts: list[str], behavior_offset: float = 0.0)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     from common.config import SamplingConfig
-    from launch.demo import sample_responses
+    from demos.parity import sample_responses
     from scorer.scoring import reference_logprobs, reward_scores
 
     tokenizer = AutoTokenizer.from_pretrained(assets["policy"])

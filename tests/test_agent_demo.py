@@ -1,4 +1,4 @@
-"""The agent demo's task (launch/agent_demo.py) end to end: `tether run` on episodes with the
+"""The agent demo's task (demos/agent.py) end to end: `tether run` on episodes with the
 calculator tool, real vLLM, DeepSpeed and ZeroMQ."""
 
 import json
@@ -17,7 +17,7 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def agent_assets(tmp_path_factory):
     """The agent demo's policy, trained briefly: it already calls the tool now and then."""
-    from launch.agent_demo import build_assets
+    from demos.agent import build_assets
 
     return build_assets(tmp_path_factory.mktemp("agent"), sft_steps=300, log=lambda *_: None)
 
@@ -38,7 +38,7 @@ def agent_config(tmp_path, assets, **sections) -> dict:
 
 def test_the_agent_task_needs_its_tool():
     """The tool adds what the policy copies into it; the reward reads the policy's last answer."""
-    from launch.agent_demo import calculator, exact_answer, make_row
+    from demos.agent import calculator, exact_answer, make_row
 
     row = make_row(random.Random(3))
     a, b = row["prompt"].removeprefix("add ").removesuffix(" :").replace(" ", "").split("+")

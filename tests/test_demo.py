@@ -4,7 +4,7 @@ import os
 import random
 
 from common.config import load_config
-from launch.demo import LONG_TAIL_MAX_TOKENS, LONG_TAIL_SHARE, sft_response, sized_llama_config
+from demos.parity import LONG_TAIL_MAX_TOKENS, LONG_TAIL_SHARE, sft_response, sized_llama_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

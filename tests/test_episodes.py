@@ -46,7 +46,7 @@ def settle(episodes, seconds=5.0):
 
 @pytest.fixture(scope="module")
 def demo_tokenizer(tmp_path_factory):
-    from launch.demo import build_tokenizer
+    from demos.parity import build_tokenizer
 
     return build_tokenizer(str(tmp_path_factory.mktemp("tokenizer")))
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from common.runlog import read_metrics
-from launch.demo import BOS, EOS, PAD, VOCAB, build_tokenizer
+from demos.parity import BOS, EOS, PAD, VOCAB, build_tokenizer
 from tests.helpers import LOGPROB_TOLERANCE, base_config, run_to_the_end
 
 STEPS = 4  # three reloads: versions 1, 2 and 3 generate the batches of steps 2, 3 and 4

@@ -52,7 +52,7 @@ def node_ids(cluster) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def demo_assets(tmp_path_factory):
     """The demo's models as `make demo` builds them (~20 s): a reward model good enough to learn from."""
-    from launch.demo import build_assets
+    from demos.parity import build_assets
 
     return build_assets(tmp_path_factory.mktemp("demo"), log=lambda *_: None)
 
@@ -159,7 +159,7 @@ def test_the_demo_learns_on_two_ray_nodes_placed_as_the_config_says(tmp_path, de
     start-up records name its node; the rollout, on another node than the learner, fetches
     weights over TCP (CURVE on: the run's keys); every sample is accounted for; the policy learns
     as it does locally: held-out gold reward +0.2 or more over SFT."""
-    from launch.demo import evaluate
+    from demos.parity import held_out_figures
 
     ids = node_ids(cluster)
     with open(os.path.join(REPO, "configs", "demo.yaml")) as file:
@@ -182,7 +182,7 @@ def test_the_demo_learns_on_two_ray_nodes_placed_as_the_config_says(tmp_path, de
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
     assert accounting["identity_holds"] and accounting["trained"] == STEPS * config["learner"]["batch_size"]
-    sft, ppo = (evaluate(policy, demo_assets["policy"], demo_assets["reward"], demo_assets["eval_prompts"], 8)
+    sft, ppo = (held_out_figures(policy, demo_assets["policy"], demo_assets["reward"], demo_assets["eval_prompts"], 8)
                 for policy in (demo_assets["policy"], os.path.join(run_dir, "checkpoints", "final")))
     assert ppo["gold_reward"] >= sft["gold_reward"] + 0.2, (sft, ppo)
     assert left_behind(run_dir) == []

@@ -61,7 +61,7 @@ def own_tokenizer_reward_model(directory, chat_template=None):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrainedTokenizerFast
 
-    from launch.demo import VOCAB
+    from demos.parity import VOCAB
 
     words = ["[PAD]", "[CLS]", "[SEP]", "[UNK]", "user", "assistant"] + list(reversed(VOCAB[3:]))
     core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from common.runlog import read_metrics
-from launch.demo import evaluate
+from demos.parity import held_out_figures
 from tests.helpers import base_config, run_to_the_end, tether
 from tests.test_trackers import assert_every_tracker_holds_the_json_lines
 
@@ -23,7 +23,7 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
     mlflow_uri = f"file://{tmp_path}/mlruns"
     config = base_config(tmp_path, tiny_assets,
                          models={"reward": None},
-                         scorer={"reward_functions": [{"function": "launch.demo:gold_reward", "weight": 1.0}]},
+                         scorer={"reward_functions": [{"function": "demos.parity:gold_reward", "weight": 1.0}]},
                          rollout={"max_new_tokens": 8, "prompts_per_generate": 8, "max_model_len": 64,
                                   "samples_per_prompt": 4},
                          learner={"total_steps": STEPS, "batch_size": 32, "minibatch_size": 16, "ppo_epochs": 2,
@@ -39,11 +39,11 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
     steps = read_metrics(config["run_dir"], "learner")
     assert len(steps) == STEPS and all("value_loss" not in step and "kl_loss" in step for step in steps)
     scorer = read_metrics(config["run_dir"], "scorer0")
-    assert all("rm_score" not in record and "launch.demo:gold_reward" in record for record in scorer)
+    assert all("rm_score" not in record and "demos.parity:gold_reward" in record for record in scorer)
     final = os.path.join(config["run_dir"], "checkpoints", "final")
-    before = evaluate(tiny_assets["policy"], tiny_assets["policy"], tiny_assets["reward"],
+    before = held_out_figures(tiny_assets["policy"], tiny_assets["policy"], tiny_assets["reward"],
                       tiny_assets["eval_prompts"], max_new_tokens=8)
-    after = evaluate(final, tiny_assets["policy"], tiny_assets["reward"], tiny_assets["eval_prompts"],
+    after = held_out_figures(final, tiny_assets["policy"], tiny_assets["reward"], tiny_assets["eval_prompts"],
                      max_new_tokens=8)
     print(f"held-out verifiable reward: {before['gold_reward']:.3f} -> {after['gold_reward']:.3f}")
     assert after["gold_reward"] > before["gold_reward"] + 0.1, (before, after)
@@ -54,7 +54,7 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
     assert [record["step"] for record in evaluations] == [6, STEPS]
     for record in evaluations:
         assert record["prompts"] == 32 and 0.0 <= record["repetition_rate"] <= 1.0
-        assert record["reward"] == pytest.approx(record["launch.demo:gold_reward"])  # the only reward
+        assert record["reward"] == pytest.approx(record["demos.parity:gold_reward"])  # the only reward
     assert not any(name.startswith("eval-step") for name in os.listdir(os.path.join(config["run_dir"], "checkpoints")))
     with open(os.path.join(config["run_dir"], "eval", f"step-{STEPS:06d}.md")) as file:
         text = file.read()

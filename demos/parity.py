@@ -122,11 +122,13 @@ def write_rankings(path: str, sft_dir: str, prompts: int, responses_per_prompt: 
     """InstructGPT's comparison data, labelled by the gold rule instead of people: K responses per
     prompt sampled from the SFT policy, ranked by gold reward (equal gold: a tie), as rows
     {"prompt", "responses", "ranking"} for `tether rm`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from common.models import load_causal_lm
 
     rng = random.Random(seed)
     tokenizer = AutoTokenizer.from_pretrained(sft_dir)
-    sft = AutoModelForCausalLM.from_pretrained(sft_dir, dtype=torch.float32).eval()
+    sft = load_causal_lm(sft_dir).eval()
     texts = [make_prompt(rng) for _ in range(prompts)]
     prompt_ids = [tokenizer(text)["input_ids"] for text in texts for _ in range(responses_per_prompt)]
     responses = sample_responses(sft, prompt_ids, max_new_tokens=max_new_tokens, seed=seed)
@@ -226,7 +228,7 @@ def stage_config(directory: Path, seed: int, rm_epochs: int) -> str:
     """The demo's `tether sft` and `tether rm` config: the recipe its private trainers used to
     follow (SFT: AdamW at 3e-3, 30 steps of warm-up, a linear decay to 5%, batches of 64; RM:
     1e-3, 16 rankings of 4 a step), through the product's stages."""
-    return f"""# the demo's SFT policy and reward model, built by `tether sft` and `tether rm` (launch/demo.py)
+    return f"""# the demo's SFT policy and reward model, built by `tether sft` and `tether rm` (demos/parity.py)
 run_dir: {directory}
 seed: {seed}
 sft:
@@ -275,21 +277,21 @@ def built_once(directory: Path, recipe: dict, paths: dict[str, str], what: str, 
 
 
 @torch.no_grad()
-def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path: str, max_new_tokens: int,
+def held_out_figures(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path: str, max_new_tokens: int,
              seed: int = 1234) -> dict[str, float]:
     """Gold and RM reward, KL to the reference (sum over the response of log pi - log pi_ref, the
     k1 estimate, averaged over responses) and response length on held-out prompts."""
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from common.distributions import logprobs_from_logits
+    from common.models import load_causal_lm, load_reward_model
     from common.sequences import collate, gather_response
     from protocol.samples import Sample
     from scorer.scoring import reward_scores
 
     tokenizer = AutoTokenizer.from_pretrained(policy_dir)
-    policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
-    reference = AutoModelForCausalLM.from_pretrained(reference_dir, dtype=torch.float32).eval()
-    rm = AutoModelForSequenceClassification.from_pretrained(reward_dir, num_labels=1, dtype=torch.float32).eval()
+    policy, reference = load_causal_lm(policy_dir).eval(), load_causal_lm(reference_dir).eval()
+    rm = load_reward_model(reward_dir, "float32", tokenizer).eval()
     with open(prompts_path) as file:
         prompt_ids = [tokenizer(json.loads(line)["prompt"])["input_ids"] for line in file if line.strip()]
     responses = sample_responses(policy, prompt_ids, max_new_tokens, seed)
@@ -304,7 +306,7 @@ def evaluate(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path:
     kl = ((logprobs(policy) - logprobs(reference)) * batch.response_mask).sum(dim=1)
     return {
         "gold_reward": sum(gold_reward(p, r) for p, r in zip(prompt_ids, responses)) / len(responses),
-        "rm_reward": float(reward_scores(rm, samples, PAD).mean()),
+        "rm_score": float(reward_scores(rm, samples, PAD).mean()),
         "kl_to_reference": float(kl.mean()),
         "response_length": float(batch.response_mask.sum(dim=1).mean()),
     }
@@ -316,14 +318,14 @@ def run_and_compare(config_path: Path, overrides: list[str], sft: str, evaluate_
     policy (``evaluate_policy(config, checkpoint) -> dict``) side by side in ``demo_report.json`` and
     printed (``columns``: (key, header, format) each), with the gain in ``gain`` against ``target``."""
     from common.config import ConfigError, load_config
-    from launch.runner import run_pipeline
+    from launch.runner import run_roles
 
     try:
         config = load_config(config_path, overrides)
     except ConfigError as error:
         print(f"error: {error}")
         return ExitCode.CONFIG_ERROR
-    code = run_pipeline(config, overwrite=True)
+    code = run_roles(config, overwrite=True)
     if code != 0:
         return code
     final = os.path.join(config.run_dir, "checkpoints", "final")
@@ -350,7 +352,7 @@ def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int
     built = [f"models.policy={paths['policy']}", f"models.reward={paths['reward']}", f"data.prompts={paths['prompts']}"]
     return run_and_compare(
         config_path, [*built, *overrides], paths["policy"],
-        lambda config, policy: evaluate(policy, paths["policy"], paths["reward"], paths["eval_prompts"],
+        lambda config, policy: held_out_figures(policy, paths["policy"], paths["reward"], paths["eval_prompts"],
                                         config.rollout.max_new_tokens),
-        [("gold_reward", "gold", ".3f"), ("rm_reward", "rm", "+.3f"), ("kl_to_reference", "kl", ".3f"),
+        [("gold_reward", "gold", ".3f"), ("rm_score", "rm", "+.3f"), ("kl_to_reference", "kl", ".3f"),
          ("response_length", "length", ".2f")], "gold_reward", 0.2, paths["eval_prompts"], started)

@@ -10,11 +10,10 @@ anew (its input changed).
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 
-from common.config import STAGES, ConfigError, TetherConfig, dump_config
+from common.config import STAGES, TetherConfig, dump_config
 from launch.exit_codes import ExitCode
 from stages import training
 
@@ -42,7 +41,7 @@ def run_stage(config: TetherConfig, name: str, overwrite: bool = False) -> str:
     return importlib.import_module(STAGE_RUNS[name]).run(config, fresh=overwrite)
 
 
-def run_pipeline_stages(config: TetherConfig, config_path, overrides: list[str], overwrite: bool) -> int:
+def run_pipeline(config: TetherConfig, overwrite: bool) -> int:
     """Every stage of ``config`` in order, then PPO when the config has its sections (models,
     data); returns the exit code of the first that fails, else PPO's."""
     run_dir = config.run_dir
@@ -73,7 +72,7 @@ def _ppo(config: TetherConfig, overwrite: bool) -> int:
     """PPO on the stages' outputs: done if a final policy is there, resumed from the newest
     checkpoint if one is, else started (over whatever a run that saved nothing left)."""
     from common.models import resolve_models
-    from launch.runner import run_pipeline
+    from launch.runner import run_roles
     from learner.checkpoints import newest_state
 
     final = os.path.join(config.run_dir, "checkpoints", "final")
@@ -87,7 +86,7 @@ def _ppo(config: TetherConfig, overwrite: bool) -> int:
         resolve_models(config, role)
     print(f"tether pipeline: ppo on {config.models.policy} against {config.models.reward}"
           + (f", resumed from {state}" if state else ""), flush=True)
-    return run_pipeline(config, overwrite=True, resume=state is not None)
+    return run_roles(config, overwrite=True, resume=state is not None)
 
 
 def _run_logged(command: list[str], log_path: str) -> int:
@@ -98,19 +97,3 @@ def _run_logged(command: list[str], log_path: str) -> int:
             sys.stdout.write(line)
             log.write(line)
         return process.wait()
-
-
-def forget_stage_metrics(run_dir: str, name: str) -> None:
-    """A stage trained again starts its metrics over (RUN_DIR/metrics/<name>.jsonl, its TensorBoard)."""
-    path = os.path.join(run_dir, "metrics", f"{name}.jsonl")
-    if os.path.exists(path):
-        os.remove(path)
-    shutil.rmtree(os.path.join(run_dir, "tensorboard", name), ignore_errors=True)
-
-
-def stage_files(name: str) -> set[str]:
-    """The run-directory entries a stage owns (kept when a PPO run there is replaced)."""
-    if name not in STAGES:
-        raise ConfigError(f"unknown stage {name!r}")
-    return {os.path.join("metrics", f"{name}.jsonl"), os.path.join("tensorboard", name),
-            os.path.join("logs", f"{name}.log")}

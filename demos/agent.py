@@ -96,7 +96,7 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
     """Next-token SFT on the traces; the loss covers the policy's tokens only."""
     from transformers import LlamaForCausalLM
 
-    from launch.demo import tiny_llama_config
+    from demos.parity import tiny_llama_config
 
     def example(rng: random.Random) -> tuple[list[int], list[int]]:
         row = make_row(rng)
@@ -143,7 +143,7 @@ def write_rows(path: str, count: int, seed: int) -> None:
 def build_assets(directory: str | os.PathLike, sft_steps: int = 800, seed: int = 0, log=print) -> dict[str, str]:
     """Tokenizer, SFT policy, train and held-out prompts (with their answers); cached by
     ``ASSETS_VERSION`` and the arguments. No reward model: the exact answer is the reward."""
-    from launch.demo import built_once
+    from demos.parity import built_once
 
     directory = Path(directory)
     recipe = {"version": ASSETS_VERSION, "sft_steps": sft_steps, "seed": seed}
@@ -181,7 +181,7 @@ def evaluate_policy(config, checkpoint: str, eval_prompts: str) -> dict[str, flo
 def run_demo(assets: Path, overrides: list[str]) -> int:
     """Build the assets (once), run PPO on episodes with the calculator, report held-out exact
     answers of the SFT and the PPO policy (target: +0.3)."""
-    from launch.demo import run_and_compare
+    from demos.parity import run_and_compare
 
     started = time.monotonic()
     paths = build_assets(assets / "assets-agent")
