@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 TOKENS_LIMIT, GOLD_SLACK = 0.90, 0.01
-AUTO = ["buffer.max_staleness=auto", "buffer.staleness_min=0", "buffer.staleness_max=8"]
+AUTO = ["buffer.max_staleness=auto", "buffer.auto_staleness.min=0", "buffer.auto_staleness.max=8"]
 
 
 def steady_tokens_per_s(steps: list[dict]) -> float:

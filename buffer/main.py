@@ -198,10 +198,10 @@ class Buffer:
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
 
     def on_batch_request(self, identity: bytes, message: Message) -> None:
-        bound = message.fields["max_staleness"]  # the learner's: fixed, or its controller's under auto
-        if bound != self.state.max_staleness:
-            previous = self.state.set_max_staleness(bound)
-            self.log.info("max_staleness %d -> %d from policy version %d (the learner's bound)", previous, bound,
+        max_staleness = message.fields["max_staleness"]  # the learner's: fixed, or its controller's under auto
+        if max_staleness != self.state.max_staleness:
+            previous = self.state.set_max_staleness(max_staleness)
+            self.log.info("max_staleness %d -> %d from policy version %d (the learner's)", previous, max_staleness,
                           message.fields["policy_version"])
         self.batch_waits.append(Pending(identity, message.id, message.fields["policy_version"],
                                         message.fields["batch_size"]))

@@ -110,11 +110,11 @@ class BufferState:
             self._owe(version, len(indices) * self.samples_per_prompt)
         return indices
 
-    def set_max_staleness(self, bound: int) -> int:
-        """The bound from now on (the learner's, under ``auto``); returns the one it replaces."""
-        if bound < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {bound}")
-        previous, self.max_staleness = self.max_staleness, bound
+    def set_max_staleness(self, max_staleness: int) -> int:
+        """k from now on (the learner's, under ``auto``); returns the one it replaces."""
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        previous, self.max_staleness = self.max_staleness, max_staleness
         return previous
 
     def outstanding(self, engine: str) -> int:

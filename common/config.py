@@ -71,7 +71,9 @@ class DataConfig(_Strict):
     ptx: str | None = Field(None, description='PPO-ptx text (learner.ptx_coef): JSON lines or Parquet of {"text": ...}')
 
 
-class RewardFunction(_Strict):
+class RewardFunctionConfig(_Strict):
+    """One entry of ``scorer.reward_functions``: what to load, and its weight (loaded:
+    ``scorer.rewards.RewardFunction``)."""
     function: str = Field(description='"module:function" returning a float; called with the keywords it names of '
                                       "prompt, response (text), prompt_tokens, response_tokens (ids), row (the "
                                       "prompt's data row)")
@@ -128,50 +130,54 @@ class ScorerConfig(_Strict):
     workers: int = Field(1, ge=1, description="scorer processes in the pool")
     max_samples_per_request: int = Field(64, ge=1, description="most samples a scorer takes to score at once")
     deadline_s: float = Field(120.0, gt=0, description="a scorer that holds samples longer loses them to another")
-    reward_functions: list[RewardFunction] = Field(default_factory=list, description="rule-based / verifiable "
+    reward_functions: list[RewardFunctionConfig] = Field(default_factory=list, description="rule-based / verifiable "
                                                    "rewards that are trained on, added to the reward model's score")
     gold_reward: str | None = Field(None, description='"module:function" like a reward function: reported as '
                                                        "gold_reward, never trained on")
 
 
+class AutoStalenessConfig(_Strict):
+    """``buffer.max_staleness: auto``: where k may go and the off-policy health that moves it."""
+    min: int = Field(0, ge=0, description="the lowest k (it starts at 1, within min and max)")
+    max: int = Field(4, ge=0, description="the highest k")
+    ess_min: float = Field(0.9, gt=0, le=1, description="the effective sample size of the batch's importance weights "
+                           "pi_prox / pi_behavior, as a share of its tokens, at least")
+    truncated_max: float = Field(0.02, ge=0, le=1, description="the share of tokens whose weight "
+                                 "learner.behavior_weight_cap truncates, at most")
+    kl_max: float = Field(0.05, gt=0, description="KL(behavior || proximal) per token, at most")
+    raise_after: int = Field(3, ge=1, description="steps at a k whose mean health is within the targets before k "
+                             "is raised: doubled until the first fall, by one after (and the most a mean is taken over)")
+
+    @model_validator(mode="after")
+    def _order(self) -> "AutoStalenessConfig":
+        if self.min > self.max:
+            raise ValueError(f"min ({self.min}) is above max ({self.max})")
+        return self
+
+
 class BufferConfig(_Strict):
     """The buffer between the roles: the staleness bound it keeps, fixed or tuned as the run goes."""
     max_staleness: int | Literal["auto"] = Field(1, description="k: train at version v only on samples of version "
-                                                 ">= v - k; auto: k between staleness_min and staleness_max, raised "
+                                                 ">= v - k; auto: k between auto_staleness.min and .max, raised "
                                                  "while the off-policy health the learner measures stays within "
-                                                 "the staleness_* targets (a mean over a few steps; doubled until "
+                                                 "auto_staleness's targets (a mean over a few steps; doubled until "
                                                  "the first fall, by one after), halved when it does not")
-    staleness_min: int = Field(0, ge=0, description="auto: the lowest k (it starts at 1, within the bounds)")
-    staleness_max: int = Field(4, ge=0, description="auto: the highest k")
-    staleness_ess_min: float = Field(0.9, gt=0, le=1, description="auto: the effective sample size of the batch's "
-                                     "importance weights pi_prox / pi_behavior, as a share of its tokens, at least")
-    staleness_truncated_max: float = Field(0.02, ge=0, le=1, description="auto: the share of tokens whose weight "
-                                           "learner.behavior_weight_cap truncates, at most")
-    staleness_kl_max: float = Field(0.05, gt=0, description="auto: KL(behavior || proximal) per token, at most")
-    staleness_raise_after: int = Field(3, ge=1, description="auto: steps at a bound whose mean health is within "
-                                       "the targets before k is raised: doubled until the first fall, by one after (and the most a "
-                                       "mean is taken over)")
+    auto_staleness: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig,
+                                                description="max_staleness: auto's range and targets")
     stall_warn_s: float = Field(60.0, gt=0, description="name a role that owes the buffer work and is silent this long")
-
-    @model_validator(mode="after")
-    def _bounds(self) -> "BufferConfig":
-        if self.max_staleness == "auto" and self.staleness_min > self.staleness_max:
-            raise ValueError(f"buffer.staleness_min ({self.staleness_min}) is above buffer.staleness_max "
-                             f"({self.staleness_max})")
-        return self
 
     @property
     def initial_staleness(self) -> int:
-        """The bound the run starts with: under auto, 1 (the fixed default) within the bounds, so a
+        """The k the run starts with: under auto, 1 (the fixed default) within auto's range, so a
         run does not begin synchronous and climb."""
         if self.max_staleness == "auto":
-            return min(max(self.staleness_min, 1), self.staleness_max)
+            return min(max(self.auto_staleness.min, 1), self.auto_staleness.max)
         return self.max_staleness
 
     @property
     def staleness_ceiling(self) -> int:
-        """The highest bound the run can have."""
-        return self.staleness_max if self.max_staleness == "auto" else self.max_staleness
+        """The highest k the run can have."""
+        return self.auto_staleness.max if self.max_staleness == "auto" else self.max_staleness
 
 
 class LearnerConfig(_Strict):
@@ -733,7 +739,9 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 
 # keys that moved, each to its one home: a config that still uses one is told where it went
 MOVED_KEYS = {"rollout.temperature": "sampling.temperature", "rollout.top_p": "sampling.top_p",
-              "rollout.top_k": "sampling.top_k", "learner.dtype": "models.dtype"}
+              "rollout.top_k": "sampling.top_k", "learner.dtype": "models.dtype",
+              **{f"buffer.staleness_{name}": f"buffer.auto_staleness.{name}"
+                 for name in ("min", "max", "ess_min", "truncated_max", "kl_max", "raise_after")}}
 
 
 def _moved_keys(data: dict[str, Any]) -> list[str]:

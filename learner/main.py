@@ -62,8 +62,9 @@ def receive_batch(client, policy_version: int, config: TetherConfig, log, stop: 
     rank 0 asks the buffer for it, under the bound ``max_staleness`` (default: the config's fixed
     one); every rank hears "not yet" each second while it waits (and whether to stop), then gets
     its message frames, the same bytes decoded by the same codec."""
-    bound = config.buffer.initial_staleness if max_staleness is None else max_staleness
-    fields = {"policy_version": policy_version, "batch_size": config.learner.batch_size, "max_staleness": bound}
+    if max_staleness is None:
+        max_staleness = config.buffer.initial_staleness
+    fields = {"policy_version": policy_version, "batch_size": config.learner.batch_size, "max_staleness": max_staleness}
     main = client is not None
     request_id = client.send("batch_request", fields) if main else None
     started = last_log = time.monotonic()
@@ -194,8 +195,8 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     snapshot = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
-        bound = staleness.k  # the batch's bound: the buffer serves no sample older
-        reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop, bound)
+        max_staleness = staleness.k  # the batch's k: the buffer serves no sample older
+        reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop, max_staleness)
         if reply is None:
             saved = save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
                                staleness=staleness)
@@ -230,7 +231,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
             stats["behavior_logprob_gap"] = gap
         stats["actor_lr"] = cfg.actor_lr * factor
         kl_controller.update(stats["kl"], n_steps=len(samples))
-        stats["max_staleness"] = bound
+        stats["max_staleness"] = max_staleness
         change = staleness.update(stats)
         if change is not None:
             stats["staleness_change"] = change

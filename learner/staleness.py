@@ -13,13 +13,13 @@ them, each with a target (``buffer.staleness_*``):
   the sampled tokens (the k1 estimate under the behavior policy, which sampled them).
 
 The rule is additive increase, multiplicative decrease (as TCP's congestion window): when the
-mean health of ``staleness_raise_after`` steps at a bound is within every target k rises by one,
-up to ``staleness_max``; a mean outside any target halves it, down to ``staleness_min``. Until the
+mean health of ``auto_staleness.raise_after`` steps at a bound is within every target k rises by one,
+up to ``auto_staleness.max``; a mean outside any target halves it, down to ``auto_staleness.min``. Until the
 first fall a raise doubles k instead (TCP's slow start): a task where every bound is healthy (the
 long-tail demo) reaches k = 8 in 9 steps rather than 21, which over a 40-step run was the 12%
 of throughput auto lost to the best fixed k (docs/benchmarks.md). Health
 measured at k says little of k + 1 (at k = 0 it is perfect whatever k = 1 would do), so after a
-fall the next raise waits twice as long (at most 16 x ``staleness_raise_after``), and a raise
+fall the next raise waits twice as long (at most 16 x ``auto_staleness.raise_after``), and a raise
 that holds (its bound earns a raise in turn) halves the wait again: a run where a higher bound keeps hurting probes it less and
 less often (the demo at a raised learning rate, docs/benchmarks.md). A raise is slow to take effect (the
 batches of the new bound come a step or more later) and cheap to undo; health over a target means
@@ -51,27 +51,27 @@ def behavior_health(old_logprobs: torch.Tensor, behavior_logprobs: torch.Tensor,
     return {"behavior_ess": ess, "behavior_truncated_frac": truncated, "behavior_kl": float(-log_weights.mean())}
 
 
-HEALTH = (("behavior_ess", "<", "staleness_ess_min"), ("behavior_truncated_frac", ">", "staleness_truncated_max"),
-          ("behavior_kl", ">", "staleness_kl_max"))
+HEALTH = (("behavior_ess", "<", "ess_min"), ("behavior_truncated_frac", ">", "truncated_max"),
+          ("behavior_kl", ">", "kl_max"))
 
 
 @dataclass
 class StalenessController:
     """k for the next batches. ``update`` takes a step's statistics and returns the reason when k
     changed (None when not); a fixed bound never changes. The health compared with the targets is
-    the mean over the steps since k last changed, at most ``staleness_raise_after`` of them and at
+    the mean over the steps since k last changed, at most ``auto_staleness.raise_after`` of them and at
     least 2 before a fall: one batch's spike (measured on the demo at k = 1: behavior_kl 0.038 on
     one step, 0.007 the median) is not a trend."""
     cfg: BufferConfig
     k: int = 0
     window: list = field(default_factory=list)  # health of the last steps at this bound, newest last
     steps: int = 0  # steps trained since k last changed
-    patience: int = 0  # steps at a bound before a raise: staleness_raise_after, doubled by each fall
+    patience: int = 0  # steps at a bound before a raise: auto_staleness.raise_after, doubled by each fall
     fallen: bool = False  # a fall ends the slow start: raises add one from then on
     raised: bool = False  # the last change was a raise: the next raise means it held
 
     def __post_init__(self) -> None:
-        self.k, self.patience = self.cfg.initial_staleness, self.cfg.staleness_raise_after
+        self.k, self.patience = self.cfg.initial_staleness, self.cfg.auto_staleness.raise_after
 
     @property
     def auto(self) -> bool:
@@ -80,15 +80,16 @@ class StalenessController:
     def update(self, stats: dict) -> str | None:
         if not self.auto:
             return None
-        cfg, base = self.cfg, self.cfg.staleness_raise_after
+        auto = self.cfg.auto_staleness
+        base = auto.raise_after
         self.steps += 1
         self.window = [*self.window, {name: float(stats[name]) for name, _, _ in HEALTH}][-base:]
         mean = {name: sum(step[name] for step in self.window) / len(self.window) for name, _, _ in HEALTH}
-        over = [f"{name} {mean[name]:.3g} {sign} {getattr(cfg, limit):g}" for name, sign, limit in HEALTH
-                if (mean[name] < getattr(cfg, limit) if sign == "<" else mean[name] > getattr(cfg, limit))]
+        over = [f"{name} {mean[name]:.3g} {sign} {getattr(auto, limit):g}" for name, sign, limit in HEALTH
+                if (mean[name] < getattr(auto, limit) if sign == "<" else mean[name] > getattr(auto, limit))]
         steps = f"mean of {len(self.window)} step{'s' if len(self.window) > 1 else ''}"
         if over:
-            lowered = max(cfg.staleness_min, self.k // 2)
+            lowered = max(auto.min, self.k // 2)
             if len(self.window) < min(2, base) or lowered == self.k:
                 return None
             # health at a bound says nothing of the next one up (at k = 0 it is perfect): a raise that
@@ -96,16 +97,16 @@ class StalenessController:
             previous, self.k, self.window, self.steps, self.fallen, self.raised = self.k, lowered, [], 0, True, False
             self.patience = min(16 * base, 2 * self.patience)
             return f"k {previous} -> {lowered}: {', '.join(over)} ({steps}); next raise after {self.patience} steps"
-        if self.steps < self.patience or len(self.window) < base or self.k >= cfg.staleness_max:
+        if self.steps < self.patience or len(self.window) < base or self.k >= auto.max:
             return None
         previous, self.window, self.steps = self.k, [], 0
-        self.k = self.k + 1 if self.fallen else min(cfg.staleness_max, max(self.k + 1, 2 * self.k))
+        self.k = self.k + 1 if self.fallen else min(auto.max, max(self.k + 1, 2 * self.k))
         if self.raised:  # the bound the last raise reached held: the wait it was given halves
             self.patience = max(base, self.patience // 2)
         self.raised = True
         return (f"k {previous} -> {self.k}: within targets ({steps}: ess {mean['behavior_ess']:.3g} >= "
-                f"{cfg.staleness_ess_min:g}, truncated {mean['behavior_truncated_frac']:.3g} <= "
-                f"{cfg.staleness_truncated_max:g}, kl {mean['behavior_kl']:.3g} <= {cfg.staleness_kl_max:g})")
+                f"{auto.ess_min:g}, truncated {mean['behavior_truncated_frac']:.3g} <= "
+                f"{auto.truncated_max:g}, kl {mean['behavior_kl']:.3g} <= {auto.kl_max:g})")
 
     def state_dict(self) -> dict:
         return {"k": self.k, "window": self.window, "steps": self.steps, "patience": self.patience,

@@ -26,8 +26,8 @@ def test_health_by_hand():
 
 
 def test_auto_raises_on_a_healthy_mean_and_halves_on_a_mean_over_a_target():
-    controller = StalenessController(BufferConfig(max_staleness="auto", staleness_min=1, staleness_max=3,
-                                                  staleness_raise_after=2))
+    controller = StalenessController(BufferConfig(max_staleness="auto", auto_staleness={"min": 1, "max": 3,
+                                                                                    "raise_after": 2}))
     assert controller.k == 1  # starts at 1
     assert controller.update(HEALTHY) is None
     assert controller.update(HEALTHY).startswith("k 1 -> 2: within targets (mean of 2 steps")
@@ -35,13 +35,13 @@ def test_auto_raises_on_a_healthy_mean_and_halves_on_a_mean_over_a_target():
     controller.update(HEALTHY)
     assert controller.k == 3
     for _ in range(5):
-        assert controller.update(HEALTHY) is None  # staleness_max
+        assert controller.update(HEALTHY) is None  # auto_staleness.max
     # one batch's spike is not a trend: the mean of (0.001, 0.05) is within kl_max 0.05
     assert controller.update({**HEALTHY, "behavior_kl": 0.05}) is None and controller.k == 3
     assert controller.update({**HEALTHY, "behavior_ess": 0.6}) == ("k 3 -> 1: behavior_ess 0.795 < 0.9 "
                                                                   "(mean of 2 steps); next raise after 4 steps")
     assert controller.update({**HEALTHY, "behavior_kl": 0.5}) is None  # one step since the change: no mean yet
-    assert controller.update({**HEALTHY, "behavior_kl": 0.5}) is None  # at staleness_min already
+    assert controller.update({**HEALTHY, "behavior_kl": 0.5}) is None  # at auto_staleness.min already
     state = controller.state_dict()
     again = StalenessController(controller.cfg)
     again.load_state_dict(state)
@@ -56,7 +56,7 @@ def test_auto_raises_on_a_healthy_mean_and_halves_on_a_mean_over_a_target():
 
 
 def test_auto_doubles_k_until_its_first_fall_and_adds_one_after():
-    controller = StalenessController(BufferConfig(max_staleness="auto", staleness_max=8, staleness_raise_after=1))
+    controller = StalenessController(BufferConfig(max_staleness="auto", auto_staleness={"max": 8, "raise_after": 1}))
     assert [controller.k] + [(controller.update(HEALTHY), controller.k)[1] for _ in range(4)] == [1, 2, 4, 8, 8]
     assert controller.update({**HEALTHY, "behavior_kl": 0.5}).startswith("k 8 -> 4: behavior_kl 0.5 > 0.05")
     for expected in (4, 5, 5, 6, 7):  # the fall doubled the wait to 2; a raise adds one, and halves the wait
@@ -67,7 +67,7 @@ def test_auto_doubles_k_until_its_first_fall_and_adds_one_after():
 
 def test_a_bound_that_keeps_falling_is_probed_less_and_less_often():
     """The stress case of docs/benchmarks.md: at k = 0 health is perfect, at k = 1 it is not."""
-    controller = StalenessController(BufferConfig(max_staleness="auto", staleness_max=8, staleness_raise_after=2))
+    controller = StalenessController(BufferConfig(max_staleness="auto", auto_staleness={"max": 8, "raise_after": 2}))
     waits = []
     for _ in range(6):
         while controller.k == 1:
@@ -75,16 +75,18 @@ def test_a_bound_that_keeps_falling_is_probed_less_and_less_often():
         waits.append(controller.patience)
         while controller.k == 0:
             controller.update(HEALTHY)
-    assert waits == [4, 8, 16, 32, 32, 32]  # 16 x staleness_raise_after at most
+    assert waits == [4, 8, 16, 32, 32, 32]  # 16 x auto_staleness.raise_after at most
 
 
 def test_a_fixed_bound_never_moves_and_auto_bounds_are_checked():
     fixed = StalenessController(BufferConfig(max_staleness=2))
     assert fixed.k == 2 and all(fixed.update({**HEALTHY, "behavior_ess": 0.1}) is None for _ in range(3))
     assert fixed.k == 2
-    with pytest.raises(ConfigError, match=r"buffer.staleness_min \(3\) is above buffer.staleness_max \(1\)"):
+    with pytest.raises(ConfigError, match=r"buffer.auto_staleness: min \(3\) is above max \(1\)"):
         load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q", "buffer.max_staleness=auto",
-                           "buffer.staleness_min=3", "buffer.staleness_max=1"])
+                           "buffer.auto_staleness.min=3", "buffer.auto_staleness.max=1"])
+    with pytest.raises(ConfigError, match="buffer.staleness_max: moved to buffer.auto_staleness.max"):
+        load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q", "buffer.staleness_max=3"])
     with pytest.raises(ConfigError, match="buffer.max_staleness"):
         load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q", "buffer.max_staleness=often"])
 
@@ -94,14 +96,14 @@ def test_tether_run_with_auto_raises_k_and_no_batch_passes_its_bound(tmp_path, t
     from common.runlog import read_metrics
     from tests.helpers import run_to_the_end, base_config
 
-    config = base_config(tmp_path, tiny_assets, buffer={"max_staleness": "auto", "staleness_max": 2,
-                                                        "staleness_raise_after": 1},
+    config = base_config(tmp_path, tiny_assets, buffer={"max_staleness": "auto",
+                                                        "auto_staleness": {"max": 2, "raise_after": 1}},
                          rollout={"max_new_tokens": 6, "prompts_per_generate": 16, "max_model_len": 64},
                          learner={"total_steps": 8, "batch_size": 16, "minibatch_size": 8, "ppo_epochs": 1})
     run_to_the_end(tmp_path, config)
     steps = read_metrics(config["run_dir"], "learner")
     bounds = [record["max_staleness"] for record in steps]
-    assert bounds[0] == 1 and max(bounds) == 2, bounds  # healthy at this learning rate: up to staleness_max
+    assert bounds[0] == 1 and max(bounds) == 2, bounds  # healthy at this learning rate: up to auto_staleness.max
     for record in steps:
         assert record["staleness_max"] <= record["max_staleness"]  # the bound in force for that batch
         assert 0 < record["behavior_ess"] <= 1 + 1e-9
