@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 from common.config import ConfigError, load_config
 from common.models import resolve_models
 from launch.cli import app
+from launch.exit_codes import ExitCode
 
 MINIMAL = {"models": {"policy": "/p", "reward": "/r"}, "data": {"prompts": "/d.jsonl"}}
 
@@ -134,9 +135,9 @@ def test_config_show_explains_every_key_and_loads_back_the_same(tmp_path):
 
 def test_cli_refuses_an_unknown_key_and_a_missing_model(tmp_path):
     result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, MINIMAL)), "-o", "rollout.temprature=1"])
-    assert result.exit_code == 2 and "rollout.temprature: unknown key" in result.output
+    assert result.exit_code == ExitCode.CONFIG_ERROR and "rollout.temprature: unknown key" in result.output
     result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, MINIMAL))])
-    assert result.exit_code == 2 and "models.policy: /p does not exist" in result.output
+    assert result.exit_code == ExitCode.CONFIG_ERROR and "models.policy: /p does not exist" in result.output
 
 
 def test_an_engine_binds_its_tensor_parallel_workers_to_its_cores():
@@ -237,7 +238,7 @@ def test_tether_run_checks_its_data_before_any_process_starts(tmp_path, tiny_ass
     config = {"models": {"policy": tiny_assets["policy"], "reward": tiny_assets["reward"]},
               "data": {"prompts": tiny_assets["prompts"]}}
     result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, config)), *sum((["-o", o] for o in overrides), [])])
-    assert result.exit_code == 2 and f"{key}: {bad} {message}" in result.output, result.output
+    assert result.exit_code == ExitCode.CONFIG_ERROR and f"{key}: {bad} {message}" in result.output, result.output
     assert not (tmp_path / "run").exists()  # no process started, nothing written
 
 
@@ -246,7 +247,7 @@ def test_tether_run_and_pipeline_check_user_functions_and_every_stage_s_rows_fir
               "data": {"prompts": tiny_assets["prompts"]}, "run_dir": str(tmp_path / "run"),
               "scorer": {"reward_functions": [{"function": "tests.test_config:_no_such_function"}]}}
     result = CliRunner().invoke(app, ["run", "-c", str(write(tmp_path, config))])
-    assert result.exit_code == 2 and ("scorer.reward_functions[0].function: cannot import "
+    assert result.exit_code == ExitCode.CONFIG_ERROR and ("scorer.reward_functions[0].function: cannot import "
                                       "'tests.test_config:_no_such_function'") in result.output, result.output
     demonstrations, rankings = tmp_path / "sft.jsonl", tmp_path / "rm.jsonl"
     demonstrations.write_text('{"prompt": "a", "response": "b"}\n')
@@ -254,7 +255,7 @@ def test_tether_run_and_pipeline_check_user_functions_and_every_stage_s_rows_fir
     stages = {"sft": {"model": tiny_assets["policy"], "data": str(demonstrations)}, "rm": {"data": str(rankings)},
               "run_dir": str(tmp_path / "run")}
     result = CliRunner().invoke(app, ["pipeline", "-c", str(write(tmp_path, stages, "stages.yaml"))])
-    assert result.exit_code == 2 and f'rm.data: {rankings} line 2 has no "rejected" text' in result.output, result.output
+    assert result.exit_code == ExitCode.CONFIG_ERROR and f'rm.data: {rankings} line 2 has no "rejected" text' in result.output, result.output
     assert not (tmp_path / "run" / "sft").exists()  # found before SFT trained
 
 

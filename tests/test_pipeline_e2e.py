@@ -11,6 +11,7 @@ import yaml
 
 from common.config import load_config
 from common.runlog import read_metrics
+from launch.exit_codes import ExitCode
 from protocol.transport import free_port
 from tests.helpers import LOGPROB_TOLERANCE, REPO, TWO_CORES, base_config, tether
 
@@ -137,14 +138,14 @@ def test_a_role_that_dies_stops_the_run_with_its_last_lines(tmp_path, tiny_asset
     not_a_model.mkdir()
     path, _ = write_config(tmp_path, tiny_assets, models={"reward": str(not_a_model)})
     result = tether("run", "--config", str(path), timeout=300)
-    assert result.returncode == 1
+    assert result.returncode == ExitCode.FAILED
     assert "scorer0 exited with code" in result.stderr and "not_a_model" in result.stderr
 
 
 def test_a_role_without_its_buffer_exits_non_zero_with_a_clear_message(tmp_path, tiny_assets):
     path, _ = write_config(tmp_path, tiny_assets, transport={"connect_retries": 2, "connect_interval_s": 0.2})
     result = tether("launch", "rollout", "--config", str(path), timeout=120)
-    assert result.returncode == 1
+    assert result.returncode == ExitCode.FAILED
     assert "did not answer after 2 tries" in result.stderr and "tether launch buffer" in result.stderr
 
 
@@ -277,7 +278,7 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     with open(os.path.join(run_dir, "pids.json")) as file:
         os.killpg(json.load(file)[victim], signal.SIGKILL)
     _, stderr = run.communicate(timeout=120)
-    assert run.returncode == 1 and f"{victim} exited with code -9" in stderr
+    assert run.returncode == ExitCode.FAILED and f"{victim} exited with code -9" in stderr
     from learner.checkpoints import newest_state
 
     newest = newest_state(run_dir)

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from common.runlog import read_metrics
+from launch.exit_codes import ExitCode
 from tests.helpers import REPO, base_config
 
 # Ray otherwise resolves this machine's own address for "127.0.0.1" (its cluster mode): the test's
@@ -116,7 +117,7 @@ def test_the_demo_config_runs_with_ray_on_a_two_cpu_box_as_it_is(tmp_path, demo_
     before = ray_sessions()
     refused = demo_on_ray_alone(tmp_path, demo_assets, "placement.ray.cpus.learner=4")
     _, stderr = refused.communicate(timeout=120)
-    assert refused.returncode == 2, stderr[-3000:]
+    assert refused.returncode == ExitCode.CONFIG_ERROR, stderr[-3000:]
     assert "placement.ray.cpus: the run's processes ask 4 CPUs (learner 4 x 1)" in stderr
     assert "the cluster has 2" in stderr
 

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from common.runlog import read_metrics
+from launch.exit_codes import ExitCode
 from tests.helpers import REPO, TWO_CORES
 
 FILE_BLOCK = re.compile(r"```(?:python|yaml)\n# ([\w.]+\.(?:py|yaml))\n(.*?)```", re.S)
@@ -88,7 +89,7 @@ def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_e
     (mine / "broken_env.py").write_text("def make(row):\n    raise RuntimeError('no sandbox to be had')\n")
     broken = tether_from(mine, "run", "-c", "my.yaml", *overrides, "-o", "rollout.environment=broken_env:make",
                          "-o", "rollout.env_failure_limit=20", "-o", "run_dir=runs/broken")
-    assert broken.returncode == 1, broken.stdout[-3000:] + broken.stderr[-3000:]
+    assert broken.returncode == ExitCode.FAILED, broken.stdout[-3000:] + broken.stderr[-3000:]
     assert "rollout0 exited with code 4: the environment failed every episode" in broken.stderr, broken.stderr[-3000:]
     assert "restarting" not in broken.stderr
     log = (mine / "runs" / "broken" / "logs" / "rollout0.log").read_text()

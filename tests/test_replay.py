@@ -8,6 +8,7 @@ import pytest
 import yaml
 
 from common.runlog import read_metrics
+from launch.exit_codes import ExitCode
 from tests.helpers import TWO_CORES, base_config, tether
 
 STEPS = 4
@@ -59,7 +60,7 @@ def test_replay_from_a_checkpoint_reproduces_the_rest(recorded_run):
 def test_replay_refuses_a_run_without_recorded_batches(tmp_path):
     (tmp_path / "config.yaml").write_text("models: {policy: /p, reward: /r}\ndata: {prompts: /q}\n")
     result = tether("replay", str(tmp_path))
-    assert result.returncode == 2 and "has no recorded batches" in result.stderr
+    assert result.returncode == ExitCode.CONFIG_ERROR and "has no recorded batches" in result.stderr
 
 
 def test_replay_names_a_checkpoint_that_is_not_a_saved_state(tmp_path):
@@ -70,6 +71,6 @@ def test_replay_names_a_checkpoint_that_is_not_a_saved_state(tmp_path):
     (tmp_path / "checkpoints" / "state-000004").mkdir(parents=True)
     (tmp_path / "checkpoints" / "state-000004" / "COMPLETE").write_text("4")
     result = tether("replay", str(tmp_path), "--checkpoint", "state-4")
-    assert result.returncode == 2, result.stderr
+    assert result.returncode == ExitCode.CONFIG_ERROR, result.stderr
     assert "--checkpoint state-4 is not a complete state-N directory" in result.stderr
     assert f"{tmp_path}/checkpoints/state-000004" in result.stderr  # what it could have named

@@ -5,6 +5,7 @@ import json
 from typer.testing import CliRunner
 
 from launch.cli import app
+from launch.exit_codes import ExitCode
 
 
 def write_metrics(run_dir, role: str, records: list[dict]) -> None:
@@ -28,9 +29,9 @@ def test_the_episodes_panel_is_drawn_only_for_a_run_with_episodes(tmp_path):
 
 def test_status_of_a_directory_that_is_not_a_run_is_an_error(tmp_path):
     result = CliRunner().invoke(app, ["status", str(tmp_path / "nowhere"), "--once"])
-    assert result.exit_code == 2 and "is not a tether run directory" in result.output, result.output
+    assert result.exit_code == ExitCode.CONFIG_ERROR and "is not a tether run directory" in result.output, result.output
     result = CliRunner().invoke(app, ["status", str(tmp_path), "--once"])  # a directory, but no run in it
-    assert result.exit_code == 2
+    assert result.exit_code == ExitCode.CONFIG_ERROR
 
 
 def test_the_console_progress_line_shows_the_bound_and_why_it_moved():

@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from common.config import ConfigError, load_config
+from launch.exit_codes import ExitCode
 from stages.examples import demonstration, padded, ranking, read_examples
 from stages.losses import dpo_loss, kwise_ranking_loss, sequence_logprobs, token_nll
 from tests.helpers import chatml_tokenizer, tether
@@ -148,7 +149,7 @@ def test_a_stage_command_names_a_model_path_that_is_not_there(tmp_path):
     data.write_text(json.dumps({"prompt": "a", "response": "b"}) + "\n")
     path = stage_config(tmp_path, "sft", {"model": str(tmp_path / "nonexistent"), "data": str(data)})
     result = CliRunner().invoke(app, ["sft", "-c", path])
-    assert result.exit_code == 2 and f"sft.model: {tmp_path / 'nonexistent'} does not exist" in result.output, \
+    assert result.exit_code == ExitCode.CONFIG_ERROR and f"sft.model: {tmp_path / 'nonexistent'} does not exist" in result.output, \
         result.output
 
 
