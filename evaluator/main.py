@@ -38,7 +38,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
 
     from rollout.engine import make_vllm_engine, sampling_params
     from rollout.environments import Environments
-    from rollout.episodes import Episodes, Renderer, generate_episodes
+    from rollout.episodes import Episodes, Renderer
+    from rollout.generators import generate_to_end
     from rollout.responses import Generating, to_samples
     from rollout.tools import load_tools
     from scorer.main import Scorer
@@ -70,7 +71,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
                                     config, n=1, ignore_eos=False, max_tokens=max_tokens,
                                     seed=config.eval.seed + episode.group.prompt_index * turns + episode.turns,
                                     output_kind=RequestOutputKind.FINAL_ONLY), log)
-            samples, failed = generate_episodes(engine, episodes, list(range(len(kept))))
+            samples, failed = generate_to_end(engine, episodes, list(range(len(kept))))
             record = episodes.record()
             episode_figures = {"episodes_failed": failed, "turns_per_episode": record["turns_per_episode"],
                                "tool_calls_per_episode": record["tool_calls_per_episode"],

@@ -418,29 +418,3 @@ class Episodes:
             record.update({f"{name}_per_episode": counters[name] / counters["episodes"] for name in ("turns", "tool_calls")},
                           env_reward=counters["env_reward"] / counters["episodes"])
         return record
-
-
-def generate_episodes(engine, episodes: Episodes, rows: list[int], version: int = 0) -> tuple[list[Sample], int]:
-    """Every episode of the kept prompts at ``rows`` to its end, on a ``vllm.LLM`` of its own (the
-    evaluator's and the demo's: no buffer, no weight changes); ``prompt_index`` is the position in
-    ``rows``. Returns the samples, ordered by prompt, and how many episodes could not give one."""
-    from vllm import TokensPrompt
-
-    for index, row in enumerate(rows):
-        episodes.start(index, row)
-    in_flight: dict[str, Episode] = {}
-    samples, dropped, requests = [], 0, 0
-    while episodes.active:
-        for episode, ids, sampling in episodes.take_ready(version):
-            in_flight[str(requests)] = episode
-            engine.llm_engine.add_request(str(requests), TokensPrompt(prompt_token_ids=ids), sampling)
-            requests += 1
-        if in_flight:
-            for output in engine.llm_engine.step():
-                if output.finished:
-                    episodes.turn_finished(in_flight.pop(output.request_id), output, version)
-        episodes.advance(time.monotonic(), timeout=0.0 if in_flight else 0.05)
-        done, failed = episodes.finished()
-        samples += done
-        dropped += len(failed)
-    return sorted(samples, key=lambda sample: sample.prompt_index), dropped

@@ -4,22 +4,24 @@ from __future__ import annotations
 
 import os
 import time
-import uuid
 from dataclasses import dataclass, field
 
 from common.config import TetherConfig
 from common.models import resolve_models
 from common.prompts import dataset_row, prompts_within, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from protocol.samples import Sample, pack_samples
-from protocol.transport import BufferLost, connect_to_buffer
+from protocol.samples import Sample
+from protocol.transport import connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments
+from rollout.credits import Credits, Outbox
 from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
 from rollout.environments import Environments
 from rollout.episodes import Episodes, Renderer
+from rollout.generators import ENVIRONMENT_POLL_S, Generator, InFlight
 from rollout.responses import Responses
 from rollout.tools import load_tools
 from weight_sync.lora import lora_sync_logged
+
 
 def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | None = None,
                      tools: list[dict] | None = None) -> tuple[list[list[int]], list[int], int]:
@@ -40,7 +42,7 @@ def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | No
 
 
 def generation_source(config: TetherConfig, environments: Environments | None, tokenizer, rows: list[dict],
-                      prompts: list[list[int]], data_rows: list[int], log) -> Responses | Episodes:
+                      prompts: list[list[int]], data_rows: list[int], log) -> Generator:
     """What the loop drives: one request a prompt without environments, else episodes of turns.
     Only finished requests come out of the engine (the loop reads nothing of one before its end)."""
     from vllm.sampling_params import RequestOutputKind
@@ -69,7 +71,6 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     timeline = StartupTimeline(config.run_dir, name)
     config = resolve_models(config, "rollout")
     from transformers import AutoTokenizer
-    from vllm import TokensPrompt
 
     timeline.phase("import")
     rollout_cfg = config.rollout
@@ -91,42 +92,22 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     metrics = metrics_writer(config, name)
     weights = WeightLoads(engine, config, name, log,
                           PolicyAdapter(config, f"{config.weights_dir}-{name}-lora") if adapters else None)
-    id_prefix = uuid.uuid4().hex[:8]
     log.info("generating with %s, %d prompts, %d samples per prompt, up to %d prompts at once%s", config.models.policy,
              len(prompts), rollout_cfg.samples_per_prompt, rollout_cfg.prompts_per_generate,
              "" if environments is None else f"; episodes of up to {rollout_cfg.max_turns} turns with "
              f"{rollout_cfg.environment or 'no environment'} and tools {', '.join(environments.tools) or 'none'}")
 
     version = 0  # the policy version the engine holds; None after a failed load: no new prompt joins then
-    in_flight: dict[str, object] = {}  # vLLM request id -> what source said the request is
+    credits, outbox = Credits(client, rollout_cfg.samples_per_prompt), Outbox(client)
+    in_flight = InFlight(engine)
     queued: list[int] = []  # prompt indices granted and not yet started (waiting for a whole version)
-    credit_request = None  # the id of the credit request held at the buffer, if any
-    unacknowledged: list[int] = []  # samples messages sent, their acks not read yet
-    generated = requests_added = 0
     period = RolloutPeriod(time.monotonic())
     while True:
-        # 1. while the engine has room, one credit request waits at the buffer (it answers when it can grant,
-        #    or at once with newer weights for an engine that holds none)
-        room = rollout_cfg.prompts_per_generate - source.active - len(queued)
+        # 1. credits: asked for while the engine has room, waited for only when it has nothing to do
         busy = bool(in_flight) or source.active > 0  # generating, or episodes waiting on their environment
-        messaging_started = time.monotonic()  # requests and polls to the buffer count as sending
-        if credit_request is None and (room > 0 or version is None) and time.monotonic() >= weights.retry_at:
-            credit_request = client.send("credit_request", {
-                "policy_version": -1 if version is None else version,
-                "wanted": 0 if version is None else room * rollout_cfg.samples_per_prompt})
-        # 2. its answer: waited for when the engine has nothing to do, only looked for between steps otherwise
-        grant = None
-        if credit_request is not None and busy:
-            grant = client.poll(credit_request)
-        period.send_s += time.monotonic() - messaging_started
-        waited = time.monotonic()
-        if credit_request is not None and not busy:
-            grant = client.wait(credit_request, waiting_for="generation credits")
-        elif not busy:  # backing off after a failed load, nothing to generate meanwhile
-            time.sleep(max(0.0, weights.retry_at - time.monotonic()))
-        period.waiting_s += time.monotonic() - waited
+        grant = take_grant(credits, version, rollout_cfg.prompts_per_generate - source.active - len(queued), busy,
+                           weights.retry_at, period)
         if grant is not None:
-            credit_request = None
             if grant.fields["stop"]:
                 break
             # positions in the run's prompt stream, each handed out once; a newer version may generate them
@@ -135,66 +116,45 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                 sync_started = time.monotonic()
                 version = weights.load(grant, client)
                 period.weight_sync_s += time.monotonic() - sync_started
-        # 3. granted prompts start, and what is ready joins the engine, with the version it holds
+        # 2. granted prompts start, and what is ready joins the engine, with the version it holds
         if version is not None:
             adding_started = time.monotonic()  # the engine takes each request in: generation work
             for index in queued:
                 source.start(index, dataset_row(config.seed, len(prompts), index))
             queued = []
-            for what, ids, sampling in source.take_ready(version):
-                request_id = str(requests_added)
-                requests_added += 1
-                engine.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=ids), sampling,
-                                              lora_request=weights.lora_request)
-                in_flight[request_id] = what
+            in_flight.add(source, version, weights.lora_request)
             period.busy_s += time.monotonic() - adding_started
-        # 4. one engine step; environments answer beside it
+        # 3. one engine step; environments answer beside it (waited on when the engine is empty)
         if in_flight:
             step_started = time.monotonic()
             period.engine_steps += 1
             period.requests_stepped += len(in_flight)
-            for output in engine.llm_engine.step():
-                if output.finished:
-                    source.turn_finished(in_flight.pop(output.request_id), output, version)
+            in_flight.step(source, version)
             period.busy_s += time.monotonic() - step_started
         waited = time.monotonic()
-        # with nothing in the engine, the loop waits on the environments rather than spinning
         source.advance(waited, timeout=0.0 if in_flight else ENVIRONMENT_POLL_S)
         period.waiting_s += time.monotonic() - waited
-        # 5. what finished is sent at once (acks are read as they come)
+        # 4. what finished is sent at once (acks are read as they come)
         send_started = time.monotonic()
         samples, dropped = source.finished()
-        if samples:
-            for i, sample in enumerate(samples):
-                sample.sample_id = f"{id_prefix}-{generated + i}"
-            if not generated:
-                timeline.phase("first samples")  # credits, weights and the first groups generated
-            unacknowledged.append(client.send("samples", *pack_samples(samples)))
-            generated += len(samples)
-            period.add(samples)
-        if dropped:  # episodes that gave no sample: their credits come back
-            unacknowledged.append(client.send("episodes_dropped", {
-                "prompt_indices": [index for index, _ in dropped], "reasons": [reason for _, reason in dropped]}))
-        unacknowledged = [request for request in unacknowledged if client.poll(request) is None]
+        if samples and not outbox.sent:
+            timeline.phase("first samples")  # credits, weights and the first groups generated
+        outbox.send(samples, dropped)
+        period.add(samples)
         period.send_s += time.monotonic() - send_started
-        # 6. a record a second, and whenever the engine runs dry
+        # 5. a record a second, and whenever the engine runs dry
         now = time.monotonic()
         if now - period.started >= METRICS_EVERY_S or (not in_flight and period.samples):
-            metrics.write({"step": version if version is not None else -1, "generated_total": generated,
-                           "in_flight": len(in_flight), "prompts_skipped": skipped, **period.record(now),
-                           **source.record(), **client.counters})
+            metrics.write(period_record(period, now, version, outbox, in_flight, skipped, source, client))
             period = RolloutPeriod(now)
-    if in_flight:  # the run is over: what is still generating is of no use
-        engine.llm_engine.abort_request(list(in_flight))
-    # what was sent is acknowledged (the buffer counts samples that came after the learner finished),
-    # and the last period's record written: the totals in the metrics are the log's
-    unacknowledged = acknowledged(client, unacknowledged, ACK_GRACE_S)
-    metrics.write({"step": version if version is not None else -1, "generated_total": generated,
-                   "in_flight": len(in_flight), "prompts_skipped": skipped, **period.record(time.monotonic()),
-                   **source.record(), **client.counters})
-    log.info("stopping after %d samples at policy version %s%s", generated, version,
-             f"; {len(unacknowledged)} messages of samples were not acknowledged before the buffer stopped"
-             if unacknowledged else "")
+    in_flight.abort()  # the run is over: what is still generating is of no use
+    # what was sent is acknowledged, and the last period's record written: the totals in the
+    # metrics are the log's
+    unanswered = outbox.settle()
+    metrics.write(period_record(period, time.monotonic(), version, outbox, in_flight, skipped, source, client))
+    log.info("stopping after %d samples at policy version %s%s", outbox.sent, version,
+             f"; {unanswered} messages of samples were not acknowledged before the buffer stopped"
+             if unanswered else "")
     weights.close()
     metrics.close()
     client.close()
@@ -206,22 +166,34 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         engine.llm_engine.engine_core.shutdown()
 
 
+def take_grant(credits: Credits, version: int | None, room: int, busy: bool, retry_at: float,
+               period: "RolloutPeriod"):
+    """The buffer's grant of credits, if one came: a request is held while the engine has ``room``
+    (not before ``retry_at``, after a failed weight load); its answer is looked for between engine
+    steps when ``busy``, else waited for (or, with no request held, the back-off slept out)."""
+    messaging_started = time.monotonic()  # requests and polls to the buffer count as sending
+    if time.monotonic() >= retry_at:
+        credits.ask(version, room)
+    grant = credits.poll() if busy else None
+    period.send_s += time.monotonic() - messaging_started
+    if not busy:
+        waited = time.monotonic()
+        if credits.request is not None:
+            grant = credits.wait()
+        else:  # backing off after a failed load, nothing to generate meanwhile
+            time.sleep(max(0.0, retry_at - time.monotonic()))
+        period.waiting_s += time.monotonic() - waited
+    return grant
+
+
+def period_record(period: "RolloutPeriod", now: float, version: int | None, outbox: Outbox, in_flight: InFlight,
+                  skipped: int, source: Generator, client) -> dict:
+    return {"step": version if version is not None else -1, "generated_total": outbox.sent,
+            "in_flight": len(in_flight), "prompts_skipped": skipped, **period.record(now), **source.record(),
+            **client.counters}
+
+
 METRICS_EVERY_S = 1.0
-ACK_GRACE_S = 5.0  # at the end: how long what was sent may take to be acknowledged
-
-
-def acknowledged(client, requests: list[int], grace_s: float) -> list[int]:
-    """Wait up to ``grace_s`` for the answers to ``requests``; returns those still unanswered."""
-    deadline = time.monotonic() + grace_s
-    try:
-        while requests and time.monotonic() < deadline:
-            requests = [request for request in requests if client.poll(request) is None]
-            if requests:
-                time.sleep(0.01)
-    except BufferLost:  # the buffer is gone already: what is left stays unanswered
-        pass
-    return requests
-ENVIRONMENT_POLL_S = 0.05  # with nothing in the engine: the longest wait for an environment's answer
 
 
 @dataclass
