@@ -116,6 +116,7 @@ def load_causal_lm(path: str, dtype: str = "float32") -> nn.Module:
 
     return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
 
+
 class ValueModel(nn.Module):
     """A per-token value model: a causal LM's transformer body with a one-output head on every
     position. Built by tether for every family alike, so no family needs a token-classification
@@ -133,6 +134,7 @@ class ValueModel(nn.Module):
 
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **self.no_cache).last_hidden_state
         return TokenClassifierOutput(logits=self.head(hidden))
+
 
 def load_critic(path: str, dtype: str = "float32") -> nn.Module:
     """The critic from ``path``: the transformer body of the model there with a one-output head on
