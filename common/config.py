@@ -753,6 +753,20 @@ def _moved_keys(data: dict[str, Any]) -> list[str]:
     return found
 
 
+def _move_keys(data: dict[str, Any]) -> None:
+    """A run's own config.yaml, written before a key moved, read with each such key in its new
+    home (where that is not set already): a run is resumed or replayed as it was made."""
+    for old, new in MOVED_KEYS.items():
+        section, key = old.split(".")
+        if isinstance(data.get(section), dict) and key in data[section]:
+            value = data[section].pop(key)
+            *parents, leaf = new.split(".")
+            node = data
+            for parent in parents:
+                node = node.setdefault(parent, {})
+            node.setdefault(leaf, value)
+
+
 def _format_validation_error(error: ValidationError) -> str:
     messages: dict[str, list[str]] = {}
     for item in error.errors():
@@ -770,10 +784,15 @@ _UNION_TAG = re.compile(r"int|float|str|bool|none|literal\[.*\]|list\[.*\]|dict\
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] | None = None,
-                base: dict[str, Any] | None = None) -> TetherConfig:
+                base: dict[str, Any] | None = None, saved: bool = False) -> TetherConfig:
+    """The config of file ``path`` (YAML or TOML) over ``base``, with ``overrides`` (``key=value``)
+    applied. ``saved``: ``path`` is a run's own config.yaml (``--resume``, ``tether replay``), whose
+    keys that moved since it was written are moved along rather than refused."""
     data: dict[str, Any] = json.loads(json.dumps(base)) if base else {}
     if path is not None:
         data.update(_read_file(Path(path)))
+        if saved:
+            _move_keys(data)
     for override in overrides or []:
         apply_override(data, override)
     moved = _moved_keys(data)

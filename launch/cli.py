@@ -51,12 +51,13 @@ def fail(message: object, code: ExitCode, label: str = "error") -> NoReturn:
     raise typer.Exit(code)
 
 
-def _load(config: Path, override: Optional[list[str]], ppo: bool = True):
-    """The config, validated; with ``ppo``, one that says what PPO needs (models, data)."""
+def _load(config: Path, override: Optional[list[str]], ppo: bool = True, saved: bool = False):
+    """The config, validated; with ``ppo``, one that says what PPO needs (models, data); ``saved``:
+    a run's own config.yaml (``load_config``)."""
     from common.config import ConfigError, load_config
 
     try:
-        resolved = load_config(config, override or [])
+        resolved = load_config(config, override or [], saved=saved)
         return resolved.require_ppo(f"tether {sys.argv[1] if len(sys.argv) > 1 else 'run'}") if ppo else resolved
     except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)
@@ -144,6 +145,7 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
             ray_address: Optional[str] = typer.Option(None, help="the Ray cluster's address (HOST:PORT, "
                                                                   "ray://HOST:10001, auto); implies --ray")) -> None:
     """Start every role as its own process, show progress, stop them all when the learner is done."""
+    saved = resume is not None and config is None  # the run's own config.yaml
     if resume is not None:
         from learner.checkpoints import newest_state
 
@@ -154,7 +156,7 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         override = [*(override or []), f"run_dir={resume}", f"resume_from={state}"]
     elif config is None:
         fail("--config is needed (or --resume RUN_DIR)", ExitCode.CONFIG_ERROR)
-    resolved = _load(config, override)
+    resolved = _load(config, override, saved=saved)
     from common.config import ConfigError
     from common.models import resolve_models
 

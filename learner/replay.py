@@ -110,7 +110,7 @@ def replay_config(run_dir: str, out: str, until: int | None, checkpoint: str | N
         raise ConfigError(f"--checkpoint {checkpoint} is not a complete state-N directory of a run; this run's are: "
                           f"{', '.join(os.path.join(run_dir, 'checkpoints', name) for name in saved) or 'none'}")
     config = load_config(path, [f"run_dir={out}", "learner.record_batches=false", "learner.checkpoint_every=0",
-                                "eval.every=0", f"resume_from={checkpoint if checkpoint else 'null'}"])
+                                "eval.every=0", f"resume_from={checkpoint if checkpoint else 'null'}"], saved=True)
     if until is not None:
         if not 1 <= until <= config.learner.total_steps:
             raise ConfigError(f"--until {until} is not a step of the run (1..{config.learner.total_steps})")

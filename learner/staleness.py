@@ -3,7 +3,7 @@ as the run goes (``auto``), from the off-policy health of each batch it trains.
 
 Health is read where staleness costs: the importance weights pi_prox / pi_behavior the decoupled
 PPO loss multiplies each token's gradient by (``learner.ppo.ppo_policy_loss``). Three figures of
-them, each with a target (``buffer.staleness_*``):
+them, each with a target (``buffer.auto_staleness.*``):
 
 - ``behavior_ess``: their effective sample size as a share of the tokens, (sum w)^2 / (n sum w^2)
   (Kong 1992): 1 when every weight is equal, lower as a few tokens carry the batch's gradient;

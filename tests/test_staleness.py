@@ -6,8 +6,9 @@ import math
 
 import pytest
 import torch
+import yaml
 
-from common.config import BufferConfig, ConfigError, load_config
+from common.config import BufferConfig, ConfigError, dump_config, load_config
 from learner.staleness import StalenessController, behavior_health
 
 HEALTHY = {"behavior_ess": 0.99, "behavior_truncated_frac": 0.0, "behavior_kl": 0.001}
@@ -87,6 +88,21 @@ def test_a_fixed_bound_never_moves_and_auto_bounds_are_checked():
                            "buffer.auto_staleness.min=3", "buffer.auto_staleness.max=1"])
     with pytest.raises(ConfigError, match="buffer.staleness_max: moved to buffer.auto_staleness.max"):
         load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q", "buffer.staleness_max=3"])
+
+
+def test_a_run_saved_before_auto_staleness_moved_is_read_with_its_values(tmp_path):
+    """A run's config.yaml written with the flat buffer.staleness_* keys (--resume and tether replay
+    read it) loads with each value in buffer.auto_staleness; a config a user writes so is refused."""
+    saved = yaml.safe_load(dump_config(load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q",
+                                                          "buffer.max_staleness=auto"])))
+    saved["buffer"].pop("auto_staleness")
+    saved["buffer"].update({"staleness_min": 1, "staleness_max": 6, "staleness_kl_max": 0.2})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(saved))
+    auto = load_config(path, saved=True).buffer.auto_staleness
+    assert (auto.min, auto.max, auto.kl_max, auto.raise_after) == (1, 6, 0.2, 3)
+    with pytest.raises(ConfigError, match="buffer.staleness_kl_max: moved to buffer.auto_staleness.kl_max"):
+        load_config(path)
     with pytest.raises(ConfigError, match="buffer.max_staleness"):
         load_config(None, ["models.policy=/p", "models.reward=/r", "data.prompts=/q", "buffer.max_staleness=often"])
 
