@@ -114,8 +114,11 @@ class RolloutConfig(_Strict):
                                     "messages) -> Step(observation, reward, done)); None: single responses, or "
                                     "episodes of tool calls alone when rollout.tools is set")
     tools: list[str] = Field(default_factory=list, description='"module:function" tools: their JSON schemas go to '
-                             "the chat template, <tool_call> JSON in a turn calls them, each result is a tool "
-                             "message")
+                             "the chat template, a call in a turn (read by rollout.tool_parser) calls them, each "
+                             "result is a tool message")
+    tool_parser: str = Field("hermes", description="vLLM's tool-call parser for the policy's family, the names "
+                             "`vllm serve --tool-call-parser` takes: hermes (<tool_call> JSON: Hermes, Qwen), "
+                             "llama3_json, mistral, pythonic, qwen3_coder, ...")
     max_turns: int = Field(4, ge=1, description="most policy turns in an episode")
     env_step_deadline_s: float = Field(30.0, gt=0, description="an environment that takes longer to make, reset or "
                                        "answer a turn ends its episode (env_deadline)")

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.functions import load_function
-from rollout.tools import Tool, ToolError, call_tool, parse_tool_calls
+from rollout.tools import Tool, ToolCall, ToolError, call_tool
 
 Observation = str | list[dict] | None
 
@@ -99,15 +99,15 @@ class ToolEnvironment:
     """Answers a turn's tool calls with the tools' results (one tool message each); a turn without
     a call is the episode's answer: it goes to ``inner``'s step, or ends the episode."""
 
-    def __init__(self, tools: dict[str, Tool], inner: Any | None) -> None:
-        self.tools, self.inner = tools, inner
+    def __init__(self, tools: dict[str, Tool], inner: Any | None, parse: Callable[[str], list[ToolCall]]) -> None:
+        self.tools, self.inner, self.parse = tools, inner, parse
 
     def reset(self) -> Observation:
         reset = getattr(self.inner, "reset", None)
         return reset() if reset is not None else None
 
     def step(self, response: str, messages: list[dict]) -> Step:
-        calls = parse_tool_calls(response)
+        calls = self.parse(response)
         if not calls:
             return as_step(self.inner.step(response, messages)) if self.inner is not None else Step(done=True)
         observation, errors = [], []
@@ -124,6 +124,7 @@ class Environments:
 
     def __init__(self, factory: Callable[[dict], Any] | None, tools: dict[str, Tool]) -> None:
         self.factory, self.tools = factory, tools
+        self.parse: Callable[[str], list[ToolCall]] | None = None  # read_calls_with's, once the tokenizer is there
 
     @staticmethod
     def load(environment: str | None, tools: dict[str, Tool]) -> "Environments | None":
@@ -133,11 +134,23 @@ class Environments:
         factory = load_function(environment, "rollout.environment") if environment else None
         return Environments(factory, tools)
 
+    def read_calls_with(self, parser_name: str, tokenizer) -> "Environments":
+        """Tool calls read by vLLM's parser ``parser_name`` (``rollout.tool_parser``) for the policy's
+        ``tokenizer``; an unknown name, or one whose special tokens the tokenizer lacks, is a
+        ConfigError naming the key. Without tools nothing is read."""
+        if self.tools:
+            from rollout.tools import ToolCallParser
+
+            self.parse = ToolCallParser(parser_name, tokenizer, self.tool_schemas).parse
+        return self
+
     def make(self, row: dict) -> Any:
         inner = self.factory(row) if self.factory is not None else None
         if inner is not None and not self.tools:
             return inner
-        return ToolEnvironment(self.tools, inner)
+        if self.parse is None:
+            raise RuntimeError("Environments.read_calls_with was not called: tool calls cannot be read")
+        return ToolEnvironment(self.tools, inner, self.parse)
 
     @property
     def tool_schemas(self) -> list[dict] | None:

@@ -78,6 +78,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     environments = Environments.load(rollout_cfg.environment, load_tools(rollout_cfg.tools))
     tools = environments.tool_schemas if environments is not None else None
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
+    if environments is not None:
+        environments.read_calls_with(rollout_cfg.tool_parser, tokenizer)
     rows = read_rows(config.data.prompts)
     prompts, data_rows, skipped = prompts_that_fit(config, tokenizer, log, rows, tools)
     timeline.phase("prompts")

@@ -1,18 +1,17 @@
 """Tool calls: plain Python functions from the config, their JSON schemas for the policy's chat
-template, calls parsed from the policy's own text, results as tool messages.
-
-The call format is the one Qwen's and Hermes' chat templates teach (``<tool_call>`` around a JSON
-object with ``name`` and ``arguments``), the form most open chat models with tools use. Nothing a
-policy writes and nothing a tool does crashes the rollout: a malformed call, an unknown tool, a
-tool that raises or returns something JSON cannot hold each become an error message that the
-policy reads as the tool's answer, and are counted.
+template, calls read from the policy's own text by vLLM's parser for the family
+(``rollout.tool_parser``; hermes, the default, reads the ``<tool_call>`` JSON that Qwen's and
+Hermes' templates teach), results as tool messages. Nothing a policy writes and nothing a tool
+does crashes the rollout: a malformed call, an unknown tool, a tool that raises or returns
+something JSON cannot hold each become an error message that the policy reads as the tool's
+answer, and are counted.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
-import re
+import logging
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -20,7 +19,6 @@ from typing import Any, Callable
 from common.config import ConfigError
 from common.functions import load_function
 
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
 
@@ -67,25 +65,70 @@ class ToolCall:
     error: str | None = None  # why it could not be read
 
 
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` in ``text``, in order; one
-    that is not such a JSON object comes back with its ``error`` (``arguments`` may also be a JSON
-    string of an object, as some models write it)."""
-    calls = []
-    for body in TOOL_CALL.findall(text):
+class ToolCallParser:
+    """vLLM's tool-call parser for the model family, by the name ``vllm serve --tool-call-parser``
+    takes (``rollout.tool_parser``: hermes, llama3_json, mistral, pythonic, qwen3_coder, ...): the
+    calls in a turn of the policy's text, as vLLM's OpenAI server would return them.
+
+    vLLM's parsers read a turn whole or not at all; a turn that begins a call (the parser's start
+    marker is in it: ``<tool_call>``, ``<|python_tag|>``, ``[TOOL_CALLS]``) and cannot be read is
+    one malformed call, which the policy reads as an error, rather than its final answer."""
+
+    MARKERS = ("tool_call_start_token", "bot_token")  # what vLLM's parsers call a call's start
+
+    def __init__(self, name: str, tokenizer, schemas: list[dict] | None) -> None:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.tool_parsers import ToolParserManager
+
         try:
-            call = json.loads(body)
-            if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-                raise ValueError('a tool call is a JSON object with a "name"')
-            arguments = call.get("arguments", {})
-            if isinstance(arguments, str):
-                arguments = json.loads(arguments)
-            if not isinstance(arguments, dict):
-                raise ValueError('a tool call\'s "arguments" is a JSON object')
-            calls.append(ToolCall(call["name"], arguments))
-        except ValueError as error:  # json's errors are ValueErrors too
-            calls.append(ToolCall(None, {}, f"malformed tool call: {error}"))
-    return calls
+            parser_class = ToolParserManager.get_tool_parser(name)
+        except KeyError:
+            raise ConfigError(f"rollout.tool_parser: {name!r} is not one of vLLM's tool-call parsers "
+                              f"({', '.join(sorted(tool_parser_names()))})") from None
+        self.request = ChatCompletionRequest(messages=[{"role": "user", "content": ""}], model="policy",
+                                             tools=schemas or None)
+        try:
+            self.parser = parser_class(tokenizer, self.request.tools)
+        except (RuntimeError, ValueError) as error:  # the family's special tokens are not in this tokenizer
+            raise ConfigError(f"rollout.tool_parser: {name} does not fit the policy's tokenizer ({error})") from None
+        self.name = name
+        self.markers = [marker for marker in (getattr(self.parser, attribute, None) for attribute in self.MARKERS)
+                        if isinstance(marker, str) and marker]
+        # a turn it cannot read is logged by vLLM with a traceback; tether counts it as a tool error
+        parser_log = logging.getLogger(type(self.parser).__module__)
+        if _below_error not in parser_log.filters:
+            parser_log.addFilter(_below_error)
+
+    def parse(self, text: str) -> list[ToolCall]:
+        """The turn's calls in order; ``[]`` for a turn without one (the episode's answer)."""
+        found = self.parser.extract_tool_calls(text, self.request)
+        if not found.tools_called:
+            if any(marker in text for marker in self.markers):
+                return [ToolCall(None, {}, f"malformed tool call: the {self.name} parser could not read it")]
+            return []
+        calls = []
+        for call in found.tool_calls:
+            try:
+                arguments = json.loads(call.function.arguments or "{}")
+                if isinstance(arguments, str):  # some models write the arguments as a JSON string of an object
+                    arguments = json.loads(arguments)
+                if not isinstance(arguments, dict):
+                    raise ValueError('a tool call\'s "arguments" is a JSON object')
+                calls.append(ToolCall(call.function.name, arguments))
+            except ValueError as error:  # json's errors are ValueErrors too
+                calls.append(ToolCall(None, {}, f"malformed tool call: {error}"))
+        return calls
+
+
+def _below_error(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.ERROR
+
+
+def tool_parser_names() -> list[str]:
+    """The names vLLM's tool-parser registry holds (its built-in parsers)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return list(ToolParserManager.list_registered())
 
 
 @dataclass

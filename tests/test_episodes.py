@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from common.config import load_config
+from common.config import ConfigError, load_config
 from tests.helpers import base_config, chatml_tokenizer
 
 EOS = 2  # the demo tokenizer's
@@ -32,6 +32,7 @@ def make_episodes(tmp_path, tokenizer, environment, rows, *overrides, tools=()):
                                 "rollout.max_model_len=64", *overrides],
                          base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
     environments = Environments.load(config.rollout.environment, load_tools(list(tools)))
+    environments.read_calls_with(config.rollout.tool_parser, tokenizer)
     prompts = [prompt_token_ids(row, tokenizer, None, environments.tool_schemas) for row in rows]
     return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
                     list(range(len(rows))), lambda _, max_tokens: max_tokens, logging.getLogger("test"))
@@ -167,26 +168,71 @@ def test_turns_and_tokens_are_bounded(tmp_path, demo_tokenizer):
 # --------------------------------------------------------------------------- tools
 
 
-def test_tool_calls_are_parsed_from_the_policys_text_and_every_failure_is_a_message():
-    from rollout.tools import call_tool, load_tools, parse_tool_calls
+def test_tool_calls_are_read_by_vllms_parser_and_every_failure_is_a_message(tmp_path):
+    """hermes (the default) reads each <tool_call> of a turn; a call that fails in any way is a
+    message the policy reads; a turn whose calls cannot be read is one malformed call."""
+    from rollout.tools import ToolCallParser, call_tool, load_tools
 
     tools = load_tools(["tests.environments:add", "tests.environments:broken", "tests.environments:unserialisable"])
+    parse = ToolCallParser("hermes", chatml_tokenizer(str(tmp_path)), [tool.schema for tool in tools.values()]).parse
     text = ('I will add. <tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
             '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call>'
-            "<tool_call>{not json}</tool_call><tool_call>[1, 2]</tool_call>"
+            '<tool_call>{"name": "add", "arguments": [1, 2]}</tool_call>'
             '<tool_call>{"name": "mul", "arguments": {}}</tool_call>'
             '<tool_call>{"name": "broken", "arguments": {"x": 1}}</tool_call>'
             '<tool_call>{"name": "unserialisable", "arguments": {}}</tool_call>'
             '<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>')
-    answers = [call_tool(tools, call) for call in parse_tool_calls(text)]
-    assert [error and error.kind for _, error in answers] == [None, None, "malformed", "malformed", "unknown_tool",
-                                                              "raised", "unserialisable", "raised"]
-    assert answers[5][1].tool == "broken" and answers[5][1].arguments == {"x": 1}
-    assert 'raise ValueError("broken on purpose")' in answers[5][1].detail  # the traceback, for the log
+    answers = [call_tool(tools, call) for call in parse(text)]
+    assert [error and error.kind for _, error in answers] == [None, None, "malformed", "unknown_tool", "raised",
+                                                              "unserialisable", "raised"]
+    assert answers[4][1].tool == "broken" and answers[4][1].arguments == {"x": 1}
+    assert 'raise ValueError("broken on purpose")' in answers[4][1].detail  # the traceback, for the log
     assert answers[0][0] == "42" and answers[1][0] == "3"
-    assert "unknown tool 'mul'" in answers[4][0] and "broken on purpose" in answers[5][0]
-    assert "missing 1 required positional argument: 'b'" in answers[7][0]
-    assert parse_tool_calls("no call here") == []
+    assert "unknown tool 'mul'" in answers[3][0] and "broken on purpose" in answers[4][0]
+    assert "missing 1 required positional argument: 'b'" in answers[6][0]
+    assert parse("no call here") == []
+    unread = parse('<tool_call>{"name": "add", "arguments": {"a": 1</tool_call><tool_call>{not json}</tool_call>')
+    assert [(call.name, call.error) for call in unread] == [(None, "malformed tool call: the hermes parser could "
+                                                                   "not read it")]
+
+
+FAMILY_CALLS = {  # what a model of each family writes to call add(17, 25), in its own format
+    "hermes": '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>',
+    "llama3_json": '<|python_tag|>{"name": "add", "parameters": {"a": 17, "b": 25}}',
+    "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": 17, "b": 25}}]',
+    "pythonic": "[add(a=17, b=25)]",
+}
+FAMILY_MALFORMED = {"hermes": '<tool_call>{"name": "add", "arguments": {"a": </tool_call>',
+                    "llama3_json": '<|python_tag|>{"name": "add", "parameters": {"a": ',
+                    "mistral": '[TOOL_CALLS][{"name": "add", "arguments": {"a": ]'}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
+def test_each_familys_parser_reads_its_own_call_format(tmp_path, family):
+    """vLLM's parser named as `vllm serve --tool-call-parser` takes it reads a call written in its
+    family's format (on a tokenizer holding the family's special tokens) as the same call, and a
+    call begun and left unreadable as one malformed call."""
+    from rollout.tools import ToolCall, ToolCallParser, load_tools
+
+    tokenizer = chatml_tokenizer(str(tmp_path))
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]"]})
+    tools = load_tools(["tests.environments:add"])
+    parser = ToolCallParser(family, tokenizer, [tool.schema for tool in tools.values()])
+    assert parser.parse(FAMILY_CALLS[family]) == [ToolCall("add", {"a": 17, "b": 25})]
+    assert parser.parse("The answer is 42.") == []
+    if family in FAMILY_MALFORMED:
+        assert [call.name for call in parser.parse(FAMILY_MALFORMED[family])] == [None]
+
+
+def test_a_tool_parser_that_is_not_vllms_or_does_not_fit_the_tokenizer_is_a_config_error(tmp_path):
+    from rollout.tools import ToolCallParser
+
+    tokenizer = chatml_tokenizer(str(tmp_path))
+    with pytest.raises(ConfigError, match="rollout.tool_parser: 'hermez' is not one of vLLM's tool-call parsers "
+                                          r"\(.*hermes.*\)"):
+        ToolCallParser("hermez", tokenizer, None)
+    with pytest.raises(ConfigError, match="rollout.tool_parser: llama3_json does not fit the policy's tokenizer"):
+        ToolCallParser("llama3_json", tokenizer, None)
 
 
 def test_a_tools_schema_comes_from_its_docstring_or_its_signature():
