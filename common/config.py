@@ -116,16 +116,31 @@ class RolloutConfig(_Strict):
     tools: list[str] = Field(default_factory=list, description='"module:function" tools: their JSON schemas go to '
                              "the chat template, a call in a turn (read by rollout.tool_parser) calls them, each "
                              "result is a tool message")
+    agent: str | None = Field(None, description='"module:function": an agent program, run(client, row) -> reward '
+                              "(async or not), whose client is an OpenAI client pointed at the rollout's endpoint: "
+                              "each of its chat-completions calls is a turn of its episode (rollout/agents.py); "
+                              "instead of rollout.environment and rollout.tools")
+    agent_deadline_s: float = Field(600.0, gt=0, description="rollout.agent: an episode's program that has not "
+                                    "returned this long after it started ends (env_deadline); each wait for its "
+                                    "next call is also bounded by env_step_deadline_s")
     tool_parser: str = Field("hermes", description="vLLM's tool-call parser for the policy's family, the names "
                              "`vllm serve --tool-call-parser` takes: hermes (<tool_call> JSON: Hermes, Qwen), "
                              "llama3_json, mistral, pythonic, qwen3_coder, ...")
     max_turns: int = Field(4, ge=1, description="most policy turns in an episode")
     env_step_deadline_s: float = Field(30.0, gt=0, description="an environment that takes longer to make, reset or "
-                                       "answer a turn ends its episode (env_deadline)")
+                                       "answer a turn ends its episode (env_deadline); an agent program: to make "
+                                       "its next call or return")
     env_failure_limit: int = Field(100, ge=1, description="this many episodes in a row ended by their environment "
                                    "(env_error, env_deadline) with none ending well between them end the run (exit "
                                    "code 4, the first failure in the log): an environment that fails every episode "
                                    "is a bug to fix, not a run to keep going")
+
+    @model_validator(mode="after")
+    def _one_source_of_episodes(self) -> "RolloutConfig":
+        if self.agent and (self.environment or self.tools):
+            raise ValueError("rollout.agent runs its own tools and conversation: leave rollout.environment and "
+                             "rollout.tools unset with it")
+        return self
 
 
 class ScorerConfig(_Strict):

@@ -57,6 +57,33 @@ def exact_answer(messages: list[dict] | None, response: str, row: dict) -> float
     return float("".join(ch for ch in last if ch.isdigit()) == row["answer"] and "<tool_call>" not in last)
 
 
+CALCULATOR = {"type": "function", "function": {
+    "name": "calculator", "description": "Add two whole numbers.",
+    "parameters": {"type": "object", "properties": {"expression": {"type": "string", "description": 'two numbers and '
+                                                                   'a plus sign between them, such as "374 + 589"'}},
+                   "required": ["expression"]}}}
+
+
+async def openai_agent(client, row: dict) -> float:
+    """The task as an agent program written against the OpenAI API (``rollout.agent``): ask, run
+    the calculator for each call the reply makes, ask again, up to four replies; the exact answer
+    is the reward. Nothing in it is tether's."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(4):
+        reply = (await client.chat.completions.create(model="policy", messages=messages, tools=[CALCULATOR],
+                                                      max_tokens=20)).choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        if not reply.tool_calls:
+            break
+        for call in reply.tool_calls:
+            try:
+                content = calculator(**json.loads(call.function.arguments))
+            except Exception as error:
+                content = f"error: {call.function.name} raised {type(error).__name__}: {error}"
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
+    return exact_answer([{"role": m["role"], "content": m.get("content") or ""} for m in messages], "", row)
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -178,16 +205,22 @@ def evaluate_policy(config, checkpoint: str, eval_prompts: str) -> dict[str, flo
             "episodes_failed": figures["episodes_failed"]}
 
 
-def run_demo(assets: Path, overrides: list[str]) -> int:
+OPENAI_AGENT = ["rollout.tools=[]", "rollout.agent=demos.agent:openai_agent", "run_dir=runs/demo-agent-openai",
+                "rollout.env_step_deadline_s=30"]  # a call waits its turn among the engine's others
+
+
+def run_demo(assets: Path, overrides: list[str], openai: bool = False) -> int:
     """Build the assets (once), run PPO on episodes with the calculator, report held-out exact
-    answers of the SFT and the PPO policy (target: +0.3)."""
+    answers of the SFT and the PPO policy (target: +0.3). ``openai``: the episodes are
+    ``openai_agent``'s, a program calling the rollout's OpenAI endpoint, instead of tether's own."""
     from demos.parity import run_and_compare
 
     started = time.monotonic()
     paths = build_assets(assets / "assets-agent")
     config_path = Path(__file__).resolve().parent.parent / "configs" / "demo-agent.yaml"
     return run_and_compare(
-        config_path, [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}", *overrides],
+        config_path, [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}",
+                      *(OPENAI_AGENT if openai else []), *overrides],
         paths["policy"], lambda config, policy: evaluate_policy(config, policy, paths["eval_prompts"]),
         [("exact_answer", "exact", ".3f"), ("tool_calls_per_episode", "tools", ".2f"),
          ("turns_per_episode", "turns", ".2f"), ("kl_to_reference", "kl", ".3f")],

@@ -36,6 +36,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     from vllm import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
+    from rollout.agents import agent_programs
     from rollout.engine import make_vllm_engine, sampling_params
     from rollout.environments import Environments
     from rollout.episodes import Episodes, Renderer
@@ -44,9 +45,10 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     from rollout.tools import load_tools
     from scorer.main import Scorer
 
-    environments = Environments.load(config.rollout.environment, load_tools(config.rollout.tools))
-    tools = environments.tool_schemas if environments is not None else None
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    programs = agent_programs(config, tokenizer)
+    environments = Environments.load(config.rollout.environment, load_tools(config.rollout.tools), programs)
+    tools = environments.tool_schemas if environments is not None else None
     if environments is not None:
         environments.read_calls_with(config.rollout.tool_parser, tokenizer)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
@@ -80,6 +82,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
                                "tool_errors": record["tool_errors"]}
     finally:
         engine.llm_engine.engine_core.shutdown()
+        if programs is not None:
+            programs.close()
     for i, sample in enumerate(samples):
         sample.sample_id = f"eval-{i}"
     parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row

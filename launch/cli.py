@@ -239,8 +239,8 @@ def pipeline(config: Path = ConfigOption, override: Optional[list[str]] = Overri
     output the next one's input; a stage already finished with the same section is not run again."""
     resolved = _load(config, override, ppo=False)
     from common.config import ConfigError
-    from launch.preflight import check_run_data, check_stage_data
     from launch.pipeline import run_pipeline
+    from launch.preflight import check_run_data, check_stage_data
 
     try:  # every stage's data and PPO's before the first stage trains
         check_stage_data(resolved)
@@ -258,12 +258,14 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
          long_tail: bool = typer.Option(False, help="responses of 4 to 64 tokens, most short "
                                                     "(configs/demo-long-tail.yaml)"),
          agent: bool = typer.Option(False, help="episodes with a calculator tool: sums the policy cannot do "
-                                                "alone (configs/demo-agent.yaml)")) -> None:
+                                                "alone (configs/demo-agent.yaml)"),
+         openai: bool = typer.Option(False, help="with --agent: the episodes are an agent program's, written "
+                                                 "against the OpenAI API (demos/agent.py openai_agent)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
-    if agent:
+    if agent or openai:
         from demos.agent import run_demo as run_agent_demo
 
-        raise typer.Exit(run_agent_demo(assets, override or []))
+        raise typer.Exit(run_agent_demo(assets, override or [], openai))
     from demos.parity import run_demo
 
     raise typer.Exit(run_demo(assets, override or [], long_tail))

@@ -16,6 +16,7 @@ from common.config import TetherConfig
 def check_run_data(config: TetherConfig) -> None:
     """The files and functions PPO reads: data.prompts, eval.prompts, data.ptx, scorer.reward_functions,
     rollout.tools and rollout.environment. Raises ``ConfigError`` at the first problem."""
+    from common.functions import load_function
     from common.prompts import read_rows, read_texts
     from rollout.environments import Environments
     from rollout.tools import load_tools
@@ -29,6 +30,8 @@ def check_run_data(config: TetherConfig) -> None:
     for i, function in enumerate(config.scorer.reward_functions):
         RewardFunction.load(function.function, function.weight, f"scorer.reward_functions[{i}].function")
     Environments.load(config.rollout.environment, load_tools(config.rollout.tools))
+    if config.rollout.agent:
+        load_function(config.rollout.agent, "rollout.agent")
 
 
 def check_stage_data(config: TetherConfig) -> None:

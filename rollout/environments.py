@@ -127,8 +127,11 @@ class Environments:
         self.parse: Callable[[str], list[ToolCall]] | None = None  # read_calls_with's, once the tokenizer is there
 
     @staticmethod
-    def load(environment: str | None, tools: dict[str, Tool]) -> "Environments | None":
-        """None where the config names neither: single responses, no episodes."""
+    def load(environment: str | None, tools: dict[str, Tool], agent=None) -> "Environments | None":
+        """None where the config names neither: single responses, no episodes. ``agent``: a
+        ``rollout.agents.AgentPrograms``, whose episodes are its program's calls."""
+        if agent is not None:
+            return Environments(agent.make, {})
         if environment is None and not tools:
             return None
         factory = load_function(environment, "rollout.environment") if environment else None

@@ -127,6 +127,7 @@ class Episode:
     last_token: int = -1  # of the policy's last turn: the token it stopped at, when it stopped
     tool_calls: int = 0
     tool_errors: int = 0
+    renderer: Renderer | None = None  # for an episode whose environment brings its own tools
 
 
 def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
@@ -196,6 +197,7 @@ class Episodes:
         """``prompts``, ``data_rows``: the kept prompts' ids and their rows of ``rows`` (the data file);
         ``sampling_for(episode, max_tokens)``: vLLM's sampling of the episode's next turn."""
         self.config, self.environments, self.renderer, self.tokenizer = config, environments, renderer, tokenizer
+        self.renderers: dict[str, Renderer] = {}  # by the tools they render, for environments with their own
         self.sampling_for = sampling_for
         self.rows, self.prompts, self.data_rows, self.log = rows, prompts, data_rows, log
         self.groups: list[Group] = []
@@ -219,6 +221,16 @@ class Episodes:
             delay = self.backoff_s()
             self._call(episode, _reset, self.environments, data_row, delay)
             episode.deadline += delay
+
+    def renderer_for(self, tools: list[dict] | None) -> Renderer:
+        """The renderer of an episode whose environment names its own tools (an agent program's
+        calls pass theirs): their schemas in the template's system prompt; else the run's."""
+        if not tools or tools == self.renderer.tools:
+            return self.renderer
+        key = json.dumps(tools, sort_keys=True)
+        if key not in self.renderers:
+            self.renderers[key] = Renderer(self.tokenizer, tools)
+        return self.renderers[key]
 
     def backoff_s(self) -> float:
         """How long a new episode waits before its environment is made: 0 until BACKOFF_AFTER
@@ -330,7 +342,8 @@ class Episodes:
     def _start_from(self, episode: Episode, first: Observation) -> None:
         episode.messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
         try:
-            episode.prompt_tokens = self.renderer.prompt_ids(first)
+            episode.renderer = self.renderer_for(getattr(episode.environment, "tools", None))
+            episode.prompt_tokens = episode.renderer.prompt_ids(first)
         except Exception as error:  # the template refuses the environment's chat
             self.failures.report("env_error", error, f"the chat template refuses the environment's first messages "
                                  f"({type(error).__name__}: {error})",
@@ -356,7 +369,7 @@ class Episodes:
         observation = ([{"role": "user", "content": step.observation}] if isinstance(step.observation, str)
                        else step.observation or [])
         try:
-            ids = self.renderer.observation_ids(observation, episode.last_token)
+            ids = (episode.renderer or self.renderer).observation_ids(observation, episode.last_token)
         except Exception as error:
             self.failures.report("env_error", error, f"an observation does not render ({type(error).__name__}: "
                                  f"{error})", f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}",
@@ -378,6 +391,9 @@ class Episodes:
 
     def _end(self, episode: Episode, reason: str) -> None:
         episode.ended = reason
+        close = getattr(episode.environment, "close", None)
+        if close is not None:  # an agent program's waiting call is refused; in a thread: a close may hang
+            in_thread(close)
         self.counters[f"ended_{reason}"] += 1
         self.failed_in_a_row = self.failed_in_a_row + 1 if reason in FAILED_ENDINGS else 0
         limit = self.config.rollout.env_failure_limit

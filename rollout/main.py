@@ -13,6 +13,7 @@ from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.samples import Sample
 from protocol.transport import connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments
+from rollout.agents import agent_programs
 from rollout.credits import Credits, Outbox
 from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
 from rollout.environments import Environments
@@ -75,9 +76,10 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     timeline.phase("import")
     rollout_cfg = config.rollout
     # the user's code first: a typo there should not wait for the engine
-    environments = Environments.load(rollout_cfg.environment, load_tools(rollout_cfg.tools))
-    tools = environments.tool_schemas if environments is not None else None
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
+    programs = agent_programs(config, tokenizer)
+    environments = Environments.load(rollout_cfg.environment, load_tools(rollout_cfg.tools), programs)
+    tools = environments.tool_schemas if environments is not None else None
     if environments is not None:
         environments.read_calls_with(rollout_cfg.tool_parser, tokenizer)
     rows = read_rows(config.data.prompts)
@@ -158,6 +160,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
              f"; {unanswered} messages of samples were not acknowledged before the buffer stopped"
              if unanswered else "")
     weights.close()
+    if programs is not None:
+        programs.close()
     metrics.close()
     client.close()
     # vLLM's engine process and workers, where it has them, exit now, reaped by this process rather

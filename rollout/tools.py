@@ -120,6 +120,16 @@ class ToolCallParser:
         return calls
 
 
+    def openai_calls(self, text: str, request) -> tuple[str | None, list]:
+        """(content, vLLM's ``ToolCall``s) of a turn, as vLLM's server answers ``request`` (a
+        ``ChatCompletionRequest`` with the caller's tools): a turn without a call, or with one the
+        parser cannot read, is all content."""
+        if not request.tools:
+            return text, []
+        found = self.parser.extract_tool_calls(text, request)
+        return (found.content, list(found.tool_calls)) if found.tools_called else (text, [])
+
+
 def _below_error(record: logging.LogRecord) -> bool:
     return record.levelno < logging.ERROR
 

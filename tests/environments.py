@@ -2,6 +2,7 @@
 written in the demo's vocabulary (digits, even, odd, ':') so its tiny policy can read them."""
 
 import itertools
+import json
 import time
 
 from rollout.environments import Step
@@ -97,3 +98,33 @@ class TextReset(Counting):
 
 def text_reset(row: dict) -> Counting:
     return TextReset(row)
+
+
+# --------------------------------------------------------------------------- agent programs (rollout.agent)
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers.", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+
+
+async def asks_twice(client, row: dict) -> dict:
+    """Asks, runs the call its reply makes, asks again; the reward and a figure of its own."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    reply = (await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])).choices[0].message
+    messages.append(reply.model_dump(exclude_none=True))
+    for call in reply.tool_calls or []:
+        arguments = json.loads(call.function.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": str(add(**arguments))})
+    final = (await client.chat.completions.create(model="policy", messages=messages, tools=[ADD])).choices[0].message
+    return {"reward": 1.0 if final.content == "42" else 0.0, "calls": 2}
+
+
+def rewrites_its_context(client, row: dict) -> float:
+    """A plain function: its second call starts the conversation over."""
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "something else"}])
+    return 1.0
+
+
+async def says_yes(client, row: dict):
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    return "yes"

@@ -101,3 +101,67 @@ def test_tether_eval_runs_episodes_and_gives_the_same_figures_twice(tmp_path, ag
     assert first == second and first["prompts"] == 48 and first["tool_calls_per_episode"] > 0
     worst = (tmp_path / "run" / "eval" / "step-000000.md").read_text()
     assert "  - user: `add " in worst and "  - ended: " in worst
+
+
+@pytest.mark.slow
+def test_an_openai_client_program_gives_the_native_episodes_tokens(tmp_path, agent_assets):
+    """The task as a program written against the OpenAI API (demos.agent.openai_agent, through the
+    rollout's endpoint) and as native episodes with the calculator tool, on one vLLM engine with
+    each turn seeded alike: every episode is the same prompt, token stream, mask and logprobs, the
+    program's reward the exact answer of that conversation. Episodes where the policy wrote a call
+    the parser cannot read are left out: the native path answers it with an error, a program
+    reads it as text."""
+    import logging
+
+    import numpy as np
+    from transformers import AutoTokenizer
+    from vllm.sampling_params import RequestOutputKind
+
+    from common.config import load_config
+    from common.prompts import prompt_token_ids, read_rows
+    from demos.agent import exact_answer
+    from rollout.agents import agent_programs
+    from rollout.engine import make_vllm_engine, sampling_params
+    from rollout.environments import Environments
+    from rollout.episodes import Episodes, Renderer
+    from rollout.generators import generate_to_end
+    from rollout.tools import load_tools
+
+    native_config = load_config(None, base=agent_config(tmp_path, agent_assets))
+    agent_config_ = load_config(None, ["rollout.tools=[]", "rollout.agent=demos.agent:openai_agent"],
+                                base=agent_config(tmp_path, agent_assets))
+    tokenizer = AutoTokenizer.from_pretrained(agent_assets["policy"])
+    rows = read_rows(agent_assets["prompts"])[:24]
+    engine = make_vllm_engine(native_config, enable_chunked_prefill=False)  # seeded requests: prefills whole
+
+    def episodes(config, environments):
+        prompts = [prompt_token_ids(row, tokenizer, None, environments.tool_schemas) for row in rows]
+        source = Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows,
+                          prompts, list(range(len(rows))), lambda episode, max_tokens: sampling_params(
+                              config, n=1, max_tokens=max_tokens, seed=100 * episode.group.prompt_index + episode.turns,
+                              output_kind=RequestOutputKind.FINAL_ONLY), logging.getLogger("test"))
+        return generate_to_end(engine, source, list(range(len(rows))))
+
+    programs = agent_programs(agent_config_, tokenizer)
+    try:
+        native, native_dropped = episodes(native_config, Environments.load(None, load_tools(
+            ["demos.agent:calculator"])).read_calls_with("hermes", tokenizer))
+        agent, agent_dropped = episodes(agent_config_, Environments.load(None, {}, programs).read_calls_with(
+            "hermes", tokenizer))
+    finally:
+        programs.close()
+        engine.llm_engine.engine_core.shutdown()
+    assert native_dropped == agent_dropped == 0 and len(native) == len(agent) == len(rows)
+    compared = multi_turn = 0
+    for ours, theirs in zip(native, agent):
+        if "malformed tool call" in ours.messages:
+            continue
+        compared += 1
+        multi_turn += int(ours.loss_mask.min() == 0)
+        assert ours.prompt_tokens.tolist() == theirs.prompt_tokens.tolist()
+        assert ours.response_tokens.tolist() == theirs.response_tokens.tolist(), (ours.messages, theirs.messages)
+        assert ours.loss_mask.tolist() == theirs.loss_mask.tolist()
+        assert np.abs(ours.behavior_logprobs - theirs.behavior_logprobs).max() < LOGPROB_TOLERANCE
+        row = rows[ours.data_row]
+        assert float(theirs.turn_rewards.sum()) == exact_answer(json.loads(ours.messages), "", row)
+    assert compared >= 16 and multi_turn >= 3, (compared, multi_turn)

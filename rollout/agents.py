@@ -1,0 +1,240 @@
+"""Agent programs (``rollout.agent``): the user's own loop against the OpenAI API, trained as it is.
+
+A program is ``run(client, row) -> reward``: ``client`` an ``openai.AsyncOpenAI`` (an ``openai.
+OpenAI`` for a plain function) with its episode's key, pointed at the rollout's endpoint
+(``rollout.endpoint``: an async client reaches its app in this process, a plain one through
+127.0.0.1), ``row`` the prompt's data row; it returns the episode's reward, a number (or a dict
+with ``reward``). Each episode's program runs in a thread of its own, within
+``rollout.agent_deadline_s``.
+
+To the rollout's loop an agent episode is an environment like any other (``rollout.episodes``):
+its first call's messages are the episode's first observation, and each later call's messages
+past what the program sent before and the reply it got (tool results, a user's turn) are the
+observation after the policy's turn, rendered and appended token for token; the program's return
+ends the episode with its reward on the last token. So the tokens trained are the ids the engine
+generated and the ids of what came between, never a re-tokenized conversation, and the deadlines,
+failure accounting and groups of episodes hold as they do for environments. A program that
+rewrites its earlier messages (a compacted context) ends its episode there (``env_error``); a
+program that raises, hangs past ``rollout.env_step_deadline_s`` or returns what is not a reward
+ends it as an environment would (``env_error``, ``env_deadline``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import json
+import math
+import queue
+import secrets
+import threading
+import time
+from typing import Any
+
+from common.functions import load_function
+from rollout.endpoint import Call, Endpoint, HTTPError
+from rollout.environments import BadStep, Step
+
+
+def agent_programs(config, tokenizer) -> "AgentPrograms | None":
+    """``rollout.agent``'s programs and their endpoint, or None without one; its calls' tool calls
+    read by vLLM's parser ``rollout.tool_parser`` for the policy's ``tokenizer``."""
+    if not config.rollout.agent:
+        return None
+    from rollout.tools import ToolCallParser
+
+    return AgentPrograms(config.rollout.agent, ToolCallParser(config.rollout.tool_parser, tokenizer, None),
+                         config.rollout.agent_deadline_s, config.rollout.env_step_deadline_s)
+
+
+class AgentPrograms:
+    """The run's agent program, its endpoint and the episodes calling it (each by its key)."""
+
+    def __init__(self, spec: str, parser, deadline_s: float, step_deadline_s: float) -> None:
+        self.program = load_function(spec, "rollout.agent", check=lambda function: inspect.signature(function))
+        self.parser = parser  # rollout.tools.ToolCallParser
+        # an episode's program, start to return (its calls wait on a busy engine too); one wait for its next call
+        self.deadline_s, self.step_deadline_s = deadline_s, step_deadline_s
+        self.episodes: dict[str, AgentEnvironment] = {}
+        self.lock = threading.Lock()
+        self.endpoint = Endpoint(self.lookup)
+        self.sync_client = None  # one for every plain-function program (an episode's is a copy with its key)
+
+    def lookup(self, key: str) -> "AgentEnvironment | None":
+        with self.lock:
+            return self.episodes.get(key)
+
+    def make(self, row: dict) -> "AgentEnvironment":
+        """An episode's environment (``Environments``' factory)."""
+        episode = AgentEnvironment(self, row)
+        with self.lock:
+            self.episodes[episode.key] = episode
+        return episode
+
+    def forget(self, key: str) -> None:
+        with self.lock:
+            self.episodes.pop(key, None)
+
+    def start(self, episode: "AgentEnvironment") -> None:
+        """``episode``'s program on its row with a client of its key, in a thread of its own (a
+        coroutine on an event loop of that thread): a program that blocks (a tool called without
+        await) holds up its own episode alone. Its return or error goes to the episode's events."""
+        run = self._run_async if inspect.iscoroutinefunction(self.program) else self._run_sync
+        threading.Thread(target=run, args=(episode,), name=f"agent-{episode.key[:8]}", daemon=True).start()
+
+    def _run_async(self, episode: "AgentEnvironment") -> None:
+        import httpx
+        from openai import AsyncOpenAI
+
+        async def main() -> Any:
+            # the calls go to the endpoint's app in this process, not through a socket (a client of
+            # its own transport also skips the TLS set-up a default client costs)
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.endpoint.app),
+                                         timeout=self.deadline_s) as http:
+                client = AsyncOpenAI(base_url=self.endpoint.base_url, api_key=episode.key, max_retries=0,
+                                     timeout=self.deadline_s, http_client=http)
+                return await self.program(client, episode.row)
+
+        try:
+            episode.events.put(("return", asyncio.run(main())))
+        except BaseException as error:  # the program's own failure ends its episode (env_error)
+            episode.events.put(("raise", error))
+
+    def _run_sync(self, episode: "AgentEnvironment") -> None:
+        with self.lock:
+            if self.sync_client is None:
+                from openai import OpenAI
+
+                self.sync_client = OpenAI(base_url=self.endpoint.base_url, api_key="-", max_retries=0,
+                                          timeout=self.deadline_s)
+        try:
+            episode.events.put(("return", self.program(self.sync_client.with_options(api_key=episode.key),
+                                                       episode.row)))
+        except BaseException as error:
+            episode.events.put(("raise", error))
+
+    def close(self) -> None:
+        with self.lock:
+            episodes, self.episodes = list(self.episodes.values()), {}
+        for episode in episodes:
+            episode.close()
+        self.endpoint.close()
+
+
+class AgentEnvironment:
+    """One episode of the agent program, as the environment ``rollout.episodes`` drives."""
+
+    def __init__(self, programs: AgentPrograms, row: dict) -> None:
+        self.programs, self.row = programs, row
+        self.key = secrets.token_hex(16)
+        self.events: queue.Queue = queue.Queue()  # ("call", Call), ("return", value) or ("raise", error)
+        self.call: Call | None = None  # the call the policy's next turn answers
+        self.sent: list[dict] = []  # the conversation as the program sent it, with the replies it got
+        self.tools: list[dict] | None = None  # the program's tools, as its first call passed them
+        self.ended = False
+        self.deadline = math.inf  # when the program must have returned
+
+    def offer(self, call: Call) -> HTTPError | None:
+        """From the endpoint: the program's next call, or why it is refused."""
+        if self.ended:
+            return HTTPError(404, "this episode has ended")
+        self.events.put(("call", call))
+        return None
+
+    def reset(self) -> list[dict]:
+        """Starts the program; its first call's messages are the episode's first observation."""
+        self.deadline = time.monotonic() + self.programs.deadline_s
+        self.programs.start(self)
+        kind, value = self._next()
+        if kind == "return":
+            raise BadStep("the agent program returned before it called the model")
+        self.tools = value.request.tools and [tool.model_dump(exclude_none=True) for tool in value.request.tools]
+        return self._take(value)
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        """The policy's turn answers the program's call; then its next call (the observation: what it
+        added to the conversation) or its return (the reward, and the episode's end)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponse,
+                                                                      ChatCompletionResponseChoice, ChatMessage)
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+        call, self.call = self.call, None
+        content, tool_calls = self.programs.parser.openai_calls(response, call.request)
+        reply = ChatMessage(role="assistant", content=content, tool_calls=tool_calls)
+        call.answer(ChatCompletionResponse(model=call.request.model or "policy", usage=UsageInfo(), choices=[
+            ChatCompletionResponseChoice(index=0, message=reply, finish_reason="tool_calls" if tool_calls else "stop")]))
+        self.sent.append(_plain(reply.model_dump(mode="json", exclude_none=True)))
+        kind, value = self._next()
+        if kind == "call":
+            return Step(self._take(value), tool_calls=len(tool_calls))
+        return Step(None, _reward(value), done=True, tool_calls=len(tool_calls))
+
+    def close(self) -> None:
+        """The episode ended: a call waiting for its turn is refused, and later ones."""
+        self.ended = True
+        self.programs.forget(self.key)
+        if self.call is not None:
+            self.call.answer(HTTPError(404, "this episode has ended"))
+        while not self.events.empty():
+            kind, value = self.events.get_nowait()
+            if kind == "call":
+                value.answer(HTTPError(404, "this episode has ended"))
+
+    def _next(self) -> tuple[str, Any]:
+        """The program's next call or its end; its error raised here. The wait is bounded by what is
+        left of the episode's ``agent_deadline_s`` (the rollout ends a wait past
+        ``env_step_deadline_s`` itself: env_deadline; this thread is then left to the program)."""
+        left = min(self.deadline - time.monotonic(), self.programs.step_deadline_s + 1.0)
+        try:
+            kind, value = self.events.get(timeout=max(0.0, left))
+        except queue.Empty:
+            raise TimeoutError(f"the agent program made no call and did not return in time (rollout.agent_deadline_s "
+                               f"{self.programs.deadline_s:g}, rollout.env_step_deadline_s "
+                               f"{self.programs.step_deadline_s:g})") from None
+        if kind == "raise":
+            raise value
+        return kind, value
+
+    def _take(self, call: Call) -> list[dict]:
+        """The messages ``call`` adds to the conversation; it must extend what the program sent
+        before and the replies it got, message for message."""
+        messages = [_plain(message) for message in call.request.messages]
+        if messages[:len(self.sent)] != self.sent:
+            call.answer(HTTPError(400, "the conversation does not extend the episode's previous call and its reply"))
+            raise BadStep("the agent program's call does not extend its previous call and the reply it got "
+                          "(a rewritten context: the episode ends there)")
+        added, self.sent, self.call = messages[len(self.sent):], messages, call
+        if not added:
+            raise BadStep("the agent program called again with no new message")
+        return added
+
+
+def _plain(message: Any) -> dict:
+    """A chat message as the template renders it and as it compares: role, content as text, and
+    the tool calls or the call answered where there are some."""
+    message = dict(message)
+    content = message.get("content")
+    if isinstance(content, list):  # content parts: their text
+        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    plain = {"role": message["role"], "content": content or ""}
+    if message.get("tool_calls"):
+        plain["tool_calls"] = [{"id": call["id"], "type": "function",
+                                "function": {"name": call["function"]["name"],
+                                             "arguments": call["function"]["arguments"]}}
+                               for call in (dict(c) for c in message["tool_calls"])]
+    for key in ("tool_call_id", "name"):
+        if message.get(key):
+            plain[key] = message[key]
+    return plain
+
+
+def _reward(value: Any) -> float:
+    """The program's return as the episode's reward: a number, or a dict with ``reward``."""
+    if isinstance(value, dict):
+        if "reward" not in value:
+            raise BadStep(f"the agent program returned a dict without 'reward' (keys {sorted(value)[:10]})")
+        value = value["reward"]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadStep(f"the agent program returned {json.dumps(value, default=repr)[:200]}, not a finite number")
+    return float(value)
+

@@ -1,0 +1,100 @@
+"""The rollout's OpenAI-compatible endpoint: chat completions on loopback, for agent programs
+(``rollout.agent``), answered by the rollout's own engine.
+
+Each call carries its episode's key (``Authorization: Bearer <key>``); a key the rollout did not
+give, or whose episode has ended, is refused (401, 404), so one episode never reads another's
+tokens. The request is vLLM's own ``ChatCompletionRequest`` (validated as vLLM's server validates
+it) and the answer vLLM's ``ChatCompletionResponse``. The handler hands the call to the episode
+(``rollout.agents.AgentEnvironment.offer``) and awaits its answer, which the rollout's loop gives
+once the engine has generated the turn, batched with every other request.
+"""
+
+# no `from __future__ import annotations`: FastAPI reads the route's annotations at runtime
+import asyncio
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+START_DEADLINE_S = 30.0
+
+
+@dataclass
+class Call:
+    """One chat-completions call waiting for its turn: the request, and where its answer goes."""
+    request: Any  # vllm's ChatCompletionRequest
+    future: asyncio.Future
+    loop: asyncio.AbstractEventLoop
+
+    def answer(self, response: Any) -> None:
+        """From any thread: the call's answer (a ``ChatCompletionResponse``, or an ``HTTPError``)."""
+        self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(response))
+
+
+@dataclass
+class HTTPError:
+    status: int
+    message: str
+
+
+class Endpoint:
+    """uvicorn serving the chat-completions route in a thread of its own, on 127.0.0.1 and a free
+    port. ``lookup(key)``: the episode that key belongs to, or None."""
+
+    def __init__(self, lookup: Callable[[str], Any], host: str = "127.0.0.1") -> None:
+        import uvicorn
+        from fastapi import FastAPI, Request
+
+        from protocol.transport import free_port
+
+        self.lookup = lookup
+        self.app = app = FastAPI()
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request):
+            return await self.chat(request)
+
+        self.port = free_port()
+        self.base_url = f"http://{host}:{self.port}/v1"
+        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
+                                                    lifespan="off", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, name="openai-endpoint", daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + START_DEADLINE_S
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"the OpenAI endpoint did not start on {host}:{self.port}")
+            time.sleep(0.01)
+
+    async def chat(self, request) -> Any:
+        from fastapi.responses import JSONResponse
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        def error(status: int, message: str) -> JSONResponse:
+            return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
+                                status_code=status)
+
+        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        episode = self.lookup(key)
+        if episode is None:
+            return error(401, "unknown key: each episode calls with the key its program was given")
+        try:
+            body = ChatCompletionRequest.model_validate(await request.json())
+        except (ValidationError, ValueError) as invalid:
+            return error(400, f"not a chat-completions request: {invalid}")
+        if body.n != 1:
+            return error(400, f"n is {body.n}: an episode's call asks for one completion")
+        loop = asyncio.get_running_loop()
+        call = Call(body, loop.create_future(), loop)
+        refused = episode.offer(call)
+        if refused is not None:
+            return error(refused.status, refused.message)
+        answer = await call.future
+        if isinstance(answer, HTTPError):
+            return error(answer.status, answer.message)
+        return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5.0)

@@ -1,0 +1,85 @@
+"""Agent programs (rollout.agent) against the rollout's OpenAI endpoint, the engine's turns given
+by hand: what a program sends is the episode's observation, what it returns its reward; a call
+with a key the rollout did not give, or of an episode that ended, is refused. The program's
+calls through a real engine, token for token as native episodes: tests/test_agent_demo.py."""
+
+import threading
+
+import openai
+import pytest
+
+from rollout.environments import BadStep, Step
+from tests.helpers import chatml_tokenizer
+
+
+@pytest.fixture
+def programs(tmp_path):
+    """Each test's AgentPrograms of ``spec``, closed after it (its endpoint with it)."""
+    from rollout.agents import AgentPrograms
+    from rollout.tools import ToolCallParser
+
+    made = []
+
+    def make(spec: str, deadline_s: float = 10.0):
+        made.append(AgentPrograms(spec, ToolCallParser("hermes", chatml_tokenizer(str(tmp_path)), None), deadline_s,
+                                  deadline_s))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+def test_a_programs_calls_are_its_observations_and_its_return_the_reward(programs):
+    episode = programs("tests.environments:asks_twice").make({"prompt": "What is 17 plus 25?"})
+    assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
+    assert episode.tools[0]["function"]["name"] == "add"
+    step = episode.step('<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>', [])
+    assert not step.done and [(m["role"], m["content"]) for m in step.observation] == [("tool", "42")]
+    assert step.observation[0]["tool_call_id"] == episode.sent[1]["tool_calls"][0]["id"]  # the call it answers
+    assert episode.sent[1]["content"] == "" and episode.sent[1]["tool_calls"][0]["function"] == {
+        "name": "add", "arguments": '{"a": 17, "b": 25}'}
+    assert episode.step("42", []) == Step(None, 1.0, done=True)
+
+
+def test_a_rewritten_context_or_a_reward_that_is_not_a_number_ends_the_episode(programs):
+    episode = programs("tests.environments:rewrites_its_context").make({"prompt": "hello"})
+    episode.reset()
+    with pytest.raises(BadStep, match="does not extend its previous call"):
+        episode.step("hi", [])
+    episode = programs("tests.environments:says_yes").make({"prompt": "hello"})
+    episode.reset()
+    with pytest.raises(BadStep, match='returned "yes", not a finite number'):
+        episode.step("hi", [])
+
+
+def test_the_endpoint_refuses_keys_it_did_not_give_and_episodes_that_ended(programs):
+    agent = programs("tests.environments:asks_twice")
+    client = openai.OpenAI(base_url=agent.endpoint.base_url, api_key="not-a-key", max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError, match="unknown key"):
+        client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    episode = agent.make({"prompt": "hi"})
+    episode.close()  # what the rollout does when an episode ends
+    own = openai.OpenAI(base_url=agent.endpoint.base_url, api_key=episode.key, max_retries=0, timeout=10)
+    with pytest.raises(openai.AuthenticationError):  # forgotten with its episode
+        own.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    waiting = agent.make({"prompt": "hi"})
+    errors = []
+
+    def call() -> None:
+        try:
+            openai.OpenAI(base_url=agent.endpoint.base_url, api_key=waiting.key, max_retries=0, timeout=10) \
+                .chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        except openai.APIStatusError as error:
+            errors.append(error)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    kind, pending = waiting.events.get(timeout=10)  # the call, waiting for the policy's turn
+    waiting.call = pending
+    waiting.close()  # the episode ended (max_turns, a turn cut at max_new_tokens)
+    caller.join(timeout=10)
+    assert [error.status_code for error in errors] == [404] and "ended" in str(errors[0])
+    with pytest.raises(openai.BadRequestError, match="n is 2"):
+        openai.OpenAI(base_url=agent.endpoint.base_url, api_key=agent.make({}).key, max_retries=0, timeout=10) \
+            .chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], n=2)
