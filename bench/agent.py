@@ -9,7 +9,12 @@ actor's learning rate is 1e-12, so both variants keep the SFT policy's episodes 
 calls, its lengths) all run long; beside the rate, the tool calls and turns per episode show that
 they did. The figure compared with is k = 0's: asynchrony should not lose to it.
 
-    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [-o KEY=VALUE ...]
+``--openai``: instead, at the config's k, the native episodes against the same task written as an
+agent program against the OpenAI API (``demos.agent.openai_agent`` through the rollout's endpoint;
+limit: >= 0.8x the native trained tokens/s), and the endpoint's own cost per call: one episode's
+calls answered at once, one after another, with no engine.
+
+    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai] [-o KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -37,6 +42,39 @@ def figures(result: dict, batch_size: int) -> dict:
             "staleness": sum(step["staleness"] for step in steps) / len(steps), "run_s": result["run_s"]}
 
 
+def endpoint_ms_per_call(episodes: int = 100) -> float:
+    """Milliseconds per chat-completions call of agent episodes through the endpoint, one episode
+    after another, each of two calls answered as soon as it arrives (no engine): the program's
+    client, the route, the episode's hand-over and back, the program's thread and loop."""
+    import time
+
+    from demos.agent import build_tokenizer
+    from rollout.agents import AgentPrograms
+    from rollout.tools import ToolCallParser
+
+    tokenizer = build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
+    programs = AgentPrograms("bench.agent:asks_twice", ToolCallParser("hermes", tokenizer, None), 60.0, 60.0)
+    try:
+        started = time.perf_counter()
+        for _ in range(episodes):
+            episode = programs.make({"prompt": "add 1 2 3 + 4 5 6 :"})
+            episode.reset()
+            episode.step("5 7 9", [])
+            episode.step("5 7 9", [])
+        return (time.perf_counter() - started) / (2 * episodes) * 1e3
+    finally:
+        programs.close()
+
+
+async def asks_twice(client, row: dict) -> float:
+    """A call, a user's "again", a second call."""
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(2):
+        reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
+        messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
+    return 0.0
+
+
 def main() -> None:
     from common.config import load_config
     from demos.agent import build_assets
@@ -46,6 +84,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--steps", type=int, default=30, help="learner.total_steps of each run")
     parser.add_argument("--learn", action="store_true", help=f"train at the config's actor_lr (default {FROZEN_LR})")
+    parser.add_argument("--openai", action="store_true", help="native episodes against the OpenAI-client program")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant, as `tether run -o`")
     args = parser.parse_args()
@@ -58,6 +97,10 @@ def main() -> None:
     batch_size = load_config(config_path, overrides).learner.batch_size
     work = tempfile.mkdtemp(prefix="tether-bench-agent-")
     variants = [("k=0", ["buffer.max_staleness=0"]), ("k=2", ["buffer.max_staleness=2"])]
+    if args.openai:
+        from demos.agent import OPENAI_AGENT
+
+        variants = [("native", []), ("openai", [o for o in OPENAI_AGENT if not o.startswith("run_dir=")])]
     results: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for round_index in range(args.rounds):
         for name, variant in variants if round_index % 2 == 0 else reversed(variants):
@@ -73,6 +116,11 @@ def main() -> None:
     for name, _ in variants:
         print(f"  {name}: trained tokens/s {median(results, name, 'tokens_per_s'):6.0f}, samples/s "
               f"{median(results, name, 'samples_per_s'):5.1f}")
+    if args.openai:
+        factor = median(results, "openai", "tokens_per_s") / median(results, "native", "tokens_per_s")
+        print(f"trained tokens/s, OpenAI-client program / native episodes: {factor:.2f}x (limit: >= 0.80x)")
+        print(f"the endpoint's own cost: {endpoint_ms_per_call():.2f} ms per call (one episode, no engine)")
+        return
     factor = median(results, "k=2", "tokens_per_s") / median(results, "k=0", "tokens_per_s")
     print(f"trained tokens/s, k = 2 / k = 0: {factor:.2f}x (limit: >= 1.00x, asynchrony must not lose)")
 

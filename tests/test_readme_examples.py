@@ -40,6 +40,39 @@ def test_the_readme_gives_its_episode_example_whole():
     assert "my_env:make" in files["my.yaml"] and "my_tools:add" in files["my.yaml"]
 
 
+def test_the_readme_agent_is_answered_through_the_endpoint_and_its_config_holds(tmp_path, monkeypatch):
+    """The README's my_agent.py (with its my_tools.py) as the rollout runs it, the policy's turns
+    given by hand: its call's messages are the first observation, its tool's result the next, its
+    return the reward; its config keys are tether's."""
+    import yaml
+
+    from common.config import load_config
+    from rollout.agents import AgentPrograms
+    from rollout.environments import Step
+    from rollout.tools import ToolCallParser
+    from tests.helpers import base_config, chatml_tokenizer
+
+    files = readme_files()
+    for name in ("my_agent.py", "my_tools.py"):
+        (tmp_path / name).write_text(files[name])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    programs = AgentPrograms("my_agent:solve", ToolCallParser("hermes", chatml_tokenizer(str(tmp_path / "tokenizer")),
+                                                              None), 30.0, 30.0)
+    try:
+        episode = programs.make({"prompt": "What is 17 plus 25?", "answer": "42"})
+        assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
+        step = episode.step('<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>', [])
+        assert [(m["role"], m["content"]) for m in step.observation] == [("tool", "42")]
+        assert episode.step("The answer is 42", []) == Step(None, 1.0, done=True)
+    finally:
+        programs.close()
+    with open(os.path.join(REPO, "README.md")) as file:
+        block = next(b for b in re.findall(r"```yaml\n(.*?)```", file.read(), re.S) if "my_agent:solve" in b)
+    config = load_config(None, base={**base_config(tmp_path, {"policy": "/p", "reward": "/r", "prompts": "/q"}),
+                                     **yaml.safe_load(block)})
+    assert config.rollout.agent == "my_agent:solve" and config.rollout.tool_parser == "hermes"
+
+
 def tether_from(directory, *args) -> subprocess.CompletedProcess:
     """The installed `tether` command (its own script, not ``python -m``: the script's path holds
     only its bin directory), in ``directory``, with no PYTHONPATH of the caller's."""
