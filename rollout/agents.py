@@ -161,8 +161,8 @@ class AgentEnvironment:
         call, self.call = self.call, None
         content, tool_calls = self.programs.parser.openai_calls(response, call.request)
         reply = ChatMessage(role="assistant", content=content, tool_calls=tool_calls)
-        call.answer(ChatCompletionResponse(model=call.request.model or "policy", usage=UsageInfo(), choices=[
-            ChatCompletionResponseChoice(index=0, message=reply, finish_reason="tool_calls" if tool_calls else "stop")]))
+        choice = ChatCompletionResponseChoice(index=0, message=reply, finish_reason="tool_calls" if tool_calls else "stop")
+        call.answer(ChatCompletionResponse(model=call.request.model or "policy", usage=UsageInfo(), choices=[choice]))
         self.sent.append(_plain(reply.model_dump(mode="json", exclude_none=True)))
         kind, value = self._next()
         if kind == "call":
