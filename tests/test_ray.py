@@ -28,7 +28,12 @@ STEPS = 30  # of the demo's 40: enough for its gold gain
 def cluster():
     """Two Ray nodes; yields the cluster (the tests that stop a node add one back)."""
     os.environ.update(LOOPBACK_ONLY)
+    import ray._private.ray_constants as constants
     from ray.cluster_utils import Cluster
+
+    # the variable is read when ray is first imported, which an earlier test of the session may have
+    # done (vLLM imports ray): unread, ray.init turns 127.0.0.1 into the host's IP, where no node listens
+    enabled, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, False
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "resources": {"node_a": 1},
                                                             "node_ip_address": "127.0.0.1",
@@ -36,19 +41,14 @@ def cluster():
     cluster.add_node(num_cpus=2, resources={"node_b": 1}, node_ip_address="127.0.0.1")
     yield cluster
     cluster.shutdown()
-
-
-def address(cluster) -> str:
-    """The cluster's GCS on loopback, where its nodes bound it: ``cluster.address`` names the host's
-    own IP once something in the process resolved it (a CI run connected to 192.0.2.2 for 10 minutes)."""
-    return f"127.0.0.1:{cluster.address.rsplit(':', 1)[1]}"
+    constants.ENABLE_RAY_CLUSTER = enabled
 
 
 def node_ids(cluster) -> dict[str, str]:
     """Custom resource -> node id, of the live nodes."""
     import ray
 
-    ray.init(address=address(cluster), namespace="tether-test", log_to_driver=False)
+    ray.init(address=cluster.address, namespace="tether-test", log_to_driver=False)
     try:
         return {name: node["NodeID"] for node in ray.nodes() if node["Alive"] for name in ("node_a", "node_b")
                 if name in node["Resources"]}
@@ -74,7 +74,7 @@ def ray_config(tmp_path, assets, steps, **ray_placement) -> str:
 
 
 def tether_on(cluster, config: str, *args, timeout=400) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "launch.cli", "run", "-c", config, "--ray-address", address(cluster),
+    return subprocess.run([sys.executable, "-m", "launch.cli", "run", "-c", config, "--ray-address", cluster.address,
                            *args], cwd=REPO, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, **LOOPBACK_ONLY})
 
@@ -224,7 +224,7 @@ def test_a_killed_rollout_and_a_lost_node_are_replaced_and_ctrl_c_leaves_nothing
     config = ray_config(tmp_path, tiny_assets, steps=4000)  # ended by Ctrl-C, never by running out (in CI 400 did)
     run_dir = str(tmp_path / "run")
     driver = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "-c", config, "--ray-address",
-                               address(cluster)], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cluster.address], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, **LOOPBACK_ONLY})
 
     def wait_for_step(step: int, deadline_s: float = 180) -> None:
@@ -266,8 +266,8 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_plans_from_them(tmp_path, ti
     from tests.helpers import tether
 
     config = ray_config(tmp_path, tiny_assets, steps=3)
-    sweep = subprocess.run([sys.executable, "-m", "launch.cli", "sweep", "-c", config,
-                            "--ray-address", address(cluster), "--split", "rollout=0;scorer=1;learner=1", "--staleness", "1", "--steps", "3",
+    sweep = subprocess.run([sys.executable, "-m", "launch.cli", "sweep", "-c", config, "--ray-address", cluster.address,
+                            "--split", "rollout=0;scorer=1;learner=1", "--staleness", "1", "--steps", "3",
                             "--out", str(tmp_path / "s")], cwd=REPO, capture_output=True, text=True, timeout=400,
                            env={**os.environ, **LOOPBACK_ONLY})
     assert sweep.returncode == 0, sweep.stdout[-3000:] + sweep.stderr[-3000:]
