@@ -95,10 +95,7 @@ class AgentPrograms:
                                      timeout=self.deadline_s, http_client=http)
                 return await self.program(client, episode.row)
 
-        try:
-            episode.events.put(("return", asyncio.run(main())))
-        except BaseException as error:  # the program's own failure ends its episode (env_error)
-            episode.events.put(("raise", error))
+        _deliver(episode, lambda: asyncio.run(main()))
 
     def _run_sync(self, episode: "AgentEnvironment") -> None:
         with self.lock:
@@ -107,11 +104,7 @@ class AgentPrograms:
 
                 self.sync_client = OpenAI(base_url=self.endpoint.base_url, api_key="-", max_retries=0,
                                           timeout=self.deadline_s)
-        try:
-            episode.events.put(("return", self.program(self.sync_client.with_options(api_key=episode.key),
-                                                       episode.row)))
-        except BaseException as error:
-            episode.events.put(("raise", error))
+        _deliver(episode, lambda: self.program(self.sync_client.with_options(api_key=episode.key), episode.row))
 
     def close(self) -> None:
         with self.lock:
@@ -119,6 +112,8 @@ class AgentPrograms:
         for episode in episodes:
             episode.close()
         self.endpoint.close()
+        if self.sync_client is not None:
+            self.sync_client.close()
 
 
 class AgentEnvironment:
@@ -207,6 +202,15 @@ class AgentEnvironment:
         if not added:
             raise BadStep("the agent program called again with no new message")
         return added
+
+
+def _deliver(episode: AgentEnvironment, run) -> None:
+    """``run()``'s return or error to ``episode``'s events: a program's own failure ends its episode
+    (env_error), it never reaches the rollout's loop."""
+    try:
+        episode.events.put(("return", run()))
+    except BaseException as error:
+        episode.events.put(("raise", error))
 
 
 def _plain(message: Any) -> dict:
