@@ -5,7 +5,8 @@ OpenAI`` for a plain function) with its episode's key, pointed at the rollout's 
 (``rollout.endpoint``: an async client reaches its app in this process, a plain one through
 127.0.0.1), ``row`` the prompt's data row; it returns the episode's reward, a number (or a dict
 with ``reward``). Each episode's program runs in a thread of its own, within
-``rollout.agent_deadline_s``.
+``rollout.agent_deadline_s``; the threads, their event loops and clients serve one episode after
+another (made anew for each, they cost the rollout's core more than the calls did).
 
 To the rollout's loop an agent episode is an environment like any other (``rollout.episodes``):
 its first call's messages are the episode's first observation, and each later call's messages
@@ -57,8 +58,10 @@ class AgentPrograms:
         self.deadline_s, self.step_deadline_s = deadline_s, step_deadline_s
         self.episodes: dict[str, AgentEnvironment] = {}
         self.lock = threading.Lock()
+        self.asynchronous = inspect.iscoroutinefunction(self.program)
         self.endpoint = Endpoint(self.lookup)
-        self.sync_client = None  # one for every plain-function program (an episode's is a copy with its key)
+        self.idle: list[ProgramThread] = []  # program threads waiting for an episode
+        self.closed = False
 
     def lookup(self, key: str) -> "AgentEnvironment | None":
         with self.lock:
@@ -76,44 +79,88 @@ class AgentPrograms:
             self.episodes.pop(key, None)
 
     def start(self, episode: "AgentEnvironment") -> None:
-        """``episode``'s program on its row with a client of its key, in a thread of its own (a
-        coroutine on an event loop of that thread): a program that blocks (a tool called without
-        await) holds up its own episode alone. Its return or error goes to the episode's events."""
-        run = self._run_async if inspect.iscoroutinefunction(self.program) else self._run_sync
-        threading.Thread(target=run, args=(episode,), name=f"agent-{episode.key[:8]}", daemon=True).start()
-
-    def _run_async(self, episode: "AgentEnvironment") -> None:
-        import httpx
-        from openai import AsyncOpenAI
-
-        async def main() -> Any:
-            # the calls go to the endpoint's app in this process, not through a socket (a client of
-            # its own transport also skips the TLS set-up a default client costs)
-            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.endpoint.app),
-                                         timeout=self.deadline_s) as http:
-                client = AsyncOpenAI(base_url=self.endpoint.base_url, api_key=episode.key, max_retries=0,
-                                     timeout=self.deadline_s, http_client=http)
-                return await self.program(client, episode.row)
-
-        _deliver(episode, lambda: asyncio.run(main()))
-
-    def _run_sync(self, episode: "AgentEnvironment") -> None:
+        """``episode``'s program on its row, on a program thread of its own (``ProgramThread``): one
+        that blocks (a tool called without await) holds up its own episode alone. Its return or
+        error goes to the episode's events."""
         with self.lock:
-            if self.sync_client is None:
-                from openai import OpenAI
+            runner = self.idle.pop() if self.idle else ProgramThread(self)
+        runner.jobs.put(episode)
 
-                self.sync_client = OpenAI(base_url=self.endpoint.base_url, api_key="-", max_retries=0,
-                                          timeout=self.deadline_s)
-        _deliver(episode, lambda: self.program(self.sync_client.with_options(api_key=episode.key), episode.row))
+    def done(self, runner: "ProgramThread") -> None:
+        """``runner``'s program returned: it takes the next episode (one whose program hangs past its
+        deadline keeps its thread, and only that one)."""
+        with self.lock:
+            if not self.closed:
+                self.idle.append(runner)
+                return
+        runner.jobs.put(None)
 
     def close(self) -> None:
         with self.lock:
             episodes, self.episodes = list(self.episodes.values()), {}
+            idle, self.idle, self.closed = self.idle, [], True
         for episode in episodes:
             episode.close()
+        for runner in idle:
+            runner.jobs.put(None)
         self.endpoint.close()
-        if self.sync_client is not None:
-            self.sync_client.close()
+
+
+class ProgramThread:
+    """A thread that runs episodes' programs one after another, with what each would otherwise
+    make anew: an event loop and a client (an ``AsyncOpenAI`` reaching the endpoint's app in this
+    process, not through a socket; an ``OpenAI`` for a plain function, through 127.0.0.1). An
+    episode's client is a copy of it with the episode's key."""
+
+    def __init__(self, programs: AgentPrograms) -> None:
+        self.programs = programs
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # episodes, then None
+        threading.Thread(target=self.serve, name="agent-program", daemon=True).start()
+
+    def serve(self) -> None:
+        programs = self.programs
+        loop = asyncio.new_event_loop()
+        client = _client(programs.endpoint, programs.deadline_s, asynchronous=programs.asynchronous)
+        try:
+            while (episode := self.jobs.get()) is not None:
+                own = client.with_options(api_key=episode.key)
+                if programs.asynchronous:
+                    _deliver(episode, lambda: loop.run_until_complete(_whole(programs.program(own, episode.row))))
+                else:
+                    _deliver(episode, lambda: programs.program(own, episode.row))
+                programs.done(self)
+        finally:
+            if programs.asynchronous:
+                loop.run_until_complete(client.close())
+            else:
+                client.close()
+            loop.close()
+
+
+def _client(endpoint: Endpoint, timeout_s: float, asynchronous: bool):
+    """A client of the endpoint (its key set per episode); it never retries: a refused call is the
+    program's to see. An async one reaches the endpoint's app in this process; its own transport
+    also skips the TLS set-up a default client costs."""
+    import httpx
+    from openai import AsyncOpenAI, OpenAI
+
+    if not asynchronous:
+        return OpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0, timeout=timeout_s)
+    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=endpoint.app), timeout=timeout_s)
+    return AsyncOpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0, timeout=timeout_s, http_client=http)
+
+
+async def _whole(program) -> Any:
+    """An async program's result; the tasks it started and left running are cancelled with its end,
+    so none runs on into the next episode of its thread."""
+    try:
+        return await program
+    finally:
+        current = asyncio.current_task()
+        left = [task for task in asyncio.all_tasks() if task is not current]
+        for task in left:
+            task.cancel()
+        await asyncio.gather(*left, return_exceptions=True)
 
 
 class AgentEnvironment:
