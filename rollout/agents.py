@@ -35,6 +35,7 @@ from typing import Any
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
 from rollout.environments import BadStep, Step
+from rollout.tools import ToolCallParser, ToolError
 
 
 def agent_programs(config, tokenizer) -> "AgentPrograms | None":
@@ -42,8 +43,6 @@ def agent_programs(config, tokenizer) -> "AgentPrograms | None":
     read by vLLM's parser ``rollout.tool_parser`` for the policy's ``tokenizer``."""
     if not config.rollout.agent:
         return None
-    from rollout.tools import ToolCallParser
-
     return AgentPrograms(config.rollout.agent, ToolCallParser(config.rollout.tool_parser, tokenizer, None),
                          config.rollout.agent_deadline_s, config.rollout.env_step_deadline_s)
 
@@ -201,15 +200,17 @@ class AgentEnvironment:
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
         call, self.call = self.call, None
-        content, tool_calls = self.programs.parser.openai_calls(response, call.request)
+        content, tool_calls, unread = self.programs.parser.openai_calls(response, call.request)
         reply = ChatMessage(role="assistant", content=content, tool_calls=tool_calls)
         choice = ChatCompletionResponseChoice(index=0, message=reply, finish_reason="tool_calls" if tool_calls else "stop")
-        call.answer(ChatCompletionResponse(model=call.request.model or "policy", usage=UsageInfo(), choices=[choice]))
+        answer = ChatCompletionResponse(model=call.request.model or "policy", usage=UsageInfo(), choices=[choice])
+        call.answer(answer if unread is None else _marked(answer, unread))
         self.sent.append(_plain(reply.model_dump(mode="json", exclude_none=True)))
+        errors = [] if unread is None else [ToolError("malformed", None, {}, unread)]
         kind, value = self._next()
         if kind == "call":
-            return Step(self._take(value), tool_calls=len(tool_calls))
-        return Step(None, _reward(value), done=True, tool_calls=len(tool_calls))
+            return Step(self._take(value), tool_calls=len(tool_calls) + len(errors), tool_errors=errors)
+        return Step(None, _reward(value), done=True, tool_calls=len(tool_calls) + len(errors), tool_errors=errors)
 
     def close(self) -> None:
         """The episode ended: a call waiting for its turn is refused, and later ones."""
@@ -258,6 +259,15 @@ def _deliver(episode: AgentEnvironment, run) -> None:
         episode.events.put(("return", run()))
     except BaseException as error:
         episode.events.put(("raise", error))
+
+
+def _marked(answer, unread: str) -> dict:
+    """``answer`` as JSON, its message carrying ``tool_call_error``: a call the policy began and the
+    parser could not read comes back as the turn's text, and the program sees why (OpenAI's API
+    has no field for it; its client keeps fields it does not know)."""
+    marked = answer.model_dump(mode="json", exclude_none=True)
+    marked["choices"][0]["message"]["tool_call_error"] = unread
+    return marked
 
 
 def _plain(message: Any) -> dict:

@@ -27,7 +27,7 @@ class Call:
     loop: asyncio.AbstractEventLoop
 
     def answer(self, response: Any) -> None:
-        """From any thread: the call's answer (a ``ChatCompletionResponse``, or an ``HTTPError``)."""
+        """From any thread: the call's answer (a ``ChatCompletionResponse`` or its JSON, or an ``HTTPError``)."""
         self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(response))
 
 
@@ -93,7 +93,7 @@ class Endpoint:
         answer = await call.future
         if isinstance(answer, HTTPError):
             return error(answer.status, answer.message)
-        return JSONResponse(answer.model_dump(mode="json", exclude_none=True))
+        return JSONResponse(answer if isinstance(answer, dict) else answer.model_dump(mode="json", exclude_none=True))
 
     def close(self) -> None:
         self.server.should_exit = True

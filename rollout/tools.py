@@ -120,14 +120,18 @@ class ToolCallParser:
         return calls
 
 
-    def openai_calls(self, text: str, request) -> tuple[str | None, list]:
-        """(content, vLLM's ``ToolCall``s) of a turn, as vLLM's server answers ``request`` (a
-        ``ChatCompletionRequest`` with the caller's tools): a turn without a call, or with one the
-        parser cannot read, is all content."""
+    def openai_calls(self, text: str, request) -> tuple[str | None, list, str | None]:
+        """(content, vLLM's ``ToolCall``s, why a call could not be read) of a turn, as vLLM's server
+        answers ``request`` (a ``ChatCompletionRequest`` with the caller's tools): a turn without a
+        call is all content, and so is one whose call the parser cannot read, with the reason."""
         if not request.tools:
-            return text, []
+            return text, [], None
         found = self.parser.extract_tool_calls(text, request)
-        return (found.content, list(found.tool_calls)) if found.tools_called else (text, [])
+        if found.tools_called:
+            return found.content, list(found.tool_calls), None
+        if any(marker in text for marker in self.markers):
+            return text, [], f"malformed tool call: the {self.name} parser could not read it"
+        return text, [], None
 
 
 def _below_error(record: logging.LogRecord) -> bool:

@@ -118,6 +118,19 @@ async def asks_twice(client, row: dict) -> dict:
     return {"reward": 1.0 if final.content == "42" else 0.0, "calls": 2}
 
 
+SEEN: dict[str, dict] = {}  # what calls_add's replies held, by the row's id, for the test to read
+
+
+async def calls_add(client, row: dict) -> float:
+    """Asks once with the add tool and keeps what the reply held."""
+    reply = (await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
+                                                  tools=[ADD])).choices[0].message
+    SEEN[row["id"]] = {"calls": [(call.function.name, json.loads(call.function.arguments))
+                                 for call in reply.tool_calls or []],
+                       "content": reply.content, "tool_call_error": getattr(reply, "tool_call_error", None)}
+    return 1.0
+
+
 def rewrites_its_context(client, row: dict) -> float:
     """A plain function: its second call starts the conversation over."""
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])

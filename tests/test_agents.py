@@ -10,6 +10,7 @@ import pytest
 
 from rollout.environments import BadStep, Step
 from tests.helpers import chatml_tokenizer
+from tests.test_episodes import FAMILY_CALLS, FAMILY_MALFORMED
 
 
 @pytest.fixture
@@ -20,9 +21,10 @@ def programs(tmp_path):
 
     made = []
 
-    def make(spec: str, deadline_s: float = 10.0):
-        made.append(AgentPrograms(spec, ToolCallParser("hermes", chatml_tokenizer(str(tmp_path)), None), deadline_s,
-                                  deadline_s))
+    def make(spec: str, deadline_s: float = 10.0, parser: str = "hermes"):
+        tokenizer = chatml_tokenizer(str(tmp_path))
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]"]})
+        made.append(AgentPrograms(spec, ToolCallParser(parser, tokenizer, None), deadline_s, deadline_s))
         return made[-1]
 
     yield make
@@ -40,6 +42,34 @@ def test_a_programs_calls_are_its_observations_and_its_return_the_reward(program
     assert episode.sent[1]["content"] == "" and episode.sent[1]["tool_calls"][0]["function"] == {
         "name": "add", "arguments": '{"a": 17, "b": 25}'}
     assert episode.step("42", []) == Step(None, 1.0, done=True)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
+def test_a_call_in_each_familys_format_reaches_the_program_as_openai_tool_calls(programs, family):
+    """The policy's call written in its family's format comes back through the endpoint as OpenAI
+    ``tool_calls`` read by vLLM's parser for that family; a call begun and left unreadable comes
+    back as the turn's text with ``tool_call_error``, and counts as a tool error."""
+    from tests.environments import SEEN
+
+    agent = programs("tests.environments:calls_add", parser=family)
+    episode = agent.make({"id": f"{family}-call", "prompt": "What is 17 plus 25?"})
+    episode.reset()
+    step = episode.step(FAMILY_CALLS[family], [])
+    assert step == Step(None, 1.0, done=True, tool_calls=1)
+    assert SEEN[f"{family}-call"]["calls"] == [("add", {"a": 17, "b": 25})]
+    assert SEEN[f"{family}-call"]["tool_call_error"] is None
+    episode = agent.make({"id": f"{family}-answer", "prompt": "What is 17 plus 25?"})
+    episode.reset()
+    episode.step("42", [])
+    assert SEEN[f"{family}-answer"] == {"calls": [], "content": "42", "tool_call_error": None}
+    if family in FAMILY_MALFORMED:
+        episode = agent.make({"id": f"{family}-malformed", "prompt": "What is 17 plus 25?"})
+        episode.reset()
+        step = episode.step(FAMILY_MALFORMED[family], [])
+        assert [error.kind for error in step.tool_errors] == ["malformed"]
+        assert SEEN[f"{family}-malformed"] == {
+            "calls": [], "content": FAMILY_MALFORMED[family],
+            "tool_call_error": f"malformed tool call: the {family} parser could not read it"}
 
 
 def test_a_rewritten_context_or_a_reward_that_is_not_a_number_ends_the_episode(programs):
