@@ -120,6 +120,11 @@ class RolloutConfig(_Strict):
                               "(async or not), whose client is an OpenAI client pointed at the rollout's endpoint: "
                               "each of its chat-completions calls is a turn of its episode (rollout/agents.py); "
                               "instead of rollout.environment and rollout.tools")
+    agent_command: list[str] = Field(default_factory=list, description="an agent program in a process of its own "
+                                     "(any language), started per episode with OPENAI_BASE_URL and OPENAI_API_KEY "
+                                     "(the episode's key) in its environment and the row as a JSON line on stdin; "
+                                     "it prints its reward last on stdout (a number or {\"reward\": ...}); instead "
+                                     "of rollout.agent")
     agent_deadline_s: float = Field(600.0, gt=0, description="rollout.agent: an episode's program that has not "
                                     "returned this long after it started ends (env_deadline); each wait for its "
                                     "next call is also bounded by env_step_deadline_s")
@@ -137,8 +142,11 @@ class RolloutConfig(_Strict):
 
     @model_validator(mode="after")
     def _one_source_of_episodes(self) -> "RolloutConfig":
-        if self.agent and (self.environment or self.tools):
-            raise ValueError("rollout.agent runs its own tools and conversation: leave rollout.environment and "
+        if self.agent and self.agent_command:
+            raise ValueError("rollout.agent and rollout.agent_command each name the agent program: set one")
+        if (self.agent or self.agent_command) and (self.environment or self.tools):
+            key = "rollout.agent" if self.agent else "rollout.agent_command"
+            raise ValueError(f"{key} runs its own tools and conversation: leave rollout.environment and "
                              "rollout.tools unset with it")
         return self
 
@@ -606,9 +614,11 @@ class TetherConfig(_Strict):
                                  "config for tether sft, rm or dpo alone has that section instead)")
             return self
         learner, rollout = self.learner, self.rollout
-        if self.models.reward is None and not self.scorer.reward_functions and rollout.environment is None:
-            raise ValueError("nothing to train on: set models.reward, scorer.reward_functions or rollout.environment "
-                             "(its turn rewards), alone or together")
+        if (self.models.reward is None and not self.scorer.reward_functions and rollout.environment is None
+                and not rollout.agent and not rollout.agent_command):
+            raise ValueError("nothing to train on: set models.reward, scorer.reward_functions, rollout.environment "
+                             "(its turn rewards) or rollout.agent / rollout.agent_command (its returns), alone or "
+                             "together")
         if learner.lora_rank and learner.zero_stage == 3:
             raise ValueError("learner.lora_rank with learner.zero_stage 3 is not supported: use ZeRO 0-2 (the "
                              "adapters are small; the frozen base is not partitioned)")

@@ -10,12 +10,14 @@ seconds.
 
 from __future__ import annotations
 
-from common.config import TetherConfig
+import shutil
+
+from common.config import ConfigError, TetherConfig
 
 
 def check_run_data(config: TetherConfig) -> None:
     """The files and functions PPO reads: data.prompts, eval.prompts, data.ptx, scorer.reward_functions,
-    rollout.tools and rollout.environment. Raises ``ConfigError`` at the first problem."""
+    rollout.tools, rollout.environment and the agent program. Raises ``ConfigError`` at the first problem."""
     from common.functions import load_function
     from common.prompts import read_rows, read_texts
     from rollout.environments import Environments
@@ -32,6 +34,9 @@ def check_run_data(config: TetherConfig) -> None:
     Environments.load(config.rollout.environment, load_tools(config.rollout.tools))
     if config.rollout.agent:
         load_function(config.rollout.agent, "rollout.agent")
+    if config.rollout.agent_command and shutil.which(config.rollout.agent_command[0]) is None:
+        raise ConfigError(f"rollout.agent_command: {config.rollout.agent_command[0]!r} is not a program on this "
+                          "machine's PATH, nor a path to one")
 
 
 def check_stage_data(config: TetherConfig) -> None:

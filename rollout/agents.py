@@ -26,8 +26,10 @@ import asyncio
 import inspect
 import json
 import math
+import os
 import queue
 import secrets
+import subprocess
 import threading
 import time
 from typing import Any
@@ -39,19 +41,24 @@ from rollout.tools import ToolCallParser, ToolError
 
 
 def agent_programs(config, tokenizer) -> "AgentPrograms | None":
-    """``rollout.agent``'s programs and their endpoint, or None without one; its calls' tool calls
-    read by vLLM's parser ``rollout.tool_parser`` for the policy's ``tokenizer``."""
-    if not config.rollout.agent:
+    """``rollout.agent``'s (or ``rollout.agent_command``'s) programs and their endpoint, or None
+    without one; its calls' tool calls read by vLLM's parser ``rollout.tool_parser`` for the
+    policy's ``tokenizer``."""
+    rollout = config.rollout
+    if not (rollout.agent or rollout.agent_command):
         return None
-    return AgentPrograms(config.rollout.agent, ToolCallParser(config.rollout.tool_parser, tokenizer, None),
-                         config.rollout.agent_deadline_s, config.rollout.env_step_deadline_s)
+    return AgentPrograms(rollout.agent or rollout.agent_command, ToolCallParser(rollout.tool_parser, tokenizer, None),
+                         rollout.agent_deadline_s, rollout.env_step_deadline_s)
 
 
 class AgentPrograms:
     """The run's agent program, its endpoint and the episodes calling it (each by its key)."""
 
-    def __init__(self, spec: str, parser, deadline_s: float, step_deadline_s: float) -> None:
-        self.program = load_function(spec, "rollout.agent", check=lambda function: inspect.signature(function))
+    def __init__(self, program: str | list[str], parser, deadline_s: float, step_deadline_s: float) -> None:
+        """``program``: "module:function", or a command's arguments (``rollout.agent_command``)."""
+        self.command = program if isinstance(program, list) else None
+        self.program = None if self.command else load_function(program, "rollout.agent",
+                                                               check=lambda function: inspect.signature(function))
         self.parser = parser  # rollout.tools.ToolCallParser
         # an episode's program, start to return (its calls wait on a busy engine too); one wait for its next call
         self.deadline_s, self.step_deadline_s = deadline_s, step_deadline_s
@@ -119,21 +126,57 @@ class ProgramThread:
     def serve(self) -> None:
         programs = self.programs
         loop = asyncio.new_event_loop()
-        client = _client(programs.endpoint, programs.deadline_s, asynchronous=programs.asynchronous)
+        client = None if programs.command else _client(programs.endpoint, programs.deadline_s, programs.asynchronous)
         try:
             while (episode := self.jobs.get()) is not None:
-                own = client.with_options(api_key=episode.key)
-                if programs.asynchronous:
-                    _deliver(episode, lambda: loop.run_until_complete(_whole(programs.program(own, episode.row))))
-                else:
-                    _deliver(episode, lambda: programs.program(own, episode.row))
+                _deliver(episode, lambda: self.run(episode, client, loop))
                 programs.done(self)
         finally:
             if programs.asynchronous:
                 loop.run_until_complete(client.close())
-            else:
+            elif client is not None:
                 client.close()
             loop.close()
+
+    def run(self, episode: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop) -> Any:
+        """``episode``'s program to its return: the function with a copy of ``client`` of the
+        episode's key, or the command."""
+        programs = self.programs
+        if programs.command:
+            return _run_command(programs.command, programs.endpoint.base_url, episode, programs.deadline_s)
+        own = client.with_options(api_key=episode.key)
+        if programs.asynchronous:
+            return loop.run_until_complete(_whole(programs.program(own, episode.row)))
+        return programs.program(own, episode.row)
+
+
+def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment", deadline_s: float) -> Any:
+    """An agent program in a process of its own (``rollout.agent_command``), as OpenAI's clients
+    configure themselves: ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (the episode's key) in its
+    environment; the row, a JSON line, on its stdin; its reward on stdout's last line (a number,
+    or a JSON object with ``reward``; earlier lines are its own). The episode's end kills it."""
+    environment = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": episode.key}
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               env=environment, text=True, start_new_session=True)
+    episode.process = process
+    if episode.ended:  # ended while the process started: close() did not see it
+        process.kill()
+    try:
+        out, err = process.communicate(json.dumps(episode.row) + "\n", timeout=deadline_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise TimeoutError(f"the agent command {command[0]} ran past rollout.agent_deadline_s {deadline_s:g}") from None
+    tail = "\n".join(err.strip().splitlines()[-20:])
+    if process.returncode != 0:
+        raise RuntimeError(f"the agent command {command[0]} exited with {process.returncode}; its stderr ends:\n{tail}")
+    lines = out.strip().splitlines()
+    try:
+        return json.loads(lines[-1])
+    except (IndexError, ValueError):
+        raise BadStep(f"the agent command {command[0]} printed {lines[-1][:200]!r} last, not its reward "
+                      f"(a number, or a JSON object with 'reward')" if lines else
+                      f"the agent command {command[0]} printed nothing: its reward goes on stdout's last line") from None
 
 
 def _client(endpoint: Endpoint, timeout_s: float, asynchronous: bool):
@@ -174,6 +217,7 @@ class AgentEnvironment:
         self.tools: list[dict] | None = None  # the program's tools, as its first call passed them
         self.ended = False
         self.deadline = math.inf  # when the program must have returned
+        self.process: subprocess.Popen | None = None  # a command's (rollout.agent_command)
 
     def offer(self, call: Call) -> HTTPError | None:
         """From the endpoint: the program's next call, or why it is refused."""
@@ -216,6 +260,8 @@ class AgentEnvironment:
         """The episode ended: a call waiting for its turn is refused, and later ones."""
         self.ended = True
         self.programs.forget(self.key)
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
         if self.call is not None:
             self.call.answer(HTTPError(404, "this episode has ended"))
         while not self.events.empty():

@@ -3,6 +3,8 @@ by hand: what a program sends is the episode's observation, what it returns its 
 with a key the rollout did not give, or of an episode that ended, is refused. The program's
 calls through a real engine, token for token as native episodes: tests/test_agent_demo.py."""
 
+import os
+import sys
 import threading
 
 import openai
@@ -21,7 +23,7 @@ def programs(tmp_path):
 
     made = []
 
-    def make(spec: str, deadline_s: float = 10.0, parser: str = "hermes"):
+    def make(spec: "str | list[str]", deadline_s: float = 10.0, parser: str = "hermes"):
         tokenizer = chatml_tokenizer(str(tmp_path))
         tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]"]})
         made.append(AgentPrograms(spec, ToolCallParser(parser, tokenizer, None), deadline_s, deadline_s))
@@ -70,6 +72,35 @@ def test_a_call_in_each_familys_format_reaches_the_program_as_openai_tool_calls(
         assert SEEN[f"{family}-malformed"] == {
             "calls": [], "content": FAMILY_MALFORMED[family],
             "tool_call_error": f"malformed tool call: the {family} parser could not read it"}
+
+
+def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
+    """rollout.agent_command: the row on stdin, the endpoint and the episode's key in OPENAI_BASE_URL
+    and OPENAI_API_KEY, the reward on stdout's last line; one that fails says why with its stderr."""
+    agent = programs([sys.executable, os.path.join(os.path.dirname(__file__), "agent_command.py")])
+    episode = agent.make({"prompt": "What is 17 plus 25?"})
+    assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
+    assert episode.step("42", []) == Step(None, 1.0, done=True)
+    assert episode.process.returncode == 0
+    failing = agent.make({"prompt": "What is 17 plus 25?", "fail": True})
+    with pytest.raises(RuntimeError, match="exited with 3; its stderr ends:\nno model to call today"):
+        failing.reset()
+
+
+def test_one_agent_program_and_one_that_exists(tmp_path):
+    from common.config import ConfigError, load_config
+    from launch.preflight import check_run_data
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "hi"}\n')
+    run = [f"data.prompts={prompts}", f"models.policy={tmp_path}"]
+    with pytest.raises(ConfigError, match="rollout.agent and rollout.agent_command each name the agent program"):
+        load_config(None, [*run, "rollout.agent=tests.environments:asks_twice", "rollout.agent_command=[python]"])
+    with pytest.raises(ConfigError, match="rollout.agent_command runs its own tools"):
+        load_config(None, [*run, "rollout.agent_command=[python]", "rollout.tools=[tests.environments:add]"])
+    config = load_config(None, [*run, "rollout.agent_command=[no-such-agent-program, --fast]"])
+    with pytest.raises(ConfigError, match="rollout.agent_command: 'no-such-agent-program' is not a program"):
+        check_run_data(config)
 
 
 def test_a_rewritten_context_or_a_reward_that_is_not_a_number_ends_the_episode(programs):

@@ -174,7 +174,7 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions or rollout.environment"),
+    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions, rollout.environment"),
     (["models.reward=null", "models.critic_init=reward", "scorer.reward_functions=[{function: 'a:b'}]"],
      "models.critic_init is reward but there is no models.reward"),
     (["scorer.reward_functions=[{function: 'a:b', wieght: 2}]"], r"scorer.reward_functions.0.wieght: unknown key"),
