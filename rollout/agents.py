@@ -36,7 +36,7 @@ from typing import Any
 
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
-from rollout.environments import BadStep, Step
+from rollout.environments import BadStep, Step, Turn
 from rollout.tools import ToolCallParser, ToolError
 
 
@@ -48,14 +48,17 @@ def agent_programs(config, tokenizer) -> "AgentPrograms | None":
     if not (rollout.agent or rollout.agent_command):
         return None
     return AgentPrograms(rollout.agent or rollout.agent_command, ToolCallParser(rollout.tool_parser, tokenizer, None),
-                         rollout.agent_deadline_s, rollout.env_step_deadline_s)
+                         rollout.agent_deadline_s, rollout.env_step_deadline_s, config.sampling)
 
 
 class AgentPrograms:
     """The run's agent program, its endpoint and the episodes calling it (each by its key)."""
 
-    def __init__(self, program: str | list[str], parser, deadline_s: float, step_deadline_s: float) -> None:
-        """``program``: "module:function", or a command's arguments (``rollout.agent_command``)."""
+    def __init__(self, program: str | list[str], parser, deadline_s: float, step_deadline_s: float,
+                 sampling=None) -> None:
+        """``program``: "module:function", or a command's arguments (``rollout.agent_command``);
+        ``sampling``: the run's ``SamplingConfig``, which calls may not ask to change (None: unchecked)."""
+        self.sampling = sampling
         self.command = program if isinstance(program, list) else None
         self.program = None if self.command else load_function(program, "rollout.agent",
                                                                check=lambda function: inspect.signature(function))
@@ -219,12 +222,23 @@ class AgentEnvironment:
         self.deadline = math.inf  # when the program must have returned
         self.process: subprocess.Popen | None = None  # a command's (rollout.agent_command)
 
+    reads_turns = True  # its step is given the turn's tokens and logprobs (rollout.episodes)
+
     def offer(self, call: Call) -> HTTPError | None:
         """From the endpoint: the program's next call, or why it is refused."""
         if self.ended:
             return HTTPError(404, "this episode has ended")
+        refused = refusal(call.request, self.programs.sampling)
+        if refused is not None:
+            return HTTPError(400, refused)
         self.events.put(("call", call))
         return None
+
+    @property
+    def max_tokens(self) -> int | None:
+        """What the call the policy answers next asks for at most (``max_completion_tokens``)."""
+        request = self.call.request if self.call is not None else None
+        return request and (request.max_completion_tokens or request.max_tokens)
 
     def reset(self) -> list[dict]:
         """Starts the program; its first call's messages are the episode's first observation."""
@@ -236,20 +250,15 @@ class AgentEnvironment:
         self.tools = value.request.tools and [tool.model_dump(exclude_none=True) for tool in value.request.tools]
         return self._take(value)
 
-    def step(self, response: str, messages: list[dict]) -> Step:
+    def step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Step:
         """The policy's turn answers the program's call; then its next call (the observation: what it
-        added to the conversation) or its return (the reward, and the episode's end)."""
-        from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionResponse,
-                                                                      ChatCompletionResponseChoice, ChatMessage)
-        from vllm.entrypoints.serve.engine.protocol import UsageInfo
-
+        added to the conversation) or its return (the reward, and the episode's end). ``turn``: the
+        engine's tokens and logprobs of the turn, for a call that asks for them."""
         call, self.call = self.call, None
         content, tool_calls, unread = self.programs.parser.openai_calls(response, call.request)
-        reply = ChatMessage(role="assistant", content=content, tool_calls=tool_calls)
-        choice = ChatCompletionResponseChoice(index=0, message=reply, finish_reason="tool_calls" if tool_calls else "stop")
-        answer = ChatCompletionResponse(model=call.request.model or "policy", usage=UsageInfo(), choices=[choice])
+        answer = _answer(call.request, content, tool_calls, turn, self.programs.parser.tokenizer)
         call.answer(answer if unread is None else _marked(answer, unread))
-        self.sent.append(_plain(reply.model_dump(mode="json", exclude_none=True)))
+        self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
         errors = [] if unread is None else [ToolError("malformed", None, {}, unread)]
         kind, value = self._next()
         if kind == "call":
@@ -305,6 +314,60 @@ def _deliver(episode: AgentEnvironment, run) -> None:
         episode.events.put(("return", run()))
     except BaseException as error:
         episode.events.put(("raise", error))
+
+
+def refusal(request, sampling) -> str | None:
+    """Why the endpoint refuses a chat-completions ``request`` (vLLM's ``ChatCompletionRequest``),
+    or None. An episode's call is a turn of one token stream, sampled from the run's distribution
+    (``sampling``: the run's ``SamplingConfig``, whose logprobs the learner recomputes), so a call
+    may not ask for another distribution, several completions, a stream or tools it must call."""
+    if request.n != 1:
+        return f"n is {request.n}: an episode's call asks for one completion (rollout.samples_per_prompt gives several)"
+    if request.stream:
+        return "stream: the endpoint answers a call whole"
+    if request.top_logprobs:
+        return "top_logprobs: the engine records the logprob of the token it sampled alone (logprobs: true)"
+    if request.tool_choice not in (None, "auto", "none"):
+        return (f"tool_choice {request.tool_choice!r}: the policy calls a tool or not as it samples; only auto "
+                "(and none) are served")
+    if request.stop or request.stop_token_ids:
+        return "stop: the run's turns end where the policy ends them (its end-of-turn token or rollout.max_new_tokens)"
+    if sampling is not None:
+        for key in ("temperature", "top_p", "top_k"):
+            asked, run = getattr(request, key), getattr(sampling, key)
+            if asked is not None and asked != run and not (key == "top_k" and asked in (0, -1) and run in (0, -1)):
+                return (f"{key} {asked}: this run samples at sampling.{key} {run} (the learner's logprobs are of "
+                        "that distribution)")
+    return None
+
+
+def _answer(request, content: str | None, tool_calls: list, turn: Turn | None, tokenizer):
+    """vLLM's ``ChatCompletionResponse`` to ``request`` of a turn read as ``content`` and
+    ``tool_calls``, with the token counts, and the engine's logprobs (``logprobs: true``) and token
+    ids (``return_token_ids``) where the call asks for them."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionLogProbs,
+                                                                  ChatCompletionLogProbsContent,
+                                                                  ChatCompletionResponse,
+                                                                  ChatCompletionResponseChoice, ChatMessage)
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    logprobs = token_ids = None
+    usage = UsageInfo()
+    if turn is not None:
+        usage = UsageInfo(prompt_tokens=turn.prompt_length, completion_tokens=len(turn.token_ids),
+                          total_tokens=turn.prompt_length + len(turn.token_ids))
+        if request.logprobs:
+            pieces = [tokenizer.decode([token]) for token in turn.token_ids]
+            logprobs = ChatCompletionLogProbs(content=[
+                ChatCompletionLogProbsContent(token=piece, logprob=logprob, bytes=list(piece.encode()), top_logprobs=[])
+                for piece, logprob in zip(pieces, turn.logprobs)])
+        if getattr(request, "return_token_ids", False):
+            token_ids = list(turn.token_ids)
+    choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=content,
+                                                                       tool_calls=tool_calls),
+                                          logprobs=logprobs, token_ids=token_ids,
+                                          finish_reason="tool_calls" if tool_calls else "stop")
+    return ChatCompletionResponse(model=request.model or "policy", usage=usage, choices=[choice])
 
 
 def _marked(answer, unread: str) -> dict:

@@ -4,7 +4,8 @@
 Each call carries its episode's key (``Authorization: Bearer <key>``); a key the rollout did not
 give, or whose episode has ended, is refused (401, 404), so one episode never reads another's
 tokens. The request is vLLM's own ``ChatCompletionRequest`` (validated as vLLM's server validates
-it) and the answer vLLM's ``ChatCompletionResponse``. The handler hands the call to the episode
+it; what an episode's call may not ask for is refused with 400, ``rollout.agents.refusal``) and
+the answer vLLM's ``ChatCompletionResponse``. The handler hands the call to the episode
 (``rollout.agents.AgentEnvironment.offer``) and awaits its answer, which the rollout's loop gives
 once the engine has generated the turn, batched with every other request.
 """
@@ -83,8 +84,6 @@ class Endpoint:
             body = ChatCompletionRequest.model_validate(await request.json())
         except (ValidationError, ValueError) as invalid:
             return error(400, f"not a chat-completions request: {invalid}")
-        if body.n != 1:
-            return error(400, f"n is {body.n}: an episode's call asks for one completion")
         loop = asyncio.get_running_loop()
         call = Call(body, loop.create_future(), loop)
         refused = episode.offer(call)

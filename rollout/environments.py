@@ -47,6 +47,15 @@ class Step:
     tool_errors: list[ToolError] = field(default_factory=list)  # what went wrong with each call that failed
 
 
+@dataclass
+class Turn:
+    """The policy's turn as the engine gave it, for an environment that answers with its tokens (an
+    agent program's, whose reply carries logprobs): the ids it continued, and its own ids and logprobs."""
+    prompt_length: int
+    token_ids: list[int]
+    logprobs: list[float]
+
+
 def as_step(value: Any) -> Step:
     """An environment's answer as a ``Step``; anything else is a ``BadStep`` saying what it was.
     Types are taken as they are, never coerced: ``done="False"`` would be true and ``reward="0.5"``

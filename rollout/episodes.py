@@ -31,7 +31,7 @@ import numpy as np
 from common.config import ConfigError, TetherConfig
 from common.prompts import chat_of
 from protocol.samples import Sample
-from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Step, as_step,
+from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Step, Turn, as_step,
                                   check_observation)
 
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
@@ -152,7 +152,9 @@ def _reset(environments: Environments, row: dict, delay_s: float = 0.0) -> tuple
     return environment, check_observation(reset()) if reset is not None else None
 
 
-def _step(environment: Any, response: str, messages: list[dict]) -> Step:
+def _step(environment: Any, response: str, messages: list[dict], turn: Turn) -> Step:
+    if getattr(environment, "reads_turns", False):  # an agent program's episode: its reply carries the tokens
+        return as_step(environment.step(response, messages, turn))
     return as_step(environment.step(response, messages))
 
 
@@ -254,7 +256,9 @@ class Episodes:
             if episode.behavior_version is None:
                 episode.behavior_version = version
             ids = episode.prompt_tokens + episode.tokens
-            turns.append((episode, ids, self.sampling_for(episode, min(self.config.rollout.max_new_tokens,
+            # an agent program's call may ask for fewer tokens than the run's turns have
+            asked = getattr(episode.environment, "max_tokens", None) or self.config.rollout.max_new_tokens
+            turns.append((episode, ids, self.sampling_for(episode, min(self.config.rollout.max_new_tokens, asked,
                                                                         self.config.rollout.max_model_len - len(ids)))))
         return turns
 
@@ -275,7 +279,9 @@ class Episodes:
         if completion.finish_reason == "length":
             self._end(episode, "length")
         else:
-            self._call(episode, _step, episode.environment, response, episode.messages)
+            turn = Turn(len(episode.prompt_tokens) + len(episode.tokens) - len(tokens), tokens,
+                        episode.logprobs[-len(tokens):])
+            self._call(episode, _step, episode.environment, response, episode.messages, turn)
 
     def advance(self, now: float, timeout: float = 0.0) -> None:
         """Take in what environments answered, waiting up to ``timeout`` for a first answer (the loop

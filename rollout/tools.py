@@ -91,7 +91,7 @@ class ToolCallParser:
             self.parser = parser_class(tokenizer, self.request.tools)
         except (RuntimeError, ValueError) as error:  # the family's special tokens are not in this tokenizer
             raise ConfigError(f"rollout.tool_parser: {name} does not fit the policy's tokenizer ({error})") from None
-        self.name = name
+        self.name, self.tokenizer = name, tokenizer
         self.markers = [marker for marker in (getattr(self.parser, attribute, None) for attribute in self.MARKERS)
                         if isinstance(marker, str) and marker]
         # a turn it cannot read is logged by vLLM with a traceback; tether counts it as a tool error
@@ -124,7 +124,7 @@ class ToolCallParser:
         """(content, vLLM's ``ToolCall``s, why a call could not be read) of a turn, as vLLM's server
         answers ``request`` (a ``ChatCompletionRequest`` with the caller's tools): a turn without a
         call is all content, and so is one whose call the parser cannot read, with the reason."""
-        if not request.tools:
+        if not request.tools or request.tool_choice == "none":
             return text, [], None
         found = self.parser.extract_tool_calls(text, request)
         if found.tools_called:

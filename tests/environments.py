@@ -131,6 +131,18 @@ async def calls_add(client, row: dict) -> float:
     return 1.0
 
 
+async def asks_for_logprobs(client, row: dict) -> float:
+    """One call asking for at most 5 tokens, their logprobs and ids; keeps what the reply held."""
+    response = await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": row["prompt"]}], max_tokens=5, logprobs=True,
+        extra_body={"return_token_ids": True})
+    choice = response.choices[0]
+    SEEN[row["id"]] = {"logprobs": [(entry.token, entry.logprob) for entry in choice.logprobs.content],
+                       "token_ids": choice.token_ids, "usage": (response.usage.prompt_tokens,
+                                                                response.usage.completion_tokens)}
+    return 1.0
+
+
 def rewrites_its_context(client, row: dict) -> float:
     """A plain function: its second call starts the conversation over."""
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])

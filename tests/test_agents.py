@@ -4,6 +4,7 @@ with a key the rollout did not give, or of an episode that ended, is refused. Th
 calls through a real engine, token for token as native episodes: tests/test_agent_demo.py."""
 
 import os
+import re
 import sys
 import threading
 
@@ -11,6 +12,7 @@ import openai
 import pytest
 
 from rollout.environments import BadStep, Step
+from tests.environments import ADD
 from tests.helpers import chatml_tokenizer
 from tests.test_episodes import FAMILY_CALLS, FAMILY_MALFORMED
 
@@ -141,6 +143,53 @@ def test_the_endpoint_refuses_keys_it_did_not_give_and_episodes_that_ended(progr
     waiting.close()  # the episode ended (max_turns, a turn cut at max_new_tokens)
     caller.join(timeout=10)
     assert [error.status_code for error in errors] == [404] and "ended" in str(errors[0])
-    with pytest.raises(openai.BadRequestError, match="n is 2"):
-        openai.OpenAI(base_url=agent.endpoint.base_url, api_key=agent.make({}).key, max_retries=0, timeout=10) \
-            .chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], n=2)
+
+
+
+REFUSED = [  # what a call asks for, and what the endpoint says
+    ({"n": 2}, "n is 2: an episode's call asks for one completion"),
+    ({"temperature": 0.5}, "temperature 0.5: this run samples at sampling.temperature 1.0"),
+    ({"top_p": 0.9}, "top_p 0.9: this run samples at sampling.top_p 1.0"),
+    ({"stream": True}, "stream: the endpoint answers a call whole"),
+    ({"logprobs": True, "top_logprobs": 2}, "top_logprobs: the engine records the logprob of the token it sampled"),
+    ({"tools": [ADD], "tool_choice": "required"}, "tool_choice 'required'"),
+    ({"stop": ["\n"]}, "stop: the run's turns end where the policy ends them"),
+]
+
+
+def test_a_call_that_asks_for_another_distribution_or_several_completions_is_refused(programs):
+    """A call is a turn of the episode's one token stream, sampled as the learner recomputes it."""
+    from common.config import SamplingConfig
+
+    agent = programs("tests.environments:asks_twice")
+    agent.sampling = SamplingConfig()
+    client = openai.OpenAI(base_url=agent.endpoint.base_url, api_key=agent.make({}).key, max_retries=0, timeout=10)
+    for asked, refused in REFUSED:
+        with pytest.raises(openai.BadRequestError, match=re.escape(refused)):
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], **asked)
+    # what the run samples with may be said
+    episode = agent.make({})
+    caller = threading.Thread(target=lambda: openai.OpenAI(
+        base_url=agent.endpoint.base_url, api_key=episode.key, max_retries=0, timeout=10).chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": "hi"}], temperature=1.0, top_p=1.0), daemon=True)
+    caller.start()
+    assert episode.events.get(timeout=10)[0] == "call"
+    episode.close()
+
+
+def test_a_reply_carries_the_engines_logprobs_and_token_ids_and_the_call_bounds_the_turn(programs):
+    """The turn's logprobs are the engine's (the run's distribution), its tokens decoded one by one;
+    a call's max_tokens caps the turn the rollout generates for it."""
+    from rollout.environments import Turn
+    from tests.environments import SEEN
+
+    agent = programs("tests.environments:asks_for_logprobs")
+    episode = agent.make({"id": "logprobs", "prompt": "What is 17 plus 25?"})
+    episode.reset()
+    assert episode.max_tokens == 5
+    tokenizer = agent.parser.tokenizer
+    ids = tokenizer("42", add_special_tokens=False)["input_ids"]
+    turn = Turn(prompt_length=11, token_ids=ids, logprobs=[-0.25 * (i + 1) for i in range(len(ids))])
+    assert episode.step("42", [], turn) == Step(None, 1.0, done=True)
+    assert SEEN["logprobs"] == {"logprobs": [(tokenizer.decode([token]), -0.25 * (i + 1)) for i, token in enumerate(ids)],
+                                "token_ids": ids, "usage": (11, len(ids))}
