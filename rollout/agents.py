@@ -48,17 +48,20 @@ def agent_programs(config, tokenizer) -> "AgentPrograms | None":
     if not (rollout.agent or rollout.agent_command):
         return None
     return AgentPrograms(rollout.agent or rollout.agent_command, ToolCallParser(rollout.tool_parser, tokenizer, None),
-                         rollout.agent_deadline_s, rollout.env_step_deadline_s, config.sampling)
+                         rollout.agent_deadline_s, rollout.env_step_deadline_s, config.sampling,
+                         bool(config.models.reward or config.scorer.reward_functions))
 
 
 class AgentPrograms:
     """The run's agent program, its endpoint and the episodes calling it (each by its key)."""
 
     def __init__(self, program: str | list[str], parser, deadline_s: float, step_deadline_s: float,
-                 sampling=None) -> None:
+                 sampling=None, others_score: bool = False) -> None:
         """``program``: "module:function", or a command's arguments (``rollout.agent_command``);
-        ``sampling``: the run's ``SamplingConfig``, which calls may not ask to change (None: unchecked)."""
-        self.sampling = sampling
+        ``sampling``: the run's ``SamplingConfig``, which calls may not ask to change (None: unchecked);
+        ``others_score``: a reward model or reward functions score the episodes too (a program may
+        then return None)."""
+        self.sampling, self.others_score = sampling, others_score
         self.command = program if isinstance(program, list) else None
         self.program = None if self.command else load_function(program, "rollout.agent",
                                                                check=lambda function: inspect.signature(function))
@@ -263,7 +266,9 @@ class AgentEnvironment:
         kind, value = self._next()
         if kind == "call":
             return Step(self._take(value), tool_calls=len(tool_calls) + len(errors), tool_errors=errors)
-        return Step(None, _reward(value), done=True, tool_calls=len(tool_calls) + len(errors), tool_errors=errors)
+        reward, metrics = _reward(value, self.programs.others_score)
+        return Step(None, reward, done=True, tool_calls=len(tool_calls) + len(errors), tool_errors=errors,
+                    metrics=metrics)
 
     def close(self) -> None:
         """The episode ended: a call waiting for its turn is refused, and later ones."""
@@ -398,13 +403,23 @@ def _plain(message: Any) -> dict:
     return plain
 
 
-def _reward(value: Any) -> float:
-    """The program's return as the episode's reward: a number, or a dict with ``reward``."""
+def _reward(value: Any, others_score: bool) -> tuple[float, dict[str, float]]:
+    """The program's return as the episode's reward and its own figures: a number, a dict with
+    ``reward`` and any other numbers (per-episode metrics, logged as ``agent_<name>``), or None
+    where the reward model or reward functions score the conversation instead (``others_score``)."""
+    metrics = {}
     if isinstance(value, dict):
         if "reward" not in value:
             raise BadStep(f"the agent program returned a dict without 'reward' (keys {sorted(value)[:10]})")
-        value = value["reward"]
+        value, metrics = value["reward"], {k: v for k, v in value.items() if k != "reward"}
+        for name, figure in metrics.items():
+            if isinstance(figure, bool) or not isinstance(figure, (int, float)) or not math.isfinite(figure):
+                raise BadStep(f"the agent program returned {name!r}: {json.dumps(figure, default=repr)[:100]}, not "
+                              "a finite number (a dict's keys beside 'reward' are the episode's figures)")
+    if value is None and others_score:
+        return 0.0, metrics
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise BadStep(f"the agent program returned {json.dumps(value, default=repr)[:200]}, not a finite number")
-    return float(value)
-
+        raise BadStep(f"the agent program returned {json.dumps(value, default=repr)[:200]}, not a finite number"
+                      + ("" if others_score else " (None is for runs where models.reward or scorer.reward_functions "
+                                                 "score the conversation)"))
+    return float(value), {name: float(figure) for name, figure in metrics.items()}

@@ -45,6 +45,7 @@ class Step:
     done: bool = False
     tool_calls: int = 0  # calls answered in this step
     tool_errors: list[ToolError] = field(default_factory=list)  # what went wrong with each call that failed
+    metrics: dict[str, float] = field(default_factory=dict)  # an agent program's figures of its episode
 
 
 @dataclass

@@ -364,6 +364,9 @@ class Episodes:
             episode.turn_rewards[-1] += step.reward  # a step answers a turn: the last token is the turn's
         episode.tool_calls += step.tool_calls
         episode.tool_errors += len(step.tool_errors)
+        for name, figure in step.metrics.items():  # an agent program's: mean over the episodes that gave it
+            self.counters[f"agent_{name}"] += figure
+            self.counters[f"agent_{name}:episodes"] += 1
         for error in step.tool_errors:
             self.failures.report(f"tool {error.kind}", None, f"{error.tool or 'a tool call'} failed "
                                  "(the policy reads the error as the tool's answer)",
@@ -432,10 +435,13 @@ class Episodes:
 
     def record(self) -> dict:
         """The metrics since the last record: episodes ended (by reason), turns and tool calls per
-        episode, tool errors, the environment's reward per episode."""
+        episode, tool errors, the environment's reward per episode, an agent program's figures
+        (``agent_<name>``, their mean)."""
         counters, self.counters = self.counters, Counter()
         record = {**{f"episodes_{name}": counters[name] for name in counters if name.startswith("ended_")},
                   "episodes": counters["episodes"], "tool_errors": counters["tool_errors"]}
+        record.update({name: counters[name] / counters[f"{name}:episodes"] for name in counters
+                       if name.startswith("agent_") and not name.endswith(":episodes")})
         if counters["episodes"]:  # means over none would read as zeros on the dashboard
             record.update({f"{name}_per_episode": counters[name] / counters["episodes"] for name in ("turns", "tool_calls")},
                           env_reward=counters["env_reward"] / counters["episodes"])

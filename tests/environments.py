@@ -153,3 +153,14 @@ def rewrites_its_context(client, row: dict) -> float:
 async def says_yes(client, row: dict):
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
     return "yes"
+
+
+class Reports:
+    """Ends at its first step with the reward and a figure of its own, as an agent program's episode does."""
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        return Step(None, 1.0, done=True, metrics={"calls": float(len(response))})
+
+
+def reports(row: dict) -> Reports:
+    return Reports()

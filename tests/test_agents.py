@@ -45,7 +45,7 @@ def test_a_programs_calls_are_its_observations_and_its_return_the_reward(program
     assert step.observation[0]["tool_call_id"] == episode.sent[1]["tool_calls"][0]["id"]  # the call it answers
     assert episode.sent[1]["content"] == "" and episode.sent[1]["tool_calls"][0]["function"] == {
         "name": "add", "arguments": '{"a": 17, "b": 25}'}
-    assert episode.step("42", []) == Step(None, 1.0, done=True)
+    assert episode.step("42", []) == Step(None, 1.0, done=True, metrics={"calls": 2.0})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
@@ -103,6 +103,17 @@ def test_one_agent_program_and_one_that_exists(tmp_path):
     config = load_config(None, [*run, "rollout.agent_command=[no-such-agent-program, --fast]"])
     with pytest.raises(ConfigError, match="rollout.agent_command: 'no-such-agent-program' is not a program"):
         check_run_data(config)
+
+
+def test_a_programs_return_is_a_reward_its_figures_or_none_where_others_score():
+    from rollout.agents import _reward
+
+    assert _reward(0.5, False) == (0.5, {}) and _reward({"reward": 1, "calls": 3}, False) == (1.0, {"calls": 3.0})
+    assert _reward(None, True) == (0.0, {})  # the reward model or reward functions score the conversation
+    with pytest.raises(BadStep, match="returned null, not a finite number \\(None is for runs where models.reward"):
+        _reward(None, False)
+    with pytest.raises(BadStep, match="returned 'calls': \"three\", not a finite number"):
+        _reward({"reward": 1.0, "calls": "three"}, False)
 
 
 def test_a_rewritten_context_or_a_reward_that_is_not_a_number_ends_the_episode(programs):

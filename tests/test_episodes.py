@@ -354,6 +354,19 @@ def test_an_episode_that_ends_well_resets_the_count_of_failures(tmp_path, demo_t
     assert episodes.failed_in_a_row == 0 and [s.finish_reason for s in episodes.finished()[0]] == ["max_turns"]
 
 
+def test_an_agent_programs_figures_are_averaged_over_the_episodes_that_gave_them(tmp_path, demo_tokenizer):
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:reports", [{"prompt": "odd 1 :"}],
+                             "rollout.samples_per_prompt=2")
+    episodes.start(0, 0)
+    settle(episodes)
+    (first, _, _), (second, _, _) = episodes.take_ready(0)
+    episodes.turn_finished(first, fake_output([10, EOS]), 0)
+    episodes.turn_finished(second, fake_output([10, 10, 10, EOS]), 0)
+    settle(episodes)
+    lengths = [len(demo_tokenizer.decode(ids, skip_special_tokens=True)) for ids in ([10, EOS], [10, 10, 10, EOS])]
+    assert episodes.record()["agent_calls"] == sum(lengths) / 2
+
+
 @pytest.mark.parametrize("answer, reason", [
     ((None, 0.0, "False"), "step's done is 'False' \\(str\\), not True or False"),
     ((None, "0.5", False), "step's reward is '0.5' \\(str\\), not a number"),
