@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import time
 from pathlib import Path
 
@@ -82,6 +83,27 @@ async def openai_agent(client, row: dict) -> float:
                 content = f"error: {call.function.name} raised {type(error).__name__}: {error}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
     return exact_answer([{"role": m["role"], "content": m.get("content") or ""} for m in messages], "", row)
+
+
+async def completions_agent(client, row: dict) -> float:
+    """The task against the completions API, as a program that keeps its own transcript writes it:
+    the prompt, each completion appended to it, the calculator's results after a turn's calls (in
+    the <tool_response> form the policy learned), up to four completions."""
+    prompt, last = row["prompt"], ""
+    for _ in range(4):
+        last = (await client.completions.create(model="policy", prompt=prompt, max_tokens=20)).choices[0].text
+        prompt += last
+        calls = re.findall(r"<tool_call>(.*?)</tool_call>", last, re.S)
+        if not calls:
+            break
+        results = []
+        for call in calls:
+            try:
+                results.append(calculator(**json.loads(call)["arguments"]))
+            except Exception as error:
+                results.append(f"error: calculator raised {type(error).__name__}: {error}")
+        prompt += "\n".join(f"<tool_response>\n{result}\n</tool_response>" for result in results)
+    return exact_answer(None, last, row)
 
 
 # --------------------------------------------------------------------------- models

@@ -36,7 +36,7 @@ from typing import Any
 
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
-from rollout.environments import BadStep, Step, Turn
+from rollout.environments import BadStep, Step, TokenIds, Turn
 from rollout.tools import ToolCallParser, ToolError
 
 
@@ -221,6 +221,8 @@ class AgentEnvironment:
         self.call: Call | None = None  # the call the policy's next turn answers
         self.sent: list[dict] = []  # the conversation as the program sent it, with the replies it got
         self.tools: list[dict] | None = None  # the program's tools, as its first call passed them
+        self.completion: bool | None = None  # its calls are completions (not chat), from its first
+        self.text, self.ids = "", []  # a completions episode so far, as the program knows it and as the engine does
         self.ended = False
         self.deadline = math.inf  # when the program must have returned
         self.process: subprocess.Popen | None = None  # a command's (rollout.agent_command)
@@ -241,7 +243,7 @@ class AgentEnvironment:
     def max_tokens(self) -> int | None:
         """What the call the policy answers next asks for at most (``max_completion_tokens``)."""
         request = self.call.request if self.call is not None else None
-        return request and (request.max_completion_tokens or request.max_tokens)
+        return request and (getattr(request, "max_completion_tokens", None) or request.max_tokens)
 
     def reset(self) -> list[dict]:
         """Starts the program; its first call's messages are the episode's first observation."""
@@ -250,7 +252,8 @@ class AgentEnvironment:
         kind, value = self._next()
         if kind == "return":
             raise BadStep("the agent program returned before it called the model")
-        self.tools = value.request.tools and [tool.model_dump(exclude_none=True) for tool in value.request.tools]
+        tools = getattr(value.request, "tools", None)  # a completions call has none: its prompt is the policy's text
+        self.tools = tools and [tool.model_dump(exclude_none=True) for tool in tools]
         return self._take(value)
 
     def step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Step:
@@ -258,11 +261,18 @@ class AgentEnvironment:
         added to the conversation) or its return (the reward, and the episode's end). ``turn``: the
         engine's tokens and logprobs of the turn, for a call that asks for them."""
         call, self.call = self.call, None
-        content, tool_calls, unread = self.programs.parser.openai_calls(response, call.request)
-        answer = _answer(call.request, content, tool_calls, turn, self.programs.parser.tokenizer)
-        call.answer(answer if unread is None else _marked(answer, unread))
-        self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
-        errors = [] if unread is None else [ToolError("malformed", None, {}, unread)]
+        tokenizer = self.programs.parser.tokenizer
+        if call.completion:
+            call.answer(_completion_answer(call.request, response, turn, tokenizer))
+            self.text += response
+            self.ids += turn.token_ids if turn is not None else tokenizer(response, add_special_tokens=False)["input_ids"]
+            tool_calls, errors = [], []
+        else:
+            content, tool_calls, unread = self.programs.parser.openai_calls(response, call.request)
+            answer = _answer(call.request, content, tool_calls, turn, tokenizer)
+            call.answer(answer if unread is None else _marked(answer, unread))
+            self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
+            errors = [] if unread is None else [ToolError("malformed", None, {}, unread)]
         kind, value = self._next()
         if kind == "call":
             return Step(self._take(value), tool_calls=len(tool_calls) + len(errors), tool_errors=errors)
@@ -298,9 +308,16 @@ class AgentEnvironment:
             raise value
         return kind, value
 
-    def _take(self, call: Call) -> list[dict]:
-        """The messages ``call`` adds to the conversation; it must extend what the program sent
-        before and the replies it got, message for message."""
+    def _take(self, call: Call) -> list[dict] | TokenIds:
+        """What ``call`` adds to the episode: it must extend what the program sent before and the
+        replies it got, message for message (chat) or token for token (completions: text, or ids)."""
+        if self.completion is None:
+            self.completion = call.completion
+        if call.completion != self.completion:
+            call.answer(HTTPError(400, "an episode's calls are all chat completions or all completions"))
+            raise BadStep("the agent program mixed chat-completions and completions calls in one episode")
+        if call.completion:
+            return self._take_prompt(call)
         messages = [_plain(message) for message in call.request.messages]
         if messages[:len(self.sent)] != self.sent:
             call.answer(HTTPError(400, "the conversation does not extend the episode's previous call and its reply"))
@@ -310,6 +327,33 @@ class AgentEnvironment:
         if not added:
             raise BadStep("the agent program called again with no new message")
         return added
+
+    def _take_prompt(self, call: Call) -> TokenIds:
+        """A completions call's prompt past the episode so far: the ids it gives past the episode's
+        ids, or the text past the episode's text, tokenized alone (so the ids the engine generated
+        are never tokenized again). The first prompt is tokenized whole, as vLLM's server does."""
+        prompt, tokenizer = call.request.prompt, self.programs.parser.tokenizer
+        if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+            if prompt[:len(self.ids)] != self.ids:
+                return self._not_extended(call)
+            added = prompt[len(self.ids):]
+            self.text += tokenizer.decode(added)
+        elif isinstance(prompt, str):
+            if not prompt.startswith(self.text):
+                return self._not_extended(call)
+            text = prompt[len(self.text):]
+            added = tokenizer(text, add_special_tokens=not self.ids)["input_ids"]
+            self.text = prompt
+        else:
+            call.answer(HTTPError(400, "prompt: an episode's call gives one prompt, as text or token ids"))
+            raise BadStep("the agent program's completions call gave several prompts")
+        self.ids, self.call = self.ids + list(added), call
+        return TokenIds(added)
+
+    def _not_extended(self, call: Call):
+        call.answer(HTTPError(400, "the prompt does not extend the episode's previous prompt and its completion"))
+        raise BadStep("the agent program's prompt does not extend its previous prompt and the completion it got "
+                      "(a rewritten context: the episode ends there)")
 
 
 def _deliver(episode: AgentEnvironment, run) -> None:
@@ -330,9 +374,13 @@ def refusal(request, sampling) -> str | None:
         return f"n is {request.n}: an episode's call asks for one completion (rollout.samples_per_prompt gives several)"
     if request.stream:
         return "stream: the endpoint answers a call whole"
-    if request.top_logprobs:
-        return "top_logprobs: the engine records the logprob of the token it sampled alone (logprobs: true)"
-    if request.tool_choice not in (None, "auto", "none"):
+    if getattr(request, "top_logprobs", 0) or (isinstance(request.logprobs, int) and not isinstance(
+            request.logprobs, bool) and request.logprobs > 0):
+        return ("top_logprobs: the engine records the logprob of the token it sampled alone (logprobs: true in chat, "
+                "logprobs: 0 in completions)")
+    if getattr(request, "echo", False) or getattr(request, "suffix", None):
+        return "echo, suffix: a completion is the policy's turn after the prompt alone"
+    if getattr(request, "tool_choice", None) not in (None, "auto", "none"):
         return (f"tool_choice {request.tool_choice!r}: the policy calls a tool or not as it samples; only auto "
                 "(and none) are served")
     if request.stop or request.stop_token_ids:
@@ -373,6 +421,29 @@ def _answer(request, content: str | None, tool_calls: list, turn: Turn | None, t
                                           logprobs=logprobs, token_ids=token_ids,
                                           finish_reason="tool_calls" if tool_calls else "stop")
     return ChatCompletionResponse(model=request.model or "policy", usage=usage, choices=[choice])
+
+
+def _completion_answer(request, text: str, turn: Turn | None, tokenizer):
+    """vLLM's ``CompletionResponse`` to a completions ``request``: the turn's text, with the token
+    counts and, where asked (``logprobs: 0``, ``return_token_ids``), the engine's logprobs and ids."""
+    from vllm.entrypoints.openai.completion.protocol import (CompletionLogProbs, CompletionResponse,
+                                                             CompletionResponseChoice)
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    logprobs = token_ids = None
+    usage = UsageInfo()
+    if turn is not None:
+        usage = UsageInfo(prompt_tokens=turn.prompt_length, completion_tokens=len(turn.token_ids),
+                          total_tokens=turn.prompt_length + len(turn.token_ids))
+        if request.logprobs is not None:
+            pieces = [tokenizer.decode([token]) for token in turn.token_ids]
+            offsets = [sum(len(piece) for piece in pieces[:i]) for i in range(len(pieces))]
+            logprobs = CompletionLogProbs(text_offset=offsets, token_logprobs=list(turn.logprobs), tokens=pieces,
+                                          top_logprobs=[None] * len(pieces))
+        if request.return_token_ids:
+            token_ids = list(turn.token_ids)
+    choice = CompletionResponseChoice(index=0, text=text, logprobs=logprobs, token_ids=token_ids, finish_reason="stop")
+    return CompletionResponse(model=request.model or "policy", usage=usage, choices=[choice])
 
 
 def _marked(answer, unread: str) -> dict:

@@ -1,5 +1,5 @@
-"""The rollout's OpenAI-compatible endpoint: chat completions on loopback, for agent programs
-(``rollout.agent``), answered by the rollout's own engine.
+"""The rollout's OpenAI-compatible endpoint: chat completions and completions on loopback, for
+agent programs (``rollout.agent``), answered by the rollout's own engine.
 
 Each call carries its episode's key (``Authorization: Bearer <key>``); a key the rollout did not
 give, or whose episode has ended, is refused (401, 404), so one episode never reads another's
@@ -23,9 +23,10 @@ START_DEADLINE_S = 30.0
 @dataclass
 class Call:
     """One chat-completions call waiting for its turn: the request, and where its answer goes."""
-    request: Any  # vllm's ChatCompletionRequest
+    request: Any  # vllm's ChatCompletionRequest, or its CompletionRequest
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
+    completion: bool = False  # a completions call: a prompt of text or ids, not messages
 
     def answer(self, response: Any) -> None:
         """From any thread: the call's answer (a ``ChatCompletionResponse`` or its JSON, or an ``HTTPError``)."""
@@ -39,8 +40,8 @@ class HTTPError:
 
 
 class Endpoint:
-    """uvicorn serving the chat-completions route in a thread of its own, on 127.0.0.1 and a free
-    port. ``lookup(key)``: the episode that key belongs to, or None."""
+    """uvicorn serving the chat-completions and completions routes in a thread of its own, on
+    127.0.0.1 and a free port. ``lookup(key)``: the episode that key belongs to, or None."""
 
     def __init__(self, lookup: Callable[[str], Any], host: str = "127.0.0.1") -> None:
         import uvicorn
@@ -53,7 +54,11 @@ class Endpoint:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(request: Request):
-            return await self.chat(request)
+            return await self.serve(request, completion=False)
+
+        @app.post("/v1/completions")
+        async def completions(request: Request):
+            return await self.serve(request, completion=True)
 
         self.port = free_port()
         self.base_url = f"http://{host}:{self.port}/v1"
@@ -67,10 +72,13 @@ class Endpoint:
                 raise RuntimeError(f"the OpenAI endpoint did not start on {host}:{self.port}")
             time.sleep(0.01)
 
-    async def chat(self, request) -> Any:
+    async def serve(self, request, completion: bool) -> Any:
+        """One call of either route: its episode's by its key, validated as vLLM's server validates
+        it, answered once the policy's turn is generated."""
         from fastapi.responses import JSONResponse
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
 
         def error(status: int, message: str) -> JSONResponse:
             return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
@@ -81,11 +89,11 @@ class Endpoint:
         if episode is None:
             return error(401, "unknown key: each episode calls with the key its program was given")
         try:
-            body = ChatCompletionRequest.model_validate(await request.json())
+            body = (CompletionRequest if completion else ChatCompletionRequest).model_validate(await request.json())
         except (ValidationError, ValueError) as invalid:
-            return error(400, f"not a chat-completions request: {invalid}")
+            return error(400, f"not a {'completions' if completion else 'chat-completions'} request: {invalid}")
         loop = asyncio.get_running_loop()
-        call = Call(body, loop.create_future(), loop)
+        call = Call(body, loop.create_future(), loop, completion)
         refused = episode.offer(call)
         if refused is not None:
             return error(refused.status, refused.message)

@@ -26,7 +26,13 @@ import numpy as np
 from common.functions import load_function
 from rollout.tools import Tool, ToolCall, ToolError, call_tool
 
-Observation = str | list[dict] | None
+
+class TokenIds(list):
+    """An observation of token ids, appended as they are, past the chat template (an agent
+    program's completions call: the ids of what it added to its prompt)."""
+
+
+Observation = str | list[dict] | TokenIds | None
 
 
 class EnvironmentFailing(RuntimeError):
@@ -95,8 +101,10 @@ def as_step(value: Any) -> Step:
 
 
 def check_observation(observation: Any) -> Observation:
-    """Text, a list of ``{"role": str, "content": str}`` messages, or None; else ``BadStep``."""
+    """Text, a list of ``{"role": str, "content": str}`` messages, ``TokenIds`` or None; else ``BadStep``."""
     if observation is None or isinstance(observation, str):
+        return observation
+    if isinstance(observation, TokenIds) and all(isinstance(token, int) for token in observation):
         return observation
     if isinstance(observation, list) and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

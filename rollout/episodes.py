@@ -31,8 +31,8 @@ import numpy as np
 from common.config import ConfigError, TetherConfig
 from common.prompts import chat_of
 from protocol.samples import Sample
-from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Step, Turn, as_step,
-                                  check_observation)
+from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Step, TokenIds, Turn,
+                                  as_step, check_observation)
 
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
 # the reply is text no template writes itself, so where the assistant's turn ends can be found after it
@@ -346,10 +346,10 @@ class Episodes:
             self._stepped(episode, future.result())
 
     def _start_from(self, episode: Episode, first: Observation) -> None:
-        episode.messages = [{"role": "user", "content": first}] if isinstance(first, str) else list(first)
+        episode.messages = self._as_messages(first)
         try:
             episode.renderer = self.renderer_for(getattr(episode.environment, "tools", None))
-            episode.prompt_tokens = episode.renderer.prompt_ids(first)
+            episode.prompt_tokens = list(first) if isinstance(first, TokenIds) else episode.renderer.prompt_ids(first)
         except Exception as error:  # the template refuses the environment's chat
             self.failures.report("env_error", error, f"the chat template refuses the environment's first messages "
                                  f"({type(error).__name__}: {error})",
@@ -375,10 +375,10 @@ class Episodes:
             return self._end(episode, "done")
         if episode.turns >= self.config.rollout.max_turns:
             return self._end(episode, "max_turns")
-        observation = ([{"role": "user", "content": step.observation}] if isinstance(step.observation, str)
-                       else step.observation or [])
+        observation = self._as_messages(step.observation)
         try:
-            ids = (episode.renderer or self.renderer).observation_ids(observation, episode.last_token)
+            ids = (list(step.observation) if isinstance(step.observation, TokenIds)
+                   else (episode.renderer or self.renderer).observation_ids(observation, episode.last_token))
         except Exception as error:
             self.failures.report("env_error", error, f"an observation does not render ({type(error).__name__}: "
                                  f"{error})", f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}",
@@ -393,6 +393,14 @@ class Episodes:
         episode.turn_rewards += [0.0] * len(ids)
         episode.messages = [*episode.messages, *observation]
         self.ready.append(episode)
+
+    def _as_messages(self, observation: Observation) -> list[dict]:
+        """An observation as the conversation's messages (what reward functions and the reward model
+        read): text and token ids as a user's turn."""
+        if isinstance(observation, TokenIds):
+            text = self.tokenizer.decode(observation, skip_special_tokens=True)
+            return [{"role": "user", "content": text}] if text else []
+        return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation or [])
 
     def _row_text(self, episode: Episode) -> str:
         row = self.rows[episode.group.data_row]

@@ -143,6 +143,26 @@ async def asks_for_logprobs(client, row: dict) -> float:
     return 1.0
 
 
+async def completes_twice(client, row: dict) -> float:
+    """Completions: a prompt, then the prompt, the completion and more text (or their ids, where the
+    row says ``ids``); keeps what the replies held."""
+    tokenizer = row.get("ids")
+    first = await client.completions.create(model="policy", prompt=row["prompt"], max_tokens=8, logprobs=0,
+                                            extra_body={"return_token_ids": True})
+    text = row["prompt"] + first.choices[0].text + " and then"
+    prompt = text if not tokenizer else row["ids"] + first.choices[0].token_ids + row["more_ids"]
+    second = await client.completions.create(model="policy", prompt=prompt, max_tokens=8)
+    SEEN[row["id"]] = {"texts": [first.choices[0].text, second.choices[0].text],
+                       "logprobs": first.choices[0].logprobs.token_logprobs, "token_ids": first.choices[0].token_ids}
+    return 1.0
+
+
+def rewrites_its_prompt(client, row: dict) -> float:
+    client.completions.create(model="policy", prompt=row["prompt"])
+    client.completions.create(model="policy", prompt="something else")
+    return 1.0
+
+
 def rewrites_its_context(client, row: dict) -> float:
     """A plain function: its second call starts the conversation over."""
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])

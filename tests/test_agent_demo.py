@@ -110,7 +110,8 @@ def test_an_openai_client_program_gives_the_native_episodes_tokens(tmp_path, age
     each turn seeded alike: every episode is the same prompt, token stream, mask and logprobs, the
     program's reward the exact answer of that conversation. Episodes where the policy wrote a call
     the parser cannot read are left out: the native path answers it with an error, a program
-    reads it as text."""
+    reads it as text. The same task against the completions API (demos.agent.completions_agent,
+    its own transcript as text) gives the same token streams too."""
     import logging
 
     import numpy as np
@@ -142,15 +143,33 @@ def test_an_openai_client_program_gives_the_native_episodes_tokens(tmp_path, age
                               output_kind=RequestOutputKind.FINAL_ONLY), logging.getLogger("test"))
         return generate_to_end(engine, source, list(range(len(rows))))
 
+    completions_config = load_config(None, ["rollout.tools=[]", "rollout.agent=demos.agent:completions_agent"],
+                                     base=agent_config(tmp_path, agent_assets))
     programs = agent_programs(agent_config_, tokenizer)
+    completing = agent_programs(completions_config, tokenizer)
     try:
         native, native_dropped = episodes(native_config, Environments.load(None, load_tools(
             ["demos.agent:calculator"])).read_calls_with("hermes", tokenizer))
         agent, agent_dropped = episodes(agent_config_, Environments.load(None, {}, programs).read_calls_with(
             "hermes", tokenizer))
+        completed, completed_dropped = episodes(completions_config, Environments.load(None, {}, completing))
     finally:
         programs.close()
+        completing.close()
         engine.llm_engine.engine_core.shutdown()
+    # the completions API: the program's text, each piece tokenized alone past the engine's ids
+    assert completed_dropped == 0 and len(completed) == len(rows)
+    compared = multi_turn = 0
+    for ours, theirs in zip(native, completed):
+        if "error: " in ours.messages:  # a call the policy wrote wrong: the native path's own message
+            continue
+        compared += 1
+        multi_turn += int(ours.loss_mask.min() == 0)
+        assert ours.prompt_tokens.tolist() == theirs.prompt_tokens.tolist()
+        assert ours.response_tokens.tolist() == theirs.response_tokens.tolist()
+        assert ours.loss_mask.tolist() == theirs.loss_mask.tolist()
+        assert np.abs(ours.behavior_logprobs - theirs.behavior_logprobs).max() < LOGPROB_TOLERANCE
+    assert compared >= 16 and multi_turn >= 3, (compared, multi_turn)
     assert native_dropped == agent_dropped == 0 and len(native) == len(agent) == len(rows)
     compared = multi_turn = 0
     for ours, theirs in zip(native, agent):

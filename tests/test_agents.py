@@ -204,3 +204,41 @@ def test_a_reply_carries_the_engines_logprobs_and_token_ids_and_the_call_bounds_
     assert episode.step("42", [], turn) == Step(None, 1.0, done=True)
     assert SEEN["logprobs"] == {"logprobs": [(tokenizer.decode([token]), -0.25 * (i + 1)) for i, token in enumerate(ids)],
                                 "token_ids": ids, "usage": (11, len(ids))}
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_a_completions_program_adds_its_texts_ids_and_the_engines_are_never_retokenized(programs, as_ids):
+    """The completions API: the first prompt tokenized whole (with the tokenizer's special tokens,
+    as vLLM's server does); a later prompt must extend the episode, and only what it adds is
+    tokenized (or taken as ids); the turn's own ids stay the engine's."""
+    from rollout.environments import TokenIds, Turn
+    from tests.environments import SEEN
+
+    agent = programs("tests.environments:completes_twice")
+    tokenizer = agent.parser.tokenizer
+    prompt = "17 plus 25 is"
+    row = {"id": f"completions-{as_ids}", "prompt": prompt}
+    if as_ids:
+        row |= {"ids": tokenizer(prompt)["input_ids"], "more_ids": tokenizer(" and then", add_special_tokens=False)[
+            "input_ids"]}
+    episode = agent.make(row)
+    first = episode.reset()
+    assert isinstance(first, TokenIds) and first == tokenizer(prompt)["input_ids"]
+    assert episode.max_tokens == 8
+    # the engine's ids for " 42", as it might have split them (not as the tokenizer would)
+    generated = tokenizer(" 4", add_special_tokens=False)["input_ids"] + tokenizer("2", add_special_tokens=False)[
+        "input_ids"]
+    step = episode.step(" 42", [], Turn(len(first), generated, [-0.5] * len(generated)))
+    assert isinstance(step.observation, TokenIds)
+    assert step.observation == tokenizer(" and then", add_special_tokens=False)["input_ids"]
+    assert episode.ids == [*first, *generated, *step.observation]
+    assert episode.step(" 43", [], Turn(len(episode.ids), [7], [-1.0])) == Step(None, 1.0, done=True)
+    assert SEEN[row["id"]] == {"texts": [" 42", " 43"], "logprobs": [-0.5] * len(generated), "token_ids": generated}
+
+
+def test_a_completions_prompt_that_does_not_extend_the_episode_ends_it(programs):
+    agent = programs("tests.environments:rewrites_its_prompt")
+    episode = agent.make({"prompt": "17 plus 25 is"})
+    episode.reset()
+    with pytest.raises(BadStep, match="prompt does not extend its previous prompt"):
+        episode.step(" 42", [])
