@@ -131,6 +131,10 @@ class RolloutConfig(_Strict):
     tool_parser: str = Field("hermes", description="vLLM's tool-call parser for the policy's family, the names "
                              "`vllm serve --tool-call-parser` takes: hermes (<tool_call> JSON: Hermes, Qwen), "
                              "llama3_json, mistral, pythonic, qwen3_coder, ...")
+    reasoning_parser: str | None = Field(None, description="vLLM's reasoning parser for the policy's family, the "
+                                         "names `vllm serve --reasoning-parser` takes (qwen3, deepseek_r1, mistral, "
+                                         "...): a turn's reasoning is set apart before its tool calls are read in "
+                                         "the content, and an agent program's reply carries it as `reasoning`")
     max_turns: int = Field(4, ge=1, description="most policy turns in an episode")
     env_step_deadline_s: float = Field(30.0, gt=0, description="an environment that takes longer to make, reset or "
                                        "answer a turn ends its episode (env_deadline); an agent program: to make "

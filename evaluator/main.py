@@ -50,7 +50,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     environments = Environments.load(config.rollout.environment, load_tools(config.rollout.tools), programs)
     tools = environments.tool_schemas if environments is not None else None
     if environments is not None:
-        environments.read_calls_with(config.rollout.tool_parser, tokenizer)
+        environments.read_calls_with(config.rollout.tool_parser, tokenizer, config.rollout.reasoning_parser)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
     rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
     token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "eval.prompts",

@@ -47,7 +47,8 @@ def agent_programs(config, tokenizer) -> "AgentPrograms | None":
     rollout = config.rollout
     if not (rollout.agent or rollout.agent_command):
         return None
-    return AgentPrograms(rollout.agent or rollout.agent_command, ToolCallParser(rollout.tool_parser, tokenizer, None),
+    parser = ToolCallParser(rollout.tool_parser, tokenizer, None, rollout.reasoning_parser)
+    return AgentPrograms(rollout.agent or rollout.agent_command, parser,
                          rollout.agent_deadline_s, rollout.env_step_deadline_s, config.sampling,
                          bool(config.models.reward or config.scorer.reward_functions))
 
@@ -268,8 +269,10 @@ class AgentEnvironment:
             self.ids += turn.token_ids if turn is not None else tokenizer(response, add_special_tokens=False)["input_ids"]
             tool_calls, errors = [], []
         else:
-            content, tool_calls, unread = self.programs.parser.openai_calls(response, call.request)
-            answer = _answer(call.request, content, tool_calls, turn, tokenizer)
+            parser = self.programs.parser
+            reasoning, text = parser.reasoning.split(response) if parser.reasoning is not None else (None, response)
+            content, tool_calls, unread = parser.openai_calls(text, call.request)
+            answer = _answer(call.request, content, tool_calls, turn, tokenizer, reasoning)
             call.answer(answer if unread is None else _marked(answer, unread))
             self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
             errors = [] if unread is None else [ToolError("malformed", None, {}, unread)]
@@ -394,9 +397,10 @@ def refusal(request, sampling) -> str | None:
     return None
 
 
-def _answer(request, content: str | None, tool_calls: list, turn: Turn | None, tokenizer):
-    """vLLM's ``ChatCompletionResponse`` to ``request`` of a turn read as ``content`` and
-    ``tool_calls``, with the token counts, and the engine's logprobs (``logprobs: true``) and token
+def _answer(request, content: str | None, tool_calls: list, turn: Turn | None, tokenizer,
+            reasoning: str | None = None):
+    """vLLM's ``ChatCompletionResponse`` to ``request`` of a turn read as ``reasoning``, ``content``
+    and ``tool_calls``, with the token counts, and the engine's logprobs (``logprobs: true``) and token
     ids (``return_token_ids``) where the call asks for them."""
     from vllm.entrypoints.openai.chat_completion.protocol import (ChatCompletionLogProbs,
                                                                   ChatCompletionLogProbsContent,
@@ -417,7 +421,7 @@ def _answer(request, content: str | None, tool_calls: list, turn: Turn | None, t
         if getattr(request, "return_token_ids", False):
             token_ids = list(turn.token_ids)
     choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=content,
-                                                                       tool_calls=tool_calls),
+                                                                       tool_calls=tool_calls, reasoning=reasoning),
                                           logprobs=logprobs, token_ids=token_ids,
                                           finish_reason="tool_calls" if tool_calls else "stop")
     return ChatCompletionResponse(model=request.model or "policy", usage=usage, choices=[choice])

@@ -155,14 +155,15 @@ class Environments:
         factory = load_function(environment, "rollout.environment") if environment else None
         return Environments(factory, tools)
 
-    def read_calls_with(self, parser_name: str, tokenizer) -> "Environments":
+    def read_calls_with(self, parser_name: str, tokenizer, reasoning: str | None = None) -> "Environments":
         """Tool calls read by vLLM's parser ``parser_name`` (``rollout.tool_parser``) for the policy's
-        ``tokenizer``; an unknown name, or one whose special tokens the tokenizer lacks, is a
+        ``tokenizer``, past the reasoning that vLLM's parser ``reasoning`` (``rollout.reasoning_parser``)
+        sets apart; an unknown name, or one whose special tokens the tokenizer lacks, is a
         ConfigError naming the key. Without tools nothing is read."""
         if self.tools:
             from rollout.tools import ToolCallParser
 
-            self.parse = ToolCallParser(parser_name, tokenizer, self.tool_schemas).parse
+            self.parse = ToolCallParser(parser_name, tokenizer, self.tool_schemas, reasoning).parse
         return self
 
     def make(self, row: dict) -> Any:

@@ -81,7 +81,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     environments = Environments.load(rollout_cfg.environment, load_tools(rollout_cfg.tools), programs)
     tools = environments.tool_schemas if environments is not None else None
     if environments is not None:
-        environments.read_calls_with(rollout_cfg.tool_parser, tokenizer)
+        environments.read_calls_with(rollout_cfg.tool_parser, tokenizer, rollout_cfg.reasoning_parser)
     rows = read_rows(config.data.prompts)
     prompts, data_rows, skipped = prompts_that_fit(config, tokenizer, log, rows, tools)
     timeline.phase("prompts")

@@ -76,7 +76,9 @@ class ToolCallParser:
 
     MARKERS = ("tool_call_start_token", "bot_token")  # what vLLM's parsers call a call's start
 
-    def __init__(self, name: str, tokenizer, schemas: list[dict] | None) -> None:
+    def __init__(self, name: str, tokenizer, schemas: list[dict] | None, reasoning: str | None = None) -> None:
+        """``reasoning``: vLLM's reasoning parser for the family (``rollout.reasoning_parser``), whose
+        reasoning is set apart before calls are read in the content, as vLLM's server does."""
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.tool_parsers import ToolParserManager
 
@@ -92,6 +94,7 @@ class ToolCallParser:
         except (RuntimeError, ValueError) as error:  # the family's special tokens are not in this tokenizer
             raise ConfigError(f"rollout.tool_parser: {name} does not fit the policy's tokenizer ({error})") from None
         self.name, self.tokenizer = name, tokenizer
+        self.reasoning = ReasoningParser(reasoning, tokenizer, self.request) if reasoning else None
         self.markers = [marker for marker in (getattr(self.parser, attribute, None) for attribute in self.MARKERS)
                         if isinstance(marker, str) and marker]
         # a turn it cannot read is logged by vLLM with a traceback; tether counts it as a tool error
@@ -101,6 +104,8 @@ class ToolCallParser:
 
     def parse(self, text: str) -> list[ToolCall]:
         """The turn's calls in order; ``[]`` for a turn without one (the episode's answer)."""
+        if self.reasoning is not None:
+            text = self.reasoning.split(text)[1]
         found = self.parser.extract_tool_calls(text, self.request)
         if not found.tools_called:
             if any(marker in text for marker in self.markers):
@@ -132,6 +137,31 @@ class ToolCallParser:
         if any(marker in text for marker in self.markers):
             return text, [], f"malformed tool call: the {self.name} parser could not read it"
         return text, [], None
+
+
+class ReasoningParser:
+    """vLLM's reasoning parser by the name ``vllm serve --reasoning-parser`` takes
+    (``rollout.reasoning_parser``: qwen3, deepseek_r1, mistral, ...): a turn's reasoning apart from
+    its content."""
+
+    def __init__(self, name: str, tokenizer, request) -> None:
+        from vllm.reasoning import ReasoningParserManager
+
+        try:
+            parser_class = ReasoningParserManager.get_reasoning_parser(name)
+        except KeyError:
+            raise ConfigError(f"rollout.reasoning_parser: {name!r} is not one of vLLM's reasoning parsers "
+                              f"({', '.join(sorted(ReasoningParserManager.list_registered()))})") from None
+        try:
+            self.parser = parser_class(tokenizer)
+        except (RuntimeError, ValueError) as error:  # the family's think tokens are not in this tokenizer
+            raise ConfigError(f"rollout.reasoning_parser: {name} does not fit the policy's tokenizer ({error})") from None
+        self.request = request
+
+    def split(self, text: str) -> tuple[str | None, str]:
+        """(reasoning or None, content) of a turn."""
+        reasoning, content = self.parser.extract_reasoning(text, self.request)
+        return reasoning, content or ""
 
 
 def _below_error(record: logging.LogRecord) -> bool:

@@ -127,7 +127,8 @@ async def calls_add(client, row: dict) -> float:
                                                   tools=[ADD])).choices[0].message
     SEEN[row["id"]] = {"calls": [(call.function.name, json.loads(call.function.arguments))
                                  for call in reply.tool_calls or []],
-                       "content": reply.content, "tool_call_error": getattr(reply, "tool_call_error", None)}
+                       "content": reply.content, "tool_call_error": getattr(reply, "tool_call_error", None),
+                       "reasoning": getattr(reply, "reasoning", None)}
     return 1.0
 
 

@@ -25,10 +25,11 @@ def programs(tmp_path):
 
     made = []
 
-    def make(spec: "str | list[str]", deadline_s: float = 10.0, parser: str = "hermes"):
+    def make(spec: "str | list[str]", deadline_s: float = 10.0, parser: str = "hermes", reasoning: str | None = None):
         tokenizer = chatml_tokenizer(str(tmp_path))
-        tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]"]})
-        made.append(AgentPrograms(spec, ToolCallParser(parser, tokenizer, None), deadline_s, deadline_s))
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]", "<think>",
+                                                                    "</think>"]})
+        made.append(AgentPrograms(spec, ToolCallParser(parser, tokenizer, None, reasoning), deadline_s, deadline_s))
         return made[-1]
 
     yield make
@@ -65,7 +66,7 @@ def test_a_call_in_each_familys_format_reaches_the_program_as_openai_tool_calls(
     episode = agent.make({"id": f"{family}-answer", "prompt": "What is 17 plus 25?"})
     episode.reset()
     episode.step("42", [])
-    assert SEEN[f"{family}-answer"] == {"calls": [], "content": "42", "tool_call_error": None}
+    assert SEEN[f"{family}-answer"] == {"calls": [], "content": "42", "tool_call_error": None, "reasoning": None}
     if family in FAMILY_MALFORMED:
         episode = agent.make({"id": f"{family}-malformed", "prompt": "What is 17 plus 25?"})
         episode.reset()
@@ -73,7 +74,27 @@ def test_a_call_in_each_familys_format_reaches_the_program_as_openai_tool_calls(
         assert [error.kind for error in step.tool_errors] == ["malformed"]
         assert SEEN[f"{family}-malformed"] == {
             "calls": [], "content": FAMILY_MALFORMED[family],
-            "tool_call_error": f"malformed tool call: the {family} parser could not read it"}
+            "tool_call_error": f"malformed tool call: the {family} parser could not read it", "reasoning": None}
+
+
+def test_reasoning_is_set_apart_by_vllms_reasoning_parser_before_calls_are_read(programs):
+    """rollout.reasoning_parser: the reply carries the turn's reasoning apart from its content, and
+    calls are read in the content (where vLLM's parser for the family ends the reasoning)."""
+    from tests.environments import SEEN
+
+    agent = programs("tests.environments:calls_add", reasoning="qwen3")
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
+    for name, turn, seen in [
+            ("thinks-then-calls", f"<think>17 and 25: add them</think>{call}",
+             {"calls": [("add", {"a": 17, "b": 25})], "content": None, "reasoning": "17 and 25: add them"}),
+            ("thinks-then-answers", "<think>17 plus 25 is 42</think>42",
+             {"calls": [], "content": "42", "reasoning": "17 plus 25 is 42"})]:
+        episode = agent.make({"id": name, "prompt": "What is 17 plus 25?"})
+        episode.reset()
+        episode.step(turn, [])
+        assert {key: SEEN[name][key] for key in seen} == seen
+    assert agent.parser.parse("<think>17 plus 25 is 42</think>42") == []
+    assert [c.name for c in agent.parser.parse(f"<think>17 and 25</think>{call}")] == ["add"]
 
 
 def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):

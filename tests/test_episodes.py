@@ -233,6 +233,9 @@ def test_a_tool_parser_that_is_not_vllms_or_does_not_fit_the_tokenizer_is_a_conf
         ToolCallParser("hermez", tokenizer, None)
     with pytest.raises(ConfigError, match="rollout.tool_parser: llama3_json does not fit the policy's tokenizer"):
         ToolCallParser("llama3_json", tokenizer, None)
+    with pytest.raises(ConfigError, match=r"rollout.reasoning_parser: 'qwen4' is not one of vLLM's reasoning parsers "
+                                          r"\(.*qwen3.*\)"):
+        ToolCallParser("hermes", tokenizer, None, "qwen4")
 
 
 def test_a_tools_schema_comes_from_its_docstring_or_its_signature():
