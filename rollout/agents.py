@@ -372,11 +372,9 @@ def refusal(request, sampling) -> str | None:
     """Why the endpoint refuses a chat-completions ``request`` (vLLM's ``ChatCompletionRequest``),
     or None. An episode's call is a turn of one token stream, sampled from the run's distribution
     (``sampling``: the run's ``SamplingConfig``, whose logprobs the learner recomputes), so a call
-    may not ask for another distribution, several completions, a stream or tools it must call."""
+    may not ask for another distribution, several completions or tools it must call."""
     if request.n != 1:
         return f"n is {request.n}: an episode's call asks for one completion (rollout.samples_per_prompt gives several)"
-    if request.stream:
-        return "stream: the endpoint answers a call whole"
     if getattr(request, "top_logprobs", 0) or (isinstance(request.logprobs, int) and not isinstance(
             request.logprobs, bool) and request.logprobs > 0):
         return ("top_logprobs: the engine records the logprob of the token it sampled alone (logprobs: true in chat, "

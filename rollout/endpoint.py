@@ -12,6 +12,7 @@ once the engine has generated the turn, batched with every other request.
 
 # no `from __future__ import annotations`: FastAPI reads the route's annotations at runtime
 import asyncio
+import json
 import threading
 import time
 from dataclasses import dataclass
@@ -31,6 +32,27 @@ class Call:
     def answer(self, response: Any) -> None:
         """From any thread: the call's answer (a ``ChatCompletionResponse`` or its JSON, or an ``HTTPError``)."""
         self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(response))
+
+
+def stream_chunks(answer: dict, completion: bool, usage: bool) -> list[dict]:
+    """A whole answer (a chat completion's or a completion's JSON) as the chunks of a stream: the
+    turn is generated before it is answered, so it streams as one chunk with all of it, one with
+    the finish reason, and the token counts where the call asked for them (``include_usage``)."""
+    head = {key: answer[key] for key in ("id", "created", "model")}
+    head["object"] = "text_completion" if completion else "chat.completion.chunk"
+    chunks = []
+    for choice in answer["choices"]:
+        body = {key: value for key, value in choice.items() if key not in ("message", "finish_reason")}
+        if not completion:
+            delta = dict(choice["message"])
+            delta["tool_calls"] = [{"index": i, **call} for i, call in enumerate(delta.get("tool_calls") or [])]
+            body = {**body, "delta": delta}
+        chunks.append({**head, "choices": [{**body, "finish_reason": None}]})
+        last = {"index": choice["index"], "finish_reason": choice["finish_reason"]}
+        chunks.append({**head, "choices": [{**last, "text": ""} if completion else {**last, "delta": {}}]})
+    if usage:
+        chunks.append({**head, "choices": [], "usage": answer.get("usage")})
+    return chunks
 
 
 @dataclass
@@ -100,7 +122,14 @@ class Endpoint:
         answer = await call.future
         if isinstance(answer, HTTPError):
             return error(answer.status, answer.message)
-        return JSONResponse(answer if isinstance(answer, dict) else answer.model_dump(mode="json", exclude_none=True))
+        whole = answer if isinstance(answer, dict) else answer.model_dump(mode="json", exclude_none=True)
+        if not body.stream:
+            return JSONResponse(whole)
+        from fastapi.responses import StreamingResponse
+
+        usage = bool(body.stream_options and body.stream_options.include_usage)
+        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(whole, completion, usage)]
+        return StreamingResponse(iter([*events, "data: [DONE]\n\n"]), media_type="text/event-stream")
 
     def close(self) -> None:
         self.server.should_exit = True

@@ -158,6 +158,27 @@ async def completes_twice(client, row: dict) -> float:
     return 1.0
 
 
+async def streams(client, row: dict) -> float:
+    """One streamed call (chat, or completions where the row says so); keeps what the stream held."""
+    seen = {"content": "", "calls": [], "finish_reason": None, "usage": None}
+    if row.get("completions"):
+        stream = await client.completions.create(model="policy", prompt=row["prompt"], stream=True,
+                                                 stream_options={"include_usage": True})
+    else:
+        stream = await client.chat.completions.create(
+            model="policy", messages=[{"role": "user", "content": row["prompt"]}], tools=[ADD], stream=True,
+            stream_options={"include_usage": True})
+    async for chunk in stream:
+        seen["usage"] = chunk.usage.completion_tokens if chunk.usage else seen["usage"]
+        for choice in chunk.choices:
+            seen["content"] += choice.text if row.get("completions") else (choice.delta.content or "")
+            for call in getattr(getattr(choice, "delta", None), "tool_calls", None) or []:
+                seen["calls"].append((call.function.name, json.loads(call.function.arguments)))
+            seen["finish_reason"] = choice.finish_reason or seen["finish_reason"]
+    SEEN[row["id"]] = seen
+    return 1.0
+
+
 def rewrites_its_prompt(client, row: dict) -> float:
     client.completions.create(model="policy", prompt=row["prompt"])
     client.completions.create(model="policy", prompt="something else")

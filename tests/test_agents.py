@@ -97,6 +97,26 @@ def test_reasoning_is_set_apart_by_vllms_reasoning_parser_before_calls_are_read(
     assert [c.name for c in agent.parser.parse(f"<think>17 and 25</think>{call}")] == ["add"]
 
 
+def test_a_streamed_call_gets_the_whole_turn_as_chunks(programs):
+    """stream: true is answered as OpenAI's server streams: the turn (its content, its tool calls
+    with their indices), the finish reason, the token counts, then [DONE]."""
+    from rollout.environments import Turn
+    from tests.environments import SEEN
+
+    agent = programs("tests.environments:streams")
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
+    for name, row, turn, seen in [
+            ("chat-call", {}, call, {"content": "", "calls": [("add", {"a": 17, "b": 25})],
+                                     "finish_reason": "tool_calls", "usage": 3}),
+            ("chat-answer", {}, "42", {"content": "42", "calls": [], "finish_reason": "stop", "usage": 3}),
+            ("completion", {"completions": True}, " 42", {"content": " 42", "calls": [], "finish_reason": "stop",
+                                                          "usage": 3})]:
+        episode = agent.make({"id": name, "prompt": "What is 17 plus 25?", **row})
+        episode.reset()
+        episode.step(turn, [], Turn(5, [7, 8, 9], [-0.1, -0.2, -0.3]))
+        assert SEEN[name] == seen
+
+
 def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
     """rollout.agent_command: the row on stdin, the endpoint and the episode's key in OPENAI_BASE_URL
     and OPENAI_API_KEY, the reward on stdout's last line; one that fails says why with its stderr."""
@@ -182,7 +202,6 @@ REFUSED = [  # what a call asks for, and what the endpoint says
     ({"n": 2}, "n is 2: an episode's call asks for one completion"),
     ({"temperature": 0.5}, "temperature 0.5: this run samples at sampling.temperature 1.0"),
     ({"top_p": 0.9}, "top_p 0.9: this run samples at sampling.top_p 1.0"),
-    ({"stream": True}, "stream: the endpoint answers a call whole"),
     ({"logprobs": True, "top_logprobs": 2}, "top_logprobs: the engine records the logprob of the token it sampled"),
     ({"tools": [ADD], "tool_choice": "required"}, "tool_choice 'required'"),
     ({"stop": ["\n"]}, "stop: the run's turns end where the policy ends them"),
