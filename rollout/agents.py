@@ -270,7 +270,8 @@ class AgentEnvironment:
             tool_calls, errors = [], []
         else:
             parser = self.programs.parser
-            reasoning, text = parser.reasoning.split(response) if parser.reasoning is not None else (None, response)
+            text = parser.text_of(turn.token_ids) if turn is not None else response
+            reasoning, text = parser.reasoning.split(text) if parser.reasoning is not None else (None, text)
             content, tool_calls, unread = parser.openai_calls(text, call.request)
             answer = _answer(call.request, content, tool_calls, turn, tokenizer, reasoning)
             call.answer(answer if unread is None else _marked(answer, unread))

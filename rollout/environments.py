@@ -24,7 +24,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.functions import load_function
-from rollout.tools import Tool, ToolCall, ToolError, call_tool
+from rollout.tools import Tool, ToolCallParser, ToolError, call_tool
 
 
 class TokenIds(list):
@@ -117,15 +117,17 @@ class ToolEnvironment:
     """Answers a turn's tool calls with the tools' results (one tool message each); a turn without
     a call is the episode's answer: it goes to ``inner``'s step, or ends the episode."""
 
-    def __init__(self, tools: dict[str, Tool], inner: Any | None, parse: Callable[[str], list[ToolCall]]) -> None:
-        self.tools, self.inner, self.parse = tools, inner, parse
+    reads_turns = True  # the calls are read in the turn's tokens, decoded as vLLM's server decodes them
+
+    def __init__(self, tools: dict[str, Tool], inner: Any | None, parser: "ToolCallParser") -> None:
+        self.tools, self.inner, self.parser = tools, inner, parser
 
     def reset(self) -> Observation:
         reset = getattr(self.inner, "reset", None)
         return reset() if reset is not None else None
 
-    def step(self, response: str, messages: list[dict]) -> Step:
-        calls = self.parse(response)
+    def step(self, response: str, messages: list[dict], turn: "Turn | None" = None) -> Step:
+        calls = self.parser.parse(self.parser.text_of(turn.token_ids) if turn is not None else response)
         if not calls:
             return as_step(self.inner.step(response, messages)) if self.inner is not None else Step(done=True)
         observation, errors = [], []
@@ -142,7 +144,7 @@ class Environments:
 
     def __init__(self, factory: Callable[[dict], Any] | None, tools: dict[str, Tool]) -> None:
         self.factory, self.tools = factory, tools
-        self.parse: Callable[[str], list[ToolCall]] | None = None  # read_calls_with's, once the tokenizer is there
+        self.parser: ToolCallParser | None = None  # read_calls_with's, once the tokenizer is there
 
     @staticmethod
     def load(environment: str | None, tools: dict[str, Tool], agent=None) -> "Environments | None":
@@ -163,16 +165,16 @@ class Environments:
         if self.tools:
             from rollout.tools import ToolCallParser
 
-            self.parse = ToolCallParser(parser_name, tokenizer, self.tool_schemas, reasoning).parse
+            self.parser = ToolCallParser(parser_name, tokenizer, self.tool_schemas, reasoning)
         return self
 
     def make(self, row: dict) -> Any:
         inner = self.factory(row) if self.factory is not None else None
         if inner is not None and not self.tools:
             return inner
-        if self.parse is None:
+        if self.parser is None:
             raise RuntimeError("Environments.read_calls_with was not called: tool calls cannot be read")
-        return ToolEnvironment(self.tools, inner, self.parse)
+        return ToolEnvironment(self.tools, inner, self.parser)
 
     @property
     def tool_schemas(self) -> list[dict] | None:

@@ -102,6 +102,14 @@ class ToolCallParser:
         if _below_error not in parser_log.filters:
             parser_log.addFilter(_below_error)
 
+    def text_of(self, token_ids: list[int]) -> str:
+        """A turn's text as the parser reads it: special tokens kept, since some families' call
+        markers are (Mistral's [TOOL_CALLS], Llama's <|python_tag|>) and vLLM's parsers read them
+        (its server keeps them for the parsers that ask), the token the turn stopped at left out."""
+        if token_ids and token_ids[-1] in self.tokenizer.all_special_ids:
+            token_ids = token_ids[:-1]
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
     def parse(self, text: str) -> list[ToolCall]:
         """The turn's calls in order; ``[]`` for a turn without one (the episode's answer)."""
         if self.reasoning is not None:

@@ -181,11 +181,52 @@ CHATML_TOOLS_TEMPLATE = (  # no newline right after a tag: HF renders with trim_
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def chatml_tokenizer(directory: str):
-    """A byte-level BPE tokenizer trained here on a few sentences, with ChatML's special tokens and
-    CHATML_TOOLS_TEMPLATE: the kind of tokenizer a chat model with tools has, built without a hub."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+# Llama 3.1's shape: the tools as JSON in a system turn, a call written as {"name", "parameters"},
+# a tool's result in an ipython turn, <|eot_id|> ending every turn
+LLAMA3_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|start_header_id|>system<|end_header_id|>\n\nYou may call these functions, "
+    "answering with {\"name\": ..., \"parameters\": ...}:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
+    "<|eot_id|>{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{% else %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+
+# Mistral's shape: the tools in [AVAILABLE_TOOLS], a user's turn in [INST], a call after [TOOL_CALLS],
+# a result in [TOOL_RESULTS], </s> ending the assistant's turn; no generation prompt
+MISTRAL_TOOLS_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}[INST]{{ message['content'] }}[/INST]"
+    "{% elif message['role'] == 'tool' %}[TOOL_RESULTS]{{ message['content'] }}[/TOOL_RESULTS]"
+    "{% else %}{{ message['content'] }}</s>{% endif %}{% endfor %}")
+
+FAMILY_TOKENS = {  # tool_parser -> (special tokens, template, end of an assistant's turn, bos)
+    "hermes": (["<|endoftext|>", "<|im_start|>", "<|im_end|>"], None, "<|im_end|>", None),
+    "llama3_json": (["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                     "<|python_tag|>"], LLAMA3_TOOLS_TEMPLATE, "<|eot_id|>", "<|begin_of_text|>"),
+    "mistral": (["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                 "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], MISTRAL_TOOLS_TEMPLATE, "</s>", "<s>"),
+}
+
+
+def family_tokenizer(directory: str, family: str):
+    """A tokenizer of ``family`` (a ``rollout.tool_parser`` name: hermes, llama3_json, mistral):
+    byte-level BPE trained here, with the family's special tokens and a chat template of its shape."""
+    if family == "hermes":
+        return chatml_tokenizer(directory)
     from transformers import PreTrainedTokenizerFast
+
+    special, template, end, bos = FAMILY_TOKENS[family]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_trained_bpe(special), bos_token=bos, eos_token=end,
+                                        pad_token=end, chat_template=template)
+    tokenizer.save_pretrained(directory)
+    return tokenizer
+
+
+def _trained_bpe(special_tokens: list[str]):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -194,9 +235,17 @@ def chatml_tokenizer(directory: str):
               "What is 17 plus 25? The answer is 42.", "You are a helpful assistant.", "system user assistant tool",
               '{"type": "function", "function": {"name": "add", "description": "Add two integers."}}']
     core.train_from_iterator(corpus * 20, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        vocab_size=400, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return core
+
+
+def chatml_tokenizer(directory: str):
+    """A byte-level BPE tokenizer trained here on a few sentences, with ChatML's special tokens and
+    CHATML_TOOLS_TEMPLATE: the kind of tokenizer a chat model with tools has, built without a hub."""
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_trained_bpe(FAMILY_TOKENS["hermes"][0]),
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                         chat_template=CHATML_TOOLS_TEMPLATE)
     tokenizer.save_pretrained(directory)
     return tokenizer

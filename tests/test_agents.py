@@ -54,24 +54,31 @@ def test_a_call_in_each_familys_format_reaches_the_program_as_openai_tool_calls(
     """The policy's call written in its family's format comes back through the endpoint as OpenAI
     ``tool_calls`` read by vLLM's parser for that family; a call begun and left unreadable comes
     back as the turn's text with ``tool_call_error``, and counts as a tool error."""
+    from rollout.environments import Turn
     from tests.environments import SEEN
 
     agent = programs("tests.environments:calls_add", parser=family)
+    tokenizer = agent.parser.tokenizer
+
+    def step(episode, text: str) -> Step:
+        """The policy's turn as the rollout gives it: the engine's ids (the family's markers are
+        special tokens, then the end of the turn), their text without special tokens."""
+        ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
+        return episode.step(tokenizer.decode(ids, skip_special_tokens=True), [], Turn(5, ids, [-0.1] * len(ids)))
+
     episode = agent.make({"id": f"{family}-call", "prompt": "What is 17 plus 25?"})
     episode.reset()
-    step = episode.step(FAMILY_CALLS[family], [])
-    assert step == Step(None, 1.0, done=True, tool_calls=1)
+    assert step(episode, FAMILY_CALLS[family]) == Step(None, 1.0, done=True, tool_calls=1)
     assert SEEN[f"{family}-call"]["calls"] == [("add", {"a": 17, "b": 25})]
     assert SEEN[f"{family}-call"]["tool_call_error"] is None
     episode = agent.make({"id": f"{family}-answer", "prompt": "What is 17 plus 25?"})
     episode.reset()
-    episode.step("42", [])
+    step(episode, "42")
     assert SEEN[f"{family}-answer"] == {"calls": [], "content": "42", "tool_call_error": None, "reasoning": None}
     if family in FAMILY_MALFORMED:
         episode = agent.make({"id": f"{family}-malformed", "prompt": "What is 17 plus 25?"})
         episode.reset()
-        step = episode.step(FAMILY_MALFORMED[family], [])
-        assert [error.kind for error in step.tool_errors] == ["malformed"]
+        assert [error.kind for error in step(episode, FAMILY_MALFORMED[family]).tool_errors] == ["malformed"]
         assert SEEN[f"{family}-malformed"] == {
             "calls": [], "content": FAMILY_MALFORMED[family],
             "tool_call_error": f"malformed tool call: the {family} parser could not read it", "reasoning": None}
@@ -107,14 +114,14 @@ def test_a_streamed_call_gets_the_whole_turn_as_chunks(programs):
     call = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
     for name, row, turn, seen in [
             ("chat-call", {}, call, {"content": "", "calls": [("add", {"a": 17, "b": 25})],
-                                     "finish_reason": "tool_calls", "usage": 3}),
-            ("chat-answer", {}, "42", {"content": "42", "calls": [], "finish_reason": "stop", "usage": 3}),
-            ("completion", {"completions": True}, " 42", {"content": " 42", "calls": [], "finish_reason": "stop",
-                                                          "usage": 3})]:
+                                     "finish_reason": "tool_calls"}),
+            ("chat-answer", {}, "42", {"content": "42", "calls": [], "finish_reason": "stop"}),
+            ("completion", {"completions": True}, " 42", {"content": " 42", "calls": [], "finish_reason": "stop"})]:
         episode = agent.make({"id": name, "prompt": "What is 17 plus 25?", **row})
         episode.reset()
-        episode.step(turn, [], Turn(5, [7, 8, 9], [-0.1, -0.2, -0.3]))
-        assert SEEN[name] == seen
+        ids = agent.parser.tokenizer(turn, add_special_tokens=False)["input_ids"]
+        episode.step(turn, [], Turn(5, ids, [-0.1] * len(ids)))
+        assert SEEN[name] == {**seen, "usage": len(ids)}
 
 
 def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):

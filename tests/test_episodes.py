@@ -28,8 +28,8 @@ def make_episodes(tmp_path, tokenizer, environment, rows, *overrides, tools=()):
     from rollout.episodes import Episodes, Renderer
     from rollout.tools import load_tools
 
-    config = load_config(None, [f"rollout.environment={environment}", "rollout.max_new_tokens=8",
-                                "rollout.max_model_len=64", *overrides],
+    config = load_config(None, [*([f"rollout.environment={environment}"] if environment else []),
+                                "rollout.max_new_tokens=8", "rollout.max_model_len=64", *overrides],
                          base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
     environments = Environments.load(config.rollout.environment, load_tools(list(tools)))
     environments.read_calls_with(config.rollout.tool_parser, tokenizer)
@@ -222,6 +222,39 @@ def test_each_familys_parser_reads_its_own_call_format(tmp_path, family):
     assert parser.parse("The answer is 42.") == []
     if family in FAMILY_MALFORMED:
         assert [call.name for call in parser.parse(FAMILY_MALFORMED[family])] == [None]
+
+
+@pytest.mark.parametrize("family", ["hermes", "llama3_json", "mistral"])
+def test_an_episode_in_each_familys_template_is_what_the_template_renders_of_its_conversation(tmp_path, family):
+    """On a tokenizer of each family's shape (its special tokens and chat template): the policy's
+    call in the family's format is read by its parser and answered, the tool's result rendered by
+    the template between the turns; the whole token stream decodes to what the template renders of
+    the conversation (the policy's turns as it wrote them), token for token."""
+    from tests.helpers import FAMILY_TOKENS, family_tokenizer
+
+    tok = family_tokenizer(str(tmp_path / "tok"), family)
+    end = tok.convert_tokens_to_ids(FAMILY_TOKENS[family][2])
+    question = [{"role": "user", "content": "What is 17 plus 25?"}]
+    episodes = make_episodes(tmp_path, tok, None, [{"messages": question}], f"rollout.tool_parser={family}",
+                             "rollout.max_model_len=512", "rollout.max_new_tokens=64", tools=["tests.environments:add"])
+    episodes.start(0, 0)
+    settle(episodes)
+    call, answer = FAMILY_CALLS[family], "The answer is 42."
+    for turn in (call, answer):
+        (episode, ids, _), = episodes.take_ready(0)
+        episodes.turn_finished(episode, fake_output(tok(turn, add_special_tokens=False)["input_ids"] + [end]), 0)
+        settle(episodes)
+    (sample,), dropped = episodes.finished()
+    assert dropped == [] and sample.finish_reason == "done"
+    assert episodes.record()["tool_calls_per_episode"] == 1
+    conversation = [*question, {"role": "assistant", "content": call}, {"role": "tool", "content": "42"},
+                    {"role": "assistant", "content": answer}]
+    rendered = tok.apply_chat_template(conversation, tools=episodes.renderer.tools, tokenize=False)
+    if family == "hermes":  # ChatML closes the last turn with "\n" after <|im_end|>: the policy stops before it
+        rendered = rendered.removesuffix("\n")
+    assert tok.decode([*sample.prompt_tokens, *sample.response_tokens]) == rendered
+    assert sample.loss_mask.tolist().count(0) == len(sample.response_tokens) - 2 * 1 - len(
+        tok(call, add_special_tokens=False)["input_ids"]) - len(tok(answer, add_special_tokens=False)["input_ids"])
 
 
 def test_a_tool_parser_that_is_not_vllms_or_does_not_fit_the_tokenizer_is_a_config_error(tmp_path):
