@@ -181,9 +181,9 @@ def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment",
     try:
         return json.loads(lines[-1])
     except (IndexError, ValueError):
-        raise BadStep(f"the agent command {command[0]} printed {lines[-1][:200]!r} last, not its reward "
-                      f"(a number, or a JSON object with 'reward')" if lines else
-                      f"the agent command {command[0]} printed nothing: its reward goes on stdout's last line") from None
+        said = (f"printed {lines[-1][:200]!r} last, not its reward (a number, or a JSON object with 'reward')"
+                if lines else "printed nothing: its reward goes on stdout's last line")
+        raise BadStep(f"the agent command {command[0]} {said}") from None
 
 
 def _client(endpoint: Endpoint, timeout_s: float, asynchronous: bool):
@@ -266,7 +266,8 @@ class AgentEnvironment:
         if call.completion:
             call.answer(_completion_answer(call.request, response, turn, tokenizer))
             self.text += response
-            self.ids += turn.token_ids if turn is not None else tokenizer(response, add_special_tokens=False)["input_ids"]
+            self.ids += (turn.token_ids if turn is not None
+                         else tokenizer(response, add_special_tokens=False)["input_ids"])
             tool_calls, errors = [], []
         else:
             parser = self.programs.parser

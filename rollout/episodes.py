@@ -258,8 +258,8 @@ class Episodes:
             ids = episode.prompt_tokens + episode.tokens
             # an agent program's call may ask for fewer tokens than the run's turns have
             asked = getattr(episode.environment, "max_tokens", None) or self.config.rollout.max_new_tokens
-            turns.append((episode, ids, self.sampling_for(episode, min(self.config.rollout.max_new_tokens, asked,
-                                                                        self.config.rollout.max_model_len - len(ids)))))
+            room = self.config.rollout.max_model_len - len(ids)
+            turns.append((episode, ids, self.sampling_for(episode, min(self.config.rollout.max_new_tokens, asked, room))))
         return turns
 
     def turn_finished(self, episode: Episode, output, version: int) -> None:

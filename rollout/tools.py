@@ -132,7 +132,6 @@ class ToolCallParser:
                 calls.append(ToolCall(None, {}, f"malformed tool call: {error}"))
         return calls
 
-
     def openai_calls(self, text: str, request) -> tuple[str | None, list, str | None]:
         """(content, vLLM's ``ToolCall``s, why a call could not be read) of a turn, as vLLM's server
         answers ``request`` (a ``ChatCompletionRequest`` with the caller's tools): a turn without a
@@ -163,7 +162,8 @@ class ReasoningParser:
         try:
             self.parser = parser_class(tokenizer)
         except (RuntimeError, ValueError) as error:  # the family's think tokens are not in this tokenizer
-            raise ConfigError(f"rollout.reasoning_parser: {name} does not fit the policy's tokenizer ({error})") from None
+            raise ConfigError(f"rollout.reasoning_parser: {name} does not fit the policy's tokenizer "
+                              f"({error})") from None
         self.request = request
 
     def split(self, text: str) -> tuple[str | None, str]:

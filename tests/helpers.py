@@ -188,7 +188,8 @@ LLAMA3_TOOLS_TEMPLATE = (
     "answering with {\"name\": ..., \"parameters\": ...}:{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}"
     "<|eot_id|>{% endif %}"
     "{% for message in messages %}"
-    "{% if message['role'] == 'tool' %}<|start_header_id|>ipython<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{% if message['role'] == 'tool' %}"
+    "<|start_header_id|>ipython<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
     "{% else %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")

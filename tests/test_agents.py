@@ -204,7 +204,6 @@ def test_the_endpoint_refuses_keys_it_did_not_give_and_episodes_that_ended(progr
     assert [error.status_code for error in errors] == [404] and "ended" in str(errors[0])
 
 
-
 REFUSED = [  # what a call asks for, and what the endpoint says
     ({"n": 2}, "n is 2: an episode's call asks for one completion"),
     ({"temperature": 0.5}, "temperature 0.5: this run samples at sampling.temperature 1.0"),
@@ -249,7 +248,8 @@ def test_a_reply_carries_the_engines_logprobs_and_token_ids_and_the_call_bounds_
     ids = tokenizer("42", add_special_tokens=False)["input_ids"]
     turn = Turn(prompt_length=11, token_ids=ids, logprobs=[-0.25 * (i + 1) for i in range(len(ids))])
     assert episode.step("42", [], turn) == Step(None, 1.0, done=True)
-    assert SEEN["logprobs"] == {"logprobs": [(tokenizer.decode([token]), -0.25 * (i + 1)) for i, token in enumerate(ids)],
+    pieces = [tokenizer.decode([token]) for token in ids]
+    assert SEEN["logprobs"] == {"logprobs": [(piece, -0.25 * (i + 1)) for i, piece in enumerate(pieces)],
                                 "token_ids": ids, "usage": (11, len(ids))}
 
 
