@@ -15,7 +15,8 @@ observation after the policy's turn, rendered and appended token for token; the 
 ends the episode with its reward on the last token. So the tokens trained are the ids the engine
 generated and the ids of what came between, never a re-tokenized conversation, and the deadlines,
 failure accounting and groups of episodes hold as they do for environments. A program that
-rewrites its earlier messages (a compacted context) ends its episode there (``env_error``); a
+rewrites its earlier messages (a compacted context) starts the episode's sample over from the
+rewritten conversation (``rollout.environments.Restart``: counted as ``episode_splits``); a
 program that raises, hangs past ``rollout.env_step_deadline_s`` or returns what is not a reward
 ends it as an environment would (``env_error``, ``env_deadline``).
 """
@@ -36,7 +37,7 @@ from typing import Any
 
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
-from rollout.environments import BadStep, Step, TokenIds, Turn
+from rollout.environments import BadStep, Restart, Step, TokenIds, Turn
 from rollout.tools import ToolCallParser, ToolError
 
 
@@ -313,9 +314,11 @@ class AgentEnvironment:
             raise value
         return kind, value
 
-    def _take(self, call: Call) -> list[dict] | TokenIds:
-        """What ``call`` adds to the episode: it must extend what the program sent before and the
-        replies it got, message for message (chat) or token for token (completions: text, or ids)."""
+    def _take(self, call: Call) -> list[dict] | TokenIds | Restart:
+        """What ``call`` adds to the episode: what it sends past what the program sent before and
+        the replies it got, message for message (chat) or token for token (completions: text, or
+        ids); a call that does not extend them (the program rewrote its context) starts the
+        episode's sample over from its whole conversation (``Restart``)."""
         if self.completion is None:
             self.completion = call.completion
         if call.completion != self.completion:
@@ -324,41 +327,40 @@ class AgentEnvironment:
         if call.completion:
             return self._take_prompt(call)
         messages = [_plain(message) for message in call.request.messages]
-        if messages[:len(self.sent)] != self.sent:
-            call.answer(HTTPError(400, "the conversation does not extend the episode's previous call and its reply"))
-            raise BadStep("the agent program's call does not extend its previous call and the reply it got "
-                          "(a rewritten context: the episode ends there)")
+        if messages[:len(self.sent)] != self.sent:  # a rewritten context: the episode's sample starts over
+            self.sent, self.call = messages, call
+            tools = call.request.tools
+            self.tools = tools and [tool.model_dump(exclude_none=True) for tool in tools]
+            return Restart(messages)
         added, self.sent, self.call = messages[len(self.sent):], messages, call
         if not added:
             raise BadStep("the agent program called again with no new message")
         return added
 
-    def _take_prompt(self, call: Call) -> TokenIds:
+    def _take_prompt(self, call: Call) -> TokenIds | Restart:
         """A completions call's prompt past the episode so far: the ids it gives past the episode's
         ids, or the text past the episode's text, tokenized alone (so the ids the engine generated
-        are never tokenized again). The first prompt is tokenized whole, as vLLM's server does."""
+        are never tokenized again). The first prompt, and one that does not extend the episode (a
+        rewritten context: the sample starts over), is tokenized whole, as vLLM's server does."""
         prompt, tokenizer = call.request.prompt, self.programs.parser.tokenizer
+        self.call = call
         if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
-            if prompt[:len(self.ids)] != self.ids:
-                return self._not_extended(call)
+            if self.ids and prompt[:len(self.ids)] != self.ids:
+                self.ids, self.text = list(prompt), tokenizer.decode(prompt)
+                return Restart(TokenIds(prompt))
             added = prompt[len(self.ids):]
             self.text += tokenizer.decode(added)
         elif isinstance(prompt, str):
-            if not prompt.startswith(self.text):
-                return self._not_extended(call)
-            text = prompt[len(self.text):]
-            added = tokenizer(text, add_special_tokens=not self.ids)["input_ids"]
+            if self.ids and not prompt.startswith(self.text):
+                self.text, self.ids = prompt, tokenizer(prompt)["input_ids"]
+                return Restart(TokenIds(self.ids))
+            added = tokenizer(prompt[len(self.text):], add_special_tokens=not self.ids)["input_ids"]
             self.text = prompt
         else:
             call.answer(HTTPError(400, "prompt: an episode's call gives one prompt, as text or token ids"))
             raise BadStep("the agent program's completions call gave several prompts")
-        self.ids, self.call = self.ids + list(added), call
+        self.ids = self.ids + list(added)
         return TokenIds(added)
-
-    def _not_extended(self, call: Call):
-        call.answer(HTTPError(400, "the prompt does not extend the episode's previous prompt and its completion"))
-        raise BadStep("the agent program's prompt does not extend its previous prompt and the completion it got "
-                      "(a rewritten context: the episode ends there)")
 
 
 def _deliver(episode: AgentEnvironment, run) -> None:

@@ -32,7 +32,15 @@ class TokenIds(list):
     program's completions call: the ids of what it added to its prompt)."""
 
 
-Observation = str | list[dict] | TokenIds | None
+@dataclass
+class Restart:
+    """An observation that starts the episode's context over (an agent program that rewrote or
+    compacted its conversation): ``first`` is the new context's start, rendered as a reset's; the
+    episode's sample is from there on (rollout.episodes, ``episode_splits``)."""
+    first: "str | list[dict] | TokenIds"
+
+
+Observation = str | list[dict] | TokenIds | Restart | None
 
 
 class EnvironmentFailing(RuntimeError):
@@ -105,6 +113,9 @@ def check_observation(observation: Any) -> Observation:
     if observation is None or isinstance(observation, str):
         return observation
     if isinstance(observation, TokenIds) and all(isinstance(token, int) for token in observation):
+        return observation
+    if isinstance(observation, Restart) and observation.first is not None:
+        check_observation(observation.first)
         return observation
     if isinstance(observation, list) and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

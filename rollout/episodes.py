@@ -31,8 +31,8 @@ import numpy as np
 from common.config import ConfigError, TetherConfig
 from common.prompts import chat_of
 from protocol.samples import Sample
-from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Step, TokenIds, Turn,
-                                  as_step, check_observation)
+from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Restart, Step, TokenIds,
+                                  Turn, as_step, check_observation)
 
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
 # the reply is text no template writes itself, so where the assistant's turn ends can be found after it
@@ -375,6 +375,8 @@ class Episodes:
             return self._end(episode, "done")
         if episode.turns >= self.config.rollout.max_turns:
             return self._end(episode, "max_turns")
+        if isinstance(step.observation, Restart):
+            return self._restart(episode, step.observation.first)
         observation = self._as_messages(step.observation)
         try:
             ids = (list(step.observation) if isinstance(step.observation, TokenIds)
@@ -393,6 +395,18 @@ class Episodes:
         episode.turn_rewards += [0.0] * len(ids)
         episode.messages = [*episode.messages, *observation]
         self.ready.append(episode)
+
+    def _restart(self, episode: Episode, first: Observation) -> None:
+        """The episode's context starts over (an agent program rewrote its conversation): the sample
+        is the new context's prompt and the turns after it, the same episode (its turns count on,
+        its reward still comes at its end). The turns before are not trained: a sample is one
+        token stream, and a group's samples are one per episode (``episode_splits`` counts these,
+        ``split_tokens`` the policy tokens left out)."""
+        self.counters["episode_splits"] += 1
+        self.counters["split_tokens"] += sum(episode.loss_mask)
+        episode.tokens, episode.logprobs, episode.loss_mask, episode.turn_rewards = [], [], [], []
+        episode.behavior_version = None
+        self._start_from(episode, first)
 
     def _as_messages(self, observation: Observation) -> list[dict]:
         """An observation as the conversation's messages (what reward functions and the reward model
@@ -448,6 +462,8 @@ class Episodes:
         counters, self.counters = self.counters, Counter()
         record = {**{f"episodes_{name}": counters[name] for name in counters if name.startswith("ended_")},
                   "episodes": counters["episodes"], "tool_errors": counters["tool_errors"]}
+        if counters["episode_splits"]:
+            record.update(episode_splits=counters["episode_splits"], split_tokens=counters["split_tokens"])
         record.update({name: counters[name] / counters[f"{name}:episodes"] for name in counters
                        if name.startswith("agent_") and not name.endswith(":episodes")})
         if counters["episodes"]:  # means over none would read as zeros on the dashboard

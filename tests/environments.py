@@ -192,6 +192,26 @@ def rewrites_its_context(client, row: dict) -> float:
     return 1.0
 
 
+class CompactsItsContext:
+    """Turn 1 answered, then its context rewritten (a summary in place of the conversation), then
+    the episode ends with its reward: as an agent program that compacts its context does."""
+
+    def __init__(self) -> None:
+        self.turns = 0
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        from rollout.environments import Restart
+
+        self.turns += 1
+        if self.turns == 1:
+            return Step(Restart([{"role": "user", "content": "odd 1 :"}]))
+        return Step(None, 1.0, done=True)
+
+
+def compacts_its_context(row: dict) -> CompactsItsContext:
+    return CompactsItsContext()
+
+
 async def says_yes(client, row: dict):
     await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
     return "yes"

@@ -164,11 +164,14 @@ def test_a_programs_return_is_a_reward_its_figures_or_none_where_others_score():
         _reward({"reward": 1.0, "calls": "three"}, False)
 
 
-def test_a_rewritten_context_or_a_reward_that_is_not_a_number_ends_the_episode(programs):
+def test_a_rewritten_context_starts_over_and_a_reward_that_is_not_a_number_ends_the_episode(programs):
+    from rollout.environments import Restart
+
     episode = programs("tests.environments:rewrites_its_context").make({"prompt": "hello"})
     episode.reset()
-    with pytest.raises(BadStep, match="does not extend its previous call"):
-        episode.step("hi", [])
+    step = episode.step("hi", [])
+    assert step.observation == Restart([{"role": "user", "content": "something else"}])
+    assert episode.step("fine", []) == Step(None, 1.0, done=True)
     episode = programs("tests.environments:says_yes").make({"prompt": "hello"})
     episode.reset()
     with pytest.raises(BadStep, match='returned "yes", not a finite number'):
@@ -283,9 +286,12 @@ def test_a_completions_program_adds_its_texts_ids_and_the_engines_are_never_reto
     assert SEEN[row["id"]] == {"texts": [" 42", " 43"], "logprobs": [-0.5] * len(generated), "token_ids": generated}
 
 
-def test_a_completions_prompt_that_does_not_extend_the_episode_ends_it(programs):
+def test_a_completions_prompt_that_does_not_extend_the_episode_starts_it_over(programs):
+    from rollout.environments import Restart, TokenIds
+
     agent = programs("tests.environments:rewrites_its_prompt")
     episode = agent.make({"prompt": "17 plus 25 is"})
     episode.reset()
-    with pytest.raises(BadStep, match="prompt does not extend its previous prompt"):
-        episode.step(" 42", [])
+    step = episode.step(" 42", [])
+    assert step.observation == Restart(TokenIds(agent.parser.tokenizer("something else")["input_ids"]))
+    assert episode.step(" 43", []) == Step(None, 1.0, done=True)

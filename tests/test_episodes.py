@@ -390,6 +390,28 @@ def test_an_episode_that_ends_well_resets_the_count_of_failures(tmp_path, demo_t
     assert episodes.failed_in_a_row == 0 and [s.finish_reason for s in episodes.finished()[0]] == ["max_turns"]
 
 
+def test_a_context_started_over_is_the_episodes_sample_from_there_and_counted(tmp_path, demo_tokenizer):
+    """A Restart (an agent program that compacted its conversation): the sample is the new context's
+    prompt and the turns after it, with the episode's reward; the turns before are counted."""
+    tok = demo_tokenizer
+    episodes = make_episodes(tmp_path, tok, "tests.environments:compacts_its_context", [{"prompt": "even 1 2 3 :"}])
+    episodes.start(0, 0)
+    settle(episodes)
+    for version, turn in enumerate([[10, 12, EOS], [11, EOS]]):
+        (episode, ids, _), = episodes.take_ready(version)
+        if version == 1:
+            assert ids == tok("odd 1 :")["input_ids"]  # the new context, rendered as a reset's
+        episodes.turn_finished(episode, fake_output(turn), version)
+        settle(episodes)
+    (sample,), dropped = episodes.finished()
+    assert dropped == [] and sample.finish_reason == "done"
+    assert sample.prompt_tokens.tolist() == tok("odd 1 :")["input_ids"]
+    assert sample.response_tokens.tolist() == [11, EOS] and sample.loss_mask.tolist() == [1, 1]
+    assert sample.turn_rewards.tolist() == [0.0, 1.0] and sample.behavior_version == 1
+    record = episodes.record()
+    assert (record["episode_splits"], record["split_tokens"], record["turns_per_episode"]) == (1, 3, 2)
+
+
 def test_an_agent_programs_figures_are_averaged_over_the_episodes_that_gave_them(tmp_path, demo_tokenizer):
     episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:reports", [{"prompt": "odd 1 :"}],
                              "rollout.samples_per_prompt=2")
