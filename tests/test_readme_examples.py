@@ -73,6 +73,26 @@ def test_the_readme_agent_is_answered_through_the_endpoint_and_its_config_holds(
     assert config.rollout.agent == "my_agent:solve" and config.rollout.tool_parser == "hermes"
 
 
+def test_the_readme_command_agent_runs_in_a_process_of_its_own(tmp_path):
+    """The README's my_command_agent.py as rollout.agent_command starts it: its call is the first
+    observation, what it prints last its reward."""
+    from rollout.agents import AgentPrograms
+    from rollout.environments import Step
+    from rollout.tools import ToolCallParser
+    from tests.helpers import chatml_tokenizer
+
+    script = tmp_path / "my_command_agent.py"
+    script.write_text(readme_files()["my_command_agent.py"])
+    programs = AgentPrograms([sys.executable, str(script)], ToolCallParser(
+        "hermes", chatml_tokenizer(str(tmp_path / "tokenizer")), None), 30.0, 30.0)
+    try:
+        episode = programs.make({"prompt": "What is 17 plus 25?", "answer": "42"})
+        assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
+        assert episode.step("The answer is 42", []) == Step(None, 1.0, done=True)
+    finally:
+        programs.close()
+
+
 def tether_from(directory, *args) -> subprocess.CompletedProcess:
     """The installed `tether` command (its own script, not ``python -m``: the script's path holds
     only its bin directory), in ``directory``, with no PYTHONPATH of the caller's."""
