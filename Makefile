@@ -20,8 +20,9 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m launch.cli demo
 
+# the slowest tests named at the end: where to look when the suite nears CI's 30 minutes
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=25
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow"
