@@ -242,7 +242,7 @@ class AgentEnvironment:
         return None
 
     @property
-    def max_tokens(self) -> int | None:
+    def turn_max_tokens(self) -> int | None:
         """What the call the policy answers next asks for at most (``max_completion_tokens``)."""
         request = self.call.request if self.call is not None else None
         return request and (getattr(request, "max_completion_tokens", None) or request.max_tokens)

@@ -257,7 +257,7 @@ class Episodes:
                 episode.behavior_version = version
             ids = episode.prompt_tokens + episode.tokens
             # an agent program's call may ask for fewer tokens than the run's turns have
-            asked = getattr(episode.environment, "max_tokens", None) or self.config.rollout.max_new_tokens
+            asked = getattr(episode.environment, "turn_max_tokens", None) or self.config.rollout.max_new_tokens
             room = self.config.rollout.max_model_len - len(ids)
             turns.append((episode, ids, self.sampling_for(episode, min(self.config.rollout.max_new_tokens, asked, room))))
         return turns

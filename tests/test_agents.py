@@ -246,7 +246,7 @@ def test_a_reply_carries_the_engines_logprobs_and_token_ids_and_the_call_bounds_
     agent = programs("tests.environments:asks_for_logprobs")
     episode = agent.make({"id": "logprobs", "prompt": "What is 17 plus 25?"})
     episode.reset()
-    assert episode.max_tokens == 5
+    assert episode.turn_max_tokens == 5
     tokenizer = agent.parser.tokenizer
     ids = tokenizer("42", add_special_tokens=False)["input_ids"]
     turn = Turn(prompt_length=11, token_ids=ids, logprobs=[-0.25 * (i + 1) for i in range(len(ids))])
@@ -274,7 +274,7 @@ def test_a_completions_program_adds_its_texts_ids_and_the_engines_are_never_reto
     episode = agent.make(row)
     first = episode.reset()
     assert isinstance(first, TokenIds) and first == tokenizer(prompt)["input_ids"]
-    assert episode.max_tokens == 8
+    assert episode.turn_max_tokens == 8
     # the engine's ids for " 42", as it might have split them (not as the tokenizer would)
     generated = tokenizer(" 4", add_special_tokens=False)["input_ids"] + tokenizer("2", add_special_tokens=False)[
         "input_ids"]
