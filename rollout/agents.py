@@ -30,9 +30,11 @@ import math
 import os
 import queue
 import secrets
+import signal
 import subprocess
 import threading
 import time
+import warnings
 from typing import Any
 
 from common.functions import load_function
@@ -168,12 +170,15 @@ def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment",
                                env=environment, text=True, start_new_session=True)
     episode.process = process
     if episode.ended:  # ended while the process started: close() did not see it
-        process.kill()
+        _kill(process)
     try:
         out, err = process.communicate(json.dumps(episode.row) + "\n", timeout=deadline_s)
     except subprocess.TimeoutExpired:
-        process.kill()
-        process.communicate()
+        _kill(process)
+        try:
+            process.communicate(timeout=5.0)
+        except subprocess.TimeoutExpired:  # something outside its group holds the pipes: left to the OS
+            pass
         raise TimeoutError(f"the agent command {command[0]} ran past rollout.agent_deadline_s {deadline_s:g}") from None
     tail = "\n".join(err.strip().splitlines()[-20:])
     if process.returncode != 0:
@@ -185,6 +190,15 @@ def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment",
         said = (f"printed {lines[-1][:200]!r} last, not its reward (a number, or a JSON object with 'reward')"
                 if lines else "printed nothing: its reward goes on stdout's last line")
         raise BadStep(f"the agent command {command[0]} {said}") from None
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """An agent command and every process it started (its session's group: a wrapper such as
+    ``bash run.sh`` or ``uv run`` would otherwise leave the agent running, holding its pipes)."""
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def _client(endpoint: Endpoint, timeout_s: float, asynchronous: bool):
@@ -228,24 +242,25 @@ class AgentEnvironment:
         self.ended = False
         self.deadline = math.inf  # when the program must have returned
         self.process: subprocess.Popen | None = None  # a command's (rollout.agent_command)
+        self.lock = threading.Lock()
 
     reads_turns = True  # its step is given the turn's tokens and logprobs (rollout.episodes)
 
     def offer(self, call: Call) -> HTTPError | None:
         """From the endpoint: the program's next call, or why it is refused."""
-        if self.ended:
-            return HTTPError(404, "this episode has ended")
         refused = refusal(call.request, self.programs.sampling)
-        if refused is not None:
-            return HTTPError(400, refused)
-        self.events.put(("call", call))
+        with self.lock:  # with close(): a call is either taken before the episode ends or refused
+            if self.ended:
+                return HTTPError(404, "this episode has ended")
+            if refused is not None:
+                return HTTPError(400, refused)
+            self.events.put(("call", call))
         return None
 
     @property
     def turn_max_tokens(self) -> int | None:
         """What the call the policy answers next asks for at most (``max_completion_tokens``)."""
-        request = self.call.request if self.call is not None else None
-        return request and (getattr(request, "max_completion_tokens", None) or request.max_tokens)
+        return _max_tokens(self.call.request) if self.call is not None else None
 
     def reset(self) -> list[dict]:
         """Starts the program; its first call's messages are the episode's first observation."""
@@ -262,23 +277,14 @@ class AgentEnvironment:
         """The policy's turn answers the program's call; then its next call (the observation: what it
         added to the conversation) or its return (the reward, and the episode's end). ``turn``: the
         engine's tokens and logprobs of the turn, for a call that asks for them."""
-        call, self.call = self.call, None
-        tokenizer = self.programs.parser.tokenizer
-        if call.completion:
-            call.answer(_completion_answer(call.request, response, turn, tokenizer))
-            self.text += response
-            self.ids += (turn.token_ids if turn is not None
-                         else tokenizer(response, add_special_tokens=False)["input_ids"])
-            tool_calls, errors = [], []
-        else:
-            parser = self.programs.parser
-            text = parser.text_of(turn.token_ids) if turn is not None else response
-            reasoning, text = parser.reasoning.split(text) if parser.reasoning is not None else (None, text)
-            content, tool_calls, unread = parser.openai_calls(text, call.request)
-            answer = _answer(call.request, content, tool_calls, turn, tokenizer, reasoning)
-            call.answer(answer if unread is None else _marked(answer, unread))
-            self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
-            errors = [] if unread is None else [ToolError("malformed", None, {}, unread)]
+        call = self.call
+        try:
+            tool_calls, errors = self._answer(call, response, turn)
+        except BaseException as error:  # the call is answered whatever happens: its program must not wait on
+            call.answer(HTTPError(500, f"the rollout could not answer this call ({type(error).__name__}: {error})"))
+            raise
+        finally:
+            self.call = None
         kind, value = self._next()
         if kind == "call":
             return Step(self._take(value), tool_calls=len(tool_calls) + len(errors), tool_errors=errors)
@@ -286,16 +292,38 @@ class AgentEnvironment:
         return Step(None, reward, done=True, tool_calls=len(tool_calls) + len(errors), tool_errors=errors,
                     metrics=metrics)
 
+    def _answer(self, call: Call, response: str, turn: Turn | None) -> tuple[list, list[ToolError]]:
+        """``call`` answered with the policy's turn; the turn's tool calls and its malformed one."""
+        tokenizer = self.programs.parser.tokenizer
+        if call.completion:
+            call.answer(_completion_answer(call.request, response, turn, tokenizer))
+            self.text += response
+            self.ids += (turn.token_ids if turn is not None
+                         else tokenizer(response, add_special_tokens=False)["input_ids"])
+            return [], []
+        parser = self.programs.parser
+        text = parser.text_of(turn.token_ids) if turn is not None else response
+        reasoning, text = parser.reasoning.split(text) if parser.reasoning is not None else (None, text)
+        content, tool_calls, unread = parser.openai_calls(text, call.request)
+        answer = _answer(call.request, content, tool_calls, turn, tokenizer, reasoning)
+        call.answer(answer if unread is None else _marked(answer, unread))
+        self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
+        return tool_calls, [] if unread is None else [ToolError("malformed", None, {}, unread)]
+
     def close(self) -> None:
         """The episode ended: a call waiting for its turn is refused, and later ones."""
-        self.ended = True
+        with self.lock:
+            self.ended = True
         self.programs.forget(self.key)
         if self.process is not None and self.process.poll() is None:
-            self.process.kill()
+            _kill(self.process)
         if self.call is not None:
             self.call.answer(HTTPError(404, "this episode has ended"))
-        while not self.events.empty():
-            kind, value = self.events.get_nowait()
+        while True:  # calls taken before the end, that no turn will answer
+            try:
+                kind, value = self.events.get_nowait()
+            except queue.Empty:
+                break
             if kind == "call":
                 value.answer(HTTPError(404, "this episode has ended"))
 
@@ -345,12 +373,19 @@ class AgentEnvironment:
         prompt, tokenizer = call.request.prompt, self.programs.parser.tokenizer
         self.call = call
         if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+            if not prompt or max(prompt) >= len(tokenizer):
+                call.answer(HTTPError(400, f"prompt: {'no ids' if not prompt else f'id {max(prompt)}'}: the "
+                                           f"policy's vocabulary has {len(tokenizer)} ids"))
+                raise BadStep("the agent program's completions prompt is empty or has ids past the vocabulary")
             if self.ids and prompt[:len(self.ids)] != self.ids:
                 self.ids, self.text = list(prompt), tokenizer.decode(prompt)
                 return Restart(TokenIds(prompt))
             added = prompt[len(self.ids):]
             self.text += tokenizer.decode(added)
         elif isinstance(prompt, str):
+            if not prompt:
+                call.answer(HTTPError(400, "prompt: empty"))
+                raise BadStep("the agent program's completions prompt is empty")
             if self.ids and not prompt.startswith(self.text):
                 self.text, self.ids = prompt, tokenizer(prompt)["input_ids"]
                 return Restart(TokenIds(self.ids))
@@ -372,11 +407,34 @@ def _deliver(episode: AgentEnvironment, run) -> None:
         episode.events.put(("raise", error))
 
 
+# what would make a call's turn come from another distribution than the run's, or be cut otherwise
+DISTRIBUTION_FIELDS = ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
+                       "min_tokens", "ignore_eos", "response_format", "structured_outputs", "bad_words",
+                       "allowed_token_ids")
+
+
+def _max_tokens(request) -> int | None:
+    """What a call asks for at most: ``max_completion_tokens``, or the older ``max_tokens`` (whose
+    reading vLLM's chat request warns of)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        asked = getattr(request, "max_completion_tokens", None)
+        return asked if asked is not None else request.max_tokens
+
+
 def refusal(request, sampling) -> str | None:
     """Why the endpoint refuses a chat-completions ``request`` (vLLM's ``ChatCompletionRequest``),
     or None. An episode's call is a turn of one token stream, sampled from the run's distribution
     (``sampling``: the run's ``SamplingConfig``, whose logprobs the learner recomputes), so a call
     may not ask for another distribution, several completions or tools it must call."""
+    asked = _max_tokens(request)
+    if asked is not None and asked < 1:
+        return f"max_tokens {asked}: a turn has at least one token"
+    changed = [key for key in DISTRIBUTION_FIELDS if key in type(request).model_fields
+               and getattr(request, key) != type(request).model_fields[key].get_default(call_default_factory=True)]
+    if changed:
+        return (f"{', '.join(changed)}: the run samples each turn as sampling says (the learner's logprobs are "
+                "of that distribution), with no penalties, constraints or formats of a call's own")
     if request.n != 1:
         return f"n is {request.n}: an episode's call asks for one completion (rollout.samples_per_prompt gives several)"
     if getattr(request, "top_logprobs", 0) or (isinstance(request.logprobs, int) and not isinstance(
@@ -425,7 +483,7 @@ def _answer(request, content: str | None, tool_calls: list, turn: Turn | None, t
     choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=content,
                                                                        tool_calls=tool_calls, reasoning=reasoning),
                                           logprobs=logprobs, token_ids=token_ids,
-                                          finish_reason="tool_calls" if tool_calls else "stop")
+                                          finish_reason="tool_calls" if tool_calls else _finish(turn))
     return ChatCompletionResponse(model=request.model or "policy", usage=usage, choices=[choice])
 
 
@@ -448,8 +506,15 @@ def _completion_answer(request, text: str, turn: Turn | None, tokenizer):
                                           top_logprobs=[None] * len(pieces))
         if request.return_token_ids:
             token_ids = list(turn.token_ids)
-    choice = CompletionResponseChoice(index=0, text=text, logprobs=logprobs, token_ids=token_ids, finish_reason="stop")
+    choice = CompletionResponseChoice(index=0, text=text, logprobs=logprobs, token_ids=token_ids,
+                                      finish_reason=_finish(turn))
     return CompletionResponse(model=request.model or "policy", usage=usage, choices=[choice])
+
+
+def _finish(turn: Turn | None) -> str:
+    """A turn's finish reason as OpenAI's API says it: "length" for a turn cut at the call's
+    ``max_tokens``, else "stop"."""
+    return "length" if turn is not None and turn.finish_reason == "length" else "stop"
 
 
 def _marked(answer, unread: str) -> dict:

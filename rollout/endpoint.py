@@ -101,6 +101,7 @@ class Endpoint:
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+        from vllm.exceptions import VLLMValidationError
 
         def error(status: int, message: str) -> JSONResponse:
             return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "code": status}},
@@ -112,7 +113,7 @@ class Endpoint:
             return error(401, "unknown key: each episode calls with the key its program was given")
         try:
             body = (CompletionRequest if completion else ChatCompletionRequest).model_validate(await request.json())
-        except (ValidationError, ValueError) as invalid:
+        except (ValidationError, ValueError, VLLMValidationError) as invalid:
             return error(400, f"not a {'completions' if completion else 'chat-completions'} request: {invalid}")
         loop = asyncio.get_running_loop()
         call = Call(body, loop.create_future(), loop, completion)

@@ -69,6 +69,7 @@ class Turn:
     prompt_length: int
     token_ids: list[int]
     logprobs: list[float]
+    finish_reason: str = "stop"  # "length": cut at the call's own max_tokens
 
 
 def as_step(value: Any) -> Step:

@@ -128,6 +128,7 @@ class Episode:
     tool_calls: int = 0
     tool_errors: int = 0
     renderer: Renderer | None = None  # for an episode whose environment brings its own tools
+    call_cap: int | None = None  # the turn under way: an agent's call asked for fewer tokens than the run allows
 
 
 def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
@@ -258,8 +259,9 @@ class Episodes:
             ids = episode.prompt_tokens + episode.tokens
             # an agent program's call may ask for fewer tokens than the run's turns have
             asked = getattr(episode.environment, "turn_max_tokens", None) or self.config.rollout.max_new_tokens
-            room = self.config.rollout.max_model_len - len(ids)
-            turns.append((episode, ids, self.sampling_for(episode, min(self.config.rollout.max_new_tokens, asked, room))))
+            limit = min(self.config.rollout.max_new_tokens, self.config.rollout.max_model_len - len(ids))
+            episode.call_cap = asked if asked < limit else None
+            turns.append((episode, ids, self.sampling_for(episode, min(limit, asked))))
         return turns
 
     def turn_finished(self, episode: Episode, output, version: int) -> None:
@@ -276,11 +278,14 @@ class Episodes:
         episode.last_token = tokens[-1]
         response = self.tokenizer.decode(tokens, skip_special_tokens=True)
         episode.messages = [*episode.messages, {"role": "assistant", "content": response}]
-        if completion.finish_reason == "length":
+        # a turn cut where the run cuts turns ends its episode; one cut at its call's own max_tokens
+        # is that call's answer (finish_reason "length"), and the program goes on
+        cut_by_call = episode.call_cap is not None and len(tokens) >= episode.call_cap
+        if completion.finish_reason == "length" and not cut_by_call:
             self._end(episode, "length")
         else:
             turn = Turn(len(episode.prompt_tokens) + len(episode.tokens) - len(tokens), tokens,
-                        episode.logprobs[-len(tokens):])
+                        episode.logprobs[-len(tokens):], completion.finish_reason or "stop")
             self._call(episode, _step, episode.environment, response, episode.messages, turn)
 
     def advance(self, now: float, timeout: float = 0.0) -> None:

@@ -140,7 +140,8 @@ async def asks_for_logprobs(client, row: dict) -> float:
     choice = response.choices[0]
     SEEN[row["id"]] = {"logprobs": [(entry.token, entry.logprob) for entry in choice.logprobs.content],
                        "token_ids": choice.token_ids, "usage": (response.usage.prompt_tokens,
-                                                                response.usage.completion_tokens)}
+                                                                response.usage.completion_tokens),
+                       "finish_reason": choice.finish_reason}
     return 1.0
 
 
@@ -206,6 +207,24 @@ class CompactsItsContext:
         if self.turns == 1:
             return Step(Restart([{"role": "user", "content": "odd 1 :"}]))
         return Step(None, 1.0, done=True)
+
+
+class AsksForTwoTokens:
+    """As an agent program's call with max_tokens 2: its turns are capped there, and a turn cut at the
+    cap is its answer (its finish reason "length"), not the episode's end."""
+    turn_max_tokens = 2
+    reads_turns = True
+
+    def __init__(self) -> None:
+        self.finish_reasons: list[str] = []
+
+    def step(self, response: str, messages: list[dict], turn) -> Step:
+        self.finish_reasons.append(turn.finish_reason)
+        return Step(None, 1.0, done=True)
+
+
+def asks_for_two_tokens(row: dict) -> AsksForTwoTokens:
+    return AsksForTwoTokens()
 
 
 def compacts_its_context(row: dict) -> CompactsItsContext:

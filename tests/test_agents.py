@@ -214,6 +214,9 @@ REFUSED = [  # what a call asks for, and what the endpoint says
     ({"logprobs": True, "top_logprobs": 2}, "top_logprobs: the engine records the logprob of the token it sampled"),
     ({"tools": [ADD], "tool_choice": "required"}, "tool_choice 'required'"),
     ({"stop": ["\n"]}, "stop: the run's turns end where the policy ends them"),
+    ({"max_tokens": -1}, "max_tokens -1: a turn has at least one token"),
+    ({"presence_penalty": 0.5}, "presence_penalty: the run samples each turn as sampling says"),
+    ({"response_format": {"type": "json_object"}}, "response_format: the run samples each turn as sampling says"),
 ]
 
 
@@ -253,7 +256,7 @@ def test_a_reply_carries_the_engines_logprobs_and_token_ids_and_the_call_bounds_
     assert episode.step("42", [], turn) == Step(None, 1.0, done=True)
     pieces = [tokenizer.decode([token]) for token in ids]
     assert SEEN["logprobs"] == {"logprobs": [(piece, -0.25 * (i + 1)) for i, piece in enumerate(pieces)],
-                                "token_ids": ids, "usage": (11, len(ids))}
+                                "token_ids": ids, "usage": (11, len(ids)), "finish_reason": "stop"}
 
 
 @pytest.mark.parametrize("as_ids", [False, True])
@@ -295,3 +298,26 @@ def test_a_completions_prompt_that_does_not_extend_the_episode_starts_it_over(pr
     step = episode.step(" 42", [])
     assert step.observation == Restart(TokenIds(agent.parser.tokenizer("something else")["input_ids"]))
     assert episode.step(" 43", []) == Step(None, 1.0, done=True)
+
+
+def test_a_completions_prompt_the_engine_could_not_take_is_refused_and_ends_the_episode(programs):
+    """An empty prompt or ids past the vocabulary would fail in the engine's hands: the call is
+    refused (by vLLM's validation, or by the episode with 400) and the episode ends (env_error)."""
+    agent = programs("tests.environments:completes_twice")
+    for prompt, said in [([], "prompt"), ([10 ** 6], "ids past the vocabulary"),
+                         ("", "must be provided and non-empty")]:
+        episode = agent.make({"id": "bad-prompt", "prompt": prompt})
+        with pytest.raises((BadStep, openai.BadRequestError), match=said):
+            episode.reset()
+
+
+def test_a_turn_cut_at_its_calls_max_tokens_answers_the_call_with_length(programs):
+    from rollout.environments import Turn
+    from tests.environments import SEEN
+
+    agent = programs("tests.environments:asks_for_logprobs")
+    episode = agent.make({"id": "cut", "prompt": "What is 17 plus 25?"})
+    episode.reset()
+    ids = agent.parser.tokenizer("17 plus", add_special_tokens=False)["input_ids"]
+    episode.step("17 plus", [], Turn(11, ids, [-0.1] * len(ids), "length"))
+    assert SEEN["cut"]["finish_reason"] == "length"

@@ -412,6 +412,23 @@ def test_a_context_started_over_is_the_episodes_sample_from_there_and_counted(tm
     assert (record["episode_splits"], record["split_tokens"], record["turns_per_episode"]) == (1, 3, 2)
 
 
+def test_a_turn_cut_at_its_calls_own_max_tokens_is_answered_and_one_cut_by_the_run_ends_the_episode(
+        tmp_path, demo_tokenizer):
+    for run_cap, answered in [(8, True), (2, False)]:  # the call asks for 2 tokens
+        episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:asks_for_two_tokens",
+                                 [{"prompt": "odd 1 :"}], f"rollout.max_new_tokens={run_cap}")
+        episodes.start(0, 0)
+        settle(episodes)
+        (episode, _, max_tokens), = episodes.take_ready(0)
+        assert max_tokens == 2
+        episodes.turn_finished(episode, fake_output([10, 11], "length"), 0)
+        settle(episodes)
+        if answered:  # cut at the call's own cap: its answer, finish reason "length"
+            assert episode.environment.finish_reasons == ["length"] and episode.ended == "done"
+        else:  # cut where the run cuts turns: the episode ends there
+            assert episode.environment.finish_reasons == [] and episode.ended == "length"
+
+
 def test_an_agent_programs_figures_are_averaged_over_the_episodes_that_gave_them(tmp_path, demo_tokenizer):
     episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:reports", [{"prompt": "odd 1 :"}],
                              "rollout.samples_per_prompt=2")
