@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import itertools
 import json
 import math
 import os
@@ -135,7 +136,7 @@ class ProgramThread:
 
     def serve(self) -> None:
         programs = self.programs
-        loop = asyncio.new_event_loop()
+        loop = asyncio.new_event_loop() if programs.asynchronous else None
         client = None if programs.command else _client(programs.endpoint, programs.deadline_s, programs.asynchronous)
         try:
             while (episode := self.jobs.get()) is not None:
@@ -144,11 +145,11 @@ class ProgramThread:
         finally:
             if programs.asynchronous:
                 loop.run_until_complete(client.close())
+                loop.close()
             elif client is not None:
                 client.close()
-            loop.close()
 
-    def run(self, episode: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop) -> Any:
+    def run(self, episode: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop | None) -> Any:
         """``episode``'s program to its return: the function with a copy of ``client`` of the
         episode's key, or the command."""
         programs = self.programs
@@ -269,8 +270,7 @@ class AgentEnvironment:
         kind, value = self._next()
         if kind == "return":
             raise BadStep("the agent program returned before it called the model")
-        tools = getattr(value.request, "tools", None)  # a completions call has none: its prompt is the policy's text
-        self.tools = tools and [tool.model_dump(exclude_none=True) for tool in tools]
+        self.tools = _tools_of(value.request)
         return self._take(value)
 
     def step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Step:
@@ -356,9 +356,7 @@ class AgentEnvironment:
             return self._take_prompt(call)
         messages = [_plain(message) for message in call.request.messages]
         if messages[:len(self.sent)] != self.sent:  # a rewritten context: the episode's sample starts over
-            self.sent, self.call = messages, call
-            tools = call.request.tools
-            self.tools = tools and [tool.model_dump(exclude_none=True) for tool in tools]
+            self.sent, self.call, self.tools = messages, call, _tools_of(call.request)
             return Restart(messages)
         added, self.sent, self.call = messages[len(self.sent):], messages, call
         if not added:
@@ -398,6 +396,13 @@ class AgentEnvironment:
         return TokenIds(added)
 
 
+def _tools_of(request) -> list[dict] | None:
+    """A call's tools as the chat template renders them (a completions call has none: its prompt is
+    the policy's text)."""
+    tools = getattr(request, "tools", None)
+    return tools and [tool.model_dump(exclude_none=True) for tool in tools]
+
+
 def _deliver(episode: AgentEnvironment, run) -> None:
     """``run()``'s return or error to ``episode``'s events: a program's own failure ends its episode
     (env_error), it never reaches the rollout's loop."""
@@ -423,10 +428,11 @@ def _max_tokens(request) -> int | None:
 
 
 def refusal(request, sampling) -> str | None:
-    """Why the endpoint refuses a chat-completions ``request`` (vLLM's ``ChatCompletionRequest``),
-    or None. An episode's call is a turn of one token stream, sampled from the run's distribution
-    (``sampling``: the run's ``SamplingConfig``, whose logprobs the learner recomputes), so a call
-    may not ask for another distribution, several completions or tools it must call."""
+    """Why the endpoint refuses a call's ``request`` (vLLM's ``ChatCompletionRequest`` or
+    ``CompletionRequest``), or None. An episode's call is a turn of one token stream, sampled from
+    the run's distribution (``sampling``: the run's ``SamplingConfig``, whose logprobs the learner
+    recomputes), so a call may not ask for another distribution, several completions or tools it
+    must call."""
     asked = _max_tokens(request)
     if asked is not None and asked < 1:
         return f"max_tokens {asked}: a turn has at least one token"
@@ -466,20 +472,11 @@ def _answer(request, content: str | None, tool_calls: list, turn: Turn | None, t
                                                                   ChatCompletionLogProbsContent,
                                                                   ChatCompletionResponse,
                                                                   ChatCompletionResponseChoice, ChatMessage)
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-    logprobs = token_ids = None
-    usage = UsageInfo()
-    if turn is not None:
-        usage = UsageInfo(prompt_tokens=turn.prompt_length, completion_tokens=len(turn.token_ids),
-                          total_tokens=turn.prompt_length + len(turn.token_ids))
-        if request.logprobs:
-            pieces = [tokenizer.decode([token]) for token in turn.token_ids]
-            logprobs = ChatCompletionLogProbs(content=[
-                ChatCompletionLogProbsContent(token=piece, logprob=logprob, bytes=list(piece.encode()), top_logprobs=[])
-                for piece, logprob in zip(pieces, turn.logprobs)])
-        if getattr(request, "return_token_ids", False):
-            token_ids = list(turn.token_ids)
+    usage, pieces, token_ids = _turn_figures(request, turn, tokenizer, wants_logprobs=bool(request.logprobs))
+    logprobs = None if pieces is None else ChatCompletionLogProbs(content=[
+        ChatCompletionLogProbsContent(token=piece, logprob=logprob, bytes=list(piece.encode()), top_logprobs=[])
+        for piece, logprob in zip(pieces, turn.logprobs)])
     choice = ChatCompletionResponseChoice(index=0, message=ChatMessage(role="assistant", content=content,
                                                                        tool_calls=tool_calls, reasoning=reasoning),
                                           logprobs=logprobs, token_ids=token_ids,
@@ -492,23 +489,28 @@ def _completion_answer(request, text: str, turn: Turn | None, tokenizer):
     counts and, where asked (``logprobs: 0``, ``return_token_ids``), the engine's logprobs and ids."""
     from vllm.entrypoints.openai.completion.protocol import (CompletionLogProbs, CompletionResponse,
                                                              CompletionResponseChoice)
-    from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
-    logprobs = token_ids = None
-    usage = UsageInfo()
-    if turn is not None:
-        usage = UsageInfo(prompt_tokens=turn.prompt_length, completion_tokens=len(turn.token_ids),
-                          total_tokens=turn.prompt_length + len(turn.token_ids))
-        if request.logprobs is not None:
-            pieces = [tokenizer.decode([token]) for token in turn.token_ids]
-            offsets = [sum(len(piece) for piece in pieces[:i]) for i in range(len(pieces))]
-            logprobs = CompletionLogProbs(text_offset=offsets, token_logprobs=list(turn.logprobs), tokens=pieces,
-                                          top_logprobs=[None] * len(pieces))
-        if request.return_token_ids:
-            token_ids = list(turn.token_ids)
+    usage, pieces, token_ids = _turn_figures(request, turn, tokenizer, wants_logprobs=request.logprobs is not None)
+    logprobs = None if pieces is None else CompletionLogProbs(
+        text_offset=list(itertools.accumulate(map(len, pieces), initial=0))[:-1],
+        token_logprobs=list(turn.logprobs), tokens=pieces, top_logprobs=[None] * len(pieces))
     choice = CompletionResponseChoice(index=0, text=text, logprobs=logprobs, token_ids=token_ids,
                                       finish_reason=_finish(turn))
     return CompletionResponse(model=request.model or "policy", usage=usage, choices=[choice])
+
+
+def _turn_figures(request, turn: Turn | None, tokenizer, wants_logprobs: bool):
+    """What either route's answer says of the engine's turn: the token counts, each token's text
+    where the call asks for logprobs (else None), and the ids where it asks for them
+    (``return_token_ids``; else None)."""
+    from vllm.entrypoints.serve.engine.protocol import UsageInfo
+
+    if turn is None:
+        return UsageInfo(), None, None
+    usage = UsageInfo(prompt_tokens=turn.prompt_length, completion_tokens=len(turn.token_ids),
+                      total_tokens=turn.prompt_length + len(turn.token_ids))
+    pieces = [tokenizer.decode([token]) for token in turn.token_ids] if wants_logprobs else None
+    return usage, pieces, list(turn.token_ids) if getattr(request, "return_token_ids", False) else None
 
 
 def _finish(turn: Turn | None) -> str:

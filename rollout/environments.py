@@ -129,7 +129,7 @@ class ToolEnvironment:
     """Answers a turn's tool calls with the tools' results (one tool message each); a turn without
     a call is the episode's answer: it goes to ``inner``'s step, or ends the episode."""
 
-    reads_turns = True  # the calls are read in the turn's tokens, decoded as vLLM's server decodes them
+    reads_turns = True  # the calls are read in the turn's tokens (ToolCallParser.text_of), special tokens kept
 
     def __init__(self, tools: dict[str, Tool], inner: Any | None, parser: "ToolCallParser") -> None:
         self.tools, self.inner, self.parser = tools, inner, parser
@@ -175,8 +175,6 @@ class Environments:
         sets apart; an unknown name, or one whose special tokens the tokenizer lacks, is a
         ConfigError naming the key. Without tools nothing is read."""
         if self.tools:
-            from rollout.tools import ToolCallParser
-
             self.parser = ToolCallParser(parser_name, tokenizer, self.tool_schemas, reasoning)
         return self
 

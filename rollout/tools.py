@@ -116,9 +116,8 @@ class ToolCallParser:
             text = self.reasoning.split(text)[1]
         found = self.parser.extract_tool_calls(text, self.request)
         if not found.tools_called:
-            if any(marker in text for marker in self.markers):
-                return [ToolCall(None, {}, f"malformed tool call: the {self.name} parser could not read it")]
-            return []
+            unread = self._unread(text)
+            return [] if unread is None else [ToolCall(None, {}, unread)]
         calls = []
         for call in found.tool_calls:
             try:
@@ -141,9 +140,14 @@ class ToolCallParser:
         found = self.parser.extract_tool_calls(text, request)
         if found.tools_called:
             return found.content, list(found.tool_calls), None
+        return text, [], self._unread(text)
+
+    def _unread(self, text: str) -> str | None:
+        """Why a turn the parser found no call in holds a malformed one: it begins a call (the
+        parser's start marker is in it); None for a turn without a call."""
         if any(marker in text for marker in self.markers):
-            return text, [], f"malformed tool call: the {self.name} parser could not read it"
-        return text, [], None
+            return f"malformed tool call: the {self.name} parser could not read it"
+        return None
 
 
 class ReasoningParser:
