@@ -232,12 +232,23 @@ def test_a_call_that_asks_for_another_distribution_or_several_completions_is_ref
             client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}], **asked)
     # what the run samples with may be said
     episode = agent.make({})
-    caller = threading.Thread(target=lambda: openai.OpenAI(
-        base_url=agent.endpoint.base_url, api_key=episode.key, max_retries=0, timeout=10).chat.completions.create(
-        model="policy", messages=[{"role": "user", "content": "hi"}], temperature=1.0, top_p=1.0), daemon=True)
+    ended: list[int] = []
+
+    def call() -> None:
+        try:
+            openai.OpenAI(base_url=agent.endpoint.base_url, api_key=episode.key, max_retries=0, timeout=10) \
+                .chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}],
+                                         temperature=1.0, top_p=1.0)
+        except openai.NotFoundError as error:
+            ended.append(error.status_code)
+
+    caller = threading.Thread(target=call, daemon=True)
     caller.start()
-    assert episode.events.get(timeout=10)[0] == "call"
-    episode.close()
+    kind, episode.call = episode.events.get(timeout=10)
+    assert kind == "call"
+    episode.close()  # the call was taken: the episode's end answers it
+    caller.join(timeout=10)
+    assert ended == [404]
 
 
 def test_a_reply_carries_the_engines_logprobs_and_token_ids_and_the_call_bounds_the_turn(programs):
