@@ -11,8 +11,9 @@ they did. The figure compared with is k = 0's: asynchrony should not lose to it.
 
 ``--openai``: instead, at the config's k, the native episodes against the same task written as an
 agent program against the OpenAI API (``demos.agent.openai_agent`` through the rollout's endpoint;
-limit: >= 0.8x the native trained tokens/s), and the endpoint's own cost per call: one episode's
-calls answered at once, one after another, with no engine (after 20 that warm it up).
+limit: >= 0.8x the native trained tokens/s), the same program in a process of its own on the
+learner's core (``rollout.agent_processes``), and the endpoint's own cost per call both ways: one
+episode's calls answered at once, one after another, with no engine (after 20 that warm it up).
 
     python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai] [-o KEY=VALUE ...]
 """
@@ -42,10 +43,12 @@ def figures(result: dict, batch_size: int) -> dict:
             "staleness": sum(step["staleness"] for step in steps) / len(steps), "run_s": result["run_s"]}
 
 
-def endpoint_ms_per_call(episodes: int = 300) -> float:
+def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float, float]:
     """Milliseconds per chat-completions call of agent episodes through the endpoint, one episode
     after another, each of two calls answered as soon as it arrives (no engine): the program's
-    client, the route, the episode's hand-over and back, the program's thread and loop."""
+    client, the route, the episode's hand-over and back, the program's thread and loop (or its
+    process's: ``rollout.agent_processes``); in all, and the CPU time of this process alone (the
+    rollout's: a program process's own work is not counted)."""
     import time
 
     from demos.agent import build_tokenizer
@@ -53,7 +56,9 @@ def endpoint_ms_per_call(episodes: int = 300) -> float:
     from rollout.tools import ToolCallParser
 
     tokenizer = build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
-    programs = AgentPrograms("bench.agent:asks_twice", ToolCallParser("hermes", tokenizer, None), 60.0, 60.0)
+    programs = AgentPrograms("bench.agent:asks_twice", ToolCallParser("hermes", tokenizer, None), 60.0, 60.0,
+                             processes=processes)
+
     def one_episode() -> None:
         episode = programs.make({"prompt": "add 1 2 3 + 4 5 6 :"})
         episode.reset()
@@ -63,10 +68,11 @@ def endpoint_ms_per_call(episodes: int = 300) -> float:
     try:
         for _ in range(20):  # the first calls import and build what later ones reuse
             one_episode()
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.process_time()
         for _ in range(episodes):
             one_episode()
-        return (time.perf_counter() - started) / (2 * episodes) * 1e3
+        return ((time.perf_counter() - started) / (2 * episodes) * 1e3,
+                (time.process_time() - cpu) / (2 * episodes) * 1e3)
     finally:
         programs.close()
 
@@ -105,7 +111,9 @@ def main() -> None:
     if args.openai:
         from demos.agent import OPENAI_AGENT
 
-        variants = [("native", []), ("openai", [o for o in OPENAI_AGENT if not o.startswith("run_dir=")])]
+        openai = [o for o in OPENAI_AGENT if not o.startswith("run_dir=")]
+        variants = [("native", []), ("openai", openai),
+                    ("openai-processes", [*openai, "rollout.agent_processes=1", "placement.cores.agent=[1]"])]
     results: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for round_index in range(args.rounds):
         for name, variant in variants if round_index % 2 == 0 else reversed(variants):
@@ -124,7 +132,13 @@ def main() -> None:
     if args.openai:
         factor = median(results, "openai", "tokens_per_s") / median(results, "native", "tokens_per_s")
         print(f"trained tokens/s, OpenAI-client program / native episodes: {factor:.2f}x (limit: >= 0.80x)")
-        print(f"the endpoint's own cost: {endpoint_ms_per_call():.2f} ms per call (one episode, no engine)")
+        apart = median(results, "openai-processes", "tokens_per_s") / median(results, "native", "tokens_per_s")
+        print(f"  the programs in a process of their own on the learner's core (rollout.agent_processes 1): "
+              f"{apart:.2f}x")
+        for processes in (0, 1):
+            wall, cpu = endpoint_ms_per_call(processes)
+            print(f"the endpoint's own cost, rollout.agent_processes {processes}: {wall:.2f} ms per call, of which "
+                  f"{cpu:.2f} ms of the rollout's CPU (one episode at a time, no engine)")
         return
     factor = median(results, "k=2", "tokens_per_s") / median(results, "k=0", "tokens_per_s")
     print(f"trained tokens/s, k = 2 / k = 0: {factor:.2f}x (limit: >= 1.00x, asynchrony must not lose)")

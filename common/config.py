@@ -125,6 +125,10 @@ class RolloutConfig(_Strict):
                                      "(the episode's key) in its environment and the row as a JSON line on stdin; "
                                      "it prints its reward last on stdout (a number or {\"reward\": ...}); instead "
                                      "of rollout.agent")
+    agent_processes: int = Field(0, ge=0, description="rollout.agent: run the programs in this many processes of "
+                                 "their own, each serving many episodes at once, their calls reaching the endpoint "
+                                 "through 127.0.0.1, on placement.cores.agent (the openai client's work off the "
+                                 "engine's core); 0: in threads of the rollout's process")
     agent_deadline_s: float = Field(600.0, gt=0, description="rollout.agent: an episode's program that has not "
                                     "returned this long after it started ends (env_deadline); each wait for its "
                                     "next call is also bounded by env_step_deadline_s")
@@ -148,6 +152,9 @@ class RolloutConfig(_Strict):
     def _one_source_of_episodes(self) -> "RolloutConfig":
         if self.agent and self.agent_command:
             raise ValueError("rollout.agent and rollout.agent_command each name the agent program: set one")
+        if self.agent_processes and not self.agent:
+            raise ValueError("rollout.agent_processes runs rollout.agent's programs (an agent_command is a process "
+                             "of its own already): set rollout.agent with it, or leave it 0")
         if (self.agent or self.agent_command) and (self.environment or self.tools):
             key = "rollout.agent" if self.agent else "rollout.agent_command"
             raise ValueError(f"{key} runs its own tools and conversation: leave rollout.environment and "
@@ -499,7 +506,8 @@ class RayPlacementConfig(_Strict):
 
 class PlacementConfig(_Strict):
     """Which cores or GPUs each role runs on, on one host or on a Ray cluster."""
-    cores: dict[str, list[int]] = Field(default_factory=dict, description="CPU cores per role (affinity)")
+    cores: dict[str, list[int]] = Field(default_factory=dict, description="CPU cores per role (affinity); "
+                                        "`agent`: the cores of rollout.agent_processes")
     cuda_visible_devices: dict[str, str] = Field(default_factory=dict, description="CUDA_VISIBLE_DEVICES per role")
     ray: RayPlacementConfig = Field(default_factory=RayPlacementConfig)
 
@@ -507,7 +515,7 @@ class PlacementConfig(_Strict):
     def _known_roles(self) -> "PlacementConfig":
         for mapping_name in ("cores", "cuda_visible_devices"):
             for role in getattr(self, mapping_name):
-                if role not in ROLES:
+                if role not in ROLES and not (mapping_name == "cores" and role == "agent"):
                     raise ValueError(f"{mapping_name}: unknown role {role!r} (roles: {', '.join(ROLES)})")
         return self
 

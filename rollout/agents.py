@@ -54,18 +54,21 @@ def agent_programs(config, tokenizer) -> "AgentPrograms | None":
     parser = ToolCallParser(rollout.tool_parser, tokenizer, None, rollout.reasoning_parser)
     return AgentPrograms(rollout.agent or rollout.agent_command, parser,
                          rollout.agent_deadline_s, rollout.env_step_deadline_s, config.sampling,
-                         bool(config.models.reward or config.scorer.reward_functions))
+                         bool(config.models.reward or config.scorer.reward_functions),
+                         rollout.agent_processes, config.placement.cores.get("agent"))
 
 
 class AgentPrograms:
     """The run's agent program, its endpoint and the episodes calling it (each by its key)."""
 
     def __init__(self, program: str | list[str], parser, deadline_s: float, step_deadline_s: float,
-                 sampling=None, others_score: bool = False) -> None:
+                 sampling=None, others_score: bool = False, processes: int = 0, cores: list[int] | None = None
+                 ) -> None:
         """``program``: "module:function", or a command's arguments (``rollout.agent_command``);
         ``sampling``: the run's ``SamplingConfig``, which calls may not ask to change (None: unchecked);
         ``others_score``: a reward model or reward functions score the episodes too (a program may
-        then return None)."""
+        then return None); ``processes``: a function's programs run in this many processes of their
+        own, on ``cores`` (``rollout.agent_processes``), else in threads of this one."""
         self.sampling, self.others_score = sampling, others_score
         self.command = program if isinstance(program, list) else None
         self.program = None if self.command else load_function(program, "rollout.agent",
@@ -79,6 +82,12 @@ class AgentPrograms:
         self.endpoint = Endpoint(self.lookup)
         self.idle: list[ProgramThread] = []  # program threads waiting for an episode
         self.closed = False
+        self.processes = None
+        if processes and not self.command:
+            from rollout.agent_processes import ProgramProcesses
+
+            self.processes = ProgramProcesses(processes, program, self.endpoint.base_url, deadline_s, cores,
+                                              self._delivered)
 
     def lookup(self, key: str) -> "AgentEnvironment | None":
         with self.lock:
@@ -94,14 +103,24 @@ class AgentPrograms:
     def forget(self, key: str) -> None:
         with self.lock:
             self.episodes.pop(key, None)
+        if self.processes is not None:
+            self.processes.cancel(key)
 
     def start(self, episode: "AgentEnvironment") -> None:
-        """``episode``'s program on its row, on a program thread of its own (``ProgramThread``): one
-        that blocks (a tool called without await) holds up its own episode alone. Its return or
-        error goes to the episode's events."""
+        """``episode``'s program on its row, in a program process (``rollout.agent_processes``) or
+        on a program thread of its own (``ProgramThread``): one that blocks (a tool called without
+        await) holds up its own episode alone. Its return or error goes to the episode's events."""
+        if self.processes is not None:
+            return self.processes.start(episode.key, episode.row)
         with self.lock:
             runner = self.idle.pop() if self.idle else ProgramThread(self)
         runner.jobs.put(episode)
+
+    def _delivered(self, key: str, kind: str, value: Any) -> None:
+        """A program process's answer for the episode of ``key``: its return or its error."""
+        episode = self.lookup(key)
+        if episode is not None:  # else it ended first
+            episode.events.put((kind, value))
 
     def done(self, runner: "ProgramThread") -> None:
         """``runner``'s program returned: it takes the next episode (one whose program hangs past its
@@ -120,6 +139,8 @@ class AgentPrograms:
             episode.close()
         for runner in idle:
             runner.jobs.put(None)
+        if self.processes is not None:
+            self.processes.close()
         self.endpoint.close()
 
 

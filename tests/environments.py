@@ -245,3 +245,21 @@ class Reports:
 
 def reports(row: dict) -> Reports:
     return Reports()
+
+
+async def in_its_process(client, row: dict) -> dict:
+    """One call; then the process it ran in and the cores it had, or the error the row asks for."""
+    import os
+
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    if row.get("fail"):
+        raise ValueError(f"no luck with {row['prompt']}")
+    return {"reward": 1.0, "pid": os.getpid(), "cores": sum(1 << core for core in os.sched_getaffinity(0))}
+
+
+def in_its_process_plain(client, row: dict) -> dict:
+    """in_its_process as a plain function (the process runs it in a thread)."""
+    import os
+
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    return {"reward": 1.0, "pid": os.getpid()}

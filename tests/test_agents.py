@@ -25,11 +25,13 @@ def programs(tmp_path):
 
     made = []
 
-    def make(spec: "str | list[str]", deadline_s: float = 10.0, parser: str = "hermes", reasoning: str | None = None):
+    def make(spec: "str | list[str]", deadline_s: float = 10.0, parser: str = "hermes", reasoning: str | None = None,
+             processes: int = 0, cores: list[int] | None = None):
         tokenizer = chatml_tokenizer(str(tmp_path))
         tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]", "<think>",
                                                                     "</think>"]})
-        made.append(AgentPrograms(spec, ToolCallParser(parser, tokenizer, None, reasoning), deadline_s, deadline_s))
+        made.append(AgentPrograms(spec, ToolCallParser(parser, tokenizer, None, reasoning), deadline_s, deadline_s,
+                                  processes=processes, cores=cores))
         return made[-1]
 
     yield make
@@ -137,6 +139,44 @@ def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
         failing.reset()
 
 
+def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_process_fails_its_episodes(programs):
+    """rollout.agent_processes: the same episodes, their programs in another process on the cores
+    asked for; a program's error keeps its type and its traceback; a process killed under an episode
+    fails that episode, and the next one gets a new process; an ended episode's program is cancelled."""
+    import signal
+    import traceback
+
+    agent = programs("tests.environments:in_its_process", processes=1, cores=[0])
+    first = agent.make({"prompt": "one"})
+    assert first.reset() == [{"role": "user", "content": "one"}]
+    step = first.step("fine", [])
+    assert (step.reward, step.done) == (1.0, True) and step.metrics["cores"] == 1
+    pid = int(step.metrics["pid"])
+    assert pid != os.getpid()
+    failing = agent.make({"prompt": "two", "fail": True})
+    failing.reset()
+    with pytest.raises(ValueError, match="no luck with two") as raised:
+        failing.step("fine", [])
+    told = "".join(traceback.format_exception(raised.value))
+    assert "in in_its_process" in told and "tests/environments.py" in told  # the program's own frames
+    ended = agent.make({"prompt": "three"})
+    ended.reset()
+    ended.close()  # the episode ends under its program: it is cancelled, and the process serves on
+    killed = agent.make({"prompt": "four"})
+    killed.reset()
+    os.kill(pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=f"process {pid} exited .*while it ran this episode's program"):
+        killed.step("fine", [])
+    again = agent.make({"prompt": "five"})
+    again.reset()
+    step = again.step("fine", [])
+    assert step.reward == 1.0 and step.metrics["pid"] not in (pid, os.getpid())
+    plain = programs("tests.environments:in_its_process_plain", processes=1).make({"prompt": "six"})
+    plain.reset()
+    step = plain.step("fine", [])
+    assert step.reward == 1.0 and step.metrics["pid"] != os.getpid()
+
+
 def test_one_agent_program_and_one_that_exists(tmp_path):
     from common.config import ConfigError, load_config
     from launch.preflight import check_run_data
@@ -146,6 +186,10 @@ def test_one_agent_program_and_one_that_exists(tmp_path):
     run = [f"data.prompts={prompts}", f"models.policy={tmp_path}"]
     with pytest.raises(ConfigError, match="rollout.agent and rollout.agent_command each name the agent program"):
         load_config(None, [*run, "rollout.agent=tests.environments:asks_twice", "rollout.agent_command=[python]"])
+    with pytest.raises(ConfigError, match="rollout.agent_processes runs rollout.agent's programs"):
+        load_config(None, [*run, "rollout.agent_command=[python]", "rollout.agent_processes=2"])
+    with pytest.raises(ConfigError, match="cores: unknown role 'agents'"):
+        load_config(None, [*run, "placement.cores.agents=[0]"])
     with pytest.raises(ConfigError, match="rollout.agent_command runs its own tools"):
         load_config(None, [*run, "rollout.agent_command=[python]", "rollout.tools=[tests.environments:add]"])
     config = load_config(None, [*run, "rollout.agent_command=[no-such-agent-program, --fast]"])

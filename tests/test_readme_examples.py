@@ -56,8 +56,15 @@ def test_the_readme_agent_is_answered_through_the_endpoint_and_its_config_holds(
     for name in ("my_agent.py", "my_tools.py"):
         (tmp_path / name).write_text(files[name])
     monkeypatch.syspath_prepend(str(tmp_path))
+    with open(os.path.join(REPO, "README.md")) as file:
+        block = next(b for b in re.findall(r"```yaml\n(.*?)```", file.read(), re.S) if "my_agent:solve" in b)
+    config = load_config(None, base={**base_config(tmp_path, {"policy": "/p", "reward": "/r", "prompts": "/q"}),
+                                     **yaml.safe_load(block)})
+    assert config.rollout.agent == "my_agent:solve" and config.rollout.tool_parser == "hermes"
+    # in the process the config asks for, as the rollout runs it
     programs = AgentPrograms("my_agent:solve", ToolCallParser("hermes", chatml_tokenizer(str(tmp_path / "tokenizer")),
-                                                              None), 30.0, 30.0)
+                                                              None), 30.0, 30.0,
+                             processes=config.rollout.agent_processes, cores=config.placement.cores.get("agent"))
     try:
         episode = programs.make({"prompt": "What is 17 plus 25?", "answer": "42"})
         assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
@@ -66,11 +73,6 @@ def test_the_readme_agent_is_answered_through_the_endpoint_and_its_config_holds(
         assert episode.step("The answer is 42", []) == Step(None, 1.0, done=True)
     finally:
         programs.close()
-    with open(os.path.join(REPO, "README.md")) as file:
-        block = next(b for b in re.findall(r"```yaml\n(.*?)```", file.read(), re.S) if "my_agent:solve" in b)
-    config = load_config(None, base={**base_config(tmp_path, {"policy": "/p", "reward": "/r", "prompts": "/q"}),
-                                     **yaml.safe_load(block)})
-    assert config.rollout.agent == "my_agent:solve" and config.rollout.tool_parser == "hermes"
 
 
 def test_the_readme_command_agent_runs_in_a_process_of_its_own(tmp_path):
