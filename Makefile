@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,dev,ray,trackers]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	# the tests' OpenEnv servers: openenv-core's server API alone (its declared dependencies
+	# bring gradio and the web UI; fastmcp and the rest come with the dev extra)
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps openenv-core==0.3.0
 	touch $@
 
 demo: $(STAMP)

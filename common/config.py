@@ -111,8 +111,9 @@ class RolloutConfig(_Strict):
                                                              "runs the policy in (the learner's is models.dtype)")
     environment: str | None = Field(None, description='"module:function" called with a prompt\'s data row, '
                                     "returning its episode's environment (reset() -> first messages, step(response, "
-                                    "messages) -> Step(observation, reward, done)); None: single responses, or "
-                                    "episodes of tool calls alone when rollout.tools is set")
+                                    "messages) -> Step(observation, reward, done)); or \"openenv:<url>\": an OpenEnv "
+                                    "server's episodes, a session each (rollout/openenv.py); None: single responses, "
+                                    "or episodes of tool calls alone when rollout.tools is set")
     tools: list[str] = Field(default_factory=list, description='"module:function" tools: their JSON schemas go to '
                              "the chat template, a call in a turn (read by rollout.tool_parser) calls them, each "
                              "result is a tool message")

@@ -47,7 +47,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     programs = agent_programs(config, tokenizer)
-    environments = Environments.load(config.rollout.environment, load_tools(config.rollout.tools), programs)
+    environments = Environments.load(config.rollout.environment, load_tools(config.rollout.tools), programs,
+                                     config.rollout.env_step_deadline_s)
     tools = environments.tool_schemas if environments is not None else None
     if environments is not None:
         environments.read_calls_with(config.rollout.tool_parser, tokenizer, config.rollout.reasoning_parser)

@@ -23,7 +23,10 @@ from typing import Any, Callable
 
 import numpy as np
 
+from common.config import ConfigError
 from common.functions import load_function
+from common.prompts import chat_of
+from rollout import openenv
 from rollout.tools import Tool, ToolCallParser, ToolError, call_tool
 
 
@@ -151,21 +154,80 @@ class ToolEnvironment:
         return Step(observation, tool_calls=len(calls), tool_errors=errors)
 
 
+class OpenEnvEnvironment:
+    """An episode against an OpenEnv server (``rollout.environment: openenv:<url>``, rollout/openenv.py):
+    a turn's tool calls are steps of ``call_tool`` and their results tool messages; a turn without
+    one is a step of the text action (its observation the user's next message), or, on a server of
+    tools alone, the episode's end. A data row's ``reset`` object goes with the reset."""
+
+    reads_turns = True  # calls are read in the turn's tokens (ToolCallParser.text_of)
+
+    def __init__(self, server: "openenv.OpenEnv", row: dict) -> None:
+        self.server, self.row = server, row
+        self.tools = server.tools  # the episode's, rendered by the chat template
+        self.session: openenv.Session | None = None
+
+    def reset(self) -> str | list[dict]:
+        """The server's first observation; where it says nothing (a server of tools alone), the
+        row's prompt, rendered with the server's tools."""
+        self.session = openenv.Session(self.server)
+        first = self.session.reset(dict(self.row.get("reset") or {}))
+        return first or chat_of(self.row, None) or [{"role": "user", "content": self.row.get("prompt", "")}]
+
+    def step(self, response: str, messages: list[dict], turn: "Turn | None" = None) -> Step:
+        parser = self.server.parser
+        calls = parser.parse(parser.text_of(turn.token_ids) if turn is not None else response) if parser else []
+        if not calls:
+            if self.server.action is None:
+                return Step(done=True)
+            observation, reward, done = self.session.step(self.server.action(response))
+            return Step(openenv.observation_text(observation) or None, reward, done)
+        results, errors, reward, done = [], [], 0.0, False
+        for call in calls:
+            if call.name is None:  # begun and unreadable: the policy reads why
+                content, error = call_tool({}, call)
+            else:
+                observation, turn_reward, turn_done = self.session.step(
+                    {"type": "call_tool", "tool_name": call.name, "arguments": call.arguments})
+                content, detail = openenv.tool_result(observation)
+                error = None if detail is None else ToolError("raised", call.name, call.arguments, detail)
+                reward, done = reward + turn_reward, done or turn_done
+            results.append({"role": "tool", "name": call.name or "", "content": content})
+            errors += [error] if error is not None else []
+        return Step(results, reward, done, tool_calls=len(calls), tool_errors=errors)
+
+    def close(self) -> None:
+        session, self.session = self.session, None
+        if session is not None:
+            session.close()
+
+
 class Environments:
     """Makes one environment per episode, as the config says: the factory's, wrapped with the tools."""
 
-    def __init__(self, factory: Callable[[dict], Any] | None, tools: dict[str, Tool]) -> None:
-        self.factory, self.tools = factory, tools
+    def __init__(self, factory: Callable[[dict], Any] | None, tools: dict[str, Tool],
+                 server: "openenv.OpenEnv | None" = None) -> None:
+        """``server``: the OpenEnv server the factory's episodes play against, whose tools are theirs."""
+        self.factory, self.tools, self.server = factory, tools, server
         self.parser: ToolCallParser | None = None  # read_calls_with's, once the tokenizer is there
 
     @staticmethod
-    def load(environment: str | None, tools: dict[str, Tool], agent=None) -> "Environments | None":
+    def load(environment: str | None, tools: dict[str, Tool], agent=None,
+             step_deadline_s: float = 30.0) -> "Environments | None":
         """None where the config names neither: single responses, no episodes. ``agent``: a
-        ``rollout.agents.AgentPrograms``, whose episodes are its program's calls."""
+        ``rollout.agents.AgentPrograms``, whose episodes are its program's calls; ``environment``
+        ``openenv:<url>``: an OpenEnv server's episodes, each message's answer awaited at most
+        ``step_deadline_s`` (``rollout.env_step_deadline_s``: past it the rollout ends the episode)."""
         if agent is not None:
             return Environments(agent.make, {})
         if environment is None and not tools:
             return None
+        if environment and environment.startswith(openenv.PREFIX):
+            if tools:
+                raise ConfigError("rollout.tools: an OpenEnv server's tools are its own (MCP); leave rollout.tools "
+                                  "unset with rollout.environment openenv:<url>")
+            server = openenv.OpenEnv(environment.removeprefix(openenv.PREFIX), deadline_s=step_deadline_s + 1.0)
+            return Environments(lambda row: OpenEnvEnvironment(server, row), {}, server)
         factory = load_function(environment, "rollout.environment") if environment else None
         return Environments(factory, tools)
 
@@ -176,6 +238,8 @@ class Environments:
         ConfigError naming the key. Without tools nothing is read."""
         if self.tools:
             self.parser = ToolCallParser(parser_name, tokenizer, self.tool_schemas, reasoning)
+        if self.server is not None and self.server.tools:
+            self.server.parser = ToolCallParser(parser_name, tokenizer, self.server.tools, reasoning)
         return self
 
     def make(self, row: dict) -> Any:

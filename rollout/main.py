@@ -78,7 +78,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     # the user's code first: a typo there should not wait for the engine
     tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
     programs = agent_programs(config, tokenizer)
-    environments = Environments.load(rollout_cfg.environment, load_tools(rollout_cfg.tools), programs)
+    environments = Environments.load(rollout_cfg.environment, load_tools(rollout_cfg.tools), programs,
+                                     rollout_cfg.env_step_deadline_s)
     tools = environments.tool_schemas if environments is not None else None
     if environments is not None:
         environments.read_calls_with(rollout_cfg.tool_parser, tokenizer, rollout_cfg.reasoning_parser)

@@ -1,0 +1,91 @@
+"""rollout.environment openenv:<url>: episodes against real OpenEnv servers (openenv's own server
+API, tests/openenv_servers.py, served by uvicorn on 127.0.0.1), the policy's turns given by hand:
+a session per episode, the observation's text as the user's turn, its reward and done; an MCP
+server's tools as the policy's, a call in a turn a call_tool step; a server that is down is a
+ConfigError before anything runs, and one that refuses a step fails its episode."""
+
+import threading
+import time
+
+import pytest
+
+pytest.importorskip("openenv.core.env_server", reason="openenv-core is installed by `make test` (Makefile)")
+
+from common.config import ConfigError  # noqa: E402
+from rollout.environments import Environments, Step, Turn  # noqa: E402
+from tests.helpers import chatml_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """Both servers' URLs, each uvicorn in a thread of its own on a free port."""
+    import uvicorn
+
+    from protocol.transport import free_port
+    from tests import openenv_servers
+
+    urls, running = {}, []
+    for name in ("sums", "calculator"):
+        port = free_port()
+        server = uvicorn.Server(uvicorn.Config(getattr(openenv_servers, name), host="127.0.0.1", port=port,
+                                               log_level="warning", lifespan="off"))
+        threading.Thread(target=server.run, daemon=True).start()
+        deadline = time.monotonic() + 30.0
+        while not server.started:
+            assert time.monotonic() < deadline, f"the {name} server did not start"
+            time.sleep(0.02)
+        urls[name], running = f"http://127.0.0.1:{port}", [*running, server]
+    yield urls
+    for server in running:
+        server.should_exit = True
+
+
+def test_a_text_environments_episodes_each_have_a_session_of_their_own(servers):
+    environments = Environments.load(f"openenv:{servers['sums']}", {}, step_deadline_s=5.0)
+    first, second = environments.make({"prompt": "-"}), environments.make({"reset": {"a": 1, "b": 2}})
+    assert first.reset() == "What is 17 plus 25?" and second.reset() == "What is 1 plus 2?"
+    assert first.tools is None  # no MCP tools: the run's template renders none
+    assert first.step("41", []) == Step("turn 1: no", 0.0, False)
+    assert second.step("It is 3", []) == Step("right", 1.0, True)  # its own session: its own numbers
+    assert first.step("maybe 40", []) == Step("turn 2: no", 0.0, False)  # the first's turns counted on
+    assert first.step("42", []) == Step("right", 1.0, True)
+    first.close(), second.close()
+
+
+def test_an_mcp_servers_tools_are_the_policys_and_its_calls_are_call_tool_steps(servers, tmp_path):
+    environments = Environments.load(f"openenv:{servers['calculator']}", {}, step_deadline_s=5.0)
+    tokenizer = chatml_tokenizer(str(tmp_path))
+    environments.read_calls_with("hermes", tokenizer)
+    episode = environments.make({"prompt": "What is 5 plus 7?"})
+    assert sorted(tool["function"]["name"] for tool in episode.tools) == ["add", "fail"]
+    add = next(tool for tool in episode.tools if tool["function"]["name"] == "add")["function"]
+    assert add["description"] == "Add two integers." and add["parameters"]["required"] == ["a", "b"]
+    # its first observation says nothing: the row's prompt, rendered with the server's tools
+    assert episode.reset() == [{"role": "user", "content": "What is 5 plus 7?"}]
+    turn = '<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 7}}\n</tool_call>'
+    ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
+    step = episode.step(turn, [], Turn(3, ids, [0.0] * len(ids)))
+    assert step.observation == [{"role": "tool", "name": "add", "content": "12"}] and step.tool_calls == 1
+    assert not step.tool_errors and not step.done
+    step = episode.step('<tool_call>\n{"name": "fail", "arguments": {"reason": "no luck"}}\n</tool_call>', [])
+    assert step.observation[0]["content"].startswith("error:") and "no luck" in step.observation[0]["content"]
+    assert [(error.kind, error.tool) for error in step.tool_errors] == [("raised", "fail")]
+    assert episode.step("The answer is 12.", []) == Step(done=True)  # tools alone: an answer ends it
+    episode.close()
+
+
+def test_a_server_that_is_down_or_refuses_is_said_so(servers):
+    from protocol.transport import free_port
+    from rollout.environments import OpenEnvEnvironment
+    from rollout.openenv import OpenEnv
+
+    with pytest.raises(ConfigError, match="rollout.environment: the OpenEnv server at http://127.0.0.1:[0-9]+ "
+                                          "does not answer"):
+        Environments.load(f"openenv:http://127.0.0.1:{free_port()}", {})
+    with pytest.raises(ConfigError, match="an OpenEnv server's tools are its own"):
+        Environments.load(f"openenv:{servers['sums']}", {"add": object()})
+    episode = OpenEnvEnvironment(OpenEnv(servers["sums"], action=lambda text: {"words": text}), {})
+    episode.reset()
+    with pytest.raises(RuntimeError, match="the OpenEnv server refused step: .*VALIDATION_ERROR"):
+        episode.step("42", [])
+    episode.close()
