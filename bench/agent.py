@@ -15,7 +15,10 @@ limit: >= 0.8x the native trained tokens/s), the same program in a process of it
 learner's core (``rollout.agent_processes``), and the endpoint's own cost per call both ways: one
 episode's calls answered at once, one after another, with no engine (after 20 that warm it up).
 
-    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai] [-o KEY=VALUE ...]
+``--openenv``: the native episodes against the same calculator served as an OpenEnv server's MCP
+tool (``demos.agent.openenv_app``, in this process), each episode a session of its own.
+
+    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai | --openenv] [-o KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -77,6 +80,41 @@ def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float
         programs.close()
 
 
+def episode_ms(url: str | None, episodes: int = 100) -> tuple[float, float]:
+    """Milliseconds per episode of one calculator call, the tool's latency set to 0, no engine:
+    tether's own tool (``url`` None: the environment made, reset and stepped, each in a thread as
+    the rollout does) or the OpenEnv server at ``url`` (a session opened, reset, stepped and
+    closed: both sides, the server being in this process); in all, and this process's CPU time."""
+    import time
+
+    import demos.agent as demo
+    from rollout.environments import Environments
+    from rollout.episodes import in_thread
+    from rollout.tools import load_tools
+
+    latency, demo.MAX_LATENCY_S = demo.MAX_LATENCY_S, 0.0
+    tokenizer = demo.build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
+    environments = (Environments.load(None, load_tools(["demos.agent:calculator"])) if url is None
+                    else Environments.load(f"openenv:{url}", {})).read_calls_with("hermes", tokenizer)
+    turn = '<tool_call> {"name": "calculator", "arguments": {"expression": "374 + 589"}} </tool_call>'
+
+    def one_episode() -> None:
+        environment = environments.make({"prompt": "add 3 7 4 + 5 8 9 :"})
+        in_thread(environment.reset).result()
+        assert in_thread(environment.step, turn, []).result().tool_calls == 1
+        getattr(environment, "close", lambda: None)()
+
+    try:
+        for _ in range(10):
+            one_episode()
+        started, cpu = time.perf_counter(), time.process_time()
+        for _ in range(episodes):
+            one_episode()
+        return (time.perf_counter() - started) / episodes * 1e3, (time.process_time() - cpu) / episodes * 1e3
+    finally:
+        demo.MAX_LATENCY_S = latency
+
+
 async def asks_twice(client, row: dict) -> float:
     """A call, a user's "again", a second call."""
     messages = [{"role": "user", "content": row["prompt"]}]
@@ -96,6 +134,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="learner.total_steps of each run")
     parser.add_argument("--learn", action="store_true", help=f"train at the config's actor_lr (default {FROZEN_LR})")
     parser.add_argument("--openai", action="store_true", help="native episodes against the OpenAI-client program")
+    parser.add_argument("--openenv", action="store_true", help="native episodes against the same calculator as "
+                                                               "an OpenEnv server's MCP tool")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant, as `tether run -o`")
     args = parser.parse_args()
@@ -114,6 +154,12 @@ def main() -> None:
         openai = [o for o in OPENAI_AGENT if not o.startswith("run_dir=")]
         variants = [("native", []), ("openai", openai),
                     ("openai-processes", [*openai, "rollout.agent_processes=1", "placement.cores.agent=[1]"])]
+    server = None
+    if args.openenv:
+        from demos.agent import openenv_overrides, serve_openenv
+
+        url, server = serve_openenv()
+        variants = [("native", []), ("openenv", [o for o in openenv_overrides(url) if not o.startswith("run_dir=")])]
     results: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for round_index in range(args.rounds):
         for name, variant in variants if round_index % 2 == 0 else reversed(variants):
@@ -129,6 +175,14 @@ def main() -> None:
     for name, _ in variants:
         print(f"  {name}: trained tokens/s {median(results, name, 'tokens_per_s'):6.0f}, samples/s "
               f"{median(results, name, 'samples_per_s'):5.1f}")
+    if server is not None:
+        factor = median(results, "openenv", "tokens_per_s") / median(results, "native", "tokens_per_s")
+        print(f"trained tokens/s, the OpenEnv server's tool / tether's own: {factor:.2f}x")
+        for name, where in (("tether's own tool", None), ("the OpenEnv server's", url)):
+            wall, cpu = episode_ms(where)
+            print(f"an episode of one call, {name}: {wall:.2f} ms ({cpu:.2f} ms of CPU; no engine)")
+        server.should_exit = True
+        return
     if args.openai:
         factor = median(results, "openai", "tokens_per_s") / median(results, "native", "tokens_per_s")
         print(f"trained tokens/s, OpenAI-client program / native episodes: {factor:.2f}x (limit: >= 0.80x)")

@@ -106,6 +106,70 @@ async def completions_agent(client, row: dict) -> float:
     return exact_answer(None, last, row)
 
 
+def openenv_app():
+    """The task's calculator as an OpenEnv environment (``tether demo --agent --openenv``), written
+    with openenv's own server API: an MCP environment of the one tool, whose episodes are sessions
+    of their own; the exact answer stays the reward function's (``scorer.reward_functions``)."""
+    import asyncio
+
+    from fastmcp import FastMCP
+    from openenv.core.env_server import (CallToolAction, CallToolObservation, MCPEnvironment, Observation, State,
+                                         create_app)
+
+    class Calculator(MCPEnvironment):
+        SUPPORTS_CONCURRENT_SESSIONS = True
+
+        def __init__(self) -> None:
+            mcp = FastMCP("calculator")
+
+            @mcp.tool(name="calculator", description="Add two whole numbers.")
+            async def add(expression: str) -> str:
+                return await asyncio.to_thread(calculator, expression)  # its latency off the server's loop
+
+            super().__init__(mcp)
+            self._state = State(step_count=0)
+
+        def reset(self, seed=None, episode_id=None, **kwargs) -> Observation:
+            self._state = State(episode_id=episode_id, step_count=0)
+            return Observation(done=False, reward=None)
+
+        def _step_impl(self, action, timeout_s=None, **kwargs) -> Observation:
+            return Observation(done=False, reward=0.0)
+
+        @property
+        def state(self) -> State:
+            return self._state
+
+    return create_app(Calculator, CallToolAction, CallToolObservation, env_name="calculator",
+                      max_concurrent_envs=4096)
+
+
+def serve_openenv() -> tuple[str, object]:
+    """``openenv_app`` served by uvicorn in a thread of this process on 127.0.0.1: its URL, and
+    the server (``should_exit = True`` stops it)."""
+    import logging
+    import threading
+
+    import uvicorn
+
+    from protocol.transport import free_port
+
+    app = openenv_app()
+    # a malformed call is the policy's, counted in the rollout's tool_errors: not the server's to print
+    for name in ("fastmcp", "fastmcp.server.server"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                           lifespan="off", ws_ping_interval=None))
+    threading.Thread(target=server.run, name="openenv-server", daemon=True).start()
+    deadline = time.monotonic() + 30.0
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise RuntimeError("the demo's OpenEnv server did not start")
+        time.sleep(0.02)
+    return f"http://127.0.0.1:{port}", server
+
+
 # --------------------------------------------------------------------------- models
 
 
@@ -231,19 +295,33 @@ OPENAI_AGENT = ["rollout.tools=[]", "rollout.agent=demos.agent:openai_agent", "r
                 "rollout.env_step_deadline_s=30"]  # a call waits its turn among the engine's others
 
 
-def run_demo(assets: Path, overrides: list[str], openai: bool = False) -> int:
+def openenv_overrides(url: str) -> list[str]:
+    """The demo's episodes against the OpenEnv server at ``url`` instead of tether's own tool."""
+    return ["rollout.tools=[]", f"rollout.environment=openenv:{url}", "run_dir=runs/demo-agent-openenv"]
+
+
+def run_demo(assets: Path, overrides: list[str], openai: bool = False, openenv: bool = False) -> int:
     """Build the assets (once), run PPO on episodes with the calculator, report held-out exact
     answers of the SFT and the PPO policy (target: +0.3). ``openai``: the episodes are
-    ``openai_agent``'s, a program calling the rollout's OpenAI endpoint, instead of tether's own."""
+    ``openai_agent``'s, a program calling the rollout's OpenAI endpoint, instead of tether's own;
+    ``openenv``: the calculator is an OpenEnv server's tool (``openenv_app``, served here)."""
     from demos.parity import run_and_compare
 
     started = time.monotonic()
     paths = build_assets(assets / "assets-agent")
     config_path = Path(__file__).resolve().parent.parent / "configs" / "demo-agent.yaml"
-    return run_and_compare(
-        config_path, [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}",
-                      *(OPENAI_AGENT if openai else []), *overrides],
-        paths["policy"], lambda config, policy: evaluate_policy(config, policy, paths["eval_prompts"]),
-        [("exact_answer", "exact", ".3f"), ("tool_calls_per_episode", "tools", ".2f"),
-         ("turns_per_episode", "turns", ".2f"), ("kl_to_reference", "kl", ".3f")],
-        "exact_answer", 0.3, paths["eval_prompts"], started)
+    server = None
+    variant = OPENAI_AGENT if openai else []
+    if openenv:
+        url, server = serve_openenv()
+        variant = openenv_overrides(url)
+    try:
+        return run_and_compare(
+            config_path, [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}", *variant, *overrides],
+            paths["policy"], lambda config, policy: evaluate_policy(config, policy, paths["eval_prompts"]),
+            [("exact_answer", "exact", ".3f"), ("tool_calls_per_episode", "tools", ".2f"),
+             ("turns_per_episode", "turns", ".2f"), ("kl_to_reference", "kl", ".3f")],
+            "exact_answer", 0.3, paths["eval_prompts"], started)
+    finally:
+        if server is not None:
+            server.should_exit = True

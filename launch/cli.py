@@ -260,12 +260,14 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
          agent: bool = typer.Option(False, help="episodes with a calculator tool: sums the policy cannot do "
                                                 "alone (configs/demo-agent.yaml)"),
          openai: bool = typer.Option(False, help="with --agent: the episodes are an agent program's, written "
-                                                 "against the OpenAI API (demos/agent.py openai_agent)")) -> None:
+                                                 "against the OpenAI API (demos/agent.py openai_agent)"),
+         openenv: bool = typer.Option(False, help="with --agent: the calculator is an OpenEnv server's MCP tool "
+                                                  "(demos/agent.py openenv_app, served by the demo)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
-    if agent or openai:
+    if agent or openai or openenv:
         from demos.agent import run_demo as run_agent_demo
 
-        raise typer.Exit(run_agent_demo(assets, override or [], openai))
+        raise typer.Exit(run_agent_demo(assets, override or [], openai, openenv))
     from demos.parity import run_demo
 
     raise typer.Exit(run_demo(assets, override or [], long_tail))

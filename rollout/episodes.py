@@ -159,6 +159,14 @@ def _step(environment: Any, response: str, messages: list[dict], turn: Turn) -> 
     return as_step(environment.step(response, messages))
 
 
+def _close_once_made(reset: Future) -> None:
+    """The environment a reset under way makes, closed as soon as it is made (the run is over)."""
+    environment, _ = reset.result(timeout=CLOSE_DEADLINE_S)
+    close = getattr(environment, "close", None)
+    if close is not None:
+        close()
+
+
 class FailureLog:
     """Each distinct failure (its kind, error type and where it was raised) logged once, whole, with
     its traceback and data row; its repeats counted and said at 10, 100, 1000... times, so an
@@ -189,6 +197,7 @@ class FailureLog:
 # an environment's failures in a row before new episodes wait, and how long at most
 BACKOFF_AFTER, BACKOFF_FIRST_S, BACKOFF_MAX_S = 4, 0.1, 5.0
 FAILED_ENDINGS = ("env_error", "env_deadline")
+CLOSE_DEADLINE_S = 5.0  # the run's end: how long the environments of episodes under way may take to close
 
 
 class Episodes:
@@ -459,6 +468,17 @@ class Episodes:
             loss_mask=np.asarray(episode.loss_mask, dtype=np.uint8),
             turn_rewards=np.asarray(episode.turn_rewards, dtype=np.float32),
             messages=json.dumps(episode.messages))
+
+    def close(self) -> None:
+        """The run is over: the environments of the episodes still under way are closed (an OpenEnv
+        session ended as its server expects, an agent program's waiting call refused), each in a
+        thread of its own, waited on ``CLOSE_DEADLINE_S`` at most in all."""
+        under_way = [episode for group in self.groups for episode in group.episodes if episode.ended is None]
+        closing = [in_thread(close) for episode in under_way
+                   if (close := getattr(episode.environment, "close", None)) is not None]
+        closing += [in_thread(_close_once_made, episode.pending) for episode in under_way
+                    if episode.environment is None and episode.pending is not None]  # its reset under way
+        wait(closing, timeout=CLOSE_DEADLINE_S)
 
     def record(self) -> dict:
         """The metrics since the last record: episodes ended (by reason), turns and tool calls per

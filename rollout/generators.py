@@ -2,7 +2,7 @@
 into engine requests and finished requests into samples. ``rollout.responses.Responses`` (one
 request a prompt) and ``rollout.episodes.Episodes`` (turns with an environment's observations
 between them) are the two today; a third (agent programs calling an endpoint) implements the same
-seven members, and the loop does not change.
+eight members, and the loop does not change.
 
 ``InFlight`` is the engine's side of the cycle every driver repeats: add what a generator has
 ready, step the engine, hand each finished request back to the generator. The rollout's loop runs
@@ -47,6 +47,9 @@ class Generator(Protocol):
 
     def record(self) -> dict:
         """The generator's own figures for the rollout's metrics record."""
+
+    def close(self) -> None:
+        """The run is over: what is under way outside the engine ends (an environment's session)."""
 
 
 class InFlight:

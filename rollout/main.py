@@ -153,6 +153,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
             metrics.write(period_record(period, now, version, outbox, in_flight, skipped, source, client))
             period = RolloutPeriod(now)
     in_flight.abort()  # the run is over: what is still generating is of no use
+    source.close()
     # what was sent is acknowledged, and the last period's record written: the totals in the
     # metrics are the log's
     unanswered = outbox.settle()

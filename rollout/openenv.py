@@ -24,6 +24,7 @@ releases, so tether speaks it itself (``websockets``) and environments built wit
 from __future__ import annotations
 
 import json
+import threading
 import urllib.error
 import urllib.request
 from typing import Callable
@@ -32,6 +33,7 @@ from common.config import ConfigError
 
 PREFIX = "openenv:"
 CONNECT_DEADLINE_S = 10.0
+CLOSE_DEADLINE_S = 5.0  # the server's close after ours (the episode's end waits in a thread of its own)
 
 
 class OpenEnv:
@@ -74,6 +76,7 @@ class Session:
         self.server = server
         ws_url = "ws" + server.url.removeprefix("http") + "/ws"
         self.socket = connect(ws_url, open_timeout=CONNECT_DEADLINE_S, close_timeout=1.0, max_size=2 ** 27)
+        self.lock = threading.Lock()  # one message at a time: a step's answer before the close
 
     def reset(self, arguments: dict) -> str:
         """The reset's observation as the user's first message."""
@@ -86,8 +89,9 @@ class Session:
 
     def send(self, message: dict) -> dict:
         """One message and its answer, within the step's deadline; the server's error raised."""
-        self.socket.send(json.dumps(message))
-        answer = json.loads(self.socket.recv(timeout=self.server.deadline_s))
+        with self.lock:
+            self.socket.send(json.dumps(message))
+            answer = json.loads(self.socket.recv(timeout=self.server.deadline_s))
         if answer.get("type") == "error":
             data = answer.get("data") or {}
             raise RuntimeError(f"the OpenEnv server refused {message['type']}: {data.get('message')} "
@@ -97,11 +101,15 @@ class Session:
     def close(self) -> None:
         """The session's end, as the server's own client ends it: ``close``, then the server closes
         the connection (closed from this side first, the server logs its own close failing)."""
-        try:
-            self.socket.send(json.dumps({"type": "close"}))
-            self.socket.recv(timeout=1.0)
-        except Exception:  # closed by the server, as expected; or already gone
-            pass
+        # a step under way (the run's end closes episodes mid-step) is answered first, briefly
+        if self.lock.acquire(timeout=CLOSE_DEADLINE_S):
+            try:
+                self.socket.send(json.dumps({"type": "close"}))
+                self.socket.recv(timeout=CLOSE_DEADLINE_S)
+            except Exception:  # closed by the server, as expected; or already gone
+                pass
+            finally:
+                self.lock.release()
         self.socket.close()
 
 

@@ -80,3 +80,6 @@ class Responses:
 
     def record(self) -> dict:
         return {}
+
+    def close(self) -> None:
+        pass  # nothing runs outside the engine

@@ -263,3 +263,21 @@ def in_its_process_plain(client, row: dict) -> dict:
 
     client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
     return {"reward": 1.0, "pid": os.getpid()}
+
+
+CLOSED: list[str] = []  # the rows whose environment was closed
+
+
+class Closes(Counting):
+    """Counting, its close noted in CLOSED; a row with ``slow`` takes 0.3 s to reset."""
+
+    def reset(self):
+        time.sleep(0.3 if self.row.get("slow") else 0.0)
+        return None
+
+    def close(self) -> None:
+        CLOSED.append(self.row["prompt"])
+
+
+def closes(row: dict) -> Closes:
+    return Closes(row)

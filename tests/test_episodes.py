@@ -412,6 +412,25 @@ def test_a_context_started_over_is_the_episodes_sample_from_there_and_counted(tm
     assert (record["episode_splits"], record["split_tokens"], record["turns_per_episode"]) == (1, 3, 2)
 
 
+def test_the_runs_end_closes_the_environments_of_episodes_under_way_and_of_resets_under_way(tmp_path, demo_tokenizer):
+    """An OpenEnv session or an agent program must not outlive the run: close() ends each episode's
+    environment not yet ended, and one whose reset is still making it once it is made."""
+    from tests.environments import CLOSED
+
+    CLOSED.clear()
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:closes",
+                             [{"prompt": "even 1 :"}, {"prompt": "odd 3 :", "slow": True}])
+    episodes.start(0, 0)
+    settle(episodes)
+    assert len(episodes.ready) == 1  # made, waiting for its turn
+    episodes.close()
+    assert sorted(CLOSED) == ["even 1 :"]
+    episodes.start(1, 1)
+    assert len(episodes.waiting) == 1  # its reset sleeps on
+    episodes.close()  # its environment is closed once made (the first's again: a close is idempotent)
+    assert sorted(CLOSED) == ["even 1 :", "even 1 :", "odd 3 :"]
+
+
 def test_a_turn_cut_at_its_calls_own_max_tokens_is_answered_and_one_cut_by_the_run_ends_the_episode(
         tmp_path, demo_tokenizer):
     for run_cap, answered in [(8, True), (2, False)]:  # the call asks for 2 tokens

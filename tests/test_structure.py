@@ -132,7 +132,8 @@ def test_every_generator_has_the_members_the_loop_drives(generator):
     module, name = generator.split(":")
     implementation = getattr(importlib.import_module(module), name)
     members = [member for member in vars(Generator) if not member.startswith("_")]
-    assert set(members) == {"active", "start", "take_ready", "turn_finished", "advance", "finished", "record"}
+    assert set(members) == {"active", "start", "take_ready", "turn_finished", "advance", "finished", "record",
+                            "close"}
     for member in members:
         wanted, theirs = getattr(Generator, member), getattr(implementation, member, None)
         assert theirs is not None, f"{name} has no {member}"
