@@ -5,10 +5,14 @@ client's work inside a program (building each request, parsing each reply) costs
 core about as much as the endpoint does. Here each process serves many episodes at once, as
 tasks of one event loop (a plain function's episodes in threads of a pool), their calls reaching
 the endpoint through 127.0.0.1 with each episode's key, on the cores ``placement.cores.agent``
-names. The rollout sends a process ``("run", key, row)`` and ``("cancel", key)`` when the episode
-ends first; the process answers ``("return", key, value)`` or ``("raise", key, error, traceback)``.
+names. A program that blocks its process's loop (a tool called without await) holds up every
+episode of that process, not its own alone, as it would in the threads of the rollout's.
 
-A process that dies fails the episodes it held (env_error) and a new one takes the next.
+The messages are JSON, one a frame, checked on receipt (``_checked``): to a process
+``{"kind": "run", "key", "row"}`` and ``{"kind": "cancel", "key"}`` (the episode ended first);
+from it ``{"kind": "return", "key", "value"}`` or ``{"kind": "raise", "key", "error": {"type",
+"message", "traceback", "where"}}``. A process that dies, or sends what is not such a message,
+fails the episodes it held (env_error) and a new one takes the next.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 import inspect
 import json
 import os
-import pickle
+import queue
 import socket
 import subprocess
 import sys
@@ -26,6 +30,8 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Callable
+
+KINDS = {"run": ("row",), "cancel": (), "return": ("value",), "raise": ("error",)}
 
 
 class RemoteTraceback(Exception):
@@ -36,8 +42,19 @@ class RemoteTraceback(Exception):
         return self.args[0]
 
 
+class ProgramError(RuntimeError):
+    """A program's error in its process: its type and message; ``where`` (its file and line) keys
+    the rollout's failure log, as a local error's last frame does."""
+
+    def __init__(self, error: dict) -> None:
+        super().__init__(f"{error['type']}: {error['message']}")
+        self.where = tuple(error.get("where") or ())
+        self.__cause__ = RemoteTraceback(error.get("traceback") or "")
+
+
 class ProgramProcess:
-    """One process of programs, and the thread of the rollout's that reads its answers."""
+    """One process of programs, the thread of the rollout's that writes to it and the one that
+    reads its answers (a process whose loop is stuck stops reading: only the writer waits on it)."""
 
     def __init__(self, program: str, base_url: str, deadline_s: float, cores: list[int] | None,
                  deliver: Callable[[str, str, Any], None]) -> None:
@@ -45,7 +62,7 @@ class ProgramProcess:
         ("raise", the error)."""
         # a new interpreter, not a fork (the rollout's engine holds threads a fork would copy) nor
         # multiprocessing's spawn (which imports the rollout's __main__ again); it sees the modules
-        # the rollout sees (its sys.path), and is killed with it (its parent's death closes the socket)
+        # the rollout sees (its sys.path), and ends with it (its parent's death closes the socket)
         ours, theirs = socket.socketpair()
         arguments = json.dumps({"program": program, "base_url": base_url, "deadline_s": deadline_s,
                                 "cores": cores, "path": sys.path, "socket": theirs.fileno()})
@@ -56,51 +73,77 @@ class ProgramProcess:
         self.connection = Connection(ours.detach())
         self.deliver = deliver
         self.running: set[str] = set()  # keys of its episodes under way
-        self.lock = threading.Lock()  # sends come from the rollout's episode threads
+        self.lock = threading.Lock()  # running and alive, from the episodes' threads and the reader
         self.alive = True
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages for the writer; None ends it
+        threading.Thread(target=self.write, name="agent-process-writer", daemon=True).start()
         threading.Thread(target=self.read, name="agent-process-reader", daemon=True).start()
 
-    def send(self, message: tuple) -> bool:
+    def run(self, key: str, row: dict) -> bool:
+        """``key``'s program on ``row``; False where this process is gone."""
         with self.lock:
             if not self.alive:
                 return False
-            if message[0] == "run":
-                self.running.add(message[1])
+            self.running.add(key)
+        self.outbox.put({"kind": "run", "key": key, "row": row})
+        return True
+
+    def cancel(self, key: str) -> None:
+        with self.lock:
+            if key not in self.running:
+                return
+            self.running.discard(key)  # a cancelled program answers nothing
+        self.outbox.put({"kind": "cancel", "key": key})
+
+    def write(self) -> None:
+        while (message := self.outbox.get()) is not None:
             try:
-                self.connection.send(message)
-            except (OSError, ValueError):  # it died: read() fails what it held
-                return message[0] != "run"
-            return True
+                self.connection.send_bytes(json.dumps(message).encode())
+            except (OSError, ValueError):  # it died: the reader fails what it held
+                return
 
     def read(self) -> None:
+        why = None
         while True:
             try:
-                kind, key, *value = self.connection.recv()
+                message = _checked(json.loads(self.connection.recv_bytes()), ("return", "raise"))
             except (EOFError, OSError):
                 break
+            except (ValueError, TypeError, KeyError) as error:  # not a message of this protocol: it cannot be trusted
+                why = f"it sent what is not an answer ({error})"
+                break
             with self.lock:
-                self.running.discard(key)
-            self.deliver(key, kind, value[0] if kind == "return" else _error(*value))
+                if message["key"] not in self.running:
+                    continue  # cancelled: its episode ended first
+                self.running.discard(message["key"])
+            value = message["value"] if message["kind"] == "return" else ProgramError(message["error"])
+            self.deliver(message["key"], message["kind"], value)
         with self.lock:
             self.alive, held, self.running = False, self.running, set()
-        try:
-            code = self.process.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            code = "none: it closed its socket"
-        died = RuntimeError(f"the agent programs' process {self.process.pid} exited (code {code}) while it ran "
-                            "this episode's program (its error, if it printed one, is in the rollout's log)")
+        self.outbox.put(None)
+        if why is not None:
+            self.process.kill()
+        code = self._end()
+        self.connection.close()  # here, not by close(): no other thread reads it now
+        died = RuntimeError(f"the agent programs' process {self.process.pid} {why or f'exited (code {code})'} while "
+                            "it ran this episode's program (its own error, if it printed one, is in the rollout's log)")
         for key in held:
             self.deliver(key, "raise", died)
+
+    def _end(self) -> int | None:
+        """The process ended (killed where it has not): its exit code."""
+        try:
+            return self.process.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait(timeout=5.0)
 
     def close(self) -> None:
         with self.lock:
             self.alive = False
-        self.connection.close()  # it ends when it reads the end
-        try:
-            self.process.wait(timeout=5.0)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait(timeout=5.0)
+        self.outbox.put(None)
+        self.process.kill()  # the run is over: its programs' episodes have ended (the reader sees it end)
+        self.process.wait(timeout=5.0)
 
 
 class ProgramProcesses:
@@ -110,40 +153,46 @@ class ProgramProcesses:
     def __init__(self, count: int, program: str, base_url: str, deadline_s: float, cores: list[int] | None,
                  deliver: Callable[[str, str, Any], None]) -> None:
         self.make = lambda: ProgramProcess(program, base_url, deadline_s, cores, deliver)
-        self.processes = [self.make() for _ in range(count)]
+        self.deliver = deliver
         self.lock = threading.Lock()
+        self.processes = [self.make() for _ in range(count)]
         self.where: dict[str, ProgramProcess] = {}
+        self.closed = False
 
     def start(self, key: str, row: dict) -> None:
         with self.lock:
-            self.processes = [p if p.alive else self.make() for p in self.processes]
-            process = min(self.processes, key=lambda p: len(p.running))
-            self.where[key] = process
-        if not process.send(("run", key, row)):
-            process.deliver(key, "raise", RuntimeError("the agent programs' process exited before it took this "
-                                                       "episode"))
+            if self.closed:  # a reset that outlived the run
+                process = None
+            else:
+                self.processes = [p if p.alive else self.make() for p in self.processes]
+                process = min(self.processes, key=lambda p: len(p.running))
+                self.where[key] = process
+        if process is None or not process.run(key, row):
+            self.deliver(key, "raise", RuntimeError("the agent programs' process was gone before it took this "
+                                                    "episode"))
 
     def cancel(self, key: str) -> None:
         """The episode ended first: its program is cancelled (its calls are refused from now on)."""
         with self.lock:
             process = self.where.pop(key, None)
-        if process is not None and key in process.running:
-            process.send(("cancel", key))
+        if process is not None:
+            process.cancel(key)
 
     def close(self) -> None:
-        for process in self.processes:
+        with self.lock:
+            self.closed, processes = True, list(self.processes)
+        for process in processes:
             process.close()
 
 
-def _error(error: bytes | None, text: str, summary: str) -> BaseException:
-    """A program's error as its process raised it (where it pickles; else a RuntimeError saying
-    it), its traceback the cause."""
-    try:
-        raised = pickle.loads(error) if error is not None else RuntimeError(summary)
-    except Exception:
-        raised = RuntimeError(summary)
-    raised.__cause__ = RemoteTraceback(text)
-    return raised
+def _checked(message: Any, kinds: tuple[str, ...]) -> dict:
+    """``message`` if it is one of ``kinds`` with its fields (``KINDS``), else ``ValueError``."""
+    if not isinstance(message, dict) or message.get("kind") not in kinds or not isinstance(message.get("key"), str):
+        raise ValueError(f"not a {' or '.join(kinds)} message: {str(message)[:200]}")
+    missing = [name for name in KINDS[message["kind"]] if name not in message]
+    if missing or (message["kind"] == "raise" and not isinstance(message["error"], dict)):
+        raise ValueError(f"a {message['kind']} message without {', '.join(missing) or 'its error'}")
+    return message
 
 
 # the process's side
@@ -169,7 +218,8 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
     asynchronous = inspect.iscoroutinefunction(function)
     client = (AsyncOpenAI if asynchronous else OpenAI)(base_url=base_url, api_key="-", max_retries=0,
                                                        timeout=deadline_s)
-    threads = None if asynchronous else ThreadPoolExecutor(max_workers=256, thread_name_prefix="agent-program")
+    # a plain program that hangs keeps its thread past its deadline: a pool that grows with them
+    threads = None if asynchronous else ThreadPoolExecutor(max_workers=1024, thread_name_prefix="agent-program")
     tasks: dict[str, asyncio.Task] = {}
     closed = loop.create_future()
 
@@ -177,25 +227,25 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
         own = client.with_options(api_key=key)
         try:
             run = function(own, row) if asynchronous else loop.run_in_executor(threads, function, own, row)
-            _send(connection, ("return", key, await asyncio.wait_for(run, deadline_s)))
+            _send(connection, {"kind": "return", "key": key, "value": await asyncio.wait_for(run, deadline_s)})
         except asyncio.CancelledError:
             pass  # its episode ended: the rollout expects nothing
         except BaseException as error:
             if isinstance(error, asyncio.TimeoutError):
                 error = TimeoutError(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}")
-            _send(connection, ("raise", key, *_pickled(error)))
+            _send(connection, {"kind": "raise", "key": key, "error": _described(error)})
         finally:
             tasks.pop(key, None)
 
     def readable() -> None:
         try:
             while connection.poll():
-                kind, key, *rest = connection.recv()
-                if kind == "run":
-                    tasks[key] = loop.create_task(episode(key, rest[0]))
-                elif key in tasks:
-                    tasks[key].cancel()
-        except (EOFError, OSError):  # the rollout closed it, or died
+                message = _checked(json.loads(connection.recv_bytes()), ("run", "cancel"))
+                if message["kind"] == "run":
+                    tasks[message["key"]] = loop.create_task(episode(message["key"], message["row"]))
+                elif message["key"] in tasks:
+                    tasks[message["key"]].cancel()
+        except (EOFError, OSError, ValueError):  # the rollout closed it, or died, or is not the rollout
             if not closed.done():
                 closed.set_result(None)
 
@@ -207,27 +257,25 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
         threads.shutdown(wait=False, cancel_futures=True)
 
 
-def _send(connection, message: tuple) -> None:
+def _send(connection, message: dict) -> None:
     try:
-        connection.send(message)
-    except (pickle.PicklingError, TypeError, AttributeError) as error:  # a return that does not pickle
-        connection.send(("raise", message[1], *_pickled(TypeError(
-            f"the agent program returned {type(message[2]).__name__}, which does not pickle ({error}): a "
-            "reward is a number or a dict of numbers"))))
+        data = json.dumps(message)
+    except (TypeError, ValueError) as error:  # a return JSON cannot hold
+        data = json.dumps({"kind": "raise", "key": message["key"], "error": _described(TypeError(
+            f"the agent program returned {type(message.get('value')).__name__}, which JSON cannot hold ({error}): "
+            "a reward is a number, None or a dict of numbers"))})
+    try:
+        connection.send_bytes(data.encode())
     except (OSError, ValueError):  # the rollout is gone
         pass
 
 
-def _pickled(error: BaseException) -> tuple[bytes | None, str, str]:
-    """``error`` as it travels: pickled where it can be, its traceback's text, and a line saying it."""
-    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    summary = f"{type(error).__name__}: {error}"
-    try:
-        data = pickle.dumps(error)
-        pickle.loads(data)
-    except Exception:
-        data = None
-    return data, text, summary
+def _described(error: BaseException) -> dict:
+    """``error`` as it travels: its type, message, traceback and the file and line it was raised at."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return {"type": type(error).__name__, "message": str(error),
+            "traceback": "".join(traceback.format_exception(type(error), error, error.__traceback__)),
+            "where": [frames[-1].filename, frames[-1].lineno] if frames else []}
 
 
 if __name__ == "__main__":

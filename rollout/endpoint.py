@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 START_DEADLINE_S = 30.0
+KEEP_ALIVE_S = 75.0
 
 
 @dataclass
@@ -84,8 +85,11 @@ class Endpoint:
 
         self.port = free_port()
         self.base_url = f"http://{host}:{self.port}/v1"
+        # idle connections are kept longer than a client keeps them (httpx: 5 s, uvicorn's default
+        # too): else the server may close one as a program sends on it, and the call fails (ReadError)
         self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                                    lifespan="off", access_log=False))
+                                                    lifespan="off", access_log=False,
+                                                    timeout_keep_alive=KEEP_ALIVE_S))
         self.thread = threading.Thread(target=self.server.run, name="openai-endpoint", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + START_DEADLINE_S

@@ -171,7 +171,11 @@ class OpenEnvEnvironment:
         """The server's first observation; where it says nothing (a server of tools alone), the
         row's prompt, rendered with the server's tools."""
         self.session = openenv.Session(self.server)
-        first = self.session.reset(dict(self.row.get("reset") or {}))
+        try:
+            first = self.session.reset(dict(self.row.get("reset") or {}))
+        except BaseException:  # the server's session would outlive the episode
+            self.close()
+            raise
         return first or chat_of(self.row, None) or [{"role": "user", "content": self.row.get("prompt", "")}]
 
     def step(self, response: str, messages: list[dict], turn: "Turn | None" = None) -> Step:
@@ -194,6 +198,8 @@ class OpenEnvEnvironment:
                 reward, done = reward + turn_reward, done or turn_done
             results.append({"role": "tool", "name": call.name or "", "content": content})
             errors += [error] if error is not None else []
+            if done:  # the episode is over: the turn's later calls are not the server's to answer
+                break
         return Step(results, reward, done, tool_calls=len(calls), tool_errors=errors)
 
     def close(self) -> None:

@@ -147,10 +147,18 @@ def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
 
 
 def _reset(environments: Environments, row: dict, delay_s: float = 0.0) -> tuple[Any, Observation]:
+    """A new environment and its first observation; one whose reset fails is closed (an OpenEnv
+    session, an agent program: nothing else would end them)."""
     time.sleep(delay_s)  # backing off from an environment that keeps failing (Episodes.backoff_s)
     environment = environments.make(row)
     reset = getattr(environment, "reset", None)
-    return environment, check_observation(reset()) if reset is not None else None
+    try:
+        return environment, check_observation(reset()) if reset is not None else None
+    except BaseException:
+        close = getattr(environment, "close", None)
+        if close is not None:
+            close()
+        raise
 
 
 def _step(environment: Any, response: str, messages: list[dict], turn: Turn) -> Step:
@@ -178,9 +186,10 @@ class FailureLog:
     def report(self, kind: str, error: BaseException | None, summary: str, detail: str, where: tuple = ()) -> None:
         """``kind``: what failed (``env_error``, ``tool raised``...); ``summary``: one line;
         ``detail``: what a reader needs the first time (the traceback, the row)."""
-        if error is not None:
+        if error is not None:  # one raised in another process (an agent program's) says where itself
             frames = traceback.extract_tb(error.__traceback__)
-            where = (*where, type(error).__name__, *((frames[-1].filename, frames[-1].lineno) if frames else ()))
+            raised_at = getattr(error, "where", None) or ((frames[-1].filename, frames[-1].lineno) if frames else ())
+            where = (*where, type(error).__name__, *raised_at)
         key = (kind, *where)
         self.seen[key] += 1
         count = self.seen[key]
@@ -311,6 +320,8 @@ class Episodes:
                 future, episode.pending = episode.pending, None
                 self._answered(episode, future)
             elif now >= episode.deadline:
+                if episode.environment is None:  # its reset, late: what it makes is closed once made
+                    episode.pending.add_done_callback(lambda reset: in_thread(_close_once_made, reset))
                 episode.pending = None
                 self.failures.report("env_deadline", None, f"the environment did not answer within "
                                      f"{self.config.rollout.env_step_deadline_s:.1f}s (rollout.env_step_deadline_s); "

@@ -23,6 +23,7 @@ releases, so tether speaks it itself (``websockets``) and environments built wit
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import threading
 import urllib.error
@@ -44,6 +45,9 @@ class OpenEnv:
     def __init__(self, url: str, action: Callable[[str], dict] | None = None, deadline_s: float = 30.0,
                  key: str = "rollout.environment") -> None:
         self.url, self.deadline_s = url.rstrip("/"), deadline_s
+        if importlib.util.find_spec("websockets") is None:
+            raise ConfigError(f"{key}: an OpenEnv server's episodes need the websockets package: pip install "
+                              "'tether[openenv]'")
         try:
             schema = _get_json(f"{self.url}/schema")
         except (OSError, ValueError) as error:

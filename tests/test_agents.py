@@ -141,10 +141,13 @@ def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
 
 def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_process_fails_its_episodes(programs):
     """rollout.agent_processes: the same episodes, their programs in another process on the cores
-    asked for; a program's error keeps its type and its traceback; a process killed under an episode
-    fails that episode, and the next one gets a new process; an ended episode's program is cancelled."""
+    asked for; a program's error comes back with its type, message, traceback and where it was
+    raised; a process killed under an episode fails that episode, and the next one gets a new
+    process; an ended episode's program is cancelled."""
     import signal
     import traceback
+
+    from rollout.agent_processes import ProgramError
 
     agent = programs("tests.environments:in_its_process", processes=1, cores=[0])
     first = agent.make({"prompt": "one"})
@@ -155,13 +158,17 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
     assert pid != os.getpid()
     failing = agent.make({"prompt": "two", "fail": True})
     failing.reset()
-    with pytest.raises(ValueError, match="no luck with two") as raised:
+    with pytest.raises(ProgramError, match="^ValueError: no luck with two$") as raised:
         failing.step("fine", [])
     told = "".join(traceback.format_exception(raised.value))
     assert "in in_its_process" in told and "tests/environments.py" in told  # the program's own frames
+    assert raised.value.where[0].endswith("tests/environments.py")  # what the rollout's failure log keys on
     ended = agent.make({"prompt": "three"})
     ended.reset()
+    process = agent.processes.processes[0]
+    assert ended.key in process.running
     ended.close()  # the episode ends under its program: it is cancelled, and the process serves on
+    assert ended.key not in process.running
     killed = agent.make({"prompt": "four"})
     killed.reset()
     os.kill(pid, signal.SIGKILL)

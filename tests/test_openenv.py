@@ -89,3 +89,7 @@ def test_a_server_that_is_down_or_refuses_is_said_so(servers):
     with pytest.raises(RuntimeError, match="the OpenEnv server refused step: .*VALIDATION_ERROR"):
         episode.step("42", [])
     episode.close()
+    failing = Environments.load(f"openenv:{servers['sums']}", {}).make({"reset": {"a": "seventeen"}})
+    with pytest.raises(RuntimeError, match="the OpenEnv server refused reset"):
+        failing.reset()
+    assert failing.session is None  # closed: the server's session does not outlive the episode
