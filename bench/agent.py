@@ -46,14 +46,25 @@ def figures(result: dict, batch_size: int) -> dict:
             "staleness": sum(step["staleness"] for step in steps) / len(steps), "run_s": result["run_s"]}
 
 
+def ms_each(one, times: int, warm_up: int) -> tuple[float, float]:
+    """Milliseconds per ``one()`` over ``times`` calls after ``warm_up`` (the first import and build
+    what later ones reuse): in all, and this process's CPU time."""
+    import time
+
+    for _ in range(warm_up):
+        one()
+    started, cpu = time.perf_counter(), time.process_time()
+    for _ in range(times):
+        one()
+    return (time.perf_counter() - started) / times * 1e3, (time.process_time() - cpu) / times * 1e3
+
+
 def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float, float]:
     """Milliseconds per chat-completions call of agent episodes through the endpoint, one episode
     after another, each of two calls answered as soon as it arrives (no engine): the program's
     client, the route, the episode's hand-over and back, the program's thread and loop (or its
     process's: ``rollout.agent_processes``); in all, and the CPU time of this process alone (the
     rollout's: a program process's own work is not counted)."""
-    import time
-
     from demos.agent import build_tokenizer
     from rollout.agents import AgentPrograms
     from rollout.tools import ToolCallParser
@@ -69,13 +80,8 @@ def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float
         episode.step("5 7 9", [])
 
     try:
-        for _ in range(20):  # the first calls import and build what later ones reuse
-            one_episode()
-        started, cpu = time.perf_counter(), time.process_time()
-        for _ in range(episodes):
-            one_episode()
-        return ((time.perf_counter() - started) / (2 * episodes) * 1e3,
-                (time.process_time() - cpu) / (2 * episodes) * 1e3)
+        wall, cpu = ms_each(one_episode, episodes, warm_up=20)
+        return wall / 2, cpu / 2  # two calls an episode
     finally:
         programs.close()
 
@@ -85,8 +91,6 @@ def episode_ms(url: str | None, episodes: int = 100) -> tuple[float, float]:
     tether's own tool (``url`` None: the environment made, reset and stepped, each in a thread as
     the rollout does) or the OpenEnv server at ``url`` (a session opened, reset, stepped and
     closed: both sides, the server being in this process); in all, and this process's CPU time."""
-    import time
-
     import demos.agent as demo
     from rollout.environments import Environments
     from rollout.episodes import in_thread
@@ -105,12 +109,7 @@ def episode_ms(url: str | None, episodes: int = 100) -> tuple[float, float]:
         getattr(environment, "close", lambda: None)()
 
     try:
-        for _ in range(10):
-            one_episode()
-        started, cpu = time.perf_counter(), time.process_time()
-        for _ in range(episodes):
-            one_episode()
-        return (time.perf_counter() - started) / episodes * 1e3, (time.process_time() - cpu) / episodes * 1e3
+        return ms_each(one_episode, episodes, warm_up=10)
     finally:
         demo.MAX_LATENCY_S = latency
 

@@ -148,25 +148,14 @@ def serve_openenv() -> tuple[str, object]:
     """``openenv_app`` served by uvicorn in a thread of this process on 127.0.0.1: its URL, and
     the server (``should_exit = True`` stops it)."""
     import logging
-    import threading
 
-    import uvicorn
-
-    from protocol.transport import free_port
+    from rollout.endpoint import serve_in_thread
 
     app = openenv_app()
     # a malformed call is the policy's, counted in the rollout's tool_errors: not the server's to print
     for name in ("fastmcp", "fastmcp.server.server"):
         logging.getLogger(name).setLevel(logging.CRITICAL)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                           lifespan="off", ws_ping_interval=None))
-    threading.Thread(target=server.run, name="openenv-server", daemon=True).start()
-    deadline = time.monotonic() + 30.0
-    while not server.started:
-        if time.monotonic() > deadline:
-            raise RuntimeError("the demo's OpenEnv server did not start")
-        time.sleep(0.02)
+    server, _, port = serve_in_thread(app, "openenv", ws_ping_interval=None)
     return f"http://127.0.0.1:{port}", server
 
 

@@ -56,6 +56,27 @@ def stream_chunks(answer: dict, completion: bool, usage: bool) -> list[dict]:
     return chunks
 
 
+def serve_in_thread(app, name: str, host: str = "127.0.0.1", **options):
+    """``app`` served by uvicorn in a daemon thread of its own on ``host`` and a free port, started
+    within START_DEADLINE_S: (the server, whose ``should_exit = True`` stops it, its thread, its
+    port). ``options``: uvicorn's ``Config``'s own."""
+    import uvicorn
+
+    from protocol.transport import free_port
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off",
+                                           **options))
+    thread = threading.Thread(target=server.run, name=name, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_DEADLINE_S
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError(f"the {name} server did not start on {host}:{port}")
+        time.sleep(0.01)
+    return server, thread, port
+
+
 @dataclass
 class HTTPError:
     status: int
@@ -67,10 +88,7 @@ class Endpoint:
     127.0.0.1 and a free port. ``lookup(key)``: the episode that key belongs to, or None."""
 
     def __init__(self, lookup: Callable[[str], Any], host: str = "127.0.0.1") -> None:
-        import uvicorn
         from fastapi import FastAPI, Request
-
-        from protocol.transport import free_port
 
         self.lookup = lookup
         self.app = app = FastAPI()
@@ -83,20 +101,11 @@ class Endpoint:
         async def completions(request: Request):
             return await self.serve(request, completion=True)
 
-        self.port = free_port()
-        self.base_url = f"http://{host}:{self.port}/v1"
         # idle connections are kept longer than a client keeps them (httpx: 5 s, uvicorn's default
         # too): else the server may close one as a program sends on it, and the call fails (ReadError)
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=self.port, log_level="warning",
-                                                    lifespan="off", access_log=False,
-                                                    timeout_keep_alive=KEEP_ALIVE_S))
-        self.thread = threading.Thread(target=self.server.run, name="openai-endpoint", daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + START_DEADLINE_S
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"the OpenAI endpoint did not start on {host}:{self.port}")
-            time.sleep(0.01)
+        self.server, self.thread, self.port = serve_in_thread(app, "openai-endpoint", host, access_log=False,
+                                                              timeout_keep_alive=KEEP_ALIVE_S)
+        self.base_url = f"http://{host}:{self.port}/v1"
 
     async def serve(self, request, completion: bool) -> Any:
         """One call of either route: its episode's by its key, validated as vLLM's server validates

@@ -155,9 +155,7 @@ def _reset(environments: Environments, row: dict, delay_s: float = 0.0) -> tuple
     try:
         return environment, check_observation(reset()) if reset is not None else None
     except BaseException:
-        close = getattr(environment, "close", None)
-        if close is not None:
-            close()
+        _close(environment)
         raise
 
 
@@ -167,12 +165,16 @@ def _step(environment: Any, response: str, messages: list[dict], turn: Turn) -> 
     return as_step(environment.step(response, messages))
 
 
-def _close_once_made(reset: Future) -> None:
-    """The environment a reset under way makes, closed as soon as it is made (the run is over)."""
-    environment, _ = reset.result(timeout=CLOSE_DEADLINE_S)
+def _close(environment: Any) -> None:
+    """An environment that has a ``close`` (an OpenEnv session, an agent program) closed."""
     close = getattr(environment, "close", None)
     if close is not None:
         close()
+
+
+def _close_once_made(reset: Future) -> None:
+    """The environment a reset under way makes, closed as soon as it is made (the run is over)."""
+    _close(reset.result(timeout=CLOSE_DEADLINE_S)[0])
 
 
 class FailureLog:

@@ -4,36 +4,23 @@ a session per episode, the observation's text as the user's turn, its reward and
 server's tools as the policy's, a call in a turn a call_tool step; a server that is down is a
 ConfigError before anything runs, and one that refuses a step fails its episode."""
 
-import threading
-import time
-
 import pytest
 
-pytest.importorskip("openenv.core.env_server", reason="openenv-core is installed by `make test` (Makefile)")
-
-from common.config import ConfigError  # noqa: E402
-from rollout.environments import Environments, Step, Turn  # noqa: E402
-from tests.helpers import chatml_tokenizer  # noqa: E402
+from common.config import ConfigError
+from rollout.environments import Environments, Step, Turn
+from tests.helpers import chatml_tokenizer
 
 
 @pytest.fixture(scope="module")
 def servers():
-    """Both servers' URLs, each uvicorn in a thread of its own on a free port."""
-    import uvicorn
-
-    from protocol.transport import free_port
+    """Both servers' URLs, each uvicorn in a thread of its own on a free port (openenv-core: the
+    Makefile installs it; no skip, so a missing install fails here)."""
+    from rollout.endpoint import serve_in_thread
     from tests import openenv_servers
 
     urls, running = {}, []
     for name in ("sums", "calculator"):
-        port = free_port()
-        server = uvicorn.Server(uvicorn.Config(getattr(openenv_servers, name), host="127.0.0.1", port=port,
-                                               log_level="warning", lifespan="off"))
-        threading.Thread(target=server.run, daemon=True).start()
-        deadline = time.monotonic() + 30.0
-        while not server.started:
-            assert time.monotonic() < deadline, f"the {name} server did not start"
-            time.sleep(0.02)
+        server, _, port = serve_in_thread(getattr(openenv_servers, name), name)
         urls[name], running = f"http://127.0.0.1:{port}", [*running, server]
     yield urls
     for server in running:
