@@ -79,7 +79,9 @@ class Session:
 
         self.server = server
         ws_url = "ws" + server.url.removeprefix("http") + "/ws"
-        self.socket = connect(ws_url, open_timeout=CONNECT_DEADLINE_S, close_timeout=1.0, max_size=2 ** 27)
+        # entered as a context (closed by close()): websockets 17 deprecates a connection used otherwise
+        self.socket = connect(ws_url, open_timeout=CONNECT_DEADLINE_S, close_timeout=1.0,
+                              max_size=2 ** 27).__enter__()
         self.lock = threading.Lock()  # one message at a time: a step's answer before the close
 
     def reset(self, arguments: dict) -> str:

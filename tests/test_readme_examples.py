@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -93,6 +94,48 @@ def test_the_readme_command_agent_runs_in_a_process_of_its_own(tmp_path):
         assert episode.step("The answer is 42", []) == Step(None, 1.0, done=True)
     finally:
         programs.close()
+
+
+def test_the_readme_openenv_server_is_played_through_tether(tmp_path):
+    """The README's my_openenv_server.py started as a user starts it (a process of its own, its port
+    in PORT) and my_openenv.yaml's environment pointed at it: each episode a session of its own, its
+    reset given the row's ``reset``, the server's hints, rewards and ``done`` the turns'."""
+    import urllib.request
+
+    from common.config import load_config
+    from protocol.transport import free_port
+    from rollout.environments import Environments, Step
+
+    files = readme_files()
+    for name in ("my_openenv_server.py", "my_openenv.yaml"):
+        (tmp_path / name).write_text(files[name])
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "my_openenv_server.py"], cwd=tmp_path, env={**os.environ, "PORT": str(port)},
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60.0
+        while True:
+            assert server.poll() is None, server.stdout.read()[-3000:]
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=1.0).close()
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the README's OpenEnv server did not answer /health in 60 s"
+                time.sleep(0.2)
+        config = load_config(tmp_path / "my_openenv.yaml", [f"rollout.environment=openenv:{url}"])
+        assert (config.rollout.max_turns, config.models.reward) == (4, None)
+        environments = Environments.load(config.rollout.environment, {}, step_deadline_s=config.rollout.env_step_deadline_s)
+        seven = environments.make({"prompt": "Guess my number, 0 to 9.", "reset": {"answer": 7}})
+        three = environments.make({"prompt": "Guess my number, 0 to 9.", "reset": {"answer": 3}})
+        assert seven.reset() == three.reset() == "Guess my number, 0 to 9."
+        assert seven.step("5", []) == Step("higher", 0.0, False)
+        assert three.step("5", []) == Step("lower", 0.0, False)  # a session of its own: its own answer
+        assert seven.step("It is 7", []) == Step("right", 1.0, True)
+        seven.close(), three.close()
+    finally:
+        server.kill()
+        server.wait(timeout=10)
 
 
 def tether_from(directory, *args) -> subprocess.CompletedProcess:
