@@ -12,6 +12,7 @@ on the exact answer has to learn to call the tool. The tool's latency is long-ta
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import random
@@ -77,8 +78,8 @@ async def openai_agent(client, row: dict) -> float:
         if not reply.tool_calls:
             break
         for call in reply.tool_calls:
-            try:
-                content = calculator(**json.loads(call.function.arguments))
+            try:  # the tool's latency awaited, as an async program does: the loop serves other episodes meanwhile
+                content = await asyncio.to_thread(calculator, **json.loads(call.function.arguments))
             except Exception as error:
                 content = f"error: {call.function.name} raised {type(error).__name__}: {error}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": content})
@@ -99,7 +100,7 @@ async def completions_agent(client, row: dict) -> float:
         results = []
         for call in calls:
             try:
-                results.append(calculator(**json.loads(call)["arguments"]))
+                results.append(await asyncio.to_thread(calculator, **json.loads(call)["arguments"]))
             except Exception as error:
                 results.append(f"error: calculator raised {type(error).__name__}: {error}")
         prompt += "\n".join(f"<tool_response>\n{result}\n</tool_response>" for result in results)
@@ -110,8 +111,6 @@ def openenv_app():
     """The task's calculator as an OpenEnv environment (``tether demo --agent --openenv``), written
     with openenv's own server API: an MCP environment of the one tool, whose episodes are sessions
     of their own; the exact answer stays the reward function's (``scorer.reward_functions``)."""
-    import asyncio
-
     from fastmcp import FastMCP
     from openenv.core.env_server import (CallToolAction, CallToolObservation, MCPEnvironment, Observation, State,
                                          create_app)
