@@ -292,10 +292,33 @@ class LearnerConfig(_Strict):
                                                        "kl_coef by at most 20%")
     kl_estimator: Literal["k1", "k2", "k3"] = Field("k1", description="the per-token KL estimate (Schulman 2020): "
                                                     "k1 log(pi/pi_ref), k2 half its square, k3 pi_ref/pi - 1 - log(pi_ref/pi)")
-    behavior_weight_cap: float | None = Field(2.0, gt=0, description="truncation of pi_prox/pi_behavior")
-    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"] = Field(
+    behavior_weight_cap: float | None = Field(2.0, gt=0, description="the highest importance weight pi_prox / "
+                                              "pi_behavior: truncated to it, or masked above it "
+                                              "(behavior_correction); None: no cap")
+    behavior_weight_floor: float | None = Field(None, ge=0, description="behavior_correction mask: weights under "
+                                                "this are masked too (IcePop's two-sided mask); None: one-sided")
+    behavior_correction: Literal["truncate", "mask"] = Field(
+        "truncate", description="what happens to an importance weight past behavior_weight_cap: truncate, cut to "
+                                "it (truncated IS); mask, its token (or sequence) gets weight 0 (MIS, IcePop)")
+    behavior_correction_level: Literal["token", "sequence"] = Field(
+        "token", description="the weight corrected: each token's, or its sequence's product of them (every token of "
+                             "a sequence then shares its fate)")
+    ratio_level: Literal["token", "sequence"] = Field(
+        "token", description="PPO's ratio pi / pi_old: per token, or GSPO's per sequence (the geometric mean of "
+                             "its token ratios, clipped per sequence; GSPO-token's gradient per token). GSPO clips "
+                             "much tighter than PPO: its paper uses clip_eps 3e-4, clip_eps_high 4e-4")
+    policy_loss: Literal["ppo", "cispo"] = Field(
+        "ppo", description="ppo: the clipped surrogate; cispo: the clipped, stop-gradient ratio weighs each "
+                           "token's policy gradient, none dropped by the clip (MiniMax-M1)")
+    loss_aggregation: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                              "seq-mean-token-sum-norm"] = Field(
         "token-mean", description="how per-token losses become one: the mean over every token of the minibatch, "
-                                  "or over sequences of each one's token mean or token sum")
+                                  "or over sequences of each one's token mean or token sum, or its token sum over "
+                                  "a constant length (loss_norm_length: Dr. GRPO)")
+    loss_norm_length: int | None = Field(None, ge=1, description="seq-mean-token-sum-norm's constant length; "
+                                         "default rollout.max_new_tokens")
+    grpo_std_normalize: bool = Field(True, description="grpo: divide each group's centred rewards by their std; "
+                                     "false is Dr. GRPO's unbiased advantage")
     whiten_advantages: bool = Field(True, description="GAE advantages to mean 0, std 1 over the batch")
     normalize_rewards: bool = Field(False, description="scale RM scores by their running std")
     score_clip: float | None = Field(None, gt=0, description="the trained reward is clipped to [-score_clip, "
@@ -663,6 +686,14 @@ class TetherConfig(_Strict):
         if learner.value_targets == "vtrace" and learner.advantage_estimator != "gae":
             raise ValueError(f"learner.value_targets vtrace corrects a critic's targets; learner.advantage_estimator "
                              f"{learner.advantage_estimator} trains no critic (use gae)")
+        if learner.policy_loss == "cispo" and (learner.ratio_level != "token" or learner.dual_clip is not None):
+            raise ValueError("learner.policy_loss cispo weighs each token by its own clipped ratio: it takes "
+                             "learner.ratio_level token and no learner.dual_clip")
+        floor, cap = learner.behavior_weight_floor, learner.behavior_weight_cap
+        if floor is not None and (learner.behavior_correction != "mask" or (cap is not None and floor >= cap)):
+            raise ValueError(f"learner.behavior_weight_floor ({floor}) bounds the weights behavior_correction mask "
+                             f"keeps from below: it needs behavior_correction mask and a floor under "
+                             f"behavior_weight_cap ({cap})")
         if learner.advantage_estimator in ("grpo", "rloo") and rollout.samples_per_prompt < 2:
             raise ValueError(f"learner.advantage_estimator {learner.advantage_estimator} compares the responses to "
                              "one prompt: rollout.samples_per_prompt must be >= 2")

@@ -17,6 +17,17 @@ KL estimate per token          ``kl_per_token``: k1 = log(pi/pi_ref), k2 = 0.5 l
                                k3 = (pi_ref/pi - 1) - log(pi_ref/pi)   (Schulman 2020)
 r_t = -beta KL_t, + r_RM at T  ``token_rewards`` (RM score at the last real token)
 rho_t = pi_theta / pi_old      ``ppo_policy_loss`` (``ratio``)
+s_i = exp(1/|y_i| sum_t log    ``sequence_ratio``: GSPO (Zheng et al. 2025, eq. 7), clipped per
+  rho_t); GSPO-token s_i,t =     sequence; GSPO-token (eq. 13), each token s_i's value with its own
+  sg[s_i] pi_t / sg[pi_t]        logprob's gradient (``ppo_policy_loss(ratio_level="sequence")``)
+L_CISPO = -sg(clip(rho_t, 1-   ``ppo_policy_loss(policy_loss="cispo")`` (MiniMax-M1, Chen et al.
+  eps, 1+eps_h)) A_t log pi_t    2025, eq. 4): every token keeps its gradient, the weight is clipped
+w = pi_old / pi_behavior,      ``behavior_weights``: truncated IS (min(w, C); Ionides 2008, Yao et
+  truncated or masked, per       al. 2025) or masked IS (w 1[low <= w <= C]: MIS, Liu et al. 2025;
+  token or per sequence          IcePop, Ling team 2025), of each token or of the sequence's
+  (W_i = prod_t w_t)             product W_i (sequence-level IS)
+1/G sum_i 1/L sum_t l_i,t      ``aggregate_loss("seq-mean-token-sum-norm")``: Dr. GRPO's constant
+  (L a constant)                 length normaliser (Liu et al. 2025, "Understanding R1-Zero")
 L_clip = -E[min(rho A,         ``ppo_policy_loss``; dual clip (Ye et al. 2020) and the decoupled
   clip(rho, 1-eps, 1+eps) A)]    off-policy form (Hilton et al. 2022) are options of it
 delta_t = r_t + gamma V_{t+1}  ``gae_advantages``
@@ -47,10 +58,16 @@ import torch
 from common.distributions import entropy_from_logits, logprobs_from_logits  # noqa: F401  (the table below)
 
 KLEstimator = Literal["k1", "k2", "k3"]
-LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LossAggregation = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+RatioLevel = Literal["token", "sequence"]
+PolicyLoss = Literal["ppo", "cispo"]
+BehaviorCorrection = Literal["truncate", "mask"]
 
 KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
-LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                      "seq-mean-token-sum-norm")
+# the quantiles of the behavior weights each step reports (behavior_ratio_p05 ...)
+RATIO_QUANTILES: tuple[float, ...] = (0.05, 0.5, 0.95)
 
 
 # --------------------------------------------------------------------------- input checks
@@ -425,7 +442,8 @@ def reinforce_pp_advantages(
 # --------------------------------------------------------------------------- losses
 
 
-def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, loss_aggregation: LossAggregation) -> torch.Tensor:
+def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, loss_aggregation: LossAggregation,
+                   norm_length: float | None = None) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar.
 
     - ``token-mean``: sum over every valid token / number of valid tokens. Long responses weigh
@@ -433,7 +451,10 @@ def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, lo
     - ``seq-mean-token-mean``: mean over sequences of each sequence's token mean. Every
       response weighs the same. The GRPO paper (DeepSeekMath) and OpenRLHF's PPO actor.
     - ``seq-mean-token-sum``: mean over sequences of each sequence's token sum. No length
-      normalisation inside a sequence; Dr. GRPO (Liu et al. 2025) and classic REINFORCE.
+      normalisation inside a sequence; classic REINFORCE.
+    - ``seq-mean-token-sum-norm``: each sequence's token sum over ``norm_length``, a constant (the
+      generation budget), mean over sequences: Dr. GRPO (Liu et al. 2025), which removes the
+      per-response length normaliser that biases GRPO toward long wrong answers.
     """
     mask = _check_token_tensors(response_mask, loss_per_token=loss_per_token)
     if loss_aggregation == "token-mean":
@@ -442,6 +463,10 @@ def aggregate_loss(loss_per_token: torch.Tensor, response_mask: torch.Tensor, lo
         return masked_mean(loss_per_token, mask, dim=-1).mean()
     if loss_aggregation == "seq-mean-token-sum":
         return masked_sum(loss_per_token, mask, dim=-1).mean()
+    if loss_aggregation == "seq-mean-token-sum-norm":
+        if norm_length is None or norm_length <= 0:
+            raise ValueError(f"seq-mean-token-sum-norm divides by a constant length > 0, got norm_length={norm_length}")
+        return masked_sum(loss_per_token, mask, dim=-1).mean() / norm_length
     raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {loss_aggregation!r}")
 
 
@@ -457,9 +482,80 @@ def data_parallel_scale(local_mask: torch.Tensor, minibatch_mask: torch.Tensor, 
     """
     if loss_aggregation == "token-mean":
         return world_size * float(local_mask.sum()) / float(minibatch_mask.sum())
-    if loss_aggregation in ("seq-mean-token-mean", "seq-mean-token-sum"):
+    if loss_aggregation in ("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"):
         return world_size * local_mask.shape[0] / minibatch_mask.shape[0]
     raise ValueError(f"loss aggregation must be one of {LOSS_AGGREGATIONS}, got {loss_aggregation!r}")
+
+
+def sequence_ratio(log_ratio: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's sequence ratio (Zheng et al. 2025, eq. 7): the length-normalised geometric mean of a
+    sequence's token ratios, s_i = exp(1/|y_i| sum_t log rho_t). log_ratio, response_mask: [B, T]
+    (log pi_theta - log pi_old). Returns [B]; its gradient is that of the mean of the log ratios."""
+    mask = _check_token_tensors(response_mask, log_ratio=log_ratio)
+    return torch.exp(masked_mean(log_ratio, mask, dim=-1))
+
+
+def behavior_weights(
+    old_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    correction: BehaviorCorrection = "truncate",
+    level: RatioLevel = "token",
+    high: float | None = 2.0,
+    low: float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The weights that correct each token's gradient for the behavior policy (the rollout's
+    engine, possibly stale) not being the proximal one: w_t = pi_old / pi_behavior, no gradient.
+
+    old_logprobs, behavior_logprobs, response_mask: [B, T]. Returns (weights [B, T], stats).
+    - ``level`` token: each token's own w_t; sequence: the sequence's W_i = prod_t w_t on each of
+      its tokens (sequence-level importance sampling, Liu et al. 2025).
+    - ``correction`` truncate: min(w, high) (truncated IS; ``high`` None: no cap); mask: w where
+      low <= w <= high, else 0 (masked IS, MIS: Liu et al. 2025; IcePop's two-sided token mask,
+      Ling team 2025; ``low`` None: one-sided). A masked token keeps its place in the loss's
+      normaliser with weight 0, as in both papers' estimators.
+
+    stats: the share of tokens whose weight was truncated or masked (``behavior_truncated_frac``,
+    ``behavior_masked_frac``), of sequences (``behavior_seq_truncated_frac``, ``behavior_seq_masked_frac``:
+    a sequence with any such token at token level, the sequence itself at sequence level), the
+    mean weight, and the quantiles (``RATIO_QUANTILES``) of the token ratios w_t and of the
+    sequence ratios W_i over the batch (``behavior_ratio_p05`` ..., ``behavior_seq_ratio_p05`` ...).
+    """
+    mask = _check_token_tensors(response_mask, old_logprobs=old_logprobs, behavior_logprobs=behavior_logprobs)
+    if correction not in ("truncate", "mask"):
+        raise ValueError(f"behavior correction must be truncate or mask, got {correction!r}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"behavior correction level must be token or sequence, got {level!r}")
+    if (high is not None and high <= 0) or (low is not None and low < 0) or (
+            high is not None and low is not None and low >= high):
+        raise ValueError(f"behavior weight bounds must satisfy 0 <= low < high, got low={low}, high={high}")
+    with torch.no_grad():
+        valid = mask > 0
+        log_weights = (old_logprobs - behavior_logprobs).double() * mask
+        sequence_log = log_weights.sum(dim=-1)  # log W_i
+        # exp of a sequence's sum overflows float64 past ~709: the bounds decide on the logs
+        log = sequence_log.unsqueeze(-1).expand_as(log_weights) if level == "sequence" else log_weights
+        above = log > math.log(high) if high is not None else torch.zeros_like(valid)
+        below = log < math.log(low) if low else torch.zeros_like(valid)
+        weights = torch.exp(log.clamp(max=700.0))
+        if correction == "truncate":
+            affected = above & valid
+            weights = torch.where(above, torch.full_like(weights, high or 0.0), weights)
+        else:
+            affected = (above | below) & valid
+            weights = torch.where(above | below, torch.zeros_like(weights), weights)
+        weights = (weights * mask).to(old_logprobs.dtype)
+        token_frac = float(affected.sum()) / float(valid.sum())
+        seq_frac = float(affected.any(dim=-1).double().mean())
+        quantiles = torch.tensor(RATIO_QUANTILES, dtype=torch.float64)
+        token_q = torch.quantile(torch.exp(log_weights[valid].clamp(max=700.0)), quantiles)
+        seq_q = torch.quantile(torch.exp(sequence_log.clamp(max=700.0)), quantiles)
+        kind = "truncated" if correction == "truncate" else "masked"
+        stats = {f"behavior_{kind}_frac": token_frac, f"behavior_seq_{kind}_frac": seq_frac,
+                 "behavior_weight_mean": float(masked_mean(weights.double(), mask.double())),
+                 **{f"behavior_ratio_p{round(q * 100):02d}": float(v) for q, v in zip(RATIO_QUANTILES, token_q)},
+                 **{f"behavior_seq_ratio_p{round(q * 100):02d}": float(v) for q, v in zip(RATIO_QUANTILES, seq_q)}}
+    return weights, stats
 
 
 def ppo_policy_loss(
@@ -470,33 +566,41 @@ def ppo_policy_loss(
     clip_eps: float = 0.2,
     clip_eps_high: float | None = None,
     dual_clip: float | None = None,
-    behavior_logprobs: torch.Tensor | None = None,
-    behavior_weight_cap: float | None = None,
+    behavior_weights: torch.Tensor | None = None,
     loss_aggregation: LossAggregation = "token-mean",
+    ratio_level: RatioLevel = "token",
+    policy_loss: PolicyLoss = "ppo",
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate loss with the options tether's learner uses.
 
     logprobs: [B, T] of the policy being trained (carries the gradient);
     old_logprobs: [B, T] of the anchor policy. On-policy this is pi_old; with stale samples it
     is the *proximal* policy: the learner's own logprobs recomputed at the start of the step;
-    advantages, response_mask: [B, T]; behavior_logprobs: [B, T] from the rollout engine, or None.
+    advantages, response_mask: [B, T]; behavior_weights: [B, T] (``behavior_weights``), or None.
 
     L = -w_t min(rho_t A_t, clip(rho_t, 1 - eps, 1 + eps_high) A_t),  rho_t = pi_theta / pi_old
     - ``clip_eps_high`` defaults to ``clip_eps`` (a larger one is DAPO's "clip-higher").
     - ``dual_clip`` = c > 1 (Ye et al. 2020, "Mastering complex control in MOBA games"): for
       A < 0 the loss is also bounded by -c A, so one very unlikely token cannot blow up a step.
     - Decoupled off-policy PPO (Hilton et al. 2022, "Batch size-invariance for policy
-      optimization"; AReaL): with ``behavior_logprobs``, w_t = pi_old / pi_behavior (no
-      gradient), truncated at ``behavior_weight_cap`` (truncated importance sampling); without
-      them w_t = 1 and the loss is plain PPO. When behavior = old = current the two agree.
+      optimization"; AReaL): w_t = pi_old / pi_behavior, truncated or masked
+      (``behavior_weights``); without them w_t = 1 and the loss is plain PPO.
+    - ``ratio_level`` sequence: GSPO-token (Zheng et al. 2025, eq. 13): rho_t is replaced by
+      s_i,t = sg[s_i] pi_theta(y_t) / sg[pi_theta(y_t)], the sequence ratio's value
+      (``sequence_ratio``) with each token's own gradient, clipped per sequence; with one advantage
+      per sequence and ``seq-mean-token-mean`` it is GSPO itself (eq. 5) in value and gradient.
+    - ``policy_loss`` cispo (MiniMax-M1, Chen et al. 2025, eq. 4): L = -w_t sg(clip(rho_t, 1 - eps,
+      1 + eps_high)) A_t log pi_theta(y_t): the clip bounds the weight and no token loses its
+      gradient (PPO's clip drops the tokens outside the range).
 
     Returns (loss scalar, stats) with stats: ``clipfrac`` (share of tokens where the clipped
-    branch is taken), ``approx_kl`` (k3 estimate of KL(pi_old || pi_theta)), ``ratio_mean``,
-    ``dual_clip_frac``, ``behavior_weight_mean`` and ``behavior_truncated_frac``.
+    branch is taken, or, in CISPO, the weight clipped), ``approx_kl`` (k3 estimate of
+    KL(pi_old || pi_theta)), ``ratio_mean`` and ``dual_clip_frac``.
     """
     tensors = {"logprobs": logprobs, "old_logprobs": old_logprobs, "advantages": advantages}
-    if behavior_logprobs is not None:
-        tensors["behavior_logprobs"] = behavior_logprobs
+    if behavior_weights is not None:
+        tensors["behavior_weights"] = behavior_weights
     mask = _check_token_tensors(response_mask, **tensors)
     eps_low = clip_eps
     eps_high = clip_eps if clip_eps_high is None else clip_eps_high
@@ -504,14 +608,28 @@ def ppo_policy_loss(
         raise ValueError(f"clip ranges must be > 0, got clip_eps={eps_low}, clip_eps_high={eps_high}")
     if dual_clip is not None and dual_clip <= 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if policy_loss not in ("ppo", "cispo"):
+        raise ValueError(f"policy_loss must be ppo or cispo, got {policy_loss!r}")
+    if policy_loss == "cispo" and (ratio_level != "token" or dual_clip is not None):
+        raise ValueError("cispo clips each token's weight: it takes ratio_level token and no dual_clip")
 
     old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     log_ratio = logprobs - old_logprobs
-    ratio = torch.exp(log_ratio)
-    unclipped = -advantages * ratio
-    clipped = -advantages * torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    loss_per_token = torch.maximum(unclipped, clipped)
-    clipped_taken = (clipped > unclipped).float()
+    if ratio_level == "sequence":
+        ratio = sequence_ratio(log_ratio.detach(), mask).unsqueeze(-1) * torch.exp(logprobs - logprobs.detach())
+    elif ratio_level == "token":
+        ratio = torch.exp(log_ratio)
+    else:
+        raise ValueError(f"ratio_level must be token or sequence, got {ratio_level!r}")
+    clipped_ratio = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    if policy_loss == "cispo":
+        loss_per_token = -advantages * clipped_ratio.detach() * logprobs
+        clipped_taken = (clipped_ratio != ratio).float()
+    else:
+        unclipped = -advantages * ratio
+        clipped = -advantages * clipped_ratio
+        loss_per_token = torch.maximum(unclipped, clipped)
+        clipped_taken = (clipped > unclipped).float()
 
     dual_clipped_taken = torch.zeros_like(loss_per_token)
     if dual_clip is not None:
@@ -520,24 +638,16 @@ def ppo_policy_loss(
         dual_clipped_taken = (negative & (loss_per_token > lower_bound)).float()
         loss_per_token = torch.where(negative, torch.minimum(loss_per_token, lower_bound), loss_per_token)
 
-    behavior_weight = torch.ones_like(loss_per_token)
-    truncated = torch.zeros_like(loss_per_token)
-    if behavior_logprobs is not None:
-        behavior_weight = torch.exp(old_logprobs - behavior_logprobs.detach())
-        if behavior_weight_cap is not None:
-            truncated = (behavior_weight > behavior_weight_cap).float()
-            behavior_weight = behavior_weight.clamp(max=behavior_weight_cap)
-        loss_per_token = loss_per_token * behavior_weight
+    if behavior_weights is not None:
+        loss_per_token = loss_per_token * behavior_weights.detach()
 
-    loss = aggregate_loss(loss_per_token, mask, loss_aggregation)
+    loss = aggregate_loss(loss_per_token, mask, loss_aggregation, norm_length)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped_taken, mask),
             "approx_kl": masked_mean(torch.expm1(log_ratio) - log_ratio, mask),
             "ratio_mean": masked_mean(ratio, mask),
             "dual_clip_frac": masked_mean(dual_clipped_taken, mask),
-            "behavior_weight_mean": masked_mean(behavior_weight, mask),
-            "behavior_truncated_frac": masked_mean(truncated, mask),
         }
     return loss, {name: value.detach() for name, value in stats.items()}
 
@@ -549,6 +659,7 @@ def value_loss(
     response_mask: torch.Tensor,
     value_clip: float | None = 0.2,
     loss_aggregation: LossAggregation = "token-mean",
+    norm_length: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss: 0.5 (V - R)^2, or its clipped form (PPO2 baselines, "value clipping").
 
@@ -569,7 +680,7 @@ def value_loss(
         clipped_error = (clipped_values - returns) ** 2
         clip_taken = (clipped_error > squared_error).float()
         squared_error = torch.maximum(squared_error, clipped_error)
-    loss = 0.5 * aggregate_loss(squared_error, mask, loss_aggregation)
+    loss = 0.5 * aggregate_loss(squared_error, mask, loss_aggregation, norm_length)
     with torch.no_grad():
         stats = {"vf_clipfrac": masked_mean(clip_taken, mask), "value_mean": masked_mean(values, mask)}
     return loss, {name: value.detach() for name, value in stats.items()}

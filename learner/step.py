@@ -82,8 +82,8 @@ def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: 
     if cfg.advantage_estimator == "reinforce_pp":
         return ppo.reinforce_pp_advantages(rewards, mask, cfg.gamma)
     totals = ppo.masked_sum(rewards, mask, dim=-1)
-    estimator = ppo.grpo_advantages if cfg.advantage_estimator == "grpo" else ppo.rloo_advantages
-    advantages = estimator(totals, mask, group_size)
+    advantages = (ppo.grpo_advantages(totals, mask, group_size, cfg.grpo_std_normalize)
+                  if cfg.advantage_estimator == "grpo" else ppo.rloo_advantages(totals, mask, group_size))
     return advantages, totals.unsqueeze(-1) * mask
 
 
@@ -101,7 +101,8 @@ class StepCarry:
 class Targets:
     """What the epochs train toward, fixed for the step: per token, [B, T] over the whole batch."""
     mask: torch.Tensor  # the response tokens
-    behavior_logprobs: torch.Tensor  # the rollout's, for the off-policy correction
+    behavior_logprobs: torch.Tensor  # the rollout's
+    behavior_weights: torch.Tensor  # pi_prox / pi_behavior, truncated or masked: the off-policy correction
     ref_logprobs: torch.Tensor  # the reference's, for the KL term when it is in the loss
     old_logprobs: torch.Tensor  # proximal: the policy's at the start of the step
     old_values: torch.Tensor | None  # the critic's at the start of the step (gae only)
@@ -135,7 +136,10 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
                                                      truncated, mask, cfg, kl_coef, carry.moments,
                                                      config.rollout.samples_per_prompt, turn_rewards,
                                                      behavior_logprobs)
-    targets = Targets(mask, behavior_logprobs, ref_logprobs, old_logprobs, old_values, advantages, returns)
+    weights, correction = ppo.behavior_weights(old_logprobs, behavior_logprobs, mask, cfg.behavior_correction,
+                                               cfg.behavior_correction_level, cfg.behavior_weight_cap,
+                                               cfg.behavior_weight_floor)
+    targets = Targets(mask, behavior_logprobs, weights, ref_logprobs, old_logprobs, old_values, advantages, returns)
     # 3. ppo_epochs passes over shuffled minibatches; every sample used only within this step
     totals, updates, grad_norms = train_epochs(actor, critic, batch, targets, config, kl_coef, policy_version, carry)
     # 4. what the step did, averaged over its optimizer steps and ranks
@@ -143,6 +147,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
                             grad_norms)
     # the batch's off-policy health, over all its tokens (buffer.max_staleness: auto reads it)
     stats.update(behavior_health(old_logprobs, behavior_logprobs, mask, cfg.behavior_weight_cap))
+    stats.update(correction)  # what the correction did, over all the batch's tokens: computed once per step
     return stats
 
 
@@ -249,20 +254,22 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
 
     logits = forward_logits(actor, minibatch)
     logprobs = logprobs_from_logits(logits, minibatch.response_tokens, sampling)
+    norm_length = cfg.loss_norm_length or config.rollout.max_new_tokens  # seq-mean-token-sum-norm's constant
     policy_loss, policy_stats = ppo.ppo_policy_loss(
         logprobs, targets.old_logprobs[cut], targets.advantages[cut], mask,
         clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-        behavior_logprobs=targets.behavior_logprobs[cut], behavior_weight_cap=cfg.behavior_weight_cap,
-        loss_aggregation=cfg.loss_aggregation)
+        behavior_weights=targets.behavior_weights[cut], loss_aggregation=cfg.loss_aggregation,
+        ratio_level=cfg.ratio_level, policy_loss=cfg.policy_loss, norm_length=norm_length)
     losses = {"policy_loss": policy_loss}
     if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
         losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
-            ppo.kl_per_token(logprobs, targets.ref_logprobs[cut], cfg.kl_estimator), mask, cfg.loss_aggregation)
+            ppo.kl_per_token(logprobs, targets.ref_logprobs[cut], cfg.kl_estimator), mask, cfg.loss_aggregation,
+            norm_length)
     # with its gradient only when it is a loss term: [B, T, V] more to keep for the backward pass
     entropy_per_token = entropy_from_logits(logits if cfg.entropy_coef > 0 else logits.detach(), sampling)
     if cfg.entropy_coef > 0:
-        losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(entropy_per_token, mask,
-                                                                         cfg.loss_aggregation)
+        losses["entropy_loss"] = -cfg.entropy_coef * ppo.aggregate_loss(entropy_per_token, mask, cfg.loss_aggregation,
+                                                                         norm_length)
     actor_loss = sum(losses.values())
     if parallel.any_rank(not bool(torch.isfinite(actor_loss))):  # before the step: the weights stay
         raise FloatingPointError(f"policy loss is {actor_loss.item()} at policy version {policy_version}")
@@ -278,7 +285,7 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
     if critic is not None:  # its loss is checked before either engine steps
         values = forward_values(critic, minibatch)
         value_loss, value_stats = ppo.value_loss(values, targets.old_values[cut], targets.returns[cut], mask,
-                                                 cfg.value_clip, cfg.loss_aggregation)
+                                                 cfg.value_clip, cfg.loss_aggregation, norm_length)
         if parallel.any_rank(not bool(torch.isfinite(value_loss))):
             raise FloatingPointError(f"value loss is {value_loss.item()} at policy version {policy_version}")
         critic.backward(share * cfg.value_loss_coef * value_loss)

@@ -43,6 +43,9 @@ def test_toml_is_read_too(tmp_path):
     (["learner"], "must look like key.subkey=value"),
     (["learner.max_tokens_per_microbatch=100", "rollout.max_model_len=128"],
      "learner.max_tokens_per_microbatch \\(100\\) is less than rollout.max_model_len"),
+    (["learner.policy_loss=cispo", "learner.ratio_level=sequence"], "learner.policy_loss cispo weighs each token"),
+    (["learner.behavior_weight_floor=0.5"], "learner.behavior_weight_floor \\(0.5\\) bounds the weights"),
+    (["learner.behavior_correction=mask", "learner.behavior_weight_floor=3"], "a floor under behavior_weight_cap"),
 ])
 def test_bad_values_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

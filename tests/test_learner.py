@@ -324,7 +324,7 @@ def test_a_batch_of_one_sample_with_a_one_token_response_trains(tmp_path, tiny_a
     assert stats["response_length"] == 1.0 and np.isfinite(stats["policy_loss"]) and np.isfinite(stats["value_loss"])
 
 
-@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum"])
+@pytest.mark.parametrize("aggregation", ["token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_micro_batches_accumulate_to_the_minibatchs_step(tmp_path, tiny_assets, samples, aggregation,
                                                          restore_environment):
     """A minibatch of 8 in one pass, or in 4 micro-batches of 2 whose gradients DeepSpeed
@@ -534,3 +534,32 @@ def test_an_episodes_environment_tokens_are_never_trained_on(tmp_path, tiny_asse
     policy_tokens = sum(int(s.loss_mask.sum()) for s in _as_episodes(samples))
     assert stats["response_length"] == pytest.approx(policy_tokens / len(samples))  # the policy's tokens alone
     assert stats["behavior_logprob_gap"] < 1e-4  # measured on the policy's tokens
+
+
+def test_the_off_policy_options_reach_the_step(tmp_path, tiny_assets, samples, restore_environment):
+    """learner.ratio_level, policy_loss and behavior_correction as the step applies them. At the
+    step's first update every ratio is 1: GSPO-token's gradient is PPO's, and CISPO's (whose loss is
+    -A log pi, not -A) too, so one step trains the same weights. Samples of an older policy make
+    masking and truncating differ, and the step reports what each did."""
+    import dataclasses
+
+    base, base_weights, _ = one_step(tmp_path, tiny_assets, samples)
+    gspo, gspo_weights, _ = one_step(tmp_path, tiny_assets, samples, "learner.ratio_level=sequence")
+    cispo, cispo_weights, _ = one_step(tmp_path, tiny_assets, samples, "learner.policy_loss=cispo")
+    assert gspo["policy_loss"] == pytest.approx(base["policy_loss"], abs=1e-6)
+    assert cispo["policy_loss"] != pytest.approx(base["policy_loss"], abs=1e-3)
+    for weights in (gspo_weights, cispo_weights):
+        assert all(torch.allclose(base_weights[k], weights[k], atol=1e-6) for k in base_weights)
+    assert base["behavior_truncated_frac"] == 0.0 and base["behavior_ratio_p50"] == pytest.approx(1.0, abs=1e-3)
+
+    generator = np.random.default_rng(0)  # an older policy sampled them: weights from e^-1 to e^1
+    stale = [dataclasses.replace(s, behavior_logprobs=(s.behavior_logprobs + generator.uniform(
+        -1, 1, len(s.behavior_logprobs))).astype(np.float32)) for s in samples]
+    truncated, truncated_weights, _ = one_step(tmp_path, tiny_assets, stale)
+    masked, masked_weights, _ = one_step(tmp_path, tiny_assets, stale, "learner.behavior_correction=mask",
+                                         "learner.behavior_weight_floor=0.5",
+                                         "learner.behavior_correction_level=sequence")
+    assert 0 < truncated["behavior_truncated_frac"] < 1 and truncated["behavior_seq_truncated_frac"] > 0
+    assert 0 < masked["behavior_masked_frac"] <= 1 and masked["behavior_seq_masked_frac"] > 0
+    assert masked["behavior_ratio_p95"] == pytest.approx(truncated["behavior_ratio_p95"], rel=1e-6)  # the same batch
+    assert not all(torch.allclose(truncated_weights[k], masked_weights[k], atol=1e-6) for k in truncated_weights)

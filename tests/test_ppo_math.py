@@ -237,25 +237,25 @@ def test_off_policy_loss_equals_ppo_when_behavior_equals_proximal_equals_current
     advantages = torch.randn(3, 5)
     mask = t([[1] * 5, [1, 1, 0, 0, 0], [1] * 4 + [0]])
     plain, plain_stats = ppo.ppo_policy_loss(logprobs, logprobs.clone(), advantages, mask)
-    decoupled, stats = ppo.ppo_policy_loss(
-        logprobs, logprobs.clone(), advantages, mask, behavior_logprobs=logprobs.clone(), behavior_weight_cap=2.0
-    )
+    weights, stats = ppo.behavior_weights(logprobs.clone(), logprobs.clone(), mask, "truncate", "token", 2.0)
+    decoupled, _ = ppo.ppo_policy_loss(logprobs, logprobs.clone(), advantages, mask, behavior_weights=weights)
     assert decoupled.item() == pytest.approx(plain.item(), abs=1e-6)
-    assert stats["behavior_weight_mean"].item() == pytest.approx(1.0)
-    assert stats["behavior_truncated_frac"].item() == 0.0
+    assert stats["behavior_weight_mean"] == pytest.approx(1.0)
+    assert stats["behavior_truncated_frac"] == 0.0 and stats["behavior_seq_truncated_frac"] == 0.0
+    assert stats["behavior_ratio_p50"] == pytest.approx(1.0) and stats["behavior_seq_ratio_p95"] == pytest.approx(1.0)
 
 
 def test_off_policy_importance_weight_is_truncated_at_the_cap():
     # proximal -1.0, behavior -1.5: w = e^0.5 = 1.6487 -> truncated to 1.5; ratio 1, A = 1
     old = t([[-1.0, -1.0]])
     behavior = t([[-1.5, -1.0]])
-    loss, stats = ppo.ppo_policy_loss(
-        old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_logprobs=behavior, behavior_weight_cap=1.5
-    )
+    weights, stats = ppo.behavior_weights(old, behavior, torch.ones(1, 2), "truncate", "token", 1.5)
+    loss, _ = ppo.ppo_policy_loss(old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_weights=weights)
     assert loss.item() == pytest.approx((-1.5 - 1.0) / 2, abs=1e-6)
-    assert stats["behavior_truncated_frac"].item() == 0.5
-    uncapped, _ = ppo.ppo_policy_loss(old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_logprobs=behavior)
-    assert uncapped.item() == pytest.approx((-math.exp(0.5) - 1.0) / 2, abs=1e-6)
+    assert stats["behavior_truncated_frac"] == 0.5 and stats["behavior_seq_truncated_frac"] == 1.0
+    uncapped, _ = ppo.behavior_weights(old, behavior, torch.ones(1, 2), "truncate", "token", None)
+    loss, _ = ppo.ppo_policy_loss(old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_weights=uncapped)
+    assert loss.item() == pytest.approx((-math.exp(0.5) - 1.0) / 2, abs=1e-6)
 
 
 def test_policy_gradient_flows_into_the_policy_only():
@@ -263,7 +263,8 @@ def test_policy_gradient_flows_into_the_policy_only():
     old = t([[-1.0, -2.0]], requires_grad=True)
     behavior = t([[-1.1, -2.1]], requires_grad=True)
     advantages = t([[2.0, -1.0]], requires_grad=True)
-    loss, _ = ppo.ppo_policy_loss(current, old, advantages, torch.ones(1, 2), behavior_logprobs=behavior)
+    weights, _ = ppo.behavior_weights(old, behavior, torch.ones(1, 2), high=None)
+    loss, _ = ppo.ppo_policy_loss(current, old, advantages, torch.ones(1, 2), behavior_weights=weights)
     loss.backward()
     # at ratio 1 the unclipped branch is active: d/dlogp (-A r w) / 2 = -A w / 2, w = e^0.1
     assert_close(current.grad, [[-2.0 * math.exp(0.1) / 2, 1.0 * math.exp(0.1) / 2]], atol=1e-5)
