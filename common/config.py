@@ -172,6 +172,12 @@ class ScorerConfig(_Strict):
                                                    "rewards that are trained on, added to the reward model's score")
     gold_reward: str | None = Field(None, description='"module:function" like a reward function: reported as '
                                                        "gold_reward, never trained on")
+    overlong_buffer: int | None = Field(None, ge=1, description="DAPO's overlong shaping: a response longer than "
+                                        "overlong_max_length - overlong_buffer policy tokens loses up to "
+                                        "overlong_penalty, linearly, all of it at the limit and past it; None: off")
+    overlong_penalty: float = Field(1.0, gt=0, description="the most the overlong shaping takes from a reward")
+    overlong_max_length: int | None = Field(None, ge=1, description="the length the overlong shaping counts to; "
+                                            "default rollout.max_new_tokens")
 
 
 class AutoStalenessConfig(_Strict):
@@ -686,6 +692,12 @@ class TetherConfig(_Strict):
         if learner.value_targets == "vtrace" and learner.advantage_estimator != "gae":
             raise ValueError(f"learner.value_targets vtrace corrects a critic's targets; learner.advantage_estimator "
                              f"{learner.advantage_estimator} trains no critic (use gae)")
+        scorer = self.scorer
+        if scorer.overlong_buffer is not None and scorer.overlong_buffer >= (
+                scorer.overlong_max_length or rollout.max_new_tokens):
+            raise ValueError(f"scorer.overlong_buffer ({scorer.overlong_buffer}) must be under the length it counts "
+                             f"to (scorer.overlong_max_length, default rollout.max_new_tokens "
+                             f"{rollout.max_new_tokens})")
         if learner.policy_loss == "cispo" and (learner.ratio_level != "token" or learner.dual_clip is not None):
             raise ValueError("learner.policy_loss cispo weighs each token by its own clipped ratio: it takes "
                              "learner.ratio_level token and no learner.dual_clip")

@@ -55,6 +55,9 @@ class Scorer:
                                   "single linear head") from None
             if self.rm_tokenizer is not None:
                 self.rm_max_tokens = getattr(self.reward_model.config, "max_position_embeddings", None)
+        scorer = config.scorer
+        self.overlong = ((scorer.overlong_max_length or config.rollout.max_new_tokens, scorer.overlong_buffer,
+                          scorer.overlong_penalty) if scorer.overlong_buffer is not None else None)
         self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer)
         self.rows = read_rows(config.data.prompts) if self.needs_text else []
         self.system_prompt = config.data.system_prompt
@@ -68,7 +71,8 @@ class Scorer:
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Fill in each sample's ``ref_logprobs``, ``reward`` and ``gold_reward``; returns the mean of
         each part of the score and the count of reward-function failures, for the metrics."""
-        from scorer.scoring import reference_logprobs, reward_model_tokens, reward_scores, reward_scores_of_tokens
+        from scorer.scoring import (overlong_penalty, reference_logprobs, reward_model_tokens, reward_scores,
+                                    reward_scores_of_tokens)
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
                                                            self.sampling)):
@@ -92,6 +96,12 @@ class Scorer:
             values = np.array([0.0 if value is None else value for value in values])
             totals += function.weight * values
             parts[function.name] = float(values.mean())
+        if self.overlong is not None:  # on the policy's own tokens: an episode's observations do not count
+            lengths = torch.tensor([len(s.response_tokens) if s.loss_mask is None else int(s.loss_mask.sum())
+                                    for s in samples])
+            penalties = overlong_penalty(lengths, *self.overlong).numpy()
+            totals += penalties
+            parts.update(overlong_penalty=float(penalties.mean()), overlong_frac=float((penalties < 0).mean()))
         for sample, total in zip(samples, totals):
             sample.reward = float(total)
         if self.gold is not None:

@@ -28,6 +28,16 @@ def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id
     return [logprobs[i, :len(s.response_tokens)].float().cpu() for i, s in enumerate(samples)]
 
 
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), a reward term: 0 up to
+    max_length - buffer tokens, then falling linearly to -penalty at max_length, -penalty past it.
+    lengths: [B] the responses' policy tokens. Returns [B]."""
+    if not 0 < buffer < max_length:
+        raise ValueError(f"the overlong buffer ({buffer}) must be over 0 and under the length limit ({max_length})")
+    past = (lengths.double() - (max_length - buffer)).clamp(min=0.0, max=float(buffer))
+    return -penalty * past / buffer
+
+
 @torch.no_grad()
 def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: int) -> torch.Tensor:
     """One scalar per sample, from the samples' own token ids (an RM that reads the policy's

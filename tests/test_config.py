@@ -46,6 +46,7 @@ def test_toml_is_read_too(tmp_path):
     (["learner.policy_loss=cispo", "learner.ratio_level=sequence"], "learner.policy_loss cispo weighs each token"),
     (["learner.behavior_weight_floor=0.5"], "learner.behavior_weight_floor \\(0.5\\) bounds the weights"),
     (["learner.behavior_correction=mask", "learner.behavior_weight_floor=3"], "a floor under behavior_weight_cap"),
+    (["scorer.overlong_buffer=40"], "scorer.overlong_buffer \\(40\\) must be under the length it counts to"),
 ])
 def test_bad_values_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):

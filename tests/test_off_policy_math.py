@@ -249,3 +249,29 @@ def test_the_learners_advantages_follow_grpo_std_normalize():
     assert plain[:, 0].tolist() == pytest.approx([-1.0, 1.0, 0.0, 0.0])
     normalised, _ = advantages_of(rewards, None, mask, LearnerConfig(advantage_estimator="grpo"), 2)
     assert normalised[0, 0] == pytest.approx(-1.0 / math.sqrt(2.0), rel=1e-4)
+
+
+# --------------------------------------------------------------------------- DAPO's overlong shaping
+
+
+def overlong_by_the_paper(length: int, max_length: int, buffer: int, off_by_one: int = 0) -> float:
+    """DAPO eq. 13: 0 if |y| <= L_max - L_cache; ((L_max - L_cache) - |y|) / L_cache if L_max -
+    L_cache < |y| <= L_max; -1 past L_max. ``off_by_one`` 1: the mutation that divides by
+    L_cache + 1."""
+    if length <= max_length - buffer:
+        return 0.0
+    if length <= max_length:
+        return ((max_length - buffer) - length) / (buffer + off_by_one)
+    return -1.0
+
+
+def test_overlong_shaping_is_dapos_soft_punishment():
+    from scorer.scoring import overlong_penalty
+
+    lengths = list(range(0, 40))
+    ours = overlong_penalty(torch.tensor(lengths), max_length=32, buffer=8, penalty=0.5).tolist()
+    assert ours == pytest.approx([0.5 * overlong_by_the_paper(n, 32, 8) for n in lengths])
+    assert ours != pytest.approx([0.5 * overlong_by_the_paper(n, 32, 8, off_by_one=1) for n in lengths])
+    assert ours[24] == 0.0 and ours[28] == pytest.approx(-0.25) and ours[32] == ours[39] == -0.5
+    with pytest.raises(ValueError, match="overlong buffer"):
+        overlong_penalty(torch.tensor([1]), max_length=8, buffer=8)

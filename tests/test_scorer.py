@@ -238,3 +238,15 @@ def test_the_scorer_runs_its_models_in_models_dtype(tmp_path, tiny_assets):
         assert a.ref_logprobs.dtype == np.float32  # on the wire in fp32 whatever the models' dtype
         np.testing.assert_allclose(a.ref_logprobs, b.ref_logprobs, atol=0.1)
         assert a.reward == pytest.approx(b.reward, abs=0.1)
+
+
+def test_the_overlong_shaping_is_a_reward_term_the_scorer_adds_and_reports(tmp_path, tiny_assets):
+    """RESPONSES are 3 and 5 tokens long: at a limit of 5 with a buffer of 4, the first is 2 tokens
+    into the buffer and loses 2/4 of the penalty 2, the second reached the limit and loses all of it."""
+    plain = make_scorer(tmp_path, tiny_assets)
+    base = [s.reward for s in scored_samples(plain)[0]]
+    shaped = make_scorer(tmp_path, tiny_assets, scorer={"overlong_buffer": 4, "overlong_penalty": 2.0,
+                                                        "overlong_max_length": 5})
+    samples, parts = scored_samples(shaped)
+    assert [s.reward for s in samples] == pytest.approx([base[0] - 1.0, base[1] - 2.0], abs=1e-5)
+    assert parts["overlong_penalty"] == pytest.approx(-1.5) and parts["overlong_frac"] == 1.0
