@@ -54,13 +54,16 @@ class Buffer:
         self.log = setup_logging("buffer", config.log_level, libraries=False)  # it loads no model
         batch_size, n = config.learner.batch_size, config.rollout.samples_per_prompt
         k, ceiling = config.buffer.initial_staleness, config.buffer.staleness_ceiling
+        filtering = {"filter_groups": config.buffer.filter_groups, "max_filter_ratio": config.buffer.max_filter_ratio}
         if config.resume_from:  # under auto the learner's first request brings its bound
-            self.state = load_snapshot(os.path.join(config.resume_from, "buffer.snapshot"), batch_size, k, n, ceiling)
+            self.state = load_snapshot(os.path.join(config.resume_from, "buffer.snapshot"), batch_size, k, n, ceiling,
+                                       **filtering)
             self.log.info("resumed from %s: policy version %d, %d samples held, prompt stream at %d",
                           config.resume_from, self.state.policy_version, self.state.in_flight,
                           self.state.next_prompt_index)
         else:
-            self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling)
+            self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling, **filtering)
+        self.unfiltered_warned = -1  # the learner version whose batch was last said to go out unfiltered
         self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve)
         self.metrics = metrics_writer(config, "buffer")
         self.run_id = os.path.basename(os.path.abspath(config.run_dir))
@@ -194,8 +197,15 @@ class Buffer:
         self.score_waits.append(Pending(identity, message.id, 0, message.fields["max_samples"]))
 
     def on_scored(self, identity: bytes, message: Message) -> None:
-        accepted = self.state.add_scored(unpack_samples(message))
+        state, unfiltered = self.state, self.state.accounting.groups_unfiltered
+        accepted = state.add_scored(unpack_samples(message))
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
+        if state.accounting.groups_unfiltered > unfiltered and self.unfiltered_warned != state.learner_version:
+            self.unfiltered_warned = state.learner_version
+            self.log.warning("buffer.filter_groups dropped %d samples since the last batch, buffer.max_filter_ratio "
+                             "(%g) x the batch: groups of equal rewards go into the batch for policy version %d as "
+                             "they are", state.filtered_since_batch, self.config.buffer.max_filter_ratio,
+                             state.learner_version)
 
     def on_batch_request(self, identity: bytes, message: Message) -> None:
         max_staleness = message.fields["max_staleness"]  # the learner's: fixed, or its controller's under auto
@@ -326,6 +336,9 @@ class Buffer:
                             "trained": state.accounting.trained, "credits_returned": state.accounting.credits_returned,
                             "refused_messages": self.server.refused, "busy_s_total": self.busy_s_total,
                             "max_staleness": state.max_staleness,
+                            **({"groups_filtered": state.accounting.groups_filtered,
+                                "groups_unfiltered": state.accounting.groups_unfiltered}
+                               if state.filter_groups else {}),
                             "elapsed_s": now - self.started, "stalled": self.stalled_workers(now)})
 
     def drain(self, quiet_s: float = 0.3, deadline_s: float = 3.0) -> None:

@@ -15,6 +15,12 @@ every moment: the batch served for version ``v`` holds no sample older than the 
 when it is served. Raising k only lets more be granted. Lowering it leaves samples granted under
 the higher bound that may land too late: each is dropped as stale when its batch is taken (its
 credit returned), and none is waited for once it can no longer be trained.
+
+Dynamic sampling (DAPO, ``buffer.filter_groups``): a group whose outcome rewards are all equal
+carries no advantage for a group estimator, so once it is whole and scored it is dropped
+(``group_filtered``) and its credits come back: the rollout is granted more prompts in its place,
+within the same bound. At most ``max_filter_ratio`` x batch_size samples are filtered between two
+batches; past that, groups are kept as they are (``filter_exhausted``) and the batch goes out.
 """
 
 from __future__ import annotations
@@ -45,11 +51,14 @@ class Accounting:
     redispatched: int = 0  # samples sent to another scorer after a deadline or a scorer restart
     credits_returned: int = 0  # credits given back: a dead engine's unused ones, dropped samples' ones
     staleness_histogram: Counter = field(default_factory=Counter)  # v - behavior_version -> count
+    groups_filtered: int = 0  # groups of equal outcome rewards dropped (buffer.filter_groups)
+    groups_unfiltered: int = 0  # such groups kept: the batch's filtering bound was reached
 
 
 class BufferState:
     def __init__(self, batch_size: int, max_staleness: int, samples_per_prompt: int = 1,
-                 dedupe_window: int | None = None, staleness_ceiling: int | None = None) -> None:
+                 dedupe_window: int | None = None, staleness_ceiling: int | None = None,
+                 filter_groups: bool = False, max_filter_ratio: float = 1.0) -> None:
         if batch_size % samples_per_prompt:
             raise ValueError(f"batch_size {batch_size} is not a multiple of samples_per_prompt {samples_per_prompt}")
         self.batch_size, self.max_staleness, self.samples_per_prompt = batch_size, max_staleness, samples_per_prompt
@@ -81,6 +90,11 @@ class BufferState:
         self.dedupe_window = dedupe_window or max(20_000, 4 * (ceiling + 1) * batch_size)
         self.accounting = Accounting()
         self.finished = False
+        # dynamic sampling: the scored samples of groups not yet whole, and the samples filtered
+        # since the last batch (at most max_filter_ratio x batch_size)
+        self.filter_groups, self.max_filter_ratio = filter_groups, max_filter_ratio
+        self.partial_groups: dict[int, list[Sample]] = {}
+        self.filtered_since_batch = 0
 
     # ------------------------------------------------------------------ rollout side
 
@@ -246,7 +260,29 @@ class BufferState:
             self._owe(sample.behavior_version, -1)
             self.accounting.scored += 1
             accepted += 1
+            if self.filter_groups:
+                self._filter_group_of(sample)
         return accepted
+
+    def _filter_group_of(self, sample: Sample) -> None:
+        """Dynamic sampling: once ``sample``'s group is whole, drop it if its outcome rewards are all
+        equal (its credits come back), unless this batch's filtering bound is spent."""
+        group = self.partial_groups.setdefault(sample.prompt_index, [])
+        group.append(sample)
+        if len(group) < self.samples_per_prompt:
+            return
+        del self.partial_groups[sample.prompt_index]
+        outcomes = [outcome_reward(member) for member in group]
+        if max(outcomes) - min(outcomes) > 1e-9:
+            return
+        if self.filtered_since_batch + len(group) > self.max_filter_ratio * self.batch_size:
+            self.accounting.groups_unfiltered += 1
+            return
+        for member in group:
+            del self.scored[member.sample_id]
+            self._drop("group_filtered", returns_credit=True)
+        self.filtered_since_batch += len(group)
+        self.accounting.groups_filtered += 1
 
     def redispatch(self, now: float | None = None, scorer: str | None = None) -> int:
         """Put back, at the front of the queue, the samples whose deadline passed (``now``) or that
@@ -276,6 +312,7 @@ class BufferState:
         for sample_id, sample in list(self.scored.items()):
             if policy_version - sample.behavior_version > self.max_staleness:
                 del self.scored[sample_id]
+                self.partial_groups.pop(sample.prompt_index, None)  # the group can no longer be whole
                 self._drop("stale", returns_credit=True)
                 self.accounting.staleness_violations += 1
         if len(self.scored) < batch_size:
@@ -288,6 +325,7 @@ class BufferState:
             self.accounting.trained += 1
             self.accounting.staleness_histogram[policy_version - sample.behavior_version] += 1
         self.last_batch = (policy_version, ordered)
+        self.filtered_since_batch = 0
         return ordered
 
     def return_untrained(self, learner_version: int) -> int:
@@ -373,7 +411,16 @@ class BufferState:
             "owed": sum(self.owed.values()),
             "policy_version": self.policy_version,
             "max_staleness": self.max_staleness,
+            "groups_filtered": a.groups_filtered,
+            "groups_unfiltered": a.groups_unfiltered,
         }
+
+
+def outcome_reward(sample: Sample) -> float:
+    """What dynamic sampling compares within a group: the scorer's reward plus an episode's turn
+    rewards (not the KL penalty, which differs between any two responses)."""
+    turns = float(sample.turn_rewards.sum()) if sample.turn_rewards is not None else 0.0
+    return float(sample.reward) + turns
 
 
 # --------------------------------------------------------------------------- checkpoints
@@ -413,11 +460,12 @@ def save_snapshot(state: BufferState, path: str) -> None:
 
 
 _COUNTS = ("generated", "scored", "trained", "staleness_violations", "unexpected_scored", "redispatched",
-           "credits_returned")
+           "credits_returned", "groups_filtered", "groups_unfiltered")
 
 
 def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_prompt: int = 1,
-                  staleness_ceiling: int | None = None) -> BufferState:
+                  staleness_ceiling: int | None = None, filter_groups: bool = False,
+                  max_filter_ratio: float = 1.0) -> BufferState:
     import msgpack
 
     from protocol.codec import ProtocolError, decode
@@ -429,7 +477,8 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
     if "next_prompt_index" not in header:
         raise ValueError(f"{path} was written by an earlier tether (its buffer does not own the prompt stream); "
                          "this version cannot resume it: start the run again")
-    state = BufferState(batch_size, max_staleness, samples_per_prompt, staleness_ceiling=staleness_ceiling)
+    state = BufferState(batch_size, max_staleness, samples_per_prompt, staleness_ceiling=staleness_ceiling,
+                        filter_groups=filter_groups, max_filter_ratio=max_filter_ratio)
     try:
         unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
     except ProtocolError as error:
@@ -439,6 +488,10 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
         state._owe(sample.behavior_version, 1)
     for sample in scored:
         state.scored[sample.sample_id] = sample
+    members = Counter(sample.prompt_index for sample in scored)
+    for sample in scored:  # whole groups were judged before the snapshot; the rest wait for theirs
+        if filter_groups and members[sample.prompt_index] < samples_per_prompt:
+            state.partial_groups.setdefault(sample.prompt_index, []).append(sample)
     state.granted, state.policy_version = header["granted"], header["policy_version"]
     state.next_prompt_index, state.returned_prompts = header["next_prompt_index"], list(header["returned_prompts"])
     state.learner_version = header["learner_version"]

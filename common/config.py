@@ -209,6 +209,11 @@ class BufferConfig(_Strict):
     auto_staleness: AutoStalenessConfig = Field(default_factory=AutoStalenessConfig,
                                                 description="max_staleness: auto's range and targets")
     stall_warn_s: float = Field(60.0, gt=0, description="name a role that owes the buffer work and is silent this long")
+    filter_groups: bool = Field(False, description="DAPO's dynamic sampling: a group whose outcome rewards are all "
+                                "equal (no advantage) is dropped before it is trained on, its credits returned, and "
+                                "more prompts are generated in its place")
+    max_filter_ratio: float = Field(1.0, ge=0, description="filter_groups drops at most this x learner.batch_size "
+                                    "samples between two batches; past it groups go out as they are, with a warning")
 
     @property
     def initial_staleness(self) -> int:
@@ -692,6 +697,9 @@ class TetherConfig(_Strict):
         if learner.value_targets == "vtrace" and learner.advantage_estimator != "gae":
             raise ValueError(f"learner.value_targets vtrace corrects a critic's targets; learner.advantage_estimator "
                              f"{learner.advantage_estimator} trains no critic (use gae)")
+        if self.buffer.filter_groups and rollout.samples_per_prompt < 2:
+            raise ValueError("buffer.filter_groups drops the groups whose responses all scored the same: "
+                             "rollout.samples_per_prompt must be >= 2")
         scorer = self.scorer
         if scorer.overlong_buffer is not None and scorer.overlong_buffer >= (
                 scorer.overlong_max_length or rollout.max_new_tokens):

@@ -34,18 +34,24 @@ PANELS = (
     # episodes (rollout.environment, rollout.tools): drawn only for a run that has them (EPISODES)
     ("episodes", (("rollout", "turns_per_episode", "turns per episode"),
                   ("rollout", "tool_calls_per_episode", "tool calls per episode"))),
+    # buffer.filter_groups: drawn only for a run that filters (DYNAMIC_SAMPLING)
+    ("dynamic sampling", (("buffer", "groups_filtered", "groups filtered, in all"),
+                          ("buffer", "groups_unfiltered", "kept: the batch's bound was reached"))),
 )
 
 
-EPISODES = "episodes"
+EPISODES, DYNAMIC_SAMPLING = "episodes", "dynamic sampling"
 
 
 def panels_of(metrics: dict[str, list[dict]]) -> list[tuple]:
     """PPO's panels for a run's metrics: the episodes panel only where the rollouts ran episodes
-    (an empty panel on every single-turn dashboard read as something missing)."""
+    (an empty panel on every single-turn dashboard read as something missing), the dynamic sampling
+    panel only where the buffer filtered groups."""
     episodes = any("turns_per_episode" in record for name, records in metrics.items()
                    if name.startswith("rollout") for record in records)
-    return [panel for panel in PANELS if panel[0] != EPISODES or episodes]
+    filtering = any("groups_filtered" in record for record in metrics.get("buffer", []))
+    return [panel for panel in PANELS if (panel[0] != EPISODES or episodes)
+            and (panel[0] != DYNAMIC_SAMPLING or filtering)]
 
 
 # tether sft / rm / dpo (metrics/<stage>.jsonl): (title, left axis, right axis), each (key, label)

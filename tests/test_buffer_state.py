@@ -724,3 +724,131 @@ def test_lowering_the_bound_drops_what_it_makes_too_old_and_waits_for_none_of_it
     assert state.take_batch(1, 2) is None
     assert state.accounting.dropped["stale"] == 4 and state.granted == 2  # their credits came back
     assert state.credits_for("rollout:0", 1, 10) == [6, 7]  # (1 + 0 + 1) x 2 - 2: one batch, at version 1
+
+
+# --------------------------------------------------------------------------- dynamic sampling
+
+
+def scored_by(work, uniform):
+    """A scorer's answer where the groups of the prompts ``uniform(prompt_index)`` names all score
+    0 (no advantage) and the others score each response by its place in the group."""
+    for s in work:
+        s.ref_logprobs = np.zeros(len(s.response_tokens), np.float32)
+        s.reward = 0.0 if uniform(s.prompt_index) else float(int(s.sample_id) % 2 + 1)
+    return work
+
+
+def test_a_group_of_equal_rewards_is_dropped_its_credits_come_back_and_more_prompts_take_its_place():
+    state = BufferState(batch_size=4, max_staleness=0, samples_per_prompt=2, filter_groups=True)
+    generate_groups(state, "rollout:0", 0, 4, 0)  # prompts 0 and 1: the bound's whole batch
+    state.add_scored(scored_by(state.take_for_scoring(10), uniform=lambda p: p == 0))
+    assert state.take_batch(0, 4) is None  # prompt 0's group is gone: one group is not a batch
+    report = state.report()
+    assert report["groups_filtered"] == 1 and report["dropped"] == {"group_filtered": 2}
+    assert report["identity_holds"] and state.granted == 2  # its two credits came back ...
+    assert state.credits_for("rollout:0", 0, 4) == [2]  # ... and prompt 2 is granted in its place
+    state.add_samples([sample(4, 0, 2), sample(5, 0, 2)])
+    state.add_scored(scored_by(state.take_for_scoring(10), uniform=lambda p: False))
+    batch = state.take_batch(0, 4)
+    assert sorted({s.prompt_index for s in batch}) == [1, 2] and state.report()["identity_holds"]
+
+
+def test_filtering_stops_at_its_bound_and_the_batch_goes_out_as_it_is():
+    state = BufferState(batch_size=4, max_staleness=1, samples_per_prompt=2, filter_groups=True,
+                        max_filter_ratio=0.5)
+    generate_groups(state, "rollout:0", 0, 8, 0)  # four prompts, every group of equal rewards
+    state.add_scored(scored_by(state.take_for_scoring(10), uniform=lambda p: True))
+    # half a batch may be filtered (one group); the other three are kept as they are
+    assert state.report()["groups_filtered"] == 1 and state.report()["groups_unfiltered"] == 3
+    assert [s.prompt_index for s in state.take_batch(0, 4)] == [1, 1, 2, 2]
+    state.publish_weights(1, None)
+    assert state.filtered_since_batch == 0  # a new batch may filter again
+    generate_groups(state, "rollout:0", 1, 2, 10)
+    state.add_scored(scored_by(state.take_for_scoring(10), uniform=lambda p: True))
+    assert state.report()["groups_filtered"] == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    actions=st.lists(st.sampled_from(["generate0", "generate1", "dispatch", "return", "return_newest", "lose",
+                                      "tick", "snapshot", "sync0", "sync1", "train"]), max_size=120),
+    groups_per_batch=st.integers(1, 3),
+    max_staleness=st.integers(0, 2),
+    uniform_every=st.integers(1, 3),
+    max_filter_ratio=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+)
+def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
+        tmp_path_factory, actions, groups_per_batch, max_staleness, uniform_every, max_filter_ratio):
+    """Two engines lagging each other arbitrarily, groups split between scorers, answers lost and
+    sent again, a resume from a snapshot, and every ``uniform_every``-th prompt's group scoring the
+    same: every batch is whole groups within the bound, no prompt trained twice, no group of equal
+    rewards trained while filtering had room, the identity generated = trained + dropped + in
+    flight holds after every action, and once everyone behaves the run reaches its batches."""
+    from buffer.state import load_snapshot, save_snapshot
+
+    group_size, batch_size = 2, 2 * groups_per_batch
+    options = {"filter_groups": True, "max_filter_ratio": max_filter_ratio}
+    state = BufferState(batch_size, max_staleness, group_size, **options)
+    versions = {"rollout:0": 0, "rollout:1": 0}
+    out: list[list] = []
+    now, next_id, learner_version, trained = 0.0, 0, 0, set()
+    snapshot = str(tmp_path_factory.mktemp("snap") / "buffer.snapshot")
+
+    def uniform(prompt_index: int) -> bool:
+        return prompt_index % uniform_every == 0
+
+    def train() -> None:
+        nonlocal learner_version
+        unfiltered = state.accounting.groups_unfiltered
+        batch = state.take_batch(learner_version, batch_size)
+        if batch is None:
+            return
+        assert_whole_groups(batch, group_size)
+        assert all(learner_version - s.behavior_version <= max_staleness for s in batch)
+        prompts = {s.prompt_index for s in batch}
+        assert not prompts & trained
+        trained.update(prompts)
+        if unfiltered == state.accounting.groups_unfiltered == 0:  # filtering never ran out of room
+            assert not any(uniform(p) for p in prompts), (prompts, state.report())
+        learner_version += 1
+        state.publish_weights(learner_version, None)
+
+    for action in actions:
+        if action.startswith("generate"):
+            engine = f"rollout:{action[-1]}"
+            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
+        elif action.startswith("sync"):
+            versions[f"rollout:{action[-1]}"] = state.policy_version
+        elif action == "dispatch":
+            out.append(state.take_for_scoring(1, scorer=f"scorer:{len(out) % 2}", now=now, deadline_s=3.0))
+        elif action == "return" and out:
+            state.add_scored(scored_by(out.pop(0), uniform))
+        elif action == "return_newest" and out:
+            state.add_scored(scored_by(out.pop(), uniform))
+        elif action == "lose" and out:
+            out.pop()
+        elif action == "tick":
+            now += 1.0
+            state.redispatch(now=now)
+        elif action == "snapshot":
+            save_snapshot(state, snapshot)
+            state = load_snapshot(snapshot, batch_size, max_staleness, group_size, **options)
+            out, versions = [], {engine: state.policy_version for engine in versions}
+        elif action == "train":
+            train()
+        assert state.report()["identity_holds"], state.report()
+    target = learner_version + 3
+    for _ in range(200):
+        if learner_version >= target:
+            break
+        for engine in versions:
+            versions[engine] = state.policy_version
+            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
+        now += 10.0
+        state.redispatch(now=now)
+        while state.unscored:
+            state.add_scored(scored_by(state.take_for_scoring(1, scorer="scorer:0", now=now, deadline_s=3.0),
+                                       uniform))
+        train()
+        assert state.report()["identity_holds"], state.report()
+    assert learner_version >= target, state.report()

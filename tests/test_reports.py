@@ -13,7 +13,7 @@ def write_metrics(run_dir, role: str, records: list[dict]) -> None:
     (run_dir / "metrics" / f"{role}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_the_episodes_panel_is_drawn_only_for_a_run_with_episodes(tmp_path):
+def test_the_episodes_and_dynamic_sampling_panels_are_drawn_only_for_a_run_with_them(tmp_path):
     from launch.report import PANELS, plot_run
 
     learner = [{"step": s, "reward": 0.1 * s, "kl": 0.01, "response_length": 4.0} for s in (1, 2)]
@@ -22,8 +22,9 @@ def test_the_episodes_panel_is_drawn_only_for_a_run_with_episodes(tmp_path):
         write_metrics(run_dir, "learner", learner)
     write_metrics(single, "rollout0", [{"step": 1, "tokens_per_s": 100.0}])
     write_metrics(episodes, "rollout0", [{"step": 1, "tokens_per_s": 100.0, "turns_per_episode": 2.5}])
+    write_metrics(episodes, "buffer", [{"step": 1, "groups_filtered": 3, "groups_unfiltered": 0}])
     every = [title for title, _ in PANELS]
-    assert plot_run(str(single))[1] == [title for title in every if title != "episodes"]
+    assert plot_run(str(single))[1] == [title for title in every if title not in ("episodes", "dynamic sampling")]
     assert plot_run(str(episodes))[1] == every
 
 
