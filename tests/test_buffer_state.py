@@ -590,6 +590,24 @@ def generate_groups(state, engine, version, wanted, next_id):
     return len(samples)
 
 
+def everyone_behaves(state, versions, next_id, now, train, answer, take, done, rounds=100) -> None:
+    """From here on every role behaves, until ``done()``: each engine syncs and generates whole
+    groups, every sample is scored (``take`` at a time, answered by ``answer``), the learner trains;
+    the accounting identity holds after each round."""
+    for _ in range(rounds):
+        if done():
+            return
+        for engine in versions:
+            versions[engine] = state.policy_version
+            next_id += generate_groups(state, engine, versions[engine], 2 * state.samples_per_prompt, next_id)
+        now += 10.0
+        state.redispatch(now=now)
+        while state.unscored:
+            state.add_scored(answer(state.take_for_scoring(take, scorer="scorer:0", now=now, deadline_s=3.0)))
+        train()
+        assert state.report()["identity_holds"], state.report()
+
+
 def test_a_batch_waits_for_the_rest_of_a_group_a_scorer_still_holds():
     state = BufferState(batch_size=2, max_staleness=1, samples_per_prompt=2)
     generate_groups(state, "rollout:0", 0, 4, 0)  # prompts 0 and 1, two responses each: 0a 0b 1a 1b
@@ -664,18 +682,7 @@ def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size
         train()
         assert state.report()["identity_holds"]
     target = learner_version + 3
-    for _ in range(100):
-        if learner_version >= target:
-            break
-        for engine in versions:
-            versions[engine] = state.policy_version
-            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
-        now += 10.0
-        state.redispatch(now=now)
-        while state.unscored:
-            state.add_scored(scored(state.take_for_scoring(group_size - 1, scorer="scorer:0", now=now,
-                                                           deadline_s=3.0)))
-        train()
+    everyone_behaves(state, versions, next_id, now, train, scored, group_size - 1, lambda: learner_version >= target)
     assert learner_version >= target, state.report()
 
 
@@ -838,17 +845,6 @@ def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
             train()
         assert state.report()["identity_holds"], state.report()
     target = learner_version + 3
-    for _ in range(200):
-        if learner_version >= target:
-            break
-        for engine in versions:
-            versions[engine] = state.policy_version
-            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
-        now += 10.0
-        state.redispatch(now=now)
-        while state.unscored:
-            state.add_scored(scored_by(state.take_for_scoring(1, scorer="scorer:0", now=now, deadline_s=3.0),
-                                       uniform))
-        train()
-        assert state.report()["identity_holds"], state.report()
+    everyone_behaves(state, versions, next_id, now, train, lambda work: scored_by(work, uniform), 1,
+                     lambda: learner_version >= target, rounds=200)
     assert learner_version >= target, state.report()
