@@ -105,9 +105,10 @@ def main() -> None:
     print(f"\nmedians over {args.rounds} rounds of {args.steps} steps:")
     for name, runs in rounds.items():
         medians = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
-        print(f"  {name:<22} " + "  ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
-                                          for key, value in medians.items())
-              + "   (gold by round: " + ", ".join(f"{run['gold']:.3f}" for run in runs) + ")")
+        figures = "  ".join(f"{key} {value:.3f}" if isinstance(value, float) else f"{key} {value}"
+                            for key, value in medians.items())
+        by_round = ", ".join(f"{run['gold']:.3f}" for run in runs)
+        print(f"  {name:<22} {figures}   (gold by round: {by_round})")
 
 
 if __name__ == "__main__":

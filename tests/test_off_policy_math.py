@@ -148,14 +148,16 @@ def test_cispo_refuses_what_it_does_not_define():
 # --------------------------------------------------------------------------- importance weights
 
 
-def weights_by_the_papers(old, behavior, mask, correction, level, high, low, product: bool = True):
+def weights_by_the_papers(old, behavior, mask, correction, level, high, low, product: bool = True,
+                          inverted: bool = False):
     """w = pi_old / pi_behavior of each token (or W_i = prod_t w_t of its sequence on each of its
     tokens): truncated, min(w, high) (TIS); masked, w if low <= w <= high else 0 (MIS, IcePop).
-    ``product`` False: the mutation that takes the sequence's geometric mean instead."""
+    The mutations: ``product`` False takes the sequence's geometric mean instead; ``inverted``
+    the ratio the wrong way up (pi_behavior / pi_old, a sign error in the log)."""
     weights = torch.zeros_like(old, dtype=torch.float64)
     for i in range(old.shape[0]):
         tokens = valid_tokens(mask, i)
-        logs = [float(old[i, t] - behavior[i, t]) for t in tokens]
+        logs = [float(old[i, t] - behavior[i, t]) * (-1 if inverted else 1) for t in tokens]
         sequence = math.exp(sum(logs) if product else sum(logs) / len(logs))
         for t, log in zip(tokens, logs):
             w = sequence if level == "sequence" else math.exp(log)
@@ -176,6 +178,8 @@ def test_behavior_weights_are_the_papers_per_token_and_per_sequence(correction, 
     ours, stats = ppo.behavior_weights(old, behavior, mask, correction, level, high, low)
     paper = weights_by_the_papers(old, behavior, mask, correction, level, high, low)
     torch.testing.assert_close(ours, paper, rtol=1e-5, atol=1e-6)
+    inverted = weights_by_the_papers(old, behavior, mask, correction, level, high, low, inverted=True)
+    assert not torch.allclose(ours, inverted, rtol=1e-3, atol=1e-6)
     if level == "sequence":
         mutated = weights_by_the_papers(old, behavior, mask, correction, level, high, low, product=False)
         assert not torch.allclose(ours, mutated, rtol=1e-3, atol=1e-6)
@@ -212,7 +216,8 @@ def test_the_loss_weighs_each_token_by_its_behavior_weight():
     loss, _ = ppo.ppo_policy_loss(logprobs, old, advantages, mask, behavior_weights=weights)
     ratio = torch.exp(logprobs - old)
     per_token = -torch.minimum(ratio * advantages, torch.clamp(ratio, 0.8, 1.2) * advantages)
-    assert float(loss.detach()) == pytest.approx(float((per_token * weights * mask).sum() / mask.sum()), rel=1e-5)
+    expected = (per_token * weights * mask).sum().detach() / mask.sum()
+    assert float(loss.detach()) == pytest.approx(float(expected), rel=1e-5)
 
 
 # --------------------------------------------------------------------------- Dr. GRPO
