@@ -1,7 +1,8 @@
 """A run trained on a verifiable reward alone (no reward model), the way R1-style runs do it: GRPO
-with four responses a prompt, no critic, the KL in the loss. `tether run` of the demo's task with
-its gold rule as the only reward raises that reward on held-out prompts."""
+with four responses a prompt, no critic, the KL in the loss, DAPO's dynamic sampling. `tether run`
+of the demo's task with its gold rule as the only reward raises that reward on held-out prompts."""
 
+import json
 import os
 
 import pytest
@@ -29,6 +30,8 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
                          learner={"total_steps": STEPS, "batch_size": 32, "minibatch_size": 16, "ppo_epochs": 2,
                                   "actor_lr": 5e-4, "kl_coef": 0.01, "advantage_estimator": "grpo",
                                   "kl_in": "loss"},
+                         # DAPO's dynamic sampling: groups whose four responses score the same are dropped
+                         buffer={"filter_groups": True},
                          eval={"prompts": tiny_assets["eval_prompts"], "every": 6, "max_prompts": 32},
                          metrics={"trackers": ["tensorboard", "wandb", "mlflow", "trackio"],
                                   "mlflow_tracking_uri": mlflow_uri})
@@ -38,6 +41,13 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(tmp
 
     steps = read_metrics(config["run_dir"], "learner")
     assert len(steps) == STEPS and all("value_loss" not in step and "kl_loss" in step for step in steps)
+    # the groups filtered are dropped whole, their credits given back, and the accounting adds up
+    with open(os.path.join(config["run_dir"], "metrics", "buffer_accounting.json")) as file:
+        accounting = json.load(file)
+    print(f"groups filtered: {accounting['groups_filtered']}, kept past the bound: {accounting['groups_unfiltered']}")
+    assert accounting["identity_holds"] and accounting["staleness_violations"] == 0
+    assert accounting["dropped"].get("group_filtered", 0) == 4 * accounting["groups_filtered"]  # 4 in the run seen
+    assert read_metrics(config["run_dir"], "buffer")[-1]["groups_filtered"] == accounting["groups_filtered"]
     scorer = read_metrics(config["run_dir"], "scorer0")
     assert all("rm_score" not in record and "demos.parity:gold_reward" in record for record in scorer)
     final = os.path.join(config["run_dir"], "checkpoints", "final")
