@@ -63,7 +63,7 @@ class Buffer:
                           self.state.next_prompt_index)
         else:
             self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling, **filtering)
-        self.unfiltered_warned = -1  # the learner version whose batch was last said to go out unfiltered
+        self.unfiltered_warned = -1  # the batches served when the filtering bound was last said to be reached
         self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve)
         self.metrics = metrics_writer(config, "buffer")
         self.run_id = os.path.basename(os.path.abspath(config.run_dir))
@@ -200,12 +200,11 @@ class Buffer:
         state, unfiltered = self.state, self.state.accounting.groups_unfiltered
         accepted = state.add_scored(unpack_samples(message))
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
-        if state.accounting.groups_unfiltered > unfiltered and self.unfiltered_warned != state.learner_version:
-            self.unfiltered_warned = state.learner_version
+        if state.accounting.groups_unfiltered > unfiltered and self.unfiltered_warned != state.batches_served:
+            self.unfiltered_warned = state.batches_served
             self.log.warning("buffer.filter_groups dropped %d samples since the last batch, buffer.max_filter_ratio "
-                             "(%g) x the batch: groups of equal rewards go into the batch for policy version %d as "
-                             "they are", state.filtered_since_batch, self.config.buffer.max_filter_ratio,
-                             state.learner_version)
+                             "(%g) x the batch: groups of equal rewards go into the next batch as they are",
+                             state.filtered_since_batch, self.config.buffer.max_filter_ratio)
 
     def on_batch_request(self, identity: bytes, message: Message) -> None:
         max_staleness = message.fields["max_staleness"]  # the learner's: fixed, or its controller's under auto

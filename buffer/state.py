@@ -95,6 +95,7 @@ class BufferState:
         self.filter_groups, self.max_filter_ratio = filter_groups, max_filter_ratio
         self.partial_groups: dict[int, list[Sample]] = {}
         self.filtered_since_batch = 0
+        self.batches_served = 0  # the filtering bound's window is the time between two of them
 
     # ------------------------------------------------------------------ rollout side
 
@@ -326,6 +327,7 @@ class BufferState:
             self.accounting.staleness_histogram[policy_version - sample.behavior_version] += 1
         self.last_batch = (policy_version, ordered)
         self.filtered_since_batch = 0
+        self.batches_served += 1
         return ordered
 
     def return_untrained(self, learner_version: int) -> int:

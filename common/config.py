@@ -162,6 +162,11 @@ class RolloutConfig(_Strict):
                              "rollout.tools unset with it")
         return self
 
+    @property
+    def episodes(self) -> bool:
+        """A prompt is an episode of turns (an environment, tools or an agent program), not one response."""
+        return bool(self.environment or self.tools or self.agent or self.agent_command)
+
 
 class ScorerConfig(_Strict):
     """The scorers: reference logprobs, the reward model, reward functions."""
@@ -177,7 +182,8 @@ class ScorerConfig(_Strict):
                                         "overlong_penalty, linearly, all of it at the limit and past it; None: off")
     overlong_penalty: float = Field(1.0, gt=0, description="the most the overlong shaping takes from a reward")
     overlong_max_length: int | None = Field(None, ge=1, description="the length the overlong shaping counts to; "
-                                            "default rollout.max_new_tokens")
+                                            "default rollout.max_new_tokens (x rollout.max_turns for episodes: "
+                                            "their policy tokens over every turn)")
 
 
 class AutoStalenessConfig(_Strict):
@@ -212,7 +218,7 @@ class BufferConfig(_Strict):
     filter_groups: bool = Field(False, description="DAPO's dynamic sampling: a group whose outcome rewards are all "
                                 "equal (no advantage) is dropped before it is trained on, its credits returned, and "
                                 "more prompts are generated in its place")
-    max_filter_ratio: float = Field(1.0, ge=0, description="filter_groups drops at most this x learner.batch_size "
+    max_filter_ratio: float = Field(1.0, gt=0, description="filter_groups drops at most this x learner.batch_size "
                                     "samples between two batches; past it groups go out as they are, with a warning")
 
     @property
@@ -317,7 +323,8 @@ class LearnerConfig(_Strict):
     ratio_level: Literal["token", "sequence"] = Field(
         "token", description="PPO's ratio pi / pi_old: per token, or GSPO's per sequence (the geometric mean of "
                              "its token ratios, clipped per sequence; GSPO-token's gradient per token). GSPO clips "
-                             "much tighter than PPO: its paper uses clip_eps 3e-4, clip_eps_high 4e-4")
+                             "much tighter than PPO: its paper uses clip_eps 3e-4, clip_eps_high 4e-4, and "
+                             "loss_aggregation seq-mean-token-mean (token-mean weighs long sequences more)")
     policy_loss: Literal["ppo", "cispo"] = Field(
         "ppo", description="ppo: the clipped surrogate; cispo: the clipped, stop-gradient ratio weighs each "
                            "token's policy gradient, none dropped by the clip (MiniMax-M1)")
@@ -697,15 +704,25 @@ class TetherConfig(_Strict):
         if learner.value_targets == "vtrace" and learner.advantage_estimator != "gae":
             raise ValueError(f"learner.value_targets vtrace corrects a critic's targets; learner.advantage_estimator "
                              f"{learner.advantage_estimator} trains no critic (use gae)")
-        if self.buffer.filter_groups and rollout.samples_per_prompt < 2:
-            raise ValueError("buffer.filter_groups drops the groups whose responses all scored the same: "
-                             "rollout.samples_per_prompt must be >= 2")
+        if self.buffer.filter_groups:
+            if learner.advantage_estimator not in ("grpo", "rloo"):
+                raise ValueError(f"buffer.filter_groups drops the groups a group estimator finds no advantage in; "
+                                 f"learner.advantage_estimator {learner.advantage_estimator} compares no groups "
+                                 "(use grpo or rloo)")
+            if self.buffer.max_filter_ratio * learner.batch_size < rollout.samples_per_prompt:
+                raise ValueError(f"buffer.max_filter_ratio ({self.buffer.max_filter_ratio}) x learner.batch_size "
+                                 f"({learner.batch_size}) is less than one group of rollout.samples_per_prompt "
+                                 f"({rollout.samples_per_prompt}): no group could ever be filtered")
         scorer = self.scorer
-        if scorer.overlong_buffer is not None and scorer.overlong_buffer >= (
-                scorer.overlong_max_length or rollout.max_new_tokens):
+        if scorer.overlong_buffer is not None and scorer.overlong_buffer >= self.overlong_max_length:
             raise ValueError(f"scorer.overlong_buffer ({scorer.overlong_buffer}) must be under the length it counts "
-                             f"to (scorer.overlong_max_length, default rollout.max_new_tokens "
-                             f"{rollout.max_new_tokens})")
+                             f"to ({self.overlong_max_length}: scorer.overlong_max_length, default "
+                             "rollout.max_new_tokens, x rollout.max_turns for episodes)")
+        if learner.behavior_weight_cap is None and (learner.behavior_correction == "mask"
+                                                    or learner.behavior_correction_level == "sequence"):
+            raise ValueError(f"learner.behavior_correction {learner.behavior_correction} at level "
+                             f"{learner.behavior_correction_level} needs learner.behavior_weight_cap: uncapped, a "
+                             "mask keeps every weight and a sequence's product of weights has no bound")
         if learner.policy_loss == "cispo" and (learner.ratio_level != "token" or learner.dual_clip is not None):
             raise ValueError("learner.policy_loss cispo weighs each token by its own clipped ratio: it takes "
                              "learner.ratio_level token and no learner.dual_clip")
@@ -725,6 +742,13 @@ class TetherConfig(_Strict):
             raise ValueError(f"learner.minibatch_size ({learner.minibatch_size}) must be a multiple of "
                              f"learner.ranks ({learner.ranks}): each rank trains an equal share")
         return self
+
+    @property
+    def overlong_max_length(self) -> int:
+        """The length DAPO's overlong shaping counts to (``scorer.overlong_max_length``): by default the
+        most policy tokens a response may have, over every turn of an episode."""
+        rollout = self.rollout
+        return self.scorer.overlong_max_length or rollout.max_new_tokens * (rollout.max_turns if rollout.episodes else 1)
 
     def cores_of(self, role: str, index: int = 0) -> list[int]:
         """CPU cores of worker ``index`` of a role: ``placement.cores.<role>`` split evenly between

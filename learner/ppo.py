@@ -68,6 +68,7 @@ LOSS_AGGREGATIONS: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-
                                       "seq-mean-token-sum-norm")
 # the quantiles of the behavior weights each step reports (behavior_ratio_p05 ...)
 RATIO_QUANTILES: tuple[float, ...] = (0.05, 0.5, 0.95)
+FLOAT32_LOG_MAX = 88.0  # exp of more overflows float32
 
 
 # --------------------------------------------------------------------------- input checks
@@ -515,8 +516,8 @@ def behavior_weights(
       Ling team 2025; ``low`` None: one-sided). A masked token keeps its place in the loss's
       normaliser with weight 0, as in both papers' estimators.
 
-    stats: the share of tokens whose weight was truncated or masked (``behavior_truncated_frac``,
-    ``behavior_masked_frac``), of sequences (``behavior_seq_truncated_frac``, ``behavior_seq_masked_frac``:
+    stats: the share of tokens whose weight was truncated or masked (``correction_truncated_frac``,
+    ``correction_masked_frac``), of sequences (``correction_seq_truncated_frac``, ``correction_seq_masked_frac``:
     a sequence with any such token at token level, the sequence itself at sequence level), the
     mean weight, and the quantiles (``RATIO_QUANTILES``) of the token ratios w_t and of the
     sequence ratios W_i over the batch (``behavior_ratio_p05`` ..., ``behavior_seq_ratio_p05`` ...).
@@ -537,7 +538,8 @@ def behavior_weights(
         log = sequence_log.unsqueeze(-1).expand_as(log_weights) if level == "sequence" else log_weights
         above = log > math.log(high) if high is not None else torch.zeros_like(valid)
         below = log < math.log(low) if low else torch.zeros_like(valid)
-        weights = torch.exp(log.clamp(max=700.0))
+        # a weight past float32's range (an uncapped sequence's product) is held at its largest
+        weights = torch.exp(log.clamp(max=FLOAT32_LOG_MAX))
         if correction == "truncate":
             affected = above & valid
             weights = torch.where(above, torch.full_like(weights, high or 0.0), weights)
@@ -547,15 +549,29 @@ def behavior_weights(
         weights = (weights * mask).to(old_logprobs.dtype)
         token_frac = float(affected.sum()) / float(valid.sum())
         seq_frac = float(affected.any(dim=-1).double().mean())
-        quantiles = torch.tensor(RATIO_QUANTILES, dtype=torch.float64)
-        token_q = torch.quantile(torch.exp(log_weights[valid].clamp(max=700.0)), quantiles)
-        seq_q = torch.quantile(torch.exp(sequence_log.clamp(max=700.0)), quantiles)
+        token_q = _quantiles(torch.exp(log_weights[valid].clamp(max=700.0)), RATIO_QUANTILES)
+        seq_q = _quantiles(torch.exp(sequence_log.clamp(max=700.0)), RATIO_QUANTILES)
         kind = "truncated" if correction == "truncate" else "masked"
-        stats = {f"behavior_{kind}_frac": token_frac, f"behavior_seq_{kind}_frac": seq_frac,
+        # not behavior_truncated_frac: that is the token-level health buffer.max_staleness auto reads
+        stats = {f"correction_{kind}_frac": token_frac, f"correction_seq_{kind}_frac": seq_frac,
                  "behavior_weight_mean": float(masked_mean(weights.double(), mask.double())),
                  **{f"behavior_ratio_p{round(q * 100):02d}": float(v) for q, v in zip(RATIO_QUANTILES, token_q)},
                  **{f"behavior_seq_ratio_p{round(q * 100):02d}": float(v) for q, v in zip(RATIO_QUANTILES, seq_q)}}
     return weights, stats
+
+
+def _quantiles(values: torch.Tensor, quantiles: tuple[float, ...]) -> list[float]:
+    """``torch.quantile``'s linear interpolation, by one sort: it refuses more than 2^24 values (a
+    batch's tokens can be more)."""
+    ordered = values.flatten().sort().values
+    last = ordered.numel() - 1
+    result = []
+    for q in quantiles:
+        position = q * last
+        low = int(math.floor(position))
+        high = min(low + 1, last)
+        result.append(float(ordered[low] + (ordered[high] - ordered[low]) * (position - low)))
+    return result
 
 
 def ppo_policy_loss(

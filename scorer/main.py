@@ -56,8 +56,8 @@ class Scorer:
             if self.rm_tokenizer is not None:
                 self.rm_max_tokens = getattr(self.reward_model.config, "max_position_embeddings", None)
         scorer = config.scorer
-        self.overlong = ((scorer.overlong_max_length or config.rollout.max_new_tokens, scorer.overlong_buffer,
-                          scorer.overlong_penalty) if scorer.overlong_buffer is not None else None)
+        self.overlong = ((config.overlong_max_length, scorer.overlong_buffer, scorer.overlong_penalty)
+                         if scorer.overlong_buffer is not None else None)
         self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer)
         self.rows = read_rows(config.data.prompts) if self.needs_text else []
         self.system_prompt = config.data.system_prompt

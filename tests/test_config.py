@@ -47,6 +47,12 @@ def test_toml_is_read_too(tmp_path):
     (["learner.behavior_weight_floor=0.5"], "learner.behavior_weight_floor \\(0.5\\) bounds the weights"),
     (["learner.behavior_correction=mask", "learner.behavior_weight_floor=3"], "a floor under behavior_weight_cap"),
     (["scorer.overlong_buffer=40"], "scorer.overlong_buffer \\(40\\) must be under the length it counts to"),
+    (["buffer.filter_groups=true", "rollout.samples_per_prompt=2"], "compares no groups \\(use grpo or rloo\\)"),
+    (["buffer.filter_groups=true", "rollout.samples_per_prompt=4", "learner.advantage_estimator=grpo",
+      "buffer.max_filter_ratio=0.01"], "no group could ever be filtered"),
+    (["learner.behavior_correction=mask", "learner.behavior_weight_cap=null"], "needs learner.behavior_weight_cap"),
+    (["learner.behavior_correction_level=sequence", "learner.behavior_weight_cap=null"],
+     "a sequence's product of weights has no bound"),
 ])
 def test_bad_values_name_the_key(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
@@ -268,3 +274,14 @@ def test_help_texts_flow_as_paragraphs_not_as_the_docstrings_lines():
     result = CliRunner().invoke(app, ["--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0
     assert "A learner of several ranks (learner.ranks, or --nnodes) starts them" in result.output, result.output
+
+
+def test_the_overlong_shaping_counts_an_episodes_every_turn(tmp_path):
+    """rollout.max_new_tokens is a turn's limit: an episode's policy tokens are counted to it x max_turns."""
+    single = load_config(write(tmp_path, MINIMAL), ["scorer.overlong_buffer=8"])
+    assert single.overlong_max_length == 32
+    episodes = load_config(write(tmp_path, MINIMAL), ["scorer.overlong_buffer=40",
+                                                      "rollout.tools=[demos.agent:calculator]"])
+    assert episodes.overlong_max_length == 4 * 32
+    assert load_config(write(tmp_path, MINIMAL), ["scorer.overlong_buffer=8",
+                                                  "scorer.overlong_max_length=20"]).overlong_max_length == 20

@@ -550,7 +550,8 @@ def test_the_off_policy_options_reach_the_step(tmp_path, tiny_assets, samples, r
     assert cispo["policy_loss"] != pytest.approx(base["policy_loss"], abs=1e-3)
     for weights in (gspo_weights, cispo_weights):
         assert all(torch.allclose(base_weights[k], weights[k], atol=1e-6) for k in base_weights)
-    assert base["behavior_truncated_frac"] == 0.0 and base["behavior_ratio_p50"] == pytest.approx(1.0, abs=1e-3)
+    assert base["correction_truncated_frac"] == base["behavior_truncated_frac"] == 0.0
+    assert base["behavior_ratio_p50"] == pytest.approx(1.0, abs=1e-3)
 
     generator = np.random.default_rng(0)  # an older policy sampled them: weights from e^-1 to e^1
     stale = [dataclasses.replace(s, behavior_logprobs=(s.behavior_logprobs + generator.uniform(
@@ -559,7 +560,9 @@ def test_the_off_policy_options_reach_the_step(tmp_path, tiny_assets, samples, r
     masked, masked_weights, _ = one_step(tmp_path, tiny_assets, stale, "learner.behavior_correction=mask",
                                          "learner.behavior_weight_floor=0.5",
                                          "learner.behavior_correction_level=sequence")
-    assert 0 < truncated["behavior_truncated_frac"] < 1 and truncated["behavior_seq_truncated_frac"] > 0
-    assert 0 < masked["behavior_masked_frac"] <= 1 and masked["behavior_seq_masked_frac"] > 0
+    assert 0 < truncated["correction_truncated_frac"] < 1 and truncated["correction_seq_truncated_frac"] > 0
+    # token-level truncation: the health auto-staleness reads is the same share
+    assert truncated["behavior_truncated_frac"] == pytest.approx(truncated["correction_truncated_frac"])
+    assert 0 < masked["correction_masked_frac"] <= 1 and masked["correction_seq_masked_frac"] > 0
     assert masked["behavior_ratio_p95"] == pytest.approx(truncated["behavior_ratio_p95"], rel=1e-6)  # the same batch
     assert not all(torch.allclose(truncated_weights[k], masked_weights[k], atol=1e-6) for k in truncated_weights)

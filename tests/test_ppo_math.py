@@ -241,7 +241,7 @@ def test_off_policy_loss_equals_ppo_when_behavior_equals_proximal_equals_current
     decoupled, _ = ppo.ppo_policy_loss(logprobs, logprobs.clone(), advantages, mask, behavior_weights=weights)
     assert decoupled.item() == pytest.approx(plain.item(), abs=1e-6)
     assert stats["behavior_weight_mean"] == pytest.approx(1.0)
-    assert stats["behavior_truncated_frac"] == 0.0 and stats["behavior_seq_truncated_frac"] == 0.0
+    assert stats["correction_truncated_frac"] == 0.0 and stats["correction_seq_truncated_frac"] == 0.0
     assert stats["behavior_ratio_p50"] == pytest.approx(1.0) and stats["behavior_seq_ratio_p95"] == pytest.approx(1.0)
 
 
@@ -252,7 +252,7 @@ def test_off_policy_importance_weight_is_truncated_at_the_cap():
     weights, stats = ppo.behavior_weights(old, behavior, torch.ones(1, 2), "truncate", "token", 1.5)
     loss, _ = ppo.ppo_policy_loss(old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_weights=weights)
     assert loss.item() == pytest.approx((-1.5 - 1.0) / 2, abs=1e-6)
-    assert stats["behavior_truncated_frac"] == 0.5 and stats["behavior_seq_truncated_frac"] == 1.0
+    assert stats["correction_truncated_frac"] == 0.5 and stats["correction_seq_truncated_frac"] == 1.0
     uncapped, _ = ppo.behavior_weights(old, behavior, torch.ones(1, 2), "truncate", "token", None)
     loss, _ = ppo.ppo_policy_loss(old.clone(), old, t([[1.0, 1.0]]), torch.ones(1, 2), behavior_weights=uncapped)
     assert loss.item() == pytest.approx((-math.exp(0.5) - 1.0) / 2, abs=1e-6)
@@ -264,11 +264,13 @@ def test_policy_gradient_flows_into_the_policy_only():
     behavior = t([[-1.1, -2.1]], requires_grad=True)
     advantages = t([[2.0, -1.0]], requires_grad=True)
     weights, _ = ppo.behavior_weights(old, behavior, torch.ones(1, 2), high=None)
+    assert not weights.requires_grad  # computed from the logprobs with no gradient
+    weights = weights.clone().requires_grad_(True)  # the loss must not reach into them either
     loss, _ = ppo.ppo_policy_loss(current, old, advantages, torch.ones(1, 2), behavior_weights=weights)
     loss.backward()
     # at ratio 1 the unclipped branch is active: d/dlogp (-A r w) / 2 = -A w / 2, w = e^0.1
     assert_close(current.grad, [[-2.0 * math.exp(0.1) / 2, 1.0 * math.exp(0.1) / 2]], atol=1e-5)
-    assert old.grad is None and behavior.grad is None and advantages.grad is None
+    assert old.grad is None and behavior.grad is None and advantages.grad is None and weights.grad is None
 
 
 def test_value_loss_clipped_and_unclipped_by_hand():
