@@ -13,7 +13,7 @@ import uuid
 from collections import deque
 from dataclasses import dataclass
 
-from buffer.state import BufferState, load_snapshot, save_snapshot
+from buffer.state import BufferState, GroupFilter, load_snapshot, save_snapshot
 from common.config import TetherConfig
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.codec import Message, ProtocolError
@@ -54,7 +54,9 @@ class Buffer:
         self.log = setup_logging("buffer", config.log_level, libraries=False)  # it loads no model
         batch_size, n = config.learner.batch_size, config.rollout.samples_per_prompt
         k, ceiling = config.buffer.initial_staleness, config.buffer.staleness_ceiling
-        filtering = {"filter_groups": config.buffer.filter_groups, "max_filter_ratio": config.buffer.max_filter_ratio}
+        learner = config.learner
+        filtering = {"group_filter": GroupFilter(config.buffer.max_filter_ratio, learner.score_clip,
+                                                 learner.truncation_penalty) if config.buffer.filter_groups else None}
         if config.resume_from:  # under auto the learner's first request brings its bound
             self.state = load_snapshot(os.path.join(config.resume_from, "buffer.snapshot"), batch_size, k, n, ceiling,
                                        **filtering)
@@ -337,7 +339,7 @@ class Buffer:
                             "max_staleness": state.max_staleness,
                             **({"groups_filtered": state.accounting.groups_filtered,
                                 "groups_unfiltered": state.accounting.groups_unfiltered}
-                               if state.filter_groups else {}),
+                               if state.group_filter is not None else {}),
                             "elapsed_s": now - self.started, "stalled": self.stalled_workers(now)})
 
     def drain(self, quiet_s: float = 0.3, deadline_s: float = 3.0) -> None:

@@ -19,8 +19,8 @@ credit returned), and none is waited for once it can no longer be trained.
 Dynamic sampling (DAPO, ``buffer.filter_groups``): a group whose outcome rewards are all equal
 carries no advantage for a group estimator, so once it is whole and scored it is dropped
 (``group_filtered``) and its credits come back: the rollout is granted more prompts in its place,
-within the same bound. At most ``max_filter_ratio`` x batch_size samples are filtered between two
-batches; past that, groups are kept as they are (``filter_exhausted``) and the batch goes out.
+within the same bound. At most ``GroupFilter.max_ratio`` x batch_size samples are filtered between
+two batches; past that, groups are kept as they are (``groups_unfiltered``) and the batch goes out.
 """
 
 from __future__ import annotations
@@ -38,6 +38,28 @@ class Lease:
     credits were granted at (the version its samples are at least)."""
     left: int
     version: int
+
+
+@dataclass(frozen=True)
+class GroupFilter:
+    """Dynamic sampling (``buffer.filter_groups``): the most it may filter between two batches, as a
+    share of the batch (``buffer.max_filter_ratio``), and the learner's reading of a score
+    (``learner.score_clip``, ``learner.truncation_penalty``), so that the outcomes it compares
+    within a group are those the learner's group estimator would."""
+    max_ratio: float = 1.0
+    score_clip: float | None = None
+    truncation_penalty: float = 0.0
+
+    def outcome(self, sample: Sample) -> float:
+        """A sample's outcome reward as the learner trains on it: its score, clipped, with the
+        truncation penalty of a response cut at the length limit, plus an episode's turn rewards
+        (not the KL penalty, which differs between any two responses)."""
+        score = float(sample.reward)
+        if self.score_clip is not None:
+            score = min(max(score, -self.score_clip), self.score_clip)
+        if sample.finish_reason == "length":
+            score += self.truncation_penalty
+        return score + (float(sample.turn_rewards.sum()) if sample.turn_rewards is not None else 0.0)
 
 
 @dataclass
@@ -58,7 +80,7 @@ class Accounting:
 class BufferState:
     def __init__(self, batch_size: int, max_staleness: int, samples_per_prompt: int = 1,
                  dedupe_window: int | None = None, staleness_ceiling: int | None = None,
-                 filter_groups: bool = False, max_filter_ratio: float = 1.0) -> None:
+                 group_filter: GroupFilter | None = None) -> None:
         if batch_size % samples_per_prompt:
             raise ValueError(f"batch_size {batch_size} is not a multiple of samples_per_prompt {samples_per_prompt}")
         self.batch_size, self.max_staleness, self.samples_per_prompt = batch_size, max_staleness, samples_per_prompt
@@ -90,9 +112,9 @@ class BufferState:
         self.dedupe_window = dedupe_window or max(20_000, 4 * (ceiling + 1) * batch_size)
         self.accounting = Accounting()
         self.finished = False
-        # dynamic sampling: the scored samples of groups not yet whole, and the samples filtered
-        # since the last batch (at most max_filter_ratio x batch_size)
-        self.filter_groups, self.max_filter_ratio = filter_groups, max_filter_ratio
+        # dynamic sampling (None: off): the scored samples of groups not yet whole, and the samples
+        # filtered since the last batch (at most group_filter.max_ratio x batch_size)
+        self.group_filter = group_filter
         self.partial_groups: dict[int, list[Sample]] = {}
         self.filtered_since_batch = 0
         self.batches_served = 0  # the filtering bound's window is the time between two of them
@@ -261,7 +283,7 @@ class BufferState:
             self._owe(sample.behavior_version, -1)
             self.accounting.scored += 1
             accepted += 1
-            if self.filter_groups:
+            if self.group_filter is not None:
                 self._filter_group_of(sample)
         return accepted
 
@@ -273,10 +295,10 @@ class BufferState:
         if len(group) < self.samples_per_prompt:
             return
         del self.partial_groups[sample.prompt_index]
-        outcomes = [outcome_reward(member) for member in group]
-        if max(outcomes) - min(outcomes) > 1e-9:
+        outcomes = [self.group_filter.outcome(member) for member in group]
+        if max(outcomes) - min(outcomes) > 1e-6:  # the learner's scores are float32
             return
-        if self.filtered_since_batch + len(group) > self.max_filter_ratio * self.batch_size:
+        if self.filtered_since_batch + len(group) > self.group_filter.max_ratio * self.batch_size:
             self.accounting.groups_unfiltered += 1
             return
         for member in group:
@@ -418,13 +440,6 @@ class BufferState:
         }
 
 
-def outcome_reward(sample: Sample) -> float:
-    """What dynamic sampling compares within a group: the scorer's reward plus an episode's turn
-    rewards (not the KL penalty, which differs between any two responses)."""
-    turns = float(sample.turn_rewards.sum()) if sample.turn_rewards is not None else 0.0
-    return float(sample.reward) + turns
-
-
 # --------------------------------------------------------------------------- checkpoints
 
 
@@ -451,6 +466,7 @@ def save_snapshot(state: BufferState, path: str) -> None:
                        "dropped": dict(a.dropped),
                        "staleness_histogram": {str(k): v for k, v in a.staleness_histogram.items()}},
         "seen": list(state.seen_order),
+        "filtered_since_batch": state.filtered_since_batch,
     }
     messages = [encode("samples", *pack_samples(unscored)), encode("scored", *pack_samples(scored, scored=True))]
     temporary = path + ".tmp"
@@ -466,8 +482,7 @@ _COUNTS = ("generated", "scored", "trained", "staleness_violations", "unexpected
 
 
 def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_prompt: int = 1,
-                  staleness_ceiling: int | None = None, filter_groups: bool = False,
-                  max_filter_ratio: float = 1.0) -> BufferState:
+                  staleness_ceiling: int | None = None, group_filter: GroupFilter | None = None) -> BufferState:
     import msgpack
 
     from protocol.codec import ProtocolError, decode
@@ -480,7 +495,7 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
         raise ValueError(f"{path} was written by an earlier tether (its buffer does not own the prompt stream); "
                          "this version cannot resume it: start the run again")
     state = BufferState(batch_size, max_staleness, samples_per_prompt, staleness_ceiling=staleness_ceiling,
-                        filter_groups=filter_groups, max_filter_ratio=max_filter_ratio)
+                        group_filter=group_filter)
     try:
         unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
     except ProtocolError as error:
@@ -492,11 +507,12 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
         state.scored[sample.sample_id] = sample
     members = Counter(sample.prompt_index for sample in scored)
     for sample in scored:  # whole groups were judged before the snapshot; the rest wait for theirs
-        if filter_groups and members[sample.prompt_index] < samples_per_prompt:
+        if group_filter is not None and members[sample.prompt_index] < samples_per_prompt:
             state.partial_groups.setdefault(sample.prompt_index, []).append(sample)
     state.granted, state.policy_version = header["granted"], header["policy_version"]
     state.next_prompt_index, state.returned_prompts = header["next_prompt_index"], list(header["returned_prompts"])
     state.learner_version = header["learner_version"]
+    state.filtered_since_batch = header.get("filtered_since_batch", 0)
     saved = header["accounting"]
     a = state.accounting
     for name in _COUNTS:

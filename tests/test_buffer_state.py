@@ -10,7 +10,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from buffer.state import BufferState
+from buffer.state import BufferState, GroupFilter
 from tests.helpers import sample_of
 
 
@@ -746,7 +746,7 @@ def scored_by(work, uniform):
 
 
 def test_a_group_of_equal_rewards_is_dropped_its_credits_come_back_and_more_prompts_take_its_place():
-    state = BufferState(batch_size=4, max_staleness=0, samples_per_prompt=2, filter_groups=True)
+    state = BufferState(batch_size=4, max_staleness=0, samples_per_prompt=2, group_filter=GroupFilter())
     generate_groups(state, "rollout:0", 0, 4, 0)  # prompts 0 and 1: the bound's whole batch
     state.add_scored(scored_by(state.take_for_scoring(10), uniform=lambda p: p == 0))
     assert state.take_batch(0, 4) is None  # prompt 0's group is gone: one group is not a batch
@@ -761,8 +761,7 @@ def test_a_group_of_equal_rewards_is_dropped_its_credits_come_back_and_more_prom
 
 
 def test_filtering_stops_at_its_bound_and_the_batch_goes_out_as_it_is():
-    state = BufferState(batch_size=4, max_staleness=1, samples_per_prompt=2, filter_groups=True,
-                        max_filter_ratio=0.5)
+    state = BufferState(batch_size=4, max_staleness=1, samples_per_prompt=2, group_filter=GroupFilter(max_ratio=0.5))
     generate_groups(state, "rollout:0", 0, 8, 0)  # four prompts, every group of equal rewards
     state.add_scored(scored_by(state.take_for_scoring(10), uniform=lambda p: True))
     # half a batch may be filtered (one group); the other three are kept as they are
@@ -794,7 +793,7 @@ def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
     from buffer.state import load_snapshot, save_snapshot
 
     group_size, batch_size = 2, 2 * groups_per_batch
-    options = {"filter_groups": True, "max_filter_ratio": max_filter_ratio}
+    options = {"group_filter": GroupFilter(max_ratio=max_filter_ratio)}
     state = BufferState(batch_size, max_staleness, group_size, **options)
     versions = {"rollout:0": 0, "rollout:1": 0}
     out: list[list] = []
@@ -856,3 +855,15 @@ def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
                      lambda: learner_version >= target, rounds=200)
     assert learner_version >= target, state.report()
     conserved()
+
+
+def test_the_outcome_compared_is_the_score_the_learner_trains_on():
+    """Scores the learner clips alike, or a truncation penalty that sets one response apart, decide
+    as the learner's group estimator would: clipped alike is no advantage; a penalty is one."""
+    rule = GroupFilter(score_clip=1.0, truncation_penalty=-0.5)
+    clipped, cut = sample(0, 0), sample(1, 0)
+    clipped.reward, cut.reward = 3.0, 1.0
+    cut.finish_reason = "length"
+    assert rule.outcome(clipped) == 1.0 and rule.outcome(cut) == 0.5
+    cut.turn_rewards = np.array([0.25, 0.25], np.float32)  # an episode's turn rewards count too
+    assert rule.outcome(cut) == 1.0
