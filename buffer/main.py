@@ -55,16 +55,16 @@ class Buffer:
         batch_size, n = config.learner.batch_size, config.rollout.samples_per_prompt
         k, ceiling = config.buffer.initial_staleness, config.buffer.staleness_ceiling
         learner = config.learner
-        filtering = {"group_filter": GroupFilter(config.buffer.max_filter_ratio, learner.score_clip,
-                                                 learner.truncation_penalty) if config.buffer.filter_groups else None}
+        group_filter = (GroupFilter(config.buffer.max_filter_ratio, learner.score_clip, learner.truncation_penalty)
+                        if config.buffer.filter_groups else None)
         if config.resume_from:  # under auto the learner's first request brings its bound
             self.state = load_snapshot(os.path.join(config.resume_from, "buffer.snapshot"), batch_size, k, n, ceiling,
-                                       **filtering)
+                                       group_filter)
             self.log.info("resumed from %s: policy version %d, %d samples held, prompt stream at %d",
                           config.resume_from, self.state.policy_version, self.state.in_flight,
                           self.state.next_prompt_index)
         else:
-            self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling, **filtering)
+            self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling, group_filter=group_filter)
         self.unfiltered_warned = -1  # the batches served when the filtering bound was last said to be reached
         self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve)
         self.metrics = metrics_writer(config, "buffer")

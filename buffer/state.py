@@ -505,10 +505,11 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
         state._owe(sample.behavior_version, 1)
     for sample in scored:
         state.scored[sample.sample_id] = sample
-    members = Counter(sample.prompt_index for sample in scored)
-    for sample in scored:  # whole groups were judged before the snapshot; the rest wait for theirs
-        if group_filter is not None and members[sample.prompt_index] < samples_per_prompt:
-            state.partial_groups.setdefault(sample.prompt_index, []).append(sample)
+    if group_filter is not None:  # whole groups were judged before the snapshot; the rest wait for theirs
+        members = Counter(sample.prompt_index for sample in scored)
+        for sample in scored:
+            if members[sample.prompt_index] < samples_per_prompt:
+                state.partial_groups.setdefault(sample.prompt_index, []).append(sample)
     state.granted, state.policy_version = header["granted"], header["policy_version"]
     state.next_prompt_index, state.returned_prompts = header["next_prompt_index"], list(header["returned_prompts"])
     state.learner_version = header["learner_version"]

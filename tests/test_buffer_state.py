@@ -590,6 +590,20 @@ def generate_groups(state, engine, version, wanted, next_id):
     return len(samples)
 
 
+def take_whole_groups(state, learner_version, batch_size, max_staleness, trained: set) -> set | None:
+    """The learner takes a batch if one is ready: whole groups, none older than the bound, no prompt
+    trained before (``trained`` gets its prompts). Returns its prompts, or None."""
+    batch = state.take_batch(learner_version, batch_size)
+    if batch is None:
+        return None
+    assert_whole_groups(batch, state.samples_per_prompt)
+    assert all(learner_version - s.behavior_version <= max_staleness for s in batch)
+    prompts = {s.prompt_index for s in batch}
+    assert not prompts & trained
+    trained.update(prompts)
+    return prompts
+
+
 def everyone_behaves(state, versions, next_id, now, train, answer, take, done, rounds=100) -> None:
     """From here on every role behaves, until ``done()``: each engine syncs and generates whole
     groups, every sample is scored (``take`` at a time, answered by ``answer``), the learner trains;
@@ -645,17 +659,9 @@ def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size
 
     def train() -> None:
         nonlocal learner_version
-        batch = state.take_batch(learner_version, batch_size)
-        if batch is None:
-            return
-        assert_whole_groups(batch, group_size)
-        for s in batch:
-            assert learner_version - s.behavior_version <= max_staleness
-        prompts = {s.prompt_index for s in batch}
-        assert not prompts & trained
-        trained.update(prompts)
-        learner_version += 1
-        state.publish_weights(learner_version, None)
+        if take_whole_groups(state, learner_version, batch_size, max_staleness, trained) is not None:
+            learner_version += 1
+            state.publish_weights(learner_version, None)
 
     for action in actions:
         if action.startswith("generate"):
@@ -805,14 +811,8 @@ def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
 
     def train() -> None:
         nonlocal learner_version
-        batch = state.take_batch(learner_version, batch_size)
-        if batch is None:
+        if take_whole_groups(state, learner_version, batch_size, max_staleness, trained) is None:
             return
-        assert_whole_groups(batch, group_size)
-        assert all(learner_version - s.behavior_version <= max_staleness for s in batch)
-        prompts = {s.prompt_index for s in batch}
-        assert not prompts & trained
-        trained.update(prompts)
         # a group of equal rewards is trained only when the filter had no room left for it
         assert sum(uniform(p) for p in trained) <= state.accounting.groups_unfiltered, state.report()
         learner_version += 1
