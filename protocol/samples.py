@@ -96,6 +96,12 @@ class Sample:
     # an episode's conversation as JSON (a list of {"role", "content"}): what reward functions and an RM
     # with its own chat template read, and what evaluations show
     messages: str | None = column("messages", "sample", "str", optional=True, default=None)
+    # an episode's place in its group and its parts: a program that rewrites its context starts a new
+    # token stream, a part, of the same episode (None: one part each, as every single response). The
+    # parts of an episode travel, are kept and are trained together; only its last part holds a credit
+    episode_index: int | None = column("episode_indices", "sample", "int", optional=True, default=None)
+    part_index: int | None = column("part_indices", "sample", "int", optional=True, default=None)
+    episode_parts: int | None = column("episode_parts", "sample", "int", optional=True, default=None)
     # where a received sample's arrays lie, so consecutive samples of one message are re-sent as
     # one slice rather than concatenated one by one (a 512-sample batch: 1.5 ms -> well under)
     chunk: _Chunk | None = field(default=None, repr=False, compare=False)
@@ -108,6 +114,28 @@ class Sample:
     @property
     def scored(self) -> bool:
         return all(getattr(self, name) is not None for name in _SCORED_REQUIRED)
+
+    @property
+    def final(self) -> bool:
+        """Whether it is its episode's last part: the one its episode's credit, score and outcome
+        belong to (every sample that is not part of a split episode is)."""
+        return self.part_index is None or self.part_index == self.episode_parts - 1
+
+    @property
+    def episode(self) -> tuple[int, int | str]:
+        """Its episode, across the episode's parts: (prompt index, episode index), or the sample's
+        own id where it is the only part."""
+        return self.prompt_index, (self.episode_index if self.episode_index is not None else self.sample_id)
+
+
+def group_is_whole(samples: list[Sample], samples_per_prompt: int) -> bool:
+    """Whether ``samples`` (of one prompt) are all of its group: each of its ``samples_per_prompt``
+    episodes with every one of its parts."""
+    if all(s.episode_index is None for s in samples):
+        return len(samples) == samples_per_prompt
+    parts = {s.episode_index: s.episode_parts for s in samples}
+    return (sorted(parts) == list(range(samples_per_prompt)) and len(samples) == sum(parts.values())
+            and len({(s.episode_index, s.part_index) for s in samples}) == len(samples))
 
 
 COLUMNS: tuple[Column, ...] = tuple(Column(f.name, *f.metadata["column"]) for f in fields(Sample)
@@ -212,6 +240,7 @@ def unpack_samples(message: Message) -> list[Sample]:
         if not (np.isfinite(values).all() if col.is_tensor else all(math.isfinite(v) for v in values)):
             raise ProtocolError(f"{message.type}: {col.wire} holds NaN or inf")
     _check_episodes(message.type, tensors, lengths["response token"])
+    _check_parts(message.type, [fields_in.get(name) for name in ("episode_indices", "part_indices", "episode_parts")])
     if any(last < first for first, last in zip(fields_in["behavior_versions"], fields_in["last_behavior_versions"])):
         raise ProtocolError(f"{message.type}: a sample's last_behavior_version is older than its behavior_version")
 
@@ -245,3 +274,16 @@ def _check_episodes(message_type: str, tensors: dict[str, np.ndarray], response_
     rewards = tensors.get("turn_rewards")
     if rewards is not None and mask is not None and (rewards[mask == 0] != 0).any():
         raise ProtocolError(f"{message_type}: a turn reward sits on an environment token (loss_mask 0)")
+
+
+def _check_parts(message_type: str, columns: list[list[int] | None]) -> None:
+    """An episode's parts are numbered within it: the three columns come together, and each part's
+    index is below its episode's count of parts."""
+    if all(values is None for values in columns):
+        return
+    if any(values is None for values in columns):
+        raise ProtocolError(f"{message_type}: episode_indices, part_indices and episode_parts come together "
+                            "or not at all")
+    if any(episode < 0 or not 0 <= part < parts for episode, part, parts in zip(*columns)):
+        raise ProtocolError(f"{message_type}: a sample's part_index is not within its episode_parts "
+                            "(or its episode_index is negative)")

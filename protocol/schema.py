@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-SCHEMA_VERSION = 8  # 8: batch_request carries the learner's max_staleness (buffer.max_staleness: auto)
+SCHEMA_VERSION = 9  # 9: samples carry the parts of an episode (episode_indices, part_indices, episode_parts)
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")

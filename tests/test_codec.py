@@ -46,6 +46,7 @@ def test_the_sample_messages_carry_the_columns_the_sample_declares():
     assert MESSAGES["scored"].tensors == {"prompt_tokens": "int32", "response_tokens": "int32",
                                           "behavior_logprobs": "float32", "ref_logprobs": "float32",
                                           "rewards": "float32", "loss_mask": "uint8?", "turn_rewards": "float32?"}
+    assert MESSAGES["scored"].fields["part_indices"] == "list[int]?"
 
 
 @pytest.mark.parametrize("frames, reason", [
@@ -148,3 +149,29 @@ def test_an_episode_that_cannot_be_trained_is_refused(loss_mask, turn_rewards, r
     sample.turn_rewards = None if turn_rewards is None else np.array(turn_rewards, np.float32)
     with pytest.raises(ProtocolError, match=reason):
         unpack_samples(decode(encode("samples", *pack_samples([random_sample(1), sample]))))
+
+
+def test_an_episodes_parts_travel_with_their_numbers_and_are_refused_when_they_do_not_add_up():
+    from protocol.samples import group_is_whole
+
+    parts = [random_sample(i) for i in range(3)]  # episode 0 in two parts, episode 1 in one
+    for sample, (episode, part, count) in zip(parts, [(0, 0, 2), (0, 1, 2), (1, 0, 1)]):
+        sample.prompt_index, sample.episode_index, sample.part_index, sample.episode_parts = 5, episode, part, count
+    received = unpack_samples(decode(encode("samples", *pack_samples(parts))))
+    assert [(s.episode_index, s.part_index, s.episode_parts, s.final) for s in received] == [
+        (0, 0, 2, False), (0, 1, 2, True), (1, 0, 1, True)]
+    assert received[0].episode == received[1].episode != received[2].episode
+    assert group_is_whole(received, 2) and not group_is_whole(received[1:], 2) and not group_is_whole(received, 3)
+    assert not group_is_whole([*received, received[0]], 2)  # a part twice is not a whole group
+    # single responses carry none of the three: each is one whole episode
+    single = unpack_samples(decode(encode("samples", *pack_samples([random_sample(7), random_sample(8)]))))
+    assert all(s.final and s.episode_index is None for s in single) and group_is_whole(single, 2)
+    # a message where one sample lacks them sends none of them: its samples read as one part each
+    mixed = unpack_samples(decode(encode("samples", *pack_samples([parts[0], random_sample(9)]))))
+    assert all(s.episode_index is None and s.final for s in mixed)
+
+    fields, tensors = pack_samples(parts)
+    with pytest.raises(ProtocolError, match="part_index is not within its episode_parts"):
+        unpack_samples(decode(encode("samples", {**fields, "part_indices": [0, 2, 0]}, tensors)))
+    with pytest.raises(ProtocolError, match="come together or not at all"):
+        unpack_samples(decode(encode("samples", {**fields, "episode_parts": None}, tensors)))
