@@ -21,6 +21,13 @@ carries no advantage for a group estimator, so once it is whole and scored it is
 (``group_filtered``) and its credits come back: the rollout is granted more prompts in its place,
 within the same bound. At most ``GroupFilter.max_ratio`` x batch_size samples are filtered between
 two batches; past that, groups are kept as they are (``groups_unfiltered``) and the batch goes out.
+
+An episode may come in parts (an agent program that rewrote its context: ``Sample.part_index``).
+A credit is one episode, not one sample: only an episode's last part uses and gives back a credit
+and counts toward a batch, and its parts are admitted, dropped and trained together. A batch is
+``batch_size / samples_per_prompt`` whole groups: ``batch_size`` episodes in ``batch_size`` rows or
+more. Each part is at least as new as its episode's first token, so the rule above holds for every
+row. The accounting identity counts samples (rows).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ import os
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
-from protocol.samples import Sample
+from protocol.samples import Sample, group_is_whole
 
 
 @dataclass
@@ -59,7 +66,28 @@ class GroupFilter:
             score = min(max(score, -self.score_clip), self.score_clip)
         if sample.finish_reason == "length":
             score += self.truncation_penalty
-        return score + (float(sample.turn_rewards.sum()) if sample.turn_rewards is not None else 0.0)
+        return score + _turn_reward(sample)
+
+    def outcomes(self, group: list[Sample]) -> list[float]:
+        """One outcome per episode of ``group``: its last part's, plus the turn rewards of its parts
+        before (the score is the last part's: the conversation as it ended)."""
+        totals: dict = {}
+        for sample in group:
+            totals[sample.episode] = totals.get(sample.episode, 0.0) + (
+                self.outcome(sample) if sample.final else _turn_reward(sample))
+        return list(totals.values())
+
+
+def _turn_reward(sample: Sample) -> float:
+    return float(sample.turn_rewards.sum()) if sample.turn_rewards is not None else 0.0
+
+
+def _by_episode(samples: list[Sample]) -> list[list[Sample]]:
+    """``samples`` as their episodes' parts, episodes in the order they first appear."""
+    episodes: dict = {}
+    for sample in samples:
+        episodes.setdefault(sample.episode, []).append(sample)
+    return list(episodes.values())
 
 
 @dataclass
@@ -189,41 +217,52 @@ class BufferState:
             self.accounting.credits_returned += 1
 
     def add_samples(self, samples: list[Sample], engine: str = "rollout:0") -> int:
-        """Unscored samples from ``engine``. Dropped and counted: a sample id seen before (a resent
-        message: its credit was used once), a prompt index the engine does not hold (a stranger,
-        or a restarted engine's old process), a version never published (from the future) or older
-        than the grant's (both give their credit back), or one that came after the learner finished."""
+        """Unscored samples from ``engine``, judged an episode at a time (its parts come in one
+        message). Dropped and counted: a sample id seen before (a resent message: its credit was
+        used once), a prompt index the engine does not hold (a stranger, or a restarted engine's old
+        process), an episode without its last part, a version never published (from the future) or
+        older than the grant's (both give their credit back), or one that came after the learner
+        finished. Returns the samples accepted."""
         lease = self.leases.get(engine, {})
         accepted = 0
-        for sample in samples:
-            self.accounting.generated += 1
-            if self.finished:  # sent before its engine heard "stop": counted, never trained
-                self._drop("after_finish", returns_credit=False)
+        for parts in _by_episode(samples):
+            self.accounting.generated += len(parts)
+            reason, returns_credit = self._refusal(parts, lease)
+            if reason is not None:
+                for part in parts:
+                    self._drop(reason, returns_credit=returns_credit and part.final)
                 continue
-            if sample.sample_id in self.seen_ids:
-                self._drop("duplicate_id", returns_credit=False)
-                continue
-            held = lease.get(sample.prompt_index)
-            if held is None:
-                self._drop("not_granted", returns_credit=False)
-                continue
-            held.left -= 1
-            if not held.left:
-                del lease[sample.prompt_index]
-            self._owe(held.version, -1)
-            if sample.last_behavior_version > self.policy_version or sample.behavior_version < held.version:
-                # from the future, or older than the weights the engine said it held: not what it was granted
-                self._drop("unpublished_version" if sample.last_behavior_version > self.policy_version
-                           else "older_than_granted", returns_credit=True)
-                continue
-            self._owe(sample.behavior_version, 1)
-            self.seen_ids.add(sample.sample_id)
-            self.seen_order.append(sample.sample_id)
-            if len(self.seen_order) > self.dedupe_window:
-                self.seen_ids.discard(self.seen_order.popleft())
-            self.unscored[sample.sample_id] = sample
-            accepted += 1
+            self._owe(parts[-1].behavior_version, 1)  # its last part's: the one that holds the credit
+            for part in parts:
+                self.seen_ids.add(part.sample_id)
+                self.seen_order.append(part.sample_id)
+                if len(self.seen_order) > self.dedupe_window:
+                    self.seen_ids.discard(self.seen_order.popleft())
+                self.unscored[part.sample_id] = part
+            accepted += len(parts)
         return accepted
+
+    def _refusal(self, parts: list[Sample], lease: dict[int, Lease]) -> tuple[str | None, bool]:
+        """Why an episode's ``parts`` (the last one last) are not admitted, and whether its credit
+        comes back; (None, False) when they are. An admitted episode uses its credit."""
+        if self.finished:  # sent before its engine heard "stop": counted, never trained
+            return "after_finish", False
+        if any(part.sample_id in self.seen_ids for part in parts):
+            return "duplicate_id", False
+        held = lease.get(parts[0].prompt_index)
+        if held is None:
+            return "not_granted", False
+        if not parts[-1].final:  # a malformed message: the credit stays held until the engine goes
+            return "episode_incomplete", False
+        held.left -= 1
+        if not held.left:
+            del lease[parts[0].prompt_index]
+        self._owe(held.version, -1)
+        if max(part.last_behavior_version for part in parts) > self.policy_version:
+            return "unpublished_version", True  # from the future
+        if min(part.behavior_version for part in parts) < held.version:
+            return "older_than_granted", True  # older than the weights the engine said it held
+        return None, False
 
     def drop_episodes(self, prompt_indices: list[int], reasons: list[str], engine: str = "rollout:0") -> int:
         """Episodes ``engine`` generated and could not send, one per entry, with why: each counts as a
@@ -280,7 +319,8 @@ class BufferState:
                 self.accounting.unexpected_scored += 1
                 continue
             self.scored[sample.sample_id] = sample
-            self._owe(sample.behavior_version, -1)
+            if sample.final:
+                self._owe(sample.behavior_version, -1)
             self.accounting.scored += 1
             accepted += 1
             if self.group_filter is not None:
@@ -292,19 +332,19 @@ class BufferState:
         equal (its credits come back), unless this batch's filtering bound is spent."""
         group = self.partial_groups.setdefault(sample.prompt_index, [])
         group.append(sample)
-        if len(group) < self.samples_per_prompt:
+        if not group_is_whole(group, self.samples_per_prompt):
             return
         del self.partial_groups[sample.prompt_index]
-        outcomes = [self.group_filter.outcome(member) for member in group]
+        outcomes = self.group_filter.outcomes(group)
         if max(outcomes) - min(outcomes) > 1e-6:  # the learner's scores are float32
             return
-        if self.filtered_since_batch + len(group) > self.group_filter.max_ratio * self.batch_size:
+        if self.filtered_since_batch + self.samples_per_prompt > self.group_filter.max_ratio * self.batch_size:
             self.accounting.groups_unfiltered += 1
             return
         for member in group:
             del self.scored[member.sample_id]
-            self._drop("group_filtered", returns_credit=True)
-        self.filtered_since_batch += len(group)
+            self._drop("group_filtered", returns_credit=member.final)
+        self.filtered_since_batch += self.samples_per_prompt
         self.accounting.groups_filtered += 1
 
     def redispatch(self, now: float | None = None, scorer: str | None = None) -> int:
@@ -324,8 +364,9 @@ class BufferState:
 
     def take_batch(self, policy_version: int, batch_size: int) -> list[Sample] | None:
         """A batch for the learner at ``policy_version``, oldest samples first and whole groups of
-        ``samples_per_prompt``, or None while fewer than ``batch_size`` fresh scored samples in
-        whole groups are here. Stale samples are dropped and counted.
+        ``samples_per_prompt`` episodes (each with all its parts), or None while fewer than
+        ``batch_size`` fresh scored episodes in whole groups are here. Stale samples are dropped
+        and counted.
 
         It also waits while taking the oldest samples here now would leave samples on their way
         (granted, generating, scoring) too late for the batches that remain to them: a sample of
@@ -336,7 +377,7 @@ class BufferState:
             if policy_version - sample.behavior_version > self.max_staleness:
                 del self.scored[sample_id]
                 self.partial_groups.pop(sample.prompt_index, None)  # the group can no longer be whole
-                self._drop("stale", returns_credit=True)
+                self._drop("stale", returns_credit=sample.final)
                 self.accounting.staleness_violations += 1
         if len(self.scored) < batch_size:
             return None
@@ -368,17 +409,18 @@ class BufferState:
         return len(batch)
 
     def _oldest_whole_groups(self, batch_size: int) -> list[Sample] | None:
-        """``batch_size`` scored samples made of whole groups (the ``samples_per_prompt`` responses
-        to one prompt, which group estimators compare with each other), oldest version first, each
-        group's samples next to each other; None while fewer whole groups are here. The responses
-        to a prompt are generated together and share a version, but scorers may return them apart."""
+        """``batch_size`` scored episodes made of whole groups (the ``samples_per_prompt`` episodes
+        of one prompt, which group estimators compare with each other, each with all its parts),
+        oldest version first, each group's samples next to each other; None while fewer whole groups
+        are here. The responses to a prompt are generated together, but scorers may return them apart."""
         groups: dict[int, list[Sample]] = {}
         for sample in self.scored.values():  # arrival order
             groups.setdefault(sample.prompt_index, []).append(sample)
-        whole = [group for group in groups.values() if len(group) == self.samples_per_prompt]
+        whole = [group for group in groups.values() if group_is_whole(group, self.samples_per_prompt)]
         if len(whole) * self.samples_per_prompt < batch_size:
             return None
-        whole.sort(key=lambda group: group[0].behavior_version)  # stable: arrival order within a version
+        # stable: arrival order within a version
+        whole.sort(key=lambda group: min(sample.behavior_version for sample in group))
         return [sample for group in whole[:batch_size // self.samples_per_prompt] for sample in group]
 
     def _owed_would_be_late(self, policy_version: int, batch_size: int, batch: list[Sample]) -> bool:
@@ -386,12 +428,12 @@ class BufferState:
         be trained within the bound, when waiting for one on its way could help (it is older than
         the batch's newest). Earliest deadline first: for every version g, the samples of versions
         <= g must fit in the batches v + 1 .. g + k."""
-        if not self.owed or min(self.owed) >= batch[-1].behavior_version:
+        if not self.owed or min(self.owed) >= max(sample.behavior_version for sample in batch):
             return False
-        left = Counter(self.owed)
-        for sample in self.scored.values():
+        left = Counter(self.owed)  # in episodes, as batches count them: each at its last part's version
+        for sample in filter(lambda sample: sample.final, self.scored.values()):
             left[sample.behavior_version] += 1
-        for sample in batch:
+        for sample in filter(lambda sample: sample.final, batch):
             left[sample.behavior_version] -= 1
         count = 0
         for version in sorted(left):
@@ -502,14 +544,16 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
         raise ValueError(f"{path} holds samples this tether cannot read ({error}); start the run again") from None
     for sample in unscored:
         state.unscored[sample.sample_id] = sample
-        state._owe(sample.behavior_version, 1)
+        if sample.final:
+            state._owe(sample.behavior_version, 1)
     for sample in scored:
         state.scored[sample.sample_id] = sample
     if group_filter is not None:  # whole groups were judged before the snapshot; the rest wait for theirs
-        members = Counter(sample.prompt_index for sample in scored)
+        groups: dict[int, list[Sample]] = {}
         for sample in scored:
-            if members[sample.prompt_index] < samples_per_prompt:
-                state.partial_groups.setdefault(sample.prompt_index, []).append(sample)
+            groups.setdefault(sample.prompt_index, []).append(sample)
+        state.partial_groups = {index: group for index, group in groups.items()
+                                if not group_is_whole(group, samples_per_prompt)}
     state.granted, state.policy_version = header["granted"], header["policy_version"]
     state.next_prompt_index, state.returned_prompts = header["next_prompt_index"], list(header["returned_prompts"])
     state.learner_version = header["learner_version"]

@@ -5,12 +5,15 @@ the weights that generated them. max_staleness k: batch v may only hold samples 
 >= v - k, and the buffer enforces that by how many samples it lets the rollout generate.
 """
 
+from itertools import groupby
+
 import numpy as np
 import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from buffer.state import BufferState, GroupFilter
+from protocol.samples import group_is_whole
 from tests.helpers import sample_of
 
 
@@ -566,11 +569,10 @@ def test_a_batch_the_learner_was_sent_but_did_not_train_goes_back_with_the_check
 
 
 def assert_whole_groups(batch, group_size):
-    """Every prompt's responses are all in the batch, next to each other."""
-    for start in range(0, len(batch), group_size):
-        group = batch[start:start + group_size]
-        assert len({s.prompt_index for s in group}) == 1, [s.prompt_index for s in batch]
-    assert len({s.prompt_index for s in batch}) == len(batch) // group_size
+    """Every prompt's episodes, with all their parts, are in the batch, next to each other."""
+    runs = [list(run) for _, run in groupby(batch, key=lambda s: s.prompt_index)]
+    assert len(runs) == len({s.prompt_index for s in batch}), [s.prompt_index for s in batch]
+    assert all(group_is_whole(run, group_size) for run in runs), [s.prompt_index for s in batch]
 
 
 def scored(work):
@@ -581,11 +583,18 @@ def scored(work):
     return work
 
 
-def generate_groups(state, engine, version, wanted, next_id):
-    """An engine generates every response of each prompt it is granted, in one message."""
-    indices = state.credits_for(engine, version, wanted)
-    samples = [sample(next_id + i * state.samples_per_prompt + j, version, index)
-               for i, index in enumerate(indices) for j in range(state.samples_per_prompt)]
+def generate_groups(state, engine, version, wanted, next_id, split_every=0):
+    """An engine generates every response of each prompt it is granted, in one message. With
+    ``split_every``, each episode whose first id is a multiple of it comes in two parts (a program
+    that rewrote its context); returns how many samples (ids) it made."""
+    samples = []
+    for index in state.credits_for(engine, version, wanted):
+        for episode in range(state.samples_per_prompt):
+            parts = 2 if split_every and (next_id + len(samples)) % split_every == 0 else 1
+            for part in range(parts):
+                samples.append(sample(next_id + len(samples), version, index))
+                if split_every:
+                    samples[-1].episode_index, samples[-1].part_index, samples[-1].episode_parts = episode, part, parts
     state.add_samples(samples, engine)
     return len(samples)
 
@@ -597,6 +606,7 @@ def take_whole_groups(state, learner_version, batch_size, max_staleness, trained
     if batch is None:
         return None
     assert_whole_groups(batch, state.samples_per_prompt)
+    assert sum(s.final for s in batch) == batch_size  # a batch counts episodes, however many parts they have
     assert all(learner_version - s.behavior_version <= max_staleness for s in batch)
     prompts = {s.prompt_index for s in batch}
     assert not prompts & trained
@@ -604,7 +614,7 @@ def take_whole_groups(state, learner_version, batch_size, max_staleness, trained
     return prompts
 
 
-def everyone_behaves(state, versions, next_id, now, train, answer, take, done, rounds=100) -> None:
+def everyone_behaves(state, versions, next_id, now, train, answer, take, done, rounds=100, split_every=0) -> None:
     """From here on every role behaves, until ``done()``: each engine syncs and generates whole
     groups, every sample is scored (``take`` at a time, answered by ``answer``), the learner trains;
     the accounting identity holds after each round."""
@@ -613,7 +623,8 @@ def everyone_behaves(state, versions, next_id, now, train, answer, take, done, r
             return
         for engine in versions:
             versions[engine] = state.policy_version
-            next_id += generate_groups(state, engine, versions[engine], 2 * state.samples_per_prompt, next_id)
+            next_id += generate_groups(state, engine, versions[engine], 2 * state.samples_per_prompt, next_id,
+                                       split_every)
         now += 10.0
         state.redispatch(now=now)
         while state.unscored:
@@ -636,18 +647,21 @@ def test_a_batch_waits_for_the_rest_of_a_group_a_scorer_still_holds():
 @settings(max_examples=300, deadline=None)
 # two prompts granted at k = 1; one scorer answers its later share first: 0c 1a, then 1b 1c, arrive before 0a 0b
 @example(actions=["generate0", "dispatch", "dispatch", "return_newest"], group_size=3, groups_per_batch=1,
-         max_staleness=1)
+         max_staleness=1, split_every=0)
 @given(
     actions=st.lists(st.sampled_from(["generate0", "generate1", "dispatch", "return", "return_newest", "lose",
                                       "tick", "snapshot", "sync"]), max_size=100),
     group_size=st.integers(2, 3),
     groups_per_batch=st.integers(1, 3),
     max_staleness=st.integers(0, 2),
+    split_every=st.sampled_from([0, 2, 3]),
 )
-def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size, groups_per_batch, max_staleness):
+def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size, groups_per_batch, max_staleness,
+                                           split_every):
     """Groups split between scorers, answers lost and sent again after a deadline, the buffer
-    restored from a snapshot (a resume): every batch is whole groups, within the bound, and each
-    prompt is trained once; once everyone behaves the run reaches its batches."""
+    restored from a snapshot (a resume), episodes in several parts: every batch is whole groups of
+    every part, within the bound, and each prompt is trained once; once everyone behaves the run
+    reaches its batches."""
     from buffer.state import load_snapshot, save_snapshot
 
     batch_size = group_size * groups_per_batch
@@ -666,7 +680,7 @@ def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size
     for action in actions:
         if action.startswith("generate"):
             engine = f"rollout:{action[-1]}"
-            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
+            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id, split_every)
         elif action == "sync":
             versions = {engine: state.policy_version for engine in versions}
         elif action == "dispatch":  # scorers take fewer than a group: groups come back apart
@@ -688,7 +702,8 @@ def test_a_batch_always_holds_whole_groups(tmp_path_factory, actions, group_size
         train()
         assert state.report()["identity_holds"]
     target = learner_version + 3
-    everyone_behaves(state, versions, next_id, now, train, scored, group_size - 1, lambda: learner_version >= target)
+    everyone_behaves(state, versions, next_id, now, train, scored, group_size - 1, lambda: learner_version >= target,
+                     split_every=split_every)
     assert learner_version >= target, state.report()
 
 
@@ -788,14 +803,17 @@ def test_filtering_stops_at_its_bound_and_the_batch_goes_out_as_it_is():
     max_staleness=st.integers(0, 2),
     uniform_every=st.integers(1, 3),
     max_filter_ratio=st.sampled_from([0.0, 0.5, 1.0, 3.0]),
+    split_every=st.sampled_from([0, 2, 3]),
 )
 def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
-        tmp_path_factory, actions, groups_per_batch, max_staleness, uniform_every, max_filter_ratio):
+        tmp_path_factory, actions, groups_per_batch, max_staleness, uniform_every, max_filter_ratio, split_every):
     """Two engines lagging each other arbitrarily, groups split between scorers, answers lost and
-    sent again, a resume from a snapshot, and every ``uniform_every``-th prompt's group scoring the
-    same: every batch is whole groups within the bound, no prompt trained twice, no group of equal
-    rewards trained while filtering had room, the identity generated = trained + dropped + in
-    flight holds after every action, and once everyone behaves the run reaches its batches."""
+    sent again, a resume from a snapshot, episodes in several parts, and every ``uniform_every``-th
+    prompt's group scoring the same: every batch is whole groups within the bound, no prompt
+    trained twice, no group of equal rewards trained while filtering had room, the identity
+    generated = trained + dropped + in flight holds after every action, every credit is held,
+    in flight or trained once (an episode's, not a part's), and once everyone behaves the run
+    reaches its batches."""
     from buffer.state import load_snapshot, save_snapshot
 
     group_size, batch_size = 2, 2 * groups_per_batch
@@ -824,12 +842,13 @@ def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
         report = state.report()
         assert report["identity_holds"] and report["staleness_violations"] == 0, report
         held = sum(state.outstanding(engine) for engine in state.leases)
-        assert state.granted == state.accounting.trained + state.in_flight + held, report
+        waiting = [*state.unscored.values(), *state.in_scoring_samples(), *state.scored.values()]
+        assert state.granted == len(trained) * group_size + sum(s.final for s in waiting) + held, report
 
     for action in actions:
         if action.startswith("generate"):
             engine = f"rollout:{action[-1]}"
-            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id)
+            next_id += generate_groups(state, engine, versions[engine], 2 * group_size, next_id, split_every)
         elif action.startswith("sync"):
             versions[f"rollout:{action[-1]}"] = state.policy_version
         elif action == "dispatch":
@@ -852,7 +871,7 @@ def test_dynamic_sampling_never_leaks_a_credit_whatever_engines_and_scorers_do(
         conserved()
     target = learner_version + 3
     everyone_behaves(state, versions, next_id, now, train, lambda work: scored_by(work, uniform), 1,
-                     lambda: learner_version >= target, rounds=200)
+                     lambda: learner_version >= target, rounds=200, split_every=split_every)
     assert learner_version >= target, state.report()
     conserved()
 
@@ -867,3 +886,62 @@ def test_the_outcome_compared_is_the_score_the_learner_trains_on():
     assert rule.outcome(clipped) == 1.0 and rule.outcome(cut) == 0.5
     cut.turn_rewards = np.array([0.25, 0.25], np.float32)  # an episode's turn rewards count too
     assert rule.outcome(cut) == 1.0
+
+
+def split_episode(first_id, version, prompt_index, episode_index, parts=2):
+    """The samples of one episode in ``parts`` parts, ids from ``first_id``."""
+    samples = [sample(first_id + part, version, prompt_index) for part in range(parts)]
+    for part, s in enumerate(samples):
+        s.episode_index, s.part_index, s.episode_parts = episode_index, part, parts
+    return samples
+
+
+def test_an_episode_in_parts_uses_one_credit_and_its_parts_are_kept_dropped_and_trained_together():
+    state = BufferState(batch_size=2, max_staleness=0, samples_per_prompt=2)
+    assert state.credits_for("rollout:0", 0, 2) == [0]
+    # episode 0 rewrote its context once: two samples, one credit
+    assert state.add_samples([*split_episode(0, 0, 0, 0), *split_episode(2, 0, 0, 1, parts=1)]) == 3
+    assert state.outstanding("rollout:0") == 0 and sum(state.owed.values()) == 2
+    score_all(state)
+    batch = state.take_batch(0, 2)
+    assert [(s.sample_id, s.final) for s in batch] == [("0", False), ("1", True), ("2", True)]
+    assert state.report()["trained"] == 3 and state.report()["identity_holds"]
+
+    state.publish_weights(1, None)
+    assert state.credits_for("rollout:0", 1, 2) == [1]
+    late = split_episode(10, 1, 1, 0)
+    late[0].behavior_version = 0  # its first part older than the grant: the whole episode is refused
+    assert state.add_samples(late + split_episode(12, 1, 1, 1)) == 2
+    assert state.report()["dropped"] == {"older_than_granted": 2} and state.granted == 3  # one credit back
+    # a resent message: every part seen before, nothing admitted, no credit used
+    assert state.add_samples(split_episode(12, 1, 1, 1)) == 0 and state.report()["dropped"]["duplicate_id"] == 2
+
+
+def test_a_group_is_filtered_by_its_episodes_outcomes_and_gives_back_a_credit_per_episode():
+    state = BufferState(batch_size=4, max_staleness=0, samples_per_prompt=2, group_filter=GroupFilter())
+    state.credits_for("rollout:0", 0, 4)
+    episodes = [split_episode(0, 0, 0, 0), split_episode(2, 0, 0, 1, parts=1),  # prompt 0
+                split_episode(3, 0, 1, 0), split_episode(5, 0, 1, 1)]  # prompt 1
+    state.add_samples([s for episode in episodes for s in episode])
+    work = state.take_for_scoring(10)
+    for s in work:
+        s.ref_logprobs, s.reward = np.zeros(2, np.float32), 1.0
+    # prompt 0: equal finals, but the first episode earned a turn reward before its rewrite
+    work[0].turn_rewards = np.array([0.0, 0.5], np.float32)
+    state.add_scored(work)
+    report = state.report()
+    assert report["groups_filtered"] == 1 and report["dropped"] == {"group_filtered": 4}
+    assert state.granted == 2 and state.filtered_since_batch == 2  # credits of two episodes, not four parts
+    assert sorted(state.scored) == ["0", "1", "2"] and report["identity_holds"]
+
+
+def test_a_stale_episode_in_parts_gives_back_one_credit():
+    state = BufferState(batch_size=1, max_staleness=1)
+    state.credits_for("rollout:0", 0, 2)
+    state.add_samples(split_episode(0, 0, 0, 0) + split_episode(2, 0, 1, 0))
+    score_all(state)
+    state.set_max_staleness(0)  # lowered: version 0 is too old for batch 1
+    state.take_batch(0, 1)
+    state.publish_weights(1, None)
+    assert state.take_batch(1, 1) is None
+    assert state.report()["dropped"] == {"stale": 2} and state.granted == 1 and state.report()["identity_holds"]
