@@ -230,7 +230,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
         if stats["behavior_logprob_gap"] is None:
             stats["behavior_logprob_gap"] = gap
         stats["actor_lr"] = cfg.actor_lr * factor
-        kl_controller.update(stats["kl"], n_steps=len(samples))
+        kl_controller.update(stats["kl"], n_steps=cfg.batch_size)  # episodes: a batch may hold parts of them
         stats["max_staleness"] = max_staleness
         change = staleness.update(stats)
         if change is not None:

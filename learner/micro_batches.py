@@ -33,22 +33,24 @@ def plan(lengths: torch.Tensor, max_rows: int | None = None, max_tokens: int | N
 
 
 def deal(rows: torch.Tensor, lengths: torch.Tensor, rank: int, world: int) -> torch.Tensor:
-    """Rank ``rank``'s share of ``rows`` (indices into ``lengths``; a multiple of ``world`` of
-    them): sorted longest first and dealt to the ranks there and back (0, 1, 1, 0, 0, 1...), so
-    every rank gets as many rows as the others, of like lengths."""
-    if len(rows) % world:
-        raise ValueError(f"{len(rows)} rows do not split evenly between {world} ranks")
-    ordered = rows[torch.argsort(lengths[rows], descending=True, stable=True)].reshape(-1, world)
-    ordered[1::2] = ordered[1::2].flip(1)
-    return ordered[:, rank]
+    """Rank ``rank``'s share of ``rows`` (indices into ``lengths``): sorted longest first and dealt
+    to the ranks there and back (0, 1, 1, 0, 0, 1...), so every rank gets as many rows as the
+    others (one fewer where they do not split evenly: a batch of episodes in parts), of like
+    lengths."""
+    ordered = rows[torch.argsort(lengths[rows], descending=True, stable=True)]
+    dealt = torch.cat([ordered, ordered.new_full((-len(rows) % world,), -1)]).reshape(-1, world)
+    dealt[1::2] = dealt[1::2].flip(1)
+    share = dealt[:, rank]
+    return share[share >= 0]
 
 
 def split_to(parts: list[torch.Tensor], lengths: torch.Tensor, count: int) -> list[torch.Tensor]:
     """``parts`` (from ``plan``) split until there are ``count``: each time the costliest part of
-    two rows or more is halved. ``count`` must be at most the rows in all parts."""
-    parts = list(parts)
-    if count > sum(len(part) for part in parts):
-        raise ValueError(f"cannot make {count} micro-batches of {sum(len(part) for part in parts)} rows")
+    two rows or more is halved. Past one row a part, the rest are empty: a rank with fewer rows
+    than another has passes still runs as many (a filler pass, which trains nothing)."""
+    rows = sum(len(part) for part in parts)
+    empty = parts[0].new_zeros(0) if parts else torch.zeros(0, dtype=torch.long)
+    parts = list(parts) + [empty] * max(0, count - max(rows, len(parts)))
     while len(parts) < count:
         splittable = [i for i, part in enumerate(parts) if len(part) > 1]
         costliest = max(splittable, key=lambda i: len(parts[i]) * int(lengths[parts[i]].max()))

@@ -40,11 +40,9 @@ def world_size() -> int:
 
 
 def local_rows(count: int) -> slice:
-    """This rank's contiguous share of ``count`` rows (``count`` is a multiple of the world size)."""
-    if count % world_size():
-        raise ValueError(f"{count} rows do not split evenly between {world_size()} ranks")
-    share = count // world_size()
-    return slice(rank() * share, (rank() + 1) * share)
+    """This rank's contiguous share of ``count`` rows: the shares differ by one row at most (a batch
+    of episodes in parts has more rows than episodes, in any number)."""
+    return slice(rank() * count // world_size(), (rank() + 1) * count // world_size())
 
 
 def _group():
@@ -79,13 +77,18 @@ def broadcast_frames(frames: list | None) -> list[bytes]:
     return out
 
 
-def gather_rows(local: torch.Tensor) -> torch.Tensor:
-    """[B/world, ...] on each rank -> [B, ...] on every rank, rows in rank order."""
-    if world_size() == 1:
+def gather_rows(local: torch.Tensor, count: int) -> torch.Tensor:
+    """Each rank's ``local_rows(count)`` rows [share, ...] -> [count, ...] on every rank, rows in rank
+    order (shares padded to the largest for the gather, the padding left out)."""
+    world = world_size()
+    if world == 1:
         return local
-    pieces = [torch.empty_like(local) for _ in range(world_size())]
-    dist.all_gather(pieces, local.contiguous())
-    return torch.cat(pieces)
+    shares = [(r + 1) * count // world - r * count // world for r in range(world)]
+    padded = local.new_zeros((max(shares), *local.shape[1:]))
+    padded[:len(local)] = local
+    pieces = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(pieces, padded.contiguous())
+    return torch.cat([piece[:share] for piece, share in zip(pieces, shares)])
 
 
 def mean_over_ranks(values: dict[str, float]) -> dict[str, float]:

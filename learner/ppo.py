@@ -37,6 +37,10 @@ v_s = V_s + sum_t gamma^(t-s)     ``vtrace_targets``: the critic's targets corre
   (prod_{i<t} c_i) rho_t delta_t   samples (V-trace, Espeholt et al. 2018, eq. 1), rho_t =
   (rho, c: truncated pi / mu)      min(rho_clip, pi_prox/pi_behavior), c_i = lambda min(c_clip,
                                    ratio); at ratio 1 they are GAE's returns
+R_e = sum over e's parts of     ``episode_totals``: an episode in parts (a rewritten context) is one
+  sum_t r_t                      outcome for GRPO/RLOO, its advantage on every part's tokens
+r_last(part) += sum of later   ``rewards_across_parts``: each part's return still to come, so
+  parts' sum_t r_t               GAE and reward-to-go run per row as on the whole episode (gamma 1)
 beta <- max(0, beta (1 + clip  ``learner.kl_control.adaptive_kl_coef`` (Ziegler et al. 2019)
   ((KL-target)/target, ±0.2)
   n/horizon))
@@ -251,6 +255,31 @@ def token_rewards(
             raise ValueError("turn_rewards has a reward on a token response_mask leaves out: GAE would skip it")
         rewards = rewards + turn_rewards.detach().float()
     return rewards, kl
+
+
+def episode_totals(row_totals: torch.Tensor, episode_ids: torch.Tensor, episodes: int) -> torch.Tensor:
+    """The total reward of each episode: row_totals [B] (each row's sum of token rewards) summed
+    over the rows of one episode, episode_ids [B] long in [0, episodes). Returns [episodes]. An
+    episode that rewrote its context is several rows (its parts); a group estimator compares one
+    outcome per episode, so an episode that splits weighs no more than one that does not."""
+    _check_shape("episode_ids", episode_ids, row_totals.shape, "row_totals")
+    _check_finite("row_totals", row_totals)
+    return torch.zeros(episodes, dtype=row_totals.dtype, device=row_totals.device).index_add(0, episode_ids,
+                                                                                            row_totals)
+
+
+def rewards_across_parts(rewards: torch.Tensor, response_mask: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
+    """Token rewards [B, T] of rows that may be parts of one episode, with each row's last valid
+    token also given the undiscounted sum of the token rewards of its episode's later parts
+    (``later`` [B, B] bool: row j is a later part of row i's episode). Reward-to-go and GAE then
+    run per row as on the whole episode: exact at gamma = 1; at gamma < 1 a later part's rewards
+    are not discounted by the length of the parts in between. Returns [B, T]; rows with no later
+    part unchanged."""
+    mask = _check_mask(response_mask)
+    _check_shape("rewards", rewards, mask.shape, "response_mask")
+    _check_shape("later", later, (mask.shape[0], mask.shape[0]), "[B, B]")
+    to_go = later.to(rewards.dtype) @ masked_sum(rewards, mask, dim=-1)
+    return rewards.scatter_add(1, last_token_index(mask).unsqueeze(1), to_go.unsqueeze(1))
 
 
 class RunningMoments:
@@ -477,7 +506,7 @@ def data_parallel_scale(local_mask: torch.Tensor, minibatch_mask: torch.Tensor, 
     ranks of the scaled losses (what data-parallel gradient averaging computes) is the loss
     aggregated over the whole minibatch, as one rank would compute it.
 
-    local_mask: [b, T] this rank's rows; minibatch_mask: [B, T] all rows (b = B / world_size).
+    local_mask: [b, T] this rank's rows; minibatch_mask: [B, T] all rows (b about B / world_size).
     token-mean: world_size * local tokens / all tokens (ranks whose rows hold more tokens weigh
     more); seq-mean-*: world_size * b / B (= 1: every rank holds as many sequences).
     """

@@ -65,14 +65,43 @@ def _ptx_loss(actor, input_ids: torch.Tensor, attention_mask: torch.Tensor, tota
     return world * tokens / total_tokens, ppo.masked_sum(losses, mask) / max(tokens, 1.0)
 
 
+@dataclass(frozen=True)
+class Episodes:
+    """The batch's rows as episodes: an agent program that rewrote its context sent the turns
+    before as parts of the same episode (``Sample.part_index``), one row each."""
+    ids: torch.Tensor  # [B] long: each row's episode, numbered by first appearance
+    final: torch.Tensor  # [B] bool: the row is its episode's last part, which holds its score
+    later: torch.Tensor  # [B, B] bool: row j is a later part of row i's episode
+    count: int  # episodes
+
+    @property
+    def split(self) -> bool:
+        return self.count < len(self.ids)
+
+
+def episodes_of(samples: list[Sample], device=None) -> Episodes:
+    """Which rows of the batch are parts of one episode (samples without parts: one row each)."""
+    numbers: dict = {}
+    ids = torch.tensor([numbers.setdefault(s.episode, len(numbers)) for s in samples], device=device)
+    parts = torch.tensor([s.part_index or 0 for s in samples], device=device)
+    final = torch.tensor([s.final for s in samples], device=device)
+    later = (ids.unsqueeze(1) == ids.unsqueeze(0)) & (parts.unsqueeze(0) > parts.unsqueeze(1))
+    return Episodes(ids, final, later, len(numbers))
+
+
 def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: torch.Tensor, cfg: LearnerConfig,
-                  group_size: int, log_ratios: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  group_size: int, log_ratios: torch.Tensor | None = None,
+                  episodes: Episodes | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns [B, T] by ``cfg.advantage_estimator`` from token rewards [B, T]
-    (and the critic's values [B, T] for GAE). The group estimators compare each response's total
-    reward (its score, plus the KL penalty when it is in the reward) with the other responses to its
+    (and the critic's values [B, T] for GAE). The group estimators compare each episode's total
+    reward (its score, plus the KL penalty when it is in the reward) with the other episodes of its
     prompt: the batch holds whole groups, each group's rows together. With ``value_targets``
     vtrace the critic's targets are V-trace's, from ``log_ratios`` [B, T] (proximal - behavior
-    logprobs); the policy's advantages stay GAE's, corrected by the PPO loss's own weights."""
+    logprobs); the policy's advantages stay GAE's, corrected by the PPO loss's own weights.
+    ``episodes``: where rows are parts of one episode, the group estimators give every part its
+    episode's advantage, and GAE and reward-to-go see each part's return still to come."""
+    if episodes is not None and episodes.split and cfg.advantage_estimator in ("gae", "reinforce_pp"):
+        rewards = ppo.rewards_across_parts(rewards, mask, episodes.later)
     if cfg.advantage_estimator == "gae":
         advantages, returns = ppo.gae_advantages(rewards, old_values, mask, cfg.gamma, cfg.lam)
         if cfg.value_targets == "vtrace":
@@ -82,6 +111,12 @@ def advantages_of(rewards: torch.Tensor, old_values: torch.Tensor | None, mask: 
     if cfg.advantage_estimator == "reinforce_pp":
         return ppo.reinforce_pp_advantages(rewards, mask, cfg.gamma)
     totals = ppo.masked_sum(rewards, mask, dim=-1)
+    if episodes is not None and episodes.split:  # one outcome per episode, its advantage on every part
+        outcomes = ppo.episode_totals(totals, episodes.ids, episodes.count)
+        ones = torch.ones((episodes.count, 1), device=mask.device)
+        per_episode = (ppo.grpo_advantages(outcomes, ones, group_size, cfg.grpo_std_normalize)
+                       if cfg.advantage_estimator == "grpo" else ppo.rloo_advantages(outcomes, ones, group_size))
+        return per_episode[episodes.ids] * mask, outcomes[episodes.ids].unsqueeze(-1) * mask
     advantages = (ppo.grpo_advantages(totals, mask, group_size, cfg.grpo_std_normalize)
                   if cfg.advantage_estimator == "grpo" else ppo.rloo_advantages(totals, mask, group_size))
     return advantages, totals.unsqueeze(-1) * mask
@@ -128,6 +163,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
                                       mask).to(device)
                     if any(s.turn_rewards is not None for s in samples) else None)
 
+    episodes = episodes_of(samples, device)
     # 1. proximal logprobs and old values, at the start of the step
     old_logprobs, old_values = recompute(actor, critic, batch, cfg, config.sampling)
     # 2. token rewards (the score at the last token, -beta KL at every token unless the KL goes
@@ -135,7 +171,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     kl, advantages, returns = rewards_and_advantages(samples, old_logprobs, old_values, ref_logprobs, scores,
                                                      truncated, mask, cfg, kl_coef, carry.moments,
                                                      config.rollout.samples_per_prompt, turn_rewards,
-                                                     behavior_logprobs)
+                                                     behavior_logprobs, episodes)
     weights, correction = ppo.behavior_weights(old_logprobs, behavior_logprobs, mask, cfg.behavior_correction,
                                                cfg.behavior_correction_level, cfg.behavior_weight_cap,
                                                cfg.behavior_weight_floor)
@@ -144,7 +180,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     totals, updates, grad_norms = train_epochs(actor, critic, batch, targets, config, kl_coef, policy_version, carry)
     # 4. what the step did, averaged over its optimizer steps and ranks
     stats = step_statistics(samples, scores, truncated, targets, kl, kl_coef, policy_version, totals, updates,
-                            grad_norms)
+                            grad_norms, episodes)
     # the batch's off-policy health, over all its tokens (buffer.max_staleness: auto reads it)
     stats.update(behavior_health(old_logprobs, behavior_logprobs, mask, cfg.behavior_weight_cap))
     stats.update(correction)  # what the correction did, over all the batch's tokens: computed once per step
@@ -163,10 +199,19 @@ def recompute(actor, critic, batch: SequenceBatch, cfg: LearnerConfig,
         parts = micro_batches_of(mine, lengths, cfg, parallel.world_size())
         old_logprobs = parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
             logprobs_from_logits(forward_logits(actor, part), part.response_tokens, sampling)
-            for part in map(batch.select, parts)]))
+            for part in _passes(batch, parts)]), rows_total)
         old_values = (parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
-            forward_values(critic, part) for part in map(batch.select, parts)])) if critic is not None else None)
+            forward_values(critic, part) for part in _passes(batch, parts)]), rows_total)
+                      if critic is not None else None)
     return old_logprobs, old_values
+
+
+def _passes(batch: SequenceBatch, parts: list[torch.Tensor]):
+    """The micro-batches of ``parts``; an empty part (a filler: this rank has fewer rows than
+    another has passes) is the batch's first row, computed because a ZeRO-3 forward is collective
+    and then left out."""
+    for part in parts:
+        yield batch.select(part if len(part) else part.new_zeros(1))
 
 
 def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, old_values: torch.Tensor | None,
@@ -174,28 +219,34 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
                            mask: torch.Tensor, cfg: LearnerConfig, kl_coef: float,
                            moments: ppo.RunningMoments | None, group_size: int,
                            turn_rewards: torch.Tensor | None = None,
-                           behavior_logprobs: torch.Tensor | None = None
+                           behavior_logprobs: torch.Tensor | None = None, episodes: Episodes | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Part 2: (kl, advantages, returns), each [B, T]. The scores [B] (normalised by ``moments``
     when kept) become token rewards with ``-kl_coef * KL`` at every token when the KL is in the
     reward, plus an episode's ``turn_rewards`` [B, T], and advantages by ``cfg.advantage_estimator``
-    (``advantages_of``). ``group_size``: the responses to one prompt (``rollout.samples_per_prompt``),
+    (``advantages_of``). ``group_size``: the episodes of one prompt (``rollout.samples_per_prompt``),
     contiguous in the batch. ``mask`` is 1 at the policy's tokens only. ``behavior_logprobs``: the
-    rollout's [B, T], for V-trace's value targets (``learner.value_targets``)."""
+    rollout's [B, T], for V-trace's value targets (``learner.value_targets``). ``episodes``: which
+    rows are parts of one episode (default: one row each); an episode's score is its last part's
+    (the conversation as it ended), the parts before carry their turn rewards and KL only."""
+    episodes = episodes if episodes is not None else episodes_of(samples, scores.device)
     trained_scores = scores
     if moments is not None:
-        moments.update(scores)
+        moments.update(scores[episodes.final] if episodes.split else scores)  # each episode once
         trained_scores = moments.normalize(scores)
+    if episodes.split:
+        trained_scores, truncated = trained_scores * episodes.final, truncated & episodes.final
     reward_kl_coef = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, reward_kl_coef,
                                     cfg.kl_estimator, truncated, cfg.truncation_penalty, cfg.score_clip, turn_rewards)
     if cfg.advantage_estimator in ("grpo", "rloo"):  # the buffer serves whole groups, each together
-        groups = [{s.prompt_index for s in samples[i:i + group_size]} for i in range(0, len(samples), group_size)]
-        if any(len(group) != 1 for group in groups):
+        prompts = torch.tensor([s.prompt_index for s in samples])
+        of_episode = torch.zeros(episodes.count, dtype=prompts.dtype).index_copy(0, episodes.ids.cpu(), prompts)
+        if episodes.count % group_size or (of_episode.view(-1, group_size) != of_episode[::group_size, None]).any():
             raise ValueError(f"a batch for {cfg.advantage_estimator} must hold the {group_size} responses of each "
                              "prompt together")
     log_ratios = (old_logprobs - behavior_logprobs) * mask if behavior_logprobs is not None else None
-    advantages, returns = advantages_of(rewards, old_values, mask, cfg, group_size, log_ratios)
+    advantages, returns = advantages_of(rewards, old_values, mask, cfg, group_size, log_ratios, episodes)
     return kl, advantages, returns
 
 
@@ -216,8 +267,11 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
     updates, grad_norms = 0, []
     engines = [actor] if critic is None else [actor, critic]
     shuffle = torch.Generator().manual_seed(config.seed * 1_000_003 + policy_version)
+    # batch_size / minibatch_size optimizer steps an epoch, whatever the rows: a batch of episodes in
+    # parts has more rows than episodes, its minibatches as many more
+    minibatches = cfg.batch_size // cfg.minibatch_size
     for _ in range(cfg.ppo_epochs):
-        for all_rows in torch.randperm(len(lengths), generator=shuffle).to(device).split(cfg.minibatch_size):
+        for all_rows in torch.randperm(len(lengths), generator=shuffle).to(device).tensor_split(minibatches):
             parts = micro_batches_of(micro_batches.deal(all_rows, lengths, parallel.rank(), world), lengths, cfg,
                                      world)
             ptx = carry.ptx if cfg.ptx_coef > 0 else None
@@ -226,8 +280,11 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
                 last = index == len(parts) - 1
                 for engine in engines:  # DeepSpeed accumulates (GAS 1 in its config) until the last part
                     engine.set_gradient_accumulation_boundary(last)
-                contributions = train_micro_batch(actor, critic, batch, rows, all_rows, targets, config, kl_coef,
-                                                  policy_version, ptx_parts[index])
+                # a filler (fewer rows here than another rank has passes): a row at weight 0, as the
+                # forward and backward are collectives
+                contributions = train_micro_batch(actor, critic, batch, rows if len(rows) else all_rows[:1], all_rows,
+                                                  targets, config, kl_coef, policy_version, ptx_parts[index],
+                                                  weight=1.0 if len(rows) else 0.0)
                 if last:  # the boundary: DeepSpeed reduces, clips and steps
                     norm = optimizer_step.guarded_step(engines, carry.skipped, f"policy version {policy_version}")
                     if norm is not None:
@@ -240,17 +297,17 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
 
 def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, all_rows: torch.Tensor,
                       targets: Targets, config: TetherConfig, kl_coef: float, policy_version: int,
-                      ptx_part: tuple | None) -> dict[str, float]:
+                      ptx_part: tuple | None, weight: float = 1.0) -> dict[str, float]:
     """Forward and backward of one micro-batch (``rows`` of the minibatch ``all_rows``) through actor
     and critic, each loss scaled by this part's share of the minibatch, such that the shares' sum
     over parts and mean over ranks is the minibatch's. Returns the part's share of each loss and
-    statistic."""
+    statistic. ``weight`` 0: a filler pass, which trains and reports nothing of its rows."""
     cfg, sampling, world = config.learner, config.sampling, parallel.world_size()
     minibatch = batch.select(rows)
     mask = minibatch.response_mask
     cut = (rows, slice(mask.shape[1]))  # [B, T] of the batch -> this part's [b, t]
-    share = ppo.data_parallel_scale(mask, targets.mask[all_rows], cfg.loss_aggregation, world)
-    token_share = ppo.data_parallel_scale(mask, targets.mask[all_rows], "token-mean", world)
+    share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], cfg.loss_aggregation, world)
+    token_share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], "token-mean", world)
 
     logits = forward_logits(actor, minibatch)
     logprobs = logprobs_from_logits(logits, minibatch.response_tokens, sampling)
@@ -301,10 +358,11 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
 
 def step_statistics(samples: list[Sample], scores: torch.Tensor, truncated: torch.Tensor, targets: Targets,
                     kl: torch.Tensor, kl_coef: float, policy_version: int, totals: dict[str, float], updates: int,
-                    grad_norms: list[float]) -> dict[str, float]:
+                    grad_norms: list[float], episodes: Episodes | None = None) -> dict[str, float]:
     """Part 4: the step's record: losses and statistics averaged over optimizer steps and ranks, the
     rewards, KL, lengths and staleness of the batch, and how far the rollout's logprobs are from the
-    learner's for the same weights (only samples of the current version count)."""
+    learner's for the same weights (only samples of the current version count). The rewards and
+    the share truncated are per episode (its last part's), the rest per row."""
     mask = targets.mask
     stats = parallel.mean_over_ranks({name: total / updates for name, total in totals.items()})
     # DeepSpeed's norm, the same on every rank; NaN when every step of this batch was skipped
@@ -315,12 +373,18 @@ def step_statistics(samples: list[Sample], scores: torch.Tensor, truncated: torc
     on_version = torch.tensor([s.behavior_version == policy_version for s in samples], device=mask.device)
     # the check that weight sync and sampling agree
     gap = (targets.behavior_logprobs - targets.old_logprobs).abs() * mask
+    kl_per_episode = (kl * mask).sum(dim=1)  # what the adaptive controller compares with its target
+    if episodes is not None and episodes.split:
+        stats["episode_parts"] = len(samples) / episodes.count
+        kl_per_episode = ppo.episode_totals(kl_per_episode, episodes.ids, episodes.count)
+        scores, truncated = scores[episodes.final], truncated[episodes.final]
+        samples = [s for s in samples if s.final]
     stats.update({
         "reward": float(scores.mean()),
         "gold_reward": (sum(s.gold_reward for s in samples) / len(samples)
                         if all(s.gold_reward is not None for s in samples) else None),
         "reward_std": float(scores.std()) if len(samples) > 1 else 0.0,
-        "kl": float((kl * mask).sum(dim=1).mean()),
+        "kl": float(kl_per_episode.mean()),
         "kl_coef": kl_coef,
         "response_length": float(response_lengths.mean()),
         "truncated_frac": float(truncated.float().mean()),
@@ -368,7 +432,8 @@ def _in_row_order(rows: torch.Tensor, parts: list[torch.Tensor], width: int,
     out = torch.zeros((len(rows), width), dtype=per_part[0].dtype, device=per_part[0].device)
     position = {int(row): i for i, row in enumerate(rows)}
     for part, values in zip(parts, per_part):
-        out[[position[int(row)] for row in part], :values.shape[1]] = values
+        if len(part):  # a filler's values are no row's
+            out[[position[int(row)] for row in part], :values.shape[1]] = values
     return out
 
 

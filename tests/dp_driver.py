@@ -17,6 +17,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # 8 prompts, the behavior logprobs a little off the reference's (a stale version), so the off-policy weights act
 PROMPTS = ["even 1 2 3 :", "odd 4 4 4 :", "even 9 0 1 :", "odd 5 5 2 :", "even 7 7 :", "odd 1 :", "even 2 2 2 2 :",
            "odd 3 8 :"]
+# --parts: the first parts of the first three episodes, whose programs rewrote their context: 11 rows, 8 episodes
+FIRST_PARTS = ["odd 6 :", "even 3 3 :", "odd 2 9 9 :"]
+
+
+def as_parts(samples: list) -> list:
+    """The samples with FIRST_PARTS' as the first parts of the episodes of the first three (each
+    episode of its own prompt), those parts' rows after the others."""
+    for i, s in enumerate(samples):
+        first = i >= len(PROMPTS)
+        owner = i - len(PROMPTS) if first else i
+        s.prompt_index, s.episode_index = owner, 0
+        s.part_index, s.episode_parts = (0, 2) if first else (1 if owner < len(FIRST_PARTS) else 0,
+                                                              2 if owner < len(FIRST_PARTS) else 1)
+    return samples
 
 
 def watch_gathers() -> list[int]:
@@ -41,6 +55,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--loss-aggregation", default="token-mean")
     parser.add_argument("--override", action="append", default=[], help="a config override, KEY=VALUE")
+    parser.add_argument("--parts", action="store_true", help="three episodes in two parts (FIRST_PARTS)")
     args = parser.parse_args()
 
     import torch
@@ -69,7 +84,9 @@ def main() -> None:
                                "data": {"prompts": assets["prompts"]}})
     torch.manual_seed(0)
     init_distributed(config)
-    samples = policy_samples(assets, PROMPTS, behavior_offset=-0.05)
+    samples = policy_samples(assets, PROMPTS + FIRST_PARTS * args.parts, behavior_offset=-0.05)
+    if args.parts:
+        samples = as_parts(samples)
     actor = make_deepspeed_engine(load_causal_lm(assets["policy"]), config.learner.actor_lr, config)
     critic = make_deepspeed_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
     batch = collate(samples, pad_token_id=0)

@@ -136,9 +136,10 @@ def run_to_the_end(tmp_path, config):
     return result
 
 
-def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str) -> dict:
+def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str, parts: bool = False) -> dict:
     """Two PPO steps of tests/dp_driver.py on ``ranks`` DeepSpeed ranks (torch.distributed's
-    launcher) under ZeRO ``zero``; returns what the driver saved (weights, losses)."""
+    launcher) under ZeRO ``zero``; returns what the driver saved (weights, losses). ``parts``:
+    three of its eight episodes in two parts (11 rows)."""
     import json
 
     import torch
@@ -153,7 +154,7 @@ def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
          "tests/dp_driver.py", "--assets", str(paths), "--zero", str(zero), "--out", str(out),
-         *(f"--override={override}" for override in overrides)],
+         *(f"--override={override}" for override in overrides), *["--parts"] * parts],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return torch.load(out)

@@ -50,3 +50,17 @@ def test_two_ranks_with_a_token_budget_train_the_same_weights_as_one_rank_withou
     # minibatch on one rank, and more, accumulated, on each of two under the budget
     assert len(two["passes"]) == len(one_rank["passes"]) == 2 * (1 + 2 * 2)
     assert one_rank["passes"][1:5] == [1, 1, 1, 1] and sum(two["passes"]) > sum(one_rank["passes"]), two["passes"]
+
+
+@pytest.mark.slow
+def test_two_ranks_train_episodes_in_parts_as_one_rank_does(tmp_path, tiny_assets):
+    """Eight episodes in 11 rows (three in two parts): rows that do not split evenly between the
+    ranks, and, one row a pass, a rank with a pass fewer than the other runs a filler pass (ZeRO-3:
+    the forward is collective) that trains nothing."""
+    one = train_data_parallel(tmp_path, tiny_assets, 3, 1, "learner.micro_batch_size=1", parts=True)
+    two = train_data_parallel(tmp_path, tiny_assets, 3, 2, "learner.micro_batch_size=1", parts=True)
+    gap = max(float((two["actor"][name] - one["actor"][name]).abs().max()) for name in one["actor"])
+    assert gap < WEIGHT_TOLERANCE, gap
+    assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
+    # the proximal pass: 11 rows, one a pass on one rank; 6 on each of two (5 rows and a filler, 6 rows)
+    assert one["passes"][0] == 11 and two["passes"][0] == 6

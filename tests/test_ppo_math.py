@@ -1,5 +1,6 @@
 """The PPO-RLHF math core against hand-computed vectors (worked by hand in the comments)."""
 
+import copy
 import math
 
 import pytest
@@ -531,3 +532,78 @@ def test_the_learners_step_trains_the_critic_toward_vtrace_targets_when_asked():
     expected = ppo.vtrace_targets(rewards, values, torch.full((4, 5), -0.7) * mask, mask, 1.0, 0.95)
     torch.testing.assert_close(results["vtrace", "stale"][2], expected)
     assert not torch.allclose(results["vtrace", "stale"][2], results["gae", "stale"][2], atol=1e-3)
+
+
+# --------------------------------------------------------------------------- episodes in parts
+
+
+def _episode_batches():
+    """The same four episodes (two prompts, two each) as four rows, and with the first episode in two
+    parts (its program rewrote its context after three tokens): its first part's score is the
+    scorer's reading of the cut conversation, which the episode's outcome must not count."""
+    from tests.helpers import sample_of
+
+    generator = torch.Generator().manual_seed(11)
+    old, ref = -torch.rand(4, 6, generator=generator), -torch.rand(4, 6, generator=generator)
+    values, scores = torch.randn(4, 6, generator=generator), torch.tensor([1.0, 0.0, 0.5, -1.0])
+    turns = torch.zeros(4, 6)
+    turns[0, 1] = 0.25  # a turn reward before the rewrite
+    whole = [sample_of([1], [1] * 6, f"e{i}", prompt_index=i // 2, reward=float(scores[i])) for i in range(4)]
+
+    def rows(tensor):  # [4, 6] -> [5, 6]: episode 0's tokens 0-2 and 3-5 as two rows, padded with zeros
+        first, rest = torch.zeros(1, 6), torch.zeros(1, 6)
+        first[0, :3], rest[0, :3] = tensor[0, :3], tensor[0, 3:]
+        return torch.cat([first, rest, tensor[1:]])
+
+    parts = [sample_of([1], [1] * 3, "e0a", 0, reward=99.0), sample_of([1], [1] * 3, "e0b", 0, reward=1.0),
+             *whole[1:]]
+    for s, (episode, part, count) in zip(parts, [(0, 0, 2), (0, 1, 2), (1, 0, 1), (0, 0, 1), (1, 0, 1)]):
+        s.episode_index, s.part_index, s.episode_parts = episode, part, count
+    mask = torch.ones(4, 6)
+    split = (parts, rows(old), rows(values), rows(ref), torch.tensor([99.0, 1.0, 0.0, 0.5, -1.0]),
+             torch.zeros(5, dtype=torch.bool), rows(mask), rows(turns))
+    return (whole, old, values, ref, scores, torch.zeros(4, dtype=torch.bool), mask, turns), split
+
+
+@pytest.mark.parametrize("estimator", ["grpo", "rloo", "reinforce_pp", "gae"])
+@pytest.mark.parametrize("normalize", [False, True])
+def test_an_episode_in_parts_trains_as_the_same_episode_in_one_row(estimator, normalize):
+    """Each part of a split episode gets, token for token, the advantage and return its tokens get
+    when the episode is one row: one outcome per episode for GRPO/RLOO, the return still to come for
+    GAE (gamma = lambda = 1) and REINFORCE++; the running moments count each episode once."""
+    from common.config import LearnerConfig
+    from learner.step import rewards_and_advantages
+
+    cfg = LearnerConfig(advantage_estimator=estimator, gamma=1.0, lam=1.0, whiten_advantages=False)
+    whole, split = _episode_batches()
+    out = {}
+    for name, (samples, old, values, ref, scores, truncated, mask, turns) in (("whole", whole), ("split", split)):
+        moments = ppo.RunningMoments() if normalize else None
+        out[name] = rewards_and_advantages(samples, old, values if estimator == "gae" else None, ref, scores,
+                                           truncated, mask, cfg, 0.05, moments, 2, turns)
+        if moments is not None:
+            assert moments.count == 4
+    for index in (1, 2):  # advantages, returns
+        one_row, parted = out["whole"][index], out["split"][index]
+        if estimator in ("grpo", "rloo"):  # the episode's outcome on each of its tokens: its return too
+            torch.testing.assert_close(parted[0, :3], one_row[0, :3])
+            torch.testing.assert_close(parted[1, :3], one_row[0, 3:])
+        else:
+            torch.testing.assert_close(torch.cat([parted[0, :3], parted[1, :3]]), one_row[0])
+        torch.testing.assert_close(parted[2:], one_row[1:])
+    assert not torch.equal(out["split"][1][0, :3], out["split"][1][2, :3])  # not all one value: it means something
+
+
+def test_a_batch_of_one_part_episodes_comes_out_bit_for_bit_as_samples_without_parts():
+    from common.config import LearnerConfig
+    from learner.step import rewards_and_advantages
+
+    whole, _ = _episode_batches()
+    numbered = [copy.copy(s) for s in whole[0]]
+    for s in numbered:
+        s.episode_index, s.part_index, s.episode_parts = int(s.sample_id[1]) % 2, 0, 1
+    for estimator in ("grpo", "rloo", "reinforce_pp", "gae"):
+        cfg = LearnerConfig(advantage_estimator=estimator)
+        plain = rewards_and_advantages(*whole[:1], *whole[1:7], cfg, 0.05, None, 2, whole[7])
+        parted = rewards_and_advantages(numbered, *whole[1:7], cfg, 0.05, None, 2, whole[7])
+        assert all(torch.equal(a, b) for a, b in zip(plain, parted)), estimator
