@@ -85,6 +85,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         engine.llm_engine.engine_core.shutdown()
         if programs is not None:
             programs.close()
+    samples = last_parts(samples)
     for i, sample in enumerate(samples):
         sample.sample_id = f"eval-{i}"
     parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row
@@ -110,6 +111,22 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     if samples[0].gold_reward is not None:
         figures["gold_reward"] = float(np.mean([s.gold_reward for s in samples]))
     return figures, samples, {"kl": kl, "repetition": repetition}
+
+
+def last_parts(samples: list[Sample]) -> list[Sample]:
+    """One sample per episode: its last part (an agent program that rewrote its context sent the
+    turns before as parts of their own), with the parts' turn rewards added at its last token, so
+    that an evaluation reports episodes. The KL and the length are the last part's."""
+    earlier: dict = {}
+    for sample in samples:
+        if not sample.final:
+            earlier[sample.episode] = earlier.get(sample.episode, 0.0) + float(np.sum(sample.turn_rewards))
+    finals = [sample for sample in samples if sample.final]
+    for sample in finals:
+        if earlier.get(sample.episode):
+            sample.turn_rewards = sample.turn_rewards.copy()
+            sample.turn_rewards[-1] += earlier[sample.episode]
+    return finals
 
 
 def environment_rewards(samples: list[Sample]) -> dict[str, float]:

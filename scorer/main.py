@@ -70,13 +70,24 @@ class Scorer:
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
         """Fill in each sample's ``ref_logprobs``, ``reward`` and ``gold_reward``; returns the mean of
-        each part of the score and the count of reward-function failures, for the metrics."""
-        from scorer.scoring import (overlong_penalty, reference_logprobs, reward_model_tokens, reward_scores,
-                                    reward_scores_of_tokens)
+        each part of the score and the count of reward-function failures, for the metrics. An
+        episode's score is its last part's (the conversation as it ended): the parts before it (a
+        program that rewrote its context) get their reference logprobs and a score of 0."""
+        from scorer.scoring import reference_logprobs
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
                                                            self.sampling)):
             sample.ref_logprobs = ref.numpy()
+        for sample in samples:
+            if not sample.final:
+                sample.reward, sample.gold_reward = 0.0, (0.0 if self.gold is not None else None)
+        finals = [sample for sample in samples if sample.final]
+        return self._outcomes(finals) if finals else {"reward_function_failures": 0}
+
+    def _outcomes(self, samples: list[Sample]) -> dict[str, float]:
+        """``score``'s reward and gold reward of episodes' last parts (every single response is one)."""
+        from scorer.scoring import overlong_penalty, reward_model_tokens, reward_scores, reward_scores_of_tokens
+
         arguments = [self._arguments(sample) for sample in samples] if self.needs_text else []
         totals = np.zeros(len(samples), dtype=np.float64)
         parts: dict[str, float] = {}

@@ -202,6 +202,16 @@ def test_verifiable_rewards_alone_need_no_reward_model(tmp_path, tiny_assets):
     assert [s.reward for s in samples] == [1.0, 0.5] and "rm_score" not in parts
     assert parts["tests.test_scorer:exact_parity"] == 0.75
 
+    # the first episode in two parts (its program rewrote its context): only the last part is scored
+    cut = Sample("s0a", 0, 0, np.array([1, 3, 7], np.int32), np.array([9, 9], np.int32), np.zeros(2, np.float32),
+                 "restart", episode_index=0, part_index=0, episode_parts=2)
+    for i, s in enumerate(samples):
+        s.episode_index, s.part_index, s.episode_parts = i, int(i == 0), 2 if i == 0 else 1
+    parts = scorer.score([cut, *samples])
+    assert [s.reward for s in (cut, *samples)] == [0.0, 1.0, 0.5] and cut.ref_logprobs.shape == (2,)
+    assert parts["tests.test_scorer:exact_parity"] == 0.75  # over episodes, the cut conversation not among them
+    assert scorer.score([cut]) == {"reward_function_failures": 0} and cut.reward == 0.0
+
 
 def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_tokens(tmp_path, tiny_assets):
     from common.config import ConfigError, load_config
