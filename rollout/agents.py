@@ -15,7 +15,7 @@ observation after the policy's turn, rendered and appended token for token; the 
 ends the episode with its reward on the last token. So the tokens trained are the ids the engine
 generated and the ids of what came between, never a re-tokenized conversation, and the deadlines,
 failure accounting and groups of episodes hold as they do for environments. A program that
-rewrites its earlier messages (a compacted context) starts the episode's sample over from the
+rewrites its earlier messages (a compacted context) starts a new part of the episode from the
 rewritten conversation (``rollout.environments.Restart``: counted as ``episode_splits``); a
 program that raises, hangs past ``rollout.env_step_deadline_s`` or returns what is not a reward
 ends it as an environment would (``env_error``, ``env_deadline``).

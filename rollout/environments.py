@@ -39,7 +39,8 @@ class TokenIds(list):
 class Restart:
     """An observation that starts the episode's context over (an agent program that rewrote or
     compacted its conversation): ``first`` is the new context's start, rendered as a reset's; the
-    episode's sample is from there on (rollout.episodes, ``episode_splits``)."""
+    episode's tokens so far become a part of their own and its next part starts there
+    (rollout.episodes, ``episode_splits``)."""
     first: "str | list[dict] | TokenIds"
 
 

@@ -129,6 +129,9 @@ class Episode:
     tool_errors: int = 0
     renderer: Renderer | None = None  # for an episode whose environment brings its own tools
     call_cap: int | None = None  # the turn under way: an agent's call asked for fewer tokens than the run allows
+    index: int = 0  # its place in its group
+    # the token streams it left behind (an agent program rewrote its context): samples of their own
+    parts: list[Sample] = field(default_factory=list)
 
 
 def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
@@ -236,8 +239,8 @@ class Episodes:
         group = Group(prompt_index, self.data_rows[row])
         self.groups.append(group)
         data_row = self.rows[group.data_row]
-        for _ in range(self.config.rollout.samples_per_prompt):
-            episode = Episode(group, prompt_tokens=list(self.prompts[row]),
+        for index in range(self.config.rollout.samples_per_prompt):
+            episode = Episode(group, index=index, prompt_tokens=list(self.prompts[row]),
                               messages=chat_of(data_row, self.config.data.system_prompt)
                               or [{"role": "user", "content": data_row.get("prompt", "")}])
             group.episodes.append(episode)
@@ -335,20 +338,34 @@ class Episodes:
         self.waiting = still
 
     def finished(self) -> tuple[list[Sample], list[tuple[int, str]]]:
-        """The groups whose episodes have all ended: their samples, and the episodes that could not be
-        sent, (prompt index, why) each. A group with an episode the policy never spoke in (its
-        environment failed before the first turn) is not sent at all: a batch holds whole groups."""
+        """The groups whose episodes have all ended: their samples (an episode's parts in order, its
+        last part last, each numbered), and the episodes that could not be sent, (prompt index, why)
+        each. A group with an episode the policy never spoke in (its environment failed before the
+        first turn) is not sent at all: a batch holds whole groups."""
         samples, dropped, still = [], [], []
         for group in self.groups:
             if any(e.ended is None for e in group.episodes):
                 still.append(group)
-            elif all(e.tokens for e in group.episodes):
-                samples += [self._sample(e) for e in group.episodes]
+                continue
+            episodes = [self._parts(e) for e in group.episodes]
+            if all(episodes):
+                samples += [part for parts in episodes for part in parts]
             else:
-                dropped += [(group.prompt_index, e.ended if not e.tokens else "group_incomplete")
-                            for e in group.episodes]
+                dropped += [(group.prompt_index, e.ended if not parts else "group_incomplete")
+                            for e, parts in zip(group.episodes, episodes)]
         self.groups = still
         return samples, dropped
+
+    def _parts(self, episode: Episode) -> list[Sample]:
+        """An ended episode's samples: the parts it left behind and its last token stream, if the
+        policy spoke in it (a context rewritten and then ended before its first turn leaves none:
+        the part before is the last, and ends as the episode did)."""
+        parts = episode.parts + ([self._sample(episode)] if episode.tokens else [])
+        if parts:
+            parts[-1].finish_reason = episode.ended
+        for number, part in enumerate(parts):
+            part.episode_index, part.part_index, part.episode_parts = episode.index, number, len(parts)
+        return parts
 
     def _call(self, episode: Episode, function: Callable[..., Any], *arguments: Any) -> None:
         episode.pending = in_thread(function, *arguments)
@@ -424,13 +441,13 @@ class Episodes:
         self.ready.append(episode)
 
     def _restart(self, episode: Episode, first: Observation) -> None:
-        """The episode's context starts over (an agent program rewrote its conversation): the sample
-        is the new context's prompt and the turns after it, the same episode (its turns count on,
-        its reward still comes at its end). The turns before are not trained: a sample is one
-        token stream, and a group's samples are one per episode (``episode_splits`` counts these,
-        ``split_tokens`` the policy tokens left out)."""
+        """The episode's context starts over (an agent program rewrote its conversation): its token
+        stream so far becomes a part of its own (``finish_reason`` "restart"), trained as the same
+        episode, and the next part is the new context's prompt and the turns after it (its turns
+        count on, its reward still comes at its end, on its last part). ``episode_splits`` counts
+        the parts so made."""
         self.counters["episode_splits"] += 1
-        self.counters["split_tokens"] += sum(episode.loss_mask)
+        episode.parts.append(self._sample(episode, "restart"))
         episode.tokens, episode.logprobs, episode.loss_mask, episode.turn_rewards = [], [], [], []
         episode.behavior_version = None
         self._start_from(episode, first)
@@ -462,14 +479,15 @@ class Episodes:
                 f"above with its traceback and data row. Ends so far: "
                 + ", ".join(f"{k.removeprefix('ended_')} {v}" for k, v in sorted(self.counters.items())
                             if k.startswith("ended_")))
-        if episode.tokens:
+        if episode.tokens or episode.parts:
             self.counters["episodes"] += 1
             self.counters["turns"] += episode.turns
             self.counters["tool_calls"] += episode.tool_calls
             self.counters["tool_errors"] += episode.tool_errors
-            self.counters["env_reward"] += sum(episode.turn_rewards)
+            self.counters["env_reward"] += sum(episode.turn_rewards) + sum(float(part.turn_rewards.sum())
+                                                                           for part in episode.parts)
 
-    def _sample(self, episode: Episode) -> Sample:
+    def _sample(self, episode: Episode, finish_reason: str | None = None) -> Sample:
         # an observation is appended only when a turn follows it: the episode ends on a policy token
         return Sample(
             sample_id="", prompt_index=episode.group.prompt_index, behavior_version=episode.behavior_version,
@@ -477,7 +495,7 @@ class Episodes:
             prompt_tokens=np.asarray(episode.prompt_tokens, dtype=np.int32),
             response_tokens=np.asarray(episode.tokens, dtype=np.int32),
             behavior_logprobs=np.asarray(episode.logprobs, dtype=np.float32),
-            finish_reason=episode.ended, data_row=episode.group.data_row,
+            finish_reason=finish_reason or episode.ended, data_row=episode.group.data_row,
             loss_mask=np.asarray(episode.loss_mask, dtype=np.uint8),
             turn_rewards=np.asarray(episode.turn_rewards, dtype=np.float32),
             messages=json.dumps(episode.messages))
@@ -501,7 +519,7 @@ class Episodes:
         record = {**{f"episodes_{name}": counters[name] for name in counters if name.startswith("ended_")},
                   "episodes": counters["episodes"], "tool_errors": counters["tool_errors"]}
         if counters["episode_splits"]:
-            record.update(episode_splits=counters["episode_splits"], split_tokens=counters["split_tokens"])
+            record["episode_splits"] = counters["episode_splits"]
         record.update({name: counters[name] / counters[f"{name}:episodes"] for name in counters
                        if name.startswith("agent_") and not name.endswith(":episodes")})
         if counters["episodes"]:  # means over none would read as zeros on the dashboard

@@ -48,7 +48,20 @@ class ResetRaises(Counting):
         raise RuntimeError("no sandbox to be had")
 
 
-MIXED = [Counting] * 6 + [Raises, Hangs, Garbage, DoneAtOnce, ResetRaises]
+class CompactsOnce(Counting):
+    """Counts, but answers its first turn with its conversation rewritten (a summary in its place, as
+    an agent program that compacts its context), so its episode comes in two parts."""
+
+    def step(self, response, messages):
+        from rollout.environments import Restart
+
+        if self.turn == 0:
+            self.turn += 1
+            return Step(Restart([{"role": "user", "content": "odd 1 :"}]), reward=0.5)
+        return super().step(response, messages)
+
+
+MIXED = [Counting] * 5 + [CompactsOnce, Raises, Hangs, Garbage, DoneAtOnce, ResetRaises]
 
 
 _made = itertools.count()
@@ -229,6 +242,20 @@ def asks_for_two_tokens(row: dict) -> AsksForTwoTokens:
 
 def compacts_its_context(row: dict) -> CompactsItsContext:
     return CompactsItsContext()
+
+
+class CompactsPastTheLimit:
+    """Turn 1 answered (with a turn reward), then its context rewritten to one too long for the run:
+    the episode ends before its new context's first turn."""
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        from rollout.environments import Restart
+
+        return Step(Restart([{"role": "user", "content": "odd 1 " * 100}]), 0.5)
+
+
+def compacts_past_the_limit(row: dict) -> CompactsPastTheLimit:
+    return CompactsPastTheLimit()
 
 
 async def says_yes(client, row: dict):

@@ -390,9 +390,10 @@ def test_an_episode_that_ends_well_resets_the_count_of_failures(tmp_path, demo_t
     assert episodes.failed_in_a_row == 0 and [s.finish_reason for s in episodes.finished()[0]] == ["max_turns"]
 
 
-def test_a_context_started_over_is_the_episodes_sample_from_there_and_counted(tmp_path, demo_tokenizer):
-    """A Restart (an agent program that compacted its conversation): the sample is the new context's
-    prompt and the turns after it, with the episode's reward; the turns before are counted."""
+def test_a_context_started_over_makes_the_turns_before_a_part_of_the_same_episode(tmp_path, demo_tokenizer):
+    """A Restart (an agent program that compacted its conversation): the turns before are a sample of
+    their own, the episode's first part (finish reason "restart", its own versions); the new
+    context's prompt and the turns after it are its last part, with the episode's reward."""
     tok = demo_tokenizer
     episodes = make_episodes(tmp_path, tok, "tests.environments:compacts_its_context", [{"prompt": "even 1 2 3 :"}])
     episodes.start(0, 0)
@@ -403,13 +404,34 @@ def test_a_context_started_over_is_the_episodes_sample_from_there_and_counted(tm
             assert ids == tok("odd 1 :")["input_ids"]  # the new context, rendered as a reset's
         episodes.turn_finished(episode, fake_output(turn), version)
         settle(episodes)
-    (sample,), dropped = episodes.finished()
-    assert dropped == [] and sample.finish_reason == "done"
-    assert sample.prompt_tokens.tolist() == tok("odd 1 :")["input_ids"]
-    assert sample.response_tokens.tolist() == [11, EOS] and sample.loss_mask.tolist() == [1, 1]
-    assert sample.turn_rewards.tolist() == [0.0, 1.0] and sample.behavior_version == 1
+    (before, after), dropped = episodes.finished()
+    assert dropped == [] and (before.finish_reason, after.finish_reason) == ("restart", "done")
+    assert [(s.episode_index, s.part_index, s.episode_parts, s.final) for s in (before, after)] == [
+        (0, 0, 2, False), (0, 1, 2, True)]
+    assert before.prompt_tokens.tolist() == tok("even 1 2 3 :")["input_ids"]
+    assert before.response_tokens.tolist() == [10, 12, EOS] and before.loss_mask.tolist() == [1, 1, 1]
+    assert before.turn_rewards.tolist() == [0.0, 0.0, 0.0] and before.behavior_version == 0
+    assert after.prompt_tokens.tolist() == tok("odd 1 :")["input_ids"]
+    assert after.response_tokens.tolist() == [11, EOS] and after.loss_mask.tolist() == [1, 1]
+    assert after.turn_rewards.tolist() == [0.0, 1.0] and after.behavior_version == 1
     record = episodes.record()
-    assert (record["episode_splits"], record["split_tokens"], record["turns_per_episode"]) == (1, 3, 2)
+    assert (record["episode_splits"], record["episodes"], record["turns_per_episode"], record["env_reward"]) == (
+        1, 1, 2, 1.0)
+
+
+def test_a_context_rewritten_past_the_limit_leaves_the_part_before_as_the_episodes_last(tmp_path, demo_tokenizer):
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:compacts_past_the_limit",
+                             [{"prompt": "even 1 2 3 :"}], "rollout.samples_per_prompt=2")
+    episodes.start(0, 0)
+    settle(episodes)
+    for episode, _, _ in episodes.take_ready(0):
+        episodes.turn_finished(episode, fake_output([10, EOS]), 0)
+    settle(episodes)
+    samples, dropped = episodes.finished()
+    assert dropped == [] and [(s.episode_index, s.part_index, s.episode_parts) for s in samples] == [
+        (0, 0, 1), (1, 0, 1)]
+    assert all(s.finish_reason == "token_budget" and s.turn_rewards.tolist() == [0.0, 0.5] for s in samples)
+    assert episodes.record()["env_reward"] == 0.5
 
 
 def test_the_runs_end_closes_the_environments_of_episodes_under_way_and_of_resets_under_way(tmp_path, demo_tokenizer):

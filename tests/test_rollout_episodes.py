@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.environments import Counting, DoneAtOnce, Garbage, Hangs, Raises, ResetRaises, mixed
+from tests.environments import CompactsOnce, Counting, DoneAtOnce, Garbage, Hangs, Raises, ResetRaises, mixed
 from tests.helpers import chunked_logprobs, rollout_one_batch
 
 LOGPROB_TOLERANCE = 1e-4  # as the streaming test's: the same kernels, decode against one chunked prefill
@@ -14,18 +14,21 @@ LOGPROB_TOLERANCE = 1e-4  # as the streaming test's: the same kernels, decode ag
 # what each environment of tests.environments.mixed may end its episode with: "length" whenever the
 # policy's first turn is cut at max_new_tokens (then no step is taken)
 REASONS = {Counting: {"done", "length", "token_budget"}, Raises: {"env_error", "length"},
-           Hangs: {"env_deadline", "length"}, Garbage: {"env_error", "length"}, DoneAtOnce: {"done", "length"}}
+           Hangs: {"env_deadline", "length"}, Garbage: {"env_error", "length"}, DoneAtOnce: {"done", "length"},
+           CompactsOnce: {"restart", "done", "length", "token_budget"}}
 
 
 @pytest.mark.slow
 def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a_reason(tmp_path, tiny_assets):
     """k = 0, one batch of episodes with tests.environments.mixed (three turns of counting, or an
     environment that raises, hangs past its deadline, returns garbage, ends at once, or fails at
-    its reset). Every sample's policy tokens carry, token by token, the logprobs one chunked vLLM
+    its reset, or one that rewrites its context after its first turn, so that it comes in two
+    parts). Every sample's policy tokens carry, token by token, the logprobs one chunked vLLM
     pass gives its whole id sequence (so the ids are the ones vLLM generated from, turn after
-    turn); its environment tokens are each observation tokenized alone; its reason is the one its
-    environment allows; an episode whose reset failed is never a sample and its credit came back;
-    the buffer's accounting identity holds and the run ends."""
+    turn, part after part); its environment tokens are each observation tokenized alone; its
+    reason is the one its environment allows; an episode in parts is its parts in order, the
+    context rewritten its last part's prompt; an episode whose reset failed is never a sample and
+    its credit came back; the buffer's accounting identity holds and the run ends."""
     from transformers import AutoTokenizer
 
     from common.prompts import dataset_row, read_rows
@@ -34,7 +37,7 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
     samples, engine, result = rollout_one_batch(tmp_path, tiny_assets, batch, "rollout.max_new_tokens=8",
                                                 "rollout.environment=tests.environments:mixed",
                                                 "rollout.env_step_deadline_s=1.0")
-    assert len(samples) == batch
+    assert sum(s.final for s in samples) == batch  # episodes: one in parts is a row a part
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
     rows = read_rows(tiny_assets["prompts"])
@@ -53,6 +56,13 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
             assert mask[start:start + len(ids)] == [0] * len(ids) and mask[start + len(ids)] == 1
     multi_turn = [s for s in samples if (np.diff(s.loss_mask.astype(int)) != 0).any()]
     assert multi_turn, "no episode had a second turn"
+    cut = [i for i, s in enumerate(samples) if s.finish_reason == "restart"]
+    assert cut, "no episode rewrote its context"
+    for i in cut:  # the part before the rewrite, then the rest of its episode from the rewritten context
+        before, after = samples[i], samples[i + 1]
+        assert (before.episode, before.part_index, before.episode_parts) == (after.episode, 0, 2) and after.final
+        assert after.prompt_tokens.tolist() == tokenizer("odd 1 :")["input_ids"]
+        assert before.turn_rewards[-1] == 0.5 and after.behavior_version >= before.last_behavior_version
 
     # token out: vLLM's own logprobs of the whole sequence at every policy token
     gaps = []
@@ -61,7 +71,7 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
         gaps.append(float(np.max(np.abs(expected[policy] - sample.behavior_logprobs[policy]))))
         assert (sample.behavior_logprobs[~policy] == 0).all()
     engine.llm_engine.engine_core.shutdown()
-    print(f"largest logprob gap over {len(multi_turn)} multi-turn of {len(samples)} episodes: {max(gaps):.2e}")
+    print(f"largest logprob gap over {len(multi_turn)} multi-turn of {len(samples)} samples: {max(gaps):.2e}")
     assert max(gaps) < LOGPROB_TOLERANCE, max(gaps)
 
     # at k = 0 every prompt handed out ends before the batch is whole: those whose reset failed were
