@@ -204,7 +204,7 @@ class Buffer:
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
         if state.accounting.groups_unfiltered > unfiltered and self.unfiltered_warned != state.batches_served:
             self.unfiltered_warned = state.batches_served
-            self.log.warning("buffer.filter_groups dropped %d samples since the last batch, buffer.max_filter_ratio "
+            self.log.warning("buffer.filter_groups dropped %d episodes since the last batch, buffer.max_filter_ratio "
                              "(%g) x the batch: groups of equal rewards go into the next batch as they are",
                              state.filtered_since_batch, self.config.buffer.max_filter_ratio)
 

@@ -19,7 +19,7 @@ credit returned), and none is waited for once it can no longer be trained.
 Dynamic sampling (DAPO, ``buffer.filter_groups``): a group whose outcome rewards are all equal
 carries no advantage for a group estimator, so once it is whole and scored it is dropped
 (``group_filtered``) and its credits come back: the rollout is granted more prompts in its place,
-within the same bound. At most ``GroupFilter.max_ratio`` x batch_size samples are filtered between
+within the same bound. At most ``GroupFilter.max_ratio`` x batch_size episodes are filtered between
 two batches; past that, groups are kept as they are (``groups_unfiltered``) and the batch goes out.
 
 An episode may come in parts (an agent program that rewrote its context: ``Sample.part_index``).
@@ -82,12 +82,17 @@ def _turn_reward(sample: Sample) -> float:
     return float(sample.turn_rewards.sum()) if sample.turn_rewards is not None else 0.0
 
 
-def _by_episode(samples: list[Sample]) -> list[list[Sample]]:
+def _by_episode(samples) -> list[list[Sample]]:
     """``samples`` as their episodes' parts, episodes in the order they first appear."""
     episodes: dict = {}
     for sample in samples:
         episodes.setdefault(sample.episode, []).append(sample)
     return list(episodes.values())
+
+
+def _oldest_versions(samples) -> Counter:
+    """Episodes of ``samples`` per version, each at its oldest part's: the one that goes stale first."""
+    return Counter(min(part.behavior_version for part in parts) for parts in _by_episode(samples))
 
 
 @dataclass
@@ -120,6 +125,8 @@ class BufferState:
         # version -> samples granted at it (or, once here, generated with it) and not yet scored: a
         # batch waits for those that could not wait for the next one (see take_batch)
         self.owed: Counter = Counter()
+        # an episode in parts -> its oldest part's version, while its last part is unscored: what it owes
+        self.owed_at: dict = {}
         self.next_prompt_index = 0  # the prompt stream's next fresh position
         self.returned_prompts: list[int] = []  # positions a dead engine never generated; handed out first
         self.policy_version = 0  # newest published policy version (0: the SFT weights on disk)
@@ -230,9 +237,12 @@ class BufferState:
             reason, returns_credit = self._refusal(parts, lease)
             if reason is not None:
                 for part in parts:
-                    self._drop(reason, returns_credit=returns_credit and part.final)
+                    self._drop(reason, returns_credit=returns_credit and part is parts[-1])  # once an episode
                 continue
-            self._owe(parts[-1].behavior_version, 1)  # its last part's: the one that holds the credit
+            oldest = min(part.behavior_version for part in parts)  # the version it must be trained by + k
+            self._owe(oldest, 1)
+            if len(parts) > 1:
+                self.owed_at[parts[-1].episode] = oldest
             for part in parts:
                 self.seen_ids.add(part.sample_id)
                 self.seen_order.append(part.sample_id)
@@ -252,12 +262,12 @@ class BufferState:
         held = lease.get(parts[0].prompt_index)
         if held is None:
             return "not_granted", False
-        if not parts[-1].final:  # a malformed message: the credit stays held until the engine goes
-            return "episode_incomplete", False
         held.left -= 1
         if not held.left:
             del lease[parts[0].prompt_index]
         self._owe(held.version, -1)
+        if not parts[-1].final:  # its last part missing (not sent in one message): the credit comes back
+            return "episode_incomplete", True
         if max(part.last_behavior_version for part in parts) > self.policy_version:
             return "unpublished_version", True  # from the future
         if min(part.behavior_version for part in parts) < held.version:
@@ -320,7 +330,7 @@ class BufferState:
                 continue
             self.scored[sample.sample_id] = sample
             if sample.final:
-                self._owe(sample.behavior_version, -1)
+                self._owe(self.owed_at.pop(sample.episode, sample.behavior_version), -1)
             self.accounting.scored += 1
             accepted += 1
             if self.group_filter is not None:
@@ -373,12 +383,17 @@ class BufferState:
         version g must be trained by batch g + k. With a pool, a slow engine's samples would
         otherwise be overtaken by a fast engine's newer ones and go stale."""
         self.learner_version = policy_version
+        stale = {sample.prompt_index for sample in self.scored.values()
+                 if policy_version - sample.behavior_version > self.max_staleness}
         for sample_id, sample in list(self.scored.items()):
-            if policy_version - sample.behavior_version > self.max_staleness:
+            if sample.prompt_index in stale:  # its group can no longer be whole: all of it goes
                 del self.scored[sample_id]
-                self.partial_groups.pop(sample.prompt_index, None)  # the group can no longer be whole
-                self._drop("stale", returns_credit=sample.final)
-                self.accounting.staleness_violations += 1
+                self.partial_groups.pop(sample.prompt_index, None)
+                if policy_version - sample.behavior_version > self.max_staleness:
+                    self._drop("stale", returns_credit=sample.final)
+                    self.accounting.staleness_violations += 1
+                else:
+                    self._drop("group_stale", returns_credit=sample.final)
         if len(self.scored) < batch_size:
             return None
         ordered = self._oldest_whole_groups(batch_size)
@@ -430,11 +445,9 @@ class BufferState:
         <= g must fit in the batches v + 1 .. g + k."""
         if not self.owed or min(self.owed) >= max(sample.behavior_version for sample in batch):
             return False
-        left = Counter(self.owed)  # in episodes, as batches count them: each at its last part's version
-        for sample in filter(lambda sample: sample.final, self.scored.values()):
-            left[sample.behavior_version] += 1
-        for sample in filter(lambda sample: sample.final, batch):
-            left[sample.behavior_version] -= 1
+        # in episodes, as batches count them, each at its oldest part's version
+        left = Counter(self.owed) + _oldest_versions(self.scored.values())
+        left.subtract(_oldest_versions(batch))
         count = 0
         for version in sorted(left):
             if version + self.max_staleness < policy_version:
@@ -542,10 +555,14 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
         unscored, scored = (unpack_samples(decode(frames)) for frames in data["messages"])
     except ProtocolError as error:
         raise ValueError(f"{path} holds samples this tether cannot read ({error}); start the run again") from None
+    oldest = {parts[0].episode: min(part.behavior_version for part in parts)
+              for parts in _by_episode(unscored + scored)}
     for sample in unscored:
         state.unscored[sample.sample_id] = sample
         if sample.final:
-            state._owe(sample.behavior_version, 1)
+            state._owe(oldest[sample.episode], 1)
+            if sample.episode_parts and sample.episode_parts > 1:
+                state.owed_at[sample.episode] = oldest[sample.episode]
     for sample in scored:
         state.scored[sample.sample_id] = sample
     if group_filter is not None:  # whole groups were judged before the snapshot; the rest wait for theirs

@@ -35,7 +35,8 @@ def deepspeed_engine(model: nn.Module, lr: float, learner, dtype: str, rows_per_
         body.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.train()  # HF checkpoints only in training mode (dropout is off in every tether model)
     ds_config = {
-        # a minibatch is split evenly between the ranks (data parallel), each rank's share into micro-batches
+        # a minibatch is dealt between the ranks (data parallel; as evenly as its rows allow: a batch of
+        # episodes in parts may leave one rank a row fewer), each rank's share into micro-batches
         # whose count varies (learner.micro_batches): ppo_step marks the last of them as the accumulation
         # boundary itself, and scales each one's loss by its share; DeepSpeed averages the ranks' gradients
         "train_micro_batch_size_per_gpu": max(1, rows_per_step // world),

@@ -271,10 +271,12 @@ def episode_totals(row_totals: torch.Tensor, episode_ids: torch.Tensor, episodes
 def rewards_across_parts(rewards: torch.Tensor, response_mask: torch.Tensor, later: torch.Tensor) -> torch.Tensor:
     """Token rewards [B, T] of rows that may be parts of one episode, with each row's last valid
     token also given the undiscounted sum of the token rewards of its episode's later parts
-    (``later`` [B, B] bool: row j is a later part of row i's episode). Reward-to-go and GAE then
-    run per row as on the whole episode: exact at gamma = 1; at gamma < 1 a later part's rewards
-    are not discounted by the length of the parts in between. Returns [B, T]; rows with no later
-    part unchanged."""
+    (``later`` [B, B] bool: row j is a later part of row i's episode). Reward-to-go then runs per
+    row as on the whole episode, exactly at gamma = 1 (at gamma < 1 a later part's rewards are not
+    discounted by the length of the parts in between); GAE too at gamma = lambda = 1, while at
+    lambda < 1 a part's end bootstraps from the later parts' actual rewards, not the critic's value
+    of the next part's first token (its context differs). Returns [B, T]; rows with no later part
+    unchanged."""
     mask = _check_mask(response_mask)
     _check_shape("rewards", rewards, mask.shape, "response_mask")
     _check_shape("later", later, (mask.shape[0], mask.shape[0]), "[B, B]")

@@ -131,11 +131,9 @@ class Sample:
 def group_is_whole(samples: list[Sample], samples_per_prompt: int) -> bool:
     """Whether ``samples`` (of one prompt) are all of its group: each of its ``samples_per_prompt``
     episodes with every one of its parts."""
-    if all(s.episode_index is None for s in samples):
-        return len(samples) == samples_per_prompt
-    parts = {s.episode_index: s.episode_parts for s in samples}
-    return (sorted(parts) == list(range(samples_per_prompt)) and len(samples) == sum(parts.values())
-            and len({(s.episode_index, s.part_index) for s in samples}) == len(samples))
+    parts = {s.episode: s.episode_parts or 1 for s in samples}  # a sample without parts: one episode
+    return (len(parts) == samples_per_prompt and len(samples) == sum(parts.values())
+            and len({(s.episode, s.part_index) for s in samples}) == len(samples))
 
 
 COLUMNS: tuple[Column, ...] = tuple(Column(f.name, *f.metadata["column"]) for f in fields(Sample)

@@ -945,3 +945,28 @@ def test_a_stale_episode_in_parts_gives_back_one_credit():
     state.publish_weights(1, None)
     assert state.take_batch(1, 1) is None
     assert state.report()["dropped"] == {"stale": 2} and state.granted == 1 and state.report()["identity_holds"]
+
+
+def test_an_episode_in_parts_is_owed_at_its_oldest_part_and_goes_stale_with_its_group():
+    state = BufferState(batch_size=2, max_staleness=1, samples_per_prompt=2)
+    assert state.credits_for("rollout:0", 0, 2) == [0]
+    state.publish_weights(1, None)  # the weights change while the group is generated
+    first, second = split_episode(0, 0, 0, 0)
+    second.behavior_version = second.last_behavior_version = 1
+    other = split_episode(2, 1, 0, 1, parts=1)
+    assert state.add_samples([first, second, *other]) == 3
+    assert state.owed == {0: 1, 1: 1}  # the split episode must be trained by its first part's version + k
+    score_all(state)
+    assert not state.owed and not state.owed_at
+    state.publish_weights(2, None)
+    assert state.take_batch(2, 2) is None  # its first part is too old now: the whole group goes
+    report = state.report()
+    assert report["dropped"] == {"stale": 1, "group_stale": 2} and not state.scored
+    assert state.granted == 0 and report["identity_holds"]  # a credit back per episode
+
+
+def test_an_episode_whose_last_part_did_not_come_gives_its_credit_back():
+    state = BufferState(batch_size=1, max_staleness=0)
+    state.credits_for("rollout:0", 0, 1)
+    assert state.add_samples(split_episode(0, 0, 0, 0)[:1]) == 0
+    assert state.report()["dropped"] == {"episode_incomplete": 1} and state.granted == 0 and not state.owed
