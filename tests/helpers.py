@@ -300,3 +300,52 @@ def chunked_logprobs(engine, samples) -> list[np.ndarray]:
                                for s in samples], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)
     return [np.array([output.prompt_logprobs[len(s.prompt_tokens) + j][int(token)].logprob
                       for j, token in enumerate(s.response_tokens)]) for s, output in zip(samples, outputs)]
+
+
+# --------------------------------------------------------------------------- vision
+
+# Idefics3's template shape: image parts as <image>, one placeholder each, which the processor (and
+# vLLM) expands into the image's tokens
+VISION_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}"
+                   "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>"
+                   "{% else %}{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+                   "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def tiny_vision_policy(directory) -> str:
+    """A vision-language policy built from a config, saved with its processor: Idefics3 (a SigLIP
+    tower of 2 layers on 56-pixel images, 4 image tokens an image, a 2-layer Llama), float32. The
+    family vLLM's CPU build serves without torchvision (the Qwen-VL, LLaVA and Gemma 3 modules import
+    it), with 1-D positions; head_dim 32, the CPU attention kernel's least."""
+    import torch
+    from transformers import (Idefics3Config, Idefics3ForConditionalGeneration, Idefics3Processor,
+                              Idefics3VisionConfig, LlamaConfig, PreTrainedTokenizerFast)
+    from transformers.models.idefics3.image_processing_pil_idefics3 import Idefics3ImageProcessorPil
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<fake_token_around_image>", "<image>", "<global-img>",
+               "<end_of_utterance>", *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_trained_bpe(special), eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", chat_template=VISION_TEMPLATE)
+    vision = Idefics3VisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                  image_size=56, patch_size=14)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                       tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"),
+                            tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Idefics3ForConditionalGeneration(config).save_pretrained(directory)
+    images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": 56},
+                                       max_image_size={"longest_edge": 56})
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=(56 // 14) ** 2 // 4,
+                      chat_template=VISION_TEMPLATE).save_pretrained(directory)
+    return str(directory)
+
+
+def write_image(path, size: tuple[int, int], colour: tuple[int, int, int]) -> str:
+    """A PNG of one colour."""
+    from PIL import Image
+
+    Image.new("RGB", size, colour).save(path)
+    return str(path)

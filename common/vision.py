@@ -1,0 +1,124 @@
+"""Images in prompts (issue 36, in progress): read from a data row, carried as their encoded bytes,
+and turned into the model's inputs by the model's own processor: the same way in the rollout
+(vLLM runs that processor on the images it is given) and in the roles that recompute logprobs.
+
+A row names its images by path, relative to its data file: ``{"prompt": ..., "images": ["a.png"]}``
+(or ``"messages"`` with ``"images"``). The prompt holds one placeholder per image (the processor's
+``image_token``), unexpanded: vLLM expands each into the image's tokens itself, and a prompt
+already expanded would be read as text. The expanded ids vLLM reports are what a sample trains on.
+
+Why bytes travel with a sample rather than a path or a content-addressed file in the run
+directory: the scorer and the learner may run on hosts that see neither the data file nor the run
+directory (tether does not require a shared file system), and an encoded image is small next to
+what it becomes (a 56x56 PNG is under 1 KB; its pixel values 37 KB in float32). The processor
+decodes the same bytes to the same pixels in every role.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from typing import Any
+
+import numpy as np
+
+from common.config import ConfigError
+
+_LENGTH = struct.Struct("<I")  # each image's byte count, before its bytes (pack_images)
+
+
+def image_paths(row: dict[str, Any]) -> list[str]:
+    """The images a row names (``"images"``), in order; none for a text-only row."""
+    images = row.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(path, str) and path for path in images):
+        raise ValueError(f'"images" must be a list of file paths, got {str(images)[:80]}')
+    return images
+
+
+def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "data.prompts") -> list[bytes]:
+    """The encoded bytes of each image ``row`` names (paths relative to ``data_path``'s directory),
+    each checked to decode as an image. A bad one is a ConfigError naming the key, the data file,
+    the row (``where``: "line 5", "row 3") and the image file."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        paths = image_paths(row)
+    except ValueError as error:
+        raise ConfigError(f"{key}: {data_path} {where}: {error}") from None
+    images = []
+    for path in paths:
+        full = path if os.path.isabs(path) else os.path.join(os.path.dirname(os.path.abspath(data_path)), path)
+        try:
+            with open(full, "rb") as file:
+                data = file.read()
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()
+        except (OSError, UnidentifiedImageError, ValueError) as error:
+            raise ConfigError(f"{key}: {data_path} {where}: image {full} cannot be read as an image "
+                              f"({type(error).__name__}: {error})") from None
+        images.append(data)
+    return images
+
+
+def pack_images(images: list[bytes]) -> np.ndarray:
+    """A sample's images as one uint8 array: each image's byte count (4 bytes, little-endian), then
+    its bytes. ``unpack_images`` reads it back."""
+    return np.frombuffer(b"".join(_LENGTH.pack(len(image)) + image for image in images), dtype=np.uint8)
+
+
+def unpack_images(packed: np.ndarray) -> list[bytes]:
+    """``pack_images``' images, in order; a ValueError where the counts do not add up."""
+    data, images, offset = memoryview(np.ascontiguousarray(packed, dtype=np.uint8)).cast("B"), [], 0
+    while offset < len(data):
+        if offset + _LENGTH.size > len(data):
+            raise ValueError(f"packed images end inside an image's length at byte {offset}")
+        (size,), offset = _LENGTH.unpack_from(data, offset), offset + _LENGTH.size
+        if offset + size > len(data):
+            raise ValueError(f"packed images end inside an image of {size} bytes at byte {offset}")
+        images.append(bytes(data[offset:offset + size]))
+        offset += size
+    return images
+
+
+def decoded(images: list[bytes]) -> list:
+    """The images as RGB PIL images, what a processor (and vLLM) takes."""
+    from PIL import Image
+
+    return [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
+
+
+def load_processor(model: str):
+    """The model's processor where it sees images (its processor has an image processor), else None."""
+    from transformers import AutoProcessor
+
+    try:
+        processor = AutoProcessor.from_pretrained(model)
+    except (OSError, ValueError, KeyError):  # a text model's directory has no processor of its own
+        return None
+    return processor if getattr(processor, "image_processor", None) is not None else None
+
+
+def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None) -> str:
+    """The prompt's text with one placeholder per image (``processor.image_token``), before the
+    prompt's text: a text prompt as is, a chat through the processor's chat template with the
+    generation prompt, the placeholders opening its first user message."""
+    from common.prompts import chat_of
+
+    count = len(image_paths(row))
+    chat = chat_of(row, system_prompt)
+    if chat is None:
+        return processor.image_token * count + row["prompt"]
+    first_user = next(i for i, message in enumerate(chat) if message["role"] == "user")
+    parts = [[{"type": "text", "text": m["content"]}] for m in chat]
+    parts[first_user][:0] = [{"type": "image"}] * count
+    return processor.apply_chat_template([{"role": m["role"], "content": p} for m, p in zip(chat, parts)],
+                                         add_generation_prompt=True, tokenize=False)
+
+
+def pixel_inputs(processor, images: list[list]) -> dict[str, Any]:
+    """The model's image inputs for a batch of rows, ``images`` [B] lists of PIL images (a row may
+    have none): the processor's output without its text (``pixel_values`` and what else the family
+    takes, e.g. ``pixel_attention_mask``), rows in order."""
+    output = processor.image_processor(images, return_tensors="pt")
+    return {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
