@@ -26,10 +26,13 @@ from protocol.errors import ProtocolError
 if TYPE_CHECKING:
     from protocol.message import Message
 
-Per = Literal["sample", "prompt token", "response token"]
+Per = Literal["sample", "prompt token", "response token", "image byte"]
 
-# the field that carries each sample's length of a per-token kind
-LENGTHS: dict[str, str] = {"prompt token": "prompt_lengths", "response token": "response_lengths"}
+# the field that carries each sample's length of a per-token kind (an image byte's: its images' bytes,
+# ``common.vision.pack_images``; the field is left out of a message where no sample has images)
+LENGTHS: dict[str, str] = {"prompt token": "prompt_lengths", "response token": "response_lengths",
+                           "image byte": "image_byte_lengths"}
+_OPTIONAL_LENGTHS = ("image byte",)  # kinds a sample may have none of
 _LIST_TYPES = ("int", "float", "str")  # dtypes of per-sample columns that travel as lists
 
 
@@ -96,6 +99,8 @@ class Sample:
     # an episode's conversation as JSON (a list of {"role", "content"}): what reward functions and an RM
     # with its own chat template read, and what evaluations show
     messages: str | None = column("messages", "sample", "str", optional=True, default=None)
+    # the images its prompt shows (and an episode's observations), encoded, as common.vision packs them
+    images: np.ndarray | None = column("image_bytes", "image byte", "uint8", optional=True, default=None)
     # an episode's place in its group and its parts: a program that rewrites its context starts a new
     # token stream, a part, of the same episode (None: one part each, as every single response). The
     # parts of an episode travel, are kept and are trained together; only its last part holds a credit
@@ -139,14 +144,16 @@ def group_is_whole(samples: list[Sample], samples_per_prompt: int) -> bool:
 COLUMNS: tuple[Column, ...] = tuple(Column(f.name, *f.metadata["column"]) for f in fields(Sample)
                                     if "column" in f.metadata)
 _SCORED_REQUIRED = tuple(c.name for c in COLUMNS if c.scored and not c.optional)
-_TOKENS = {"prompt token": "prompt_tokens", "response token": "response_tokens"}  # what each length counts
+_TOKENS = {"prompt token": "prompt_tokens", "response token": "response_tokens",
+           "image byte": "images"}  # what each length counts
 
 
 def sample_fields(scored: bool) -> dict[str, str]:
     """The schema's fields of a message that carries samples (scored: with the scorer's columns)."""
     declared = {c.wire: f"list[{c.dtype}]" + ("?" if c.optional else "") for c in COLUMNS
                 if not c.is_tensor and (scored or not c.scored)}
-    return {**declared, **{name: "list[int]" for name in LENGTHS.values()}}
+    lengths = {name: "list[int]" + ("?" if per in _OPTIONAL_LENGTHS else "") for per, name in LENGTHS.items()}
+    return {**declared, **lengths}
 
 
 def sample_tensors(scored: bool) -> dict[str, str]:
@@ -183,7 +190,7 @@ def _flat_tensor(samples: list[Sample], runs: list[tuple[int, int]], col: Column
             first, last = samples[start].row, samples[stop - 1].row
             pieces.append(source[(int(ends[first - 1]) if first > 0 else 0):int(ends[last])])
         elif col.optional:  # a sample without it has ``absent`` at each of its tokens
-            lengths = map(len, map(attrgetter(_TOKENS[col.per]), samples[start:stop]))
+            lengths = map(_length, map(attrgetter(_TOKENS[col.per]), samples[start:stop]))
             pieces.extend(array if array is not None else np.full(n, col.absent, col.dtype)
                           for array, n in zip(arrays, lengths))
         else:
@@ -207,7 +214,9 @@ def pack_samples(samples: list[Sample], scored: bool = False) -> tuple[dict[str,
             values = [float(v) for v in values]
         fields_out[col.wire] = values
     for per, name in LENGTHS.items():
-        fields_out[name] = list(map(len, map(attrgetter(_TOKENS[per]), samples)))
+        values = list(map(attrgetter(_TOKENS[per]), samples))
+        if per not in _OPTIONAL_LENGTHS or any(value is not None for value in values):
+            fields_out[name] = list(map(_length, values))
     runs = _runs(samples)
     tensors = {c.wire: (_flat_tensor(samples, runs, c) if c.per != "sample"
                         else np.array([getattr(s, c.name) for s in samples], dtype=c.dtype))
@@ -222,10 +231,10 @@ def unpack_samples(message: Message) -> list[Sample]:
     count = len(fields_in["sample_ids"])
     present = [c for c in COLUMNS if c.wire in (tensors if c.is_tensor else fields_in)]
     for name in [c.wire for c in present if not c.is_tensor] + list(LENGTHS.values()):
-        if fields_in[name] is not None and len(fields_in[name]) != count:
+        if fields_in.get(name) is not None and len(fields_in[name]) != count:
             raise ProtocolError(f"{message.type}: {name} has {len(fields_in[name])} entries for {count} samples")
-    lengths = {per: fields_in[name] for per, name in LENGTHS.items()}
-    if any(n < 1 for per in LENGTHS for n in lengths[per]):
+    lengths = {per: fields_in.get(name) or [0] * count for per, name in LENGTHS.items()}
+    if any(n < 1 for per in LENGTHS if per not in _OPTIONAL_LENGTHS for n in lengths[per]):
         raise ProtocolError(f"{message.type}: every sample needs a prompt and a response of length >= 1")
     for col in (c for c in present if c.is_tensor):
         shape = tensors[col.wire].shape
@@ -251,9 +260,10 @@ def unpack_samples(message: Message) -> list[Sample]:
             columns.append(fields_in[col.wire] if fields_in[col.wire] is not None else [None] * count)
         elif col.per == "sample":
             columns.append(tensors[col.wire].tolist())
-        else:  # views into the frame, cut where each sample's tokens end
+        else:  # views into the frame, cut where each sample's tokens end (none: a sample without images)
             flat, stops = tensors[col.wire], bounds[col.per]
-            columns.append([flat[start:stop] for start, stop in zip([0, *stops[:-1]], stops)])
+            columns.append([flat[start:stop] if stop > start or col.per not in _OPTIONAL_LENGTHS else None
+                            for start, stop in zip([0, *stops[:-1]], stops)])
     names = [col.name for col in present]
     return [Sample(**dict(zip(names, values)), chunk=chunk, row=i) for i, values in enumerate(zip(*columns))]
 
@@ -272,6 +282,10 @@ def _check_episodes(message_type: str, tensors: dict[str, np.ndarray], response_
     rewards = tensors.get("turn_rewards")
     if rewards is not None and mask is not None and (rewards[mask == 0] != 0).any():
         raise ProtocolError(f"{message_type}: a turn reward sits on an environment token (loss_mask 0)")
+
+
+def _length(values) -> int:
+    return 0 if values is None else len(values)
 
 
 def _check_parts(message_type: str, columns: list[list[int] | None]) -> None:

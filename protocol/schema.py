@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-SCHEMA_VERSION = 9  # 9: samples carry the parts of an episode (episode_indices, part_indices, episode_parts)
+SCHEMA_VERSION = 10  # 10: samples carry their images (image_bytes); 9: an episode's parts (part_indices, ...)
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")

@@ -45,7 +45,8 @@ def test_the_sample_messages_carry_the_columns_the_sample_declares():
     assert MESSAGES["scored"].fields["gold_rewards"] == "list[float]?"
     assert MESSAGES["scored"].tensors == {"prompt_tokens": "int32", "response_tokens": "int32",
                                           "behavior_logprobs": "float32", "ref_logprobs": "float32",
-                                          "rewards": "float32", "loss_mask": "uint8?", "turn_rewards": "float32?"}
+                                          "rewards": "float32", "loss_mask": "uint8?", "turn_rewards": "float32?",
+                                          "image_bytes": "uint8?"}
     assert MESSAGES["scored"].fields["part_indices"] == "list[int]?"
 
 
@@ -175,3 +176,24 @@ def test_an_episodes_parts_travel_with_their_numbers_and_are_refused_when_they_d
         unpack_samples(decode(encode("samples", {**fields, "part_indices": [0, 2, 0]}, tensors)))
     with pytest.raises(ProtocolError, match="come together or not at all"):
         unpack_samples(decode(encode("samples", {**fields, "episode_parts": None}, tensors)))
+
+
+def test_a_samples_images_travel_as_bytes_and_a_message_without_any_carries_none():
+    from common.vision import pack_images, unpack_images
+
+    text = [random_sample(i, scored=True) for i in range(2)]
+    fields, tensors = pack_samples(text, scored=True)
+    assert "image_bytes" not in tensors and "image_byte_lengths" not in fields  # text pays nothing
+    assert all(s.images is None for s in unpack_samples(decode(encode("scored", fields, tensors))))
+
+    seen = random_sample(2, scored=True)
+    seen.images = pack_images([b"\x89PNG one", b"\x89PNG two, longer"])
+    received = unpack_samples(decode(encode("scored", *pack_samples([text[0], seen, text[1]], scored=True))))
+    assert received[0].images is None and received[2].images is None
+    assert unpack_images(received[1].images) == [b"\x89PNG one", b"\x89PNG two, longer"]
+    np.testing.assert_array_equal(received[1].response_tokens, seen.response_tokens)  # the tokens still line up
+    again = unpack_samples(decode(encode("scored", *pack_samples(received, scored=True))))  # re-sent as received
+    assert unpack_images(again[1].images) == [b"\x89PNG one", b"\x89PNG two, longer"] and again[0].images is None
+    fields, tensors = pack_samples([seen], scored=True)
+    with pytest.raises(ProtocolError, match="image_bytes has shape"):
+        unpack_samples(decode(encode("scored", {**fields, "image_byte_lengths": [3]}, tensors)))
