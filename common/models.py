@@ -114,6 +114,11 @@ def load_causal_lm(path: str, dtype: str = "float32") -> nn.Module:
     """The causal LM in ``path`` (the policy, the reference, a stage's model), dropout off."""
     from transformers import AutoModelForCausalLM
 
+    from common.vision import sees_images
+
+    if sees_images(path):
+        raise ConfigError(f"{path} is a vision-language model: the rollout generates from its image prompts, but "
+                          "the scorer and the learner do not run one yet (issue 36, in progress)")
     return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
 
 

@@ -88,10 +88,24 @@ def decoded(images: list[bytes]) -> list:
     return [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
 
 
+def sees_images(model: str) -> bool:
+    """Whether the model in directory ``model`` is a vision-language one (its config has a vision
+    tower's), read from its config alone."""
+    import json
+
+    try:
+        with open(os.path.join(model, "config.json"), encoding="utf-8") as file:
+            return "vision_config" in json.load(file)
+    except (OSError, ValueError):
+        return False
+
+
 def load_processor(model: str):
     """The model's processor where it sees images (its processor has an image processor), else None."""
     from transformers import AutoProcessor
 
+    if not sees_images(model):
+        return None
     try:
         processor = AutoProcessor.from_pretrained(model)
     except (OSError, ValueError, KeyError):  # a text model's directory has no processor of its own
@@ -122,3 +136,30 @@ def pixel_inputs(processor, images: list[list]) -> dict[str, Any]:
     takes, e.g. ``pixel_attention_mask``), rows in order."""
     output = processor.image_processor(images, return_tensors="pt")
     return {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
+
+
+def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_prompt: str | None, key: str,
+                   path: str) -> tuple[list[list[int]], list[int], list[list[bytes]]]:
+    """``prompts_within`` for a policy that sees: the token ids of the rows (of ``path``, config key
+    ``key``) whose prompt, each image expanded into its tokens, is at most ``limit`` tokens long
+    (one placeholder per image, unexpanded: vLLM expands them), those rows' indices, and their
+    images' bytes. A row whose images alone pass the limit is an error naming it; a longer text is
+    left out, as a text prompt is."""
+    token_ids, kept, images = [], [], []
+    for row_index, row in enumerate(rows):
+        where = f"prompt {row_index + 1}"
+        row_images = read_images(row, path, where, key)
+        text = vision_prompt_text(row, processor, system_prompt)
+        ids = list(processor.tokenizer(text)["input_ids"])
+        expanded = len(processor(text=[text], images=[decoded(row_images)] if row_images else None)["input_ids"][0])
+        if expanded - len(ids) + len(row_images) > limit:
+            raise ConfigError(f"{key}: {path} {where}: its {len(row_images)} image(s) take {expanded - len(ids)} "
+                              f"more tokens than the prompt's text, past the {limit} a prompt may have "
+                              "(rollout.max_model_len - max_new_tokens): smaller images, or a longer max_model_len")
+        if expanded <= limit:
+            token_ids.append(ids)
+            kept.append(row_index)
+            images.append(row_images)
+    if not kept:
+        raise ConfigError(f"{key}: no prompt of {path} fits in {limit} tokens with its images")
+    return token_ids, kept, images

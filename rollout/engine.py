@@ -147,6 +147,8 @@ def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log,
         # requests in flight are recomputed (vLLM preempts them, keeping their tokens so far), so every
         # token from here on is sampled from the new version
         engine.reset_prefix_cache(reset_running_requests=True)
+        # and the vision tower's features of each image seen, which vLLM keeps by the image's hash
+        engine.llm_engine.reset_encoder_cache()
         how = ("fetch over tcp and load" if staging is not None else
                "load from shared memory, checked while written" if checked else "load from shared memory")
         how += " its LoRA adapter" if adapter is not None else ""

@@ -68,11 +68,15 @@ class InFlight:
     def add(self, generator: Generator, version: int, lora_request=None) -> None:
         """Every request ``generator`` has ready joins the engine (between two of its steps), with
         the policy's LoRA adapter where a version is one (``learner.lora_sync: adapters``)."""
+        from common.vision import decoded
+
         for what, ids, sampling in generator.take_ready(version):
             request_id = str(self.added)
             self.added += 1
-            self.engine.llm_engine.add_request(request_id, self.TokensPrompt(prompt_token_ids=ids), sampling,
-                                               lora_request=lora_request)
+            images = getattr(what, "images", None)  # unexpanded placeholders in ids: vLLM expands each image's
+            prompt = (self.TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": decoded(images)}) if images
+                      else self.TokensPrompt(prompt_token_ids=ids))
+            self.engine.llm_engine.add_request(request_id, prompt, sampling, lora_request=lora_request)
             self.requests[request_id] = what
 
     def step(self, generator: Generator, version: int) -> None:

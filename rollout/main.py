@@ -6,10 +6,11 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from common.config import TetherConfig
+from common.config import ConfigError, TetherConfig
 from common.models import resolve_models
 from common.prompts import dataset_row, prompts_within, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
+from common.vision import load_processor, vision_prompts
 from protocol.samples import Sample
 from protocol.transport import connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments
@@ -25,31 +26,40 @@ from weight_sync.lora import lora_sync_logged
 
 
 def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | None = None,
-                     tools: list[dict] | None = None) -> tuple[list[list[int]], list[int], int]:
+                     tools: list[dict] | None = None, processor=None
+                     ) -> tuple[list[list[int]], list[int], int, list[list[bytes]] | None]:
     """Token ids of every prompt of ``data.prompts`` (its ``rows``, if read already) that leaves room
-    for ``max_new_tokens`` in ``max_model_len``, their rows in the file, and how many were skipped.
-    Longer ones are skipped and counted (vLLM would refuse them); every engine skips the same ones,
-    so the prompt stream means the same to all. A chat is rendered with the ``tools`` schemas."""
+    for ``max_new_tokens`` in ``max_model_len``, their rows in the file, how many were skipped, and
+    (a policy that sees: its ``processor``) their images' bytes. Longer ones are skipped and counted
+    (vLLM would refuse them); every engine skips the same ones, so the prompt stream means the same
+    to all. A chat is rendered with the ``tools`` schemas."""
     started = time.monotonic()
     rows = rows if rows is not None else read_rows(config.data.prompts)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
-    token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "data.prompts",
-                                     config.data.prompts, tools)
+    images = None
+    if processor is not None:
+        token_ids, kept, images = vision_prompts(rows, processor, limit, config.data.system_prompt, "data.prompts",
+                                                 config.data.prompts)
+    else:
+        token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "data.prompts",
+                                         config.data.prompts, tools)
     skipped = len(rows) - len(kept)
     log.info("%d prompts tokenized in %.1fs%s", len(rows), time.monotonic() - started,
              f"; {skipped} skipped: longer than {limit} tokens (rollout.max_model_len - max_new_tokens)"
              if skipped else "")
-    return token_ids, kept, skipped
+    return token_ids, kept, skipped, images
 
 
 def generation_source(config: TetherConfig, environments: Environments | None, tokenizer, rows: list[dict],
-                      prompts: list[list[int]], data_rows: list[int], log) -> Generator:
+                      prompts: list[list[int]], data_rows: list[int], log,
+                      images: list[list[bytes]] | None = None) -> Generator:
     """What the loop drives: one request a prompt without environments, else episodes of turns.
     Only finished requests come out of the engine (the loop reads nothing of one before its end)."""
     from vllm.sampling_params import RequestOutputKind
 
     if environments is None:
-        return Responses(prompts, data_rows, sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY))
+        return Responses(prompts, data_rows, sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY),
+                         images)
     return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
                     data_rows, lambda _, max_tokens: sampling_params(config, n=1, max_tokens=max_tokens,
                                                                      output_kind=RequestOutputKind.FINAL_ONLY), log)
@@ -84,16 +94,21 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     if environments is not None:
         environments.read_calls_with(rollout_cfg.tool_parser, tokenizer, rollout_cfg.reasoning_parser)
     rows = read_rows(config.data.prompts)
-    prompts, data_rows, skipped = prompts_that_fit(config, tokenizer, log, rows, tools)
+    processor = load_processor(config.models.policy)  # a policy that sees images: its processor
+    if processor is not None and environments is not None:
+        raise ConfigError("rollout.environment / rollout.tools / rollout.agent with a policy that sees images "
+                          f"({config.models.policy}): episodes with images are not built yet (issue 36)")
+    prompts, data_rows, skipped, images = prompts_that_fit(config, tokenizer, log, rows, tools, processor)
     timeline.phase("prompts")
     # the engine first: it is the longest part of anyone's start-up and needs nobody
     own_engine = engine is None
     adapters = config.learner.lora_rank > 0 and lora_sync_logged(config, log) == "adapters"
-    engine = engine or make_vllm_engine(config, worker_index, **(lora_arguments(config) if adapters else {}))
+    vision = {"limit_mm_per_prompt": {"image": max(map(len, images), default=1) or 1}} if images is not None else {}
+    engine = engine or make_vllm_engine(config, worker_index, **(lora_arguments(config) if adapters else {}), **vision)
     timeline.phase("engine init")
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")
-    source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log)
+    source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log, images)
     metrics = metrics_writer(config, name)
     weights = WeightLoads(engine, config, name, log,
                           PolicyAdapter(config, f"{config.weights_dir}-{name}-lora") if adapters else None)

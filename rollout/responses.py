@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from common.vision import pack_images
 from protocol.samples import Sample
 
 
@@ -17,6 +18,7 @@ class Generating:
     prompt_index: int
     data_row: int
     version: int
+    images: list[bytes] | None = None  # its prompt's, encoded (a policy that sees)
 
 
 def to_samples(outputs, generating: list[Generating], last_version: int) -> list[Sample]:
@@ -38,6 +40,7 @@ def to_samples(outputs, generating: list[Generating], last_version: int) -> list
                 behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
                 finish_reason="length" if completion.finish_reason == "length" else "stop",
                 data_row=prompt.data_row,
+                images=pack_images(prompt.images) if prompt.images else None,
             ))
     return samples
 
@@ -47,8 +50,10 @@ class Responses:
     other): prompts ``start``, requests come out of ``take_ready``, each finished request goes to
     ``turn_finished``, and ``finished`` hands over the samples."""
 
-    def __init__(self, prompts: list[list[int]], data_rows: list[int], sampling) -> None:
+    def __init__(self, prompts: list[list[int]], data_rows: list[int], sampling,
+                 images: list[list[bytes]] | None = None) -> None:
         self.prompts, self.data_rows, self.sampling = prompts, data_rows, sampling
+        self.images = images  # each kept prompt's images (a policy that sees), else None
         self.ready: list[tuple[int, int]] = []  # (prompt index, row of the kept prompts)
         self.generating = 0
         self.done: list[Sample] = []
@@ -64,8 +69,8 @@ class Responses:
         """(what the request is, its prompt ids, its sampling) for each prompt to add to the engine."""
         ready, self.ready = self.ready, []
         self.generating += len(ready)
-        return [(Generating(index, self.data_rows[row], version), self.prompts[row], self.sampling)
-                for index, row in ready]
+        return [(Generating(index, self.data_rows[row], version, self.images[row] if self.images else None),
+                 self.prompts[row], self.sampling) for index, row in ready]
 
     def turn_finished(self, generating: Generating, output, version: int) -> None:
         self.generating -= 1

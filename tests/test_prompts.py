@@ -50,7 +50,7 @@ def test_chat_prompts_are_the_chat_templates_tokens_and_long_ones_are_skipped(tm
     path = write_jsonl(tmp_path / "prompts.jsonl", ROWS)
     config = load_config(None, ["rollout.max_model_len=64", "rollout.max_new_tokens=8", "data.system_prompt=odd"],
                          base=base_config(tmp_path, tiny_assets, models={"policy": policy}, data={"prompts": path}))
-    token_ids, data_rows, skipped = prompts_that_fit(config, tokenizer, logging.getLogger("test"))
+    token_ids, data_rows, skipped, _ = prompts_that_fit(config, tokenizer, logging.getLogger("test"))
     assert data_rows == [0, 1, 3] and skipped == 1
     assert token_ids[0] == tokenizer("even 1 2 :")["input_ids"]  # text: as is, with <bos>
     # a chat: the template's ids with the generation prompt, the system prompt put first
