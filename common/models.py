@@ -111,15 +111,14 @@ def critic_source(config: TetherConfig) -> str:
 
 
 def load_causal_lm(path: str, dtype: str = "float32") -> nn.Module:
-    """The causal LM in ``path`` (the policy, the reference, a stage's model), dropout off."""
-    from transformers import AutoModelForCausalLM
+    """The causal LM in ``path`` (the policy, the reference, a stage's model), dropout off; a
+    vision-language one (``common.vision.sees_images``) with its vision tower."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     from common.vision import sees_images
 
-    if sees_images(path):
-        raise ConfigError(f"{path} is a vision-language model: the rollout generates from its image prompts, but "
-                          "the scorer and the learner do not run one yet (issue 36, in progress)")
-    return disable_dropout(AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)))
+    family = AutoModelForImageTextToText if sees_images(path) else AutoModelForCausalLM
+    return disable_dropout(family.from_pretrained(path, dtype=getattr(torch, dtype)))
 
 
 class ValueModel(nn.Module):

@@ -10,7 +10,7 @@ length ``P`` is scored by the logits (and valued by the critic) at position ``P 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -25,9 +25,18 @@ class SequenceBatch:
     response_positions: torch.Tensor  # [B, T] long, index into L of the logits for each response token
     response_mask: torch.Tensor  # [B, T] float: 1 at the policy's response tokens
     last_positions: torch.Tensor  # [B] long, position of each sample's last real token
+    # a policy that sees: its processor's image inputs of each row, rows first (Idefics3's pixel_values
+    # [B, images, 3, H, W] and pixel_attention_mask), which the model takes beside the ids
+    images: dict[str, torch.Tensor] | None = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
-        return SequenceBatch(*(getattr(self, name).to(device) for name in self.__dataclass_fields__))
+        return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self) if f.name != "images"),
+                             images=_each(self.images, lambda tensor: tensor.to(device)))
+
+    @property
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """What the model's forward takes: the ids, their mask and any image inputs."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **(self.images or {})}
 
     def select(self, rows: torch.Tensor) -> "SequenceBatch":
         """The batch of ``rows`` only, its padding trimmed to their longest sequence and response
@@ -40,7 +49,8 @@ class SequenceBatch:
         return SequenceBatch(self.input_ids[rows, :width], self.attention_mask[rows, :width],
                              self.response_tokens[rows, :response_width],
                              self.response_positions[rows, :response_width],
-                             self.response_mask[rows, :response_width], self.last_positions[rows])
+                             self.response_mask[rows, :response_width], self.last_positions[rows],
+                             _each(self.images, lambda tensor: tensor[rows]))
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -48,7 +58,13 @@ class SequenceBatch:
         return self.last_positions + 1
 
 
-def collate(samples: list[Sample], pad_token_id: int) -> SequenceBatch:
+def _each(images: dict[str, torch.Tensor] | None, change) -> dict[str, torch.Tensor] | None:
+    return None if images is None else {name: change(tensor) for name, tensor in images.items()}
+
+
+def collate(samples: list[Sample], pad_token_id: int, processor=None) -> SequenceBatch:
+    """The samples as one right-padded batch; with a policy's ``processor`` (one that sees), the
+    image inputs of their images too, as the processor makes them from the bytes each carries."""
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
     lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
@@ -71,7 +87,14 @@ def collate(samples: list[Sample], pad_token_id: int) -> SequenceBatch:
         response_mask[i, :resp_len] = 1.0 if sample.loss_mask is None else torch.as_tensor(sample.loss_mask,
                                                                                             dtype=torch.float32)
     last_positions = attention_mask.sum(dim=1) - 1
-    return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions)
+    images = None
+    if processor is not None and any(sample.images is not None for sample in samples):
+        from common.vision import decoded, pixel_inputs, unpack_images
+
+        images = pixel_inputs(processor, [decoded(unpack_images(s.images)) if s.images is not None else []
+                                          for s in samples])
+    return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions,
+                         images)
 
 
 def pad_rows(rows: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,6 +14,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import critic_source, resolve_models
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
+from common.vision import load_processor, sees_images
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
@@ -113,6 +114,9 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     from learner.deepspeed_engine import make_deepspeed_engine
 
     cfg, dtype = config.learner, config.models.dtype
+    if cfg.advantage_estimator == "gae" and sees_images(config.models.policy):
+        raise ConfigError(f"learner.advantage_estimator gae: the critic of a policy that sees images "
+                          f"({config.models.policy}) is not built yet (issue 36): use grpo, rloo or reinforce_pp")
     actor_model = with_lora(models.load_causal_lm(config.models.policy, dtype), cfg)
     pad_token_id = models.pad_token_id(actor_model)
     critic_model = (critic_with_lora(models.load_critic(critic_source(config), dtype), cfg)
@@ -160,6 +164,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     timeline.phase("distributed init")
     main = parallel.rank() == 0
     actor, critic, pad_token_id = load_engines(config, timeline)
+    processor = load_processor(config.models.policy)  # a policy that sees: its samples' images become its inputs
     kl_controller = make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     carry = StepCarry(SkippedSteps(cfg.max_skipped_steps), ppo.RunningMoments() if cfg.normalize_rewards else None,
                       ptx_stream(config))
@@ -210,7 +215,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
         if policy_version == first_version:
             timeline.phase("first batch")  # waiting for the rollout, scorers and buffer to deliver it
         train_started = time.monotonic()
-        batch = collate(samples, pad_token_id).to(parallel.device())
+        batch = collate(samples, pad_token_id, processor).to(parallel.device())
         factor = lr_factor(policy_version, cfg.total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
         set_lr(actor, cfg.actor_lr * factor)
         if critic is not None:

@@ -35,7 +35,7 @@ def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def forward_logits(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T, V] logits that score each response token."""
     # use_cache: no KV cache, which transformers builds at every forward otherwise (a concat per layer)
-    logits = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    logits = engine(**batch.model_inputs, use_cache=False).logits
     return _finite("actor logits", gather_response(logits, batch.response_positions))
 
 

@@ -17,6 +17,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import resolve_models, same_tokens
 from common.prompts import chat_of, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
+from common.vision import load_processor
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction
@@ -40,10 +41,16 @@ class Scorer:
         self.log, self.sampling = log, config.sampling.without_truncation()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.reference = models.load_causal_lm(config.reference_path, config.models.dtype).to(self.device).eval()
+        self.processor = load_processor(config.reference_path)  # a reference that sees reads the images
         self.pad_token_id = models.pad_token_id(self.reference)
         self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
         self.reward_model = self.rm_tokenizer = None
         if config.models.reward:
+            if self.processor is not None and same_tokens(config.models.policy, config.models.reward):
+                raise ConfigError(f"models.reward: {config.models.reward} reads the policy's token ids, which hold a "
+                                  "vision policy's image tokens without their images: a reward model of its own "
+                                  "tokenizer reads the conversation's text (issue 36: a reward model that sees is "
+                                  "not built yet)")
             if not same_tokens(config.models.policy, config.models.reward):  # else ids go to it unchanged
                 self.rm_tokenizer = AutoTokenizer.from_pretrained(config.models.reward)
             self.reward_model = models.load_reward_model(config.models.reward, config.models.dtype,
@@ -76,7 +83,7 @@ class Scorer:
         from scorer.scoring import reference_logprobs
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
-                                                           self.sampling)):
+                                                           self.sampling, self.processor)):
             sample.ref_logprobs = ref.numpy()
         for sample in samples:
             if not sample.final:

@@ -18,11 +18,12 @@ REWARD_SCALE_KEY = "tether_reward_scale"
 
 @torch.no_grad()
 def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id: int,
-                       sampling: SamplingConfig) -> list[torch.Tensor]:
+                       sampling: SamplingConfig, processor=None) -> list[torch.Tensor]:
     """Per-token log pi_ref of each sample's response, under ``sampling`` (the scorer passes the
-    rollout's sampling without its truncation: ``SamplingConfig.without_truncation``)."""
-    batch = collate(samples, pad_token_id).to(next(reference.parameters()).device)
-    logits = reference(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False).logits
+    rollout's sampling without its truncation: ``SamplingConfig.without_truncation``); a reference
+    that sees reads each sample's images through its ``processor``."""
+    batch = collate(samples, pad_token_id, processor).to(next(reference.parameters()).device)
+    logits = reference(**batch.model_inputs, use_cache=False).logits
     logprobs = logprobs_from_logits(gather_response(logits, batch.response_positions), batch.response_tokens,
                                     sampling)
     return [logprobs[i, :len(s.response_tokens)].float().cpu() for i, s in enumerate(samples)]

@@ -42,14 +42,20 @@ def test_a_bad_image_is_an_error_naming_the_data_file_the_row_and_the_image(tmp_
         read_images({"prompt": "what colour?", "images": images}, data, "line 7")
 
 
-def test_image_prompts_that_do_not_fit_and_roles_that_cannot_run_a_vision_policy_yet_are_named(tmp_path):
+def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_named(tmp_path):
     from common.models import load_causal_lm
     from common.vision import load_processor, sees_images, vision_prompts
 
     policy = tiny_vision_policy(tmp_path / "policy")
     assert sees_images(policy) and not sees_images(str(tmp_path)) and load_processor(str(tmp_path)) is None
-    with pytest.raises(ConfigError, match="is a vision-language model: the rollout generates from its image prompts"):
-        load_causal_lm(policy)
+    assert type(load_causal_lm(policy)).__name__ == "Idefics3ForConditionalGeneration"
+    with pytest.raises(ConfigError, match="critic of a policy that sees images .* is not built yet"):
+        from common.config import load_config
+        from learner.main import load_engines
+        from tests.helpers import base_config
+
+        load_engines(load_config(None, [], base=base_config(tmp_path, {"policy": policy, "reward": policy,
+                                                                       "prompts": "/unused"})), None)
     processor, data = load_processor(policy), str(tmp_path / "prompts.jsonl")
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     rows = [{"prompt": "colour:", "images": ["red.png"]}, {"prompt": "colour: " * 40, "images": ["red.png"]}]
@@ -106,3 +112,143 @@ def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transfo
     print(json.dumps({"largest gap": max(gaps), "least gap with the other image": min(other_image)}))
     assert max(gaps) < 1e-3, gaps  # issue 36's bound
     assert min(other_image) > 1e-2, other_image  # the image is read: the check means something
+
+
+def vision_samples(tmp_path, processor) -> list:
+    """Three scored samples of image prompts (two images, one each; a chat and a text prompt), their
+    prompts expanded as vLLM reports them, and the behavior and reference logprobs still to fill."""
+    from common.vision import decoded, pack_images, vision_prompt_text
+    from protocol.samples import Sample
+
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    rows = [{"messages": [{"role": "user", "content": "What is in the picture?"}], "images": ["red.png"]},
+            {"prompt": "colour:", "images": ["blue.png"]}, {"prompt": "colour of this:", "images": ["red.png"]}]
+    samples = []
+    for i, row in enumerate(rows):
+        image = (tmp_path / row["images"][0]).read_bytes()
+        prompt = processor(text=[vision_prompt_text(row, processor)], images=[decoded([image])])["input_ids"][0]
+        response = processor.tokenizer(" a red square" if i != 1 else " blue")["input_ids"] + [
+            processor.tokenizer.eos_token_id]
+        samples.append(Sample(f"s{i}", i, 0, np.array(prompt, np.int32), np.array(response, np.int32),
+                              np.zeros(len(response), np.float32), "stop", reward=float(i), data_row=i,
+                              images=pack_images([image])))
+    return samples
+
+
+def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and_a_step_trains(
+        tmp_path, restore_environment):
+    """The learner's batch (padded, with each row's pixel inputs from the bytes it carries) gives
+    every sample the logprobs a plain transformers forward of that sample alone gives, also for a
+    micro-batch of its rows; a PPO step on a DeepSpeed engine trains on them (REINFORCE++, no
+    critic), recomputing the logprobs the samples carry."""
+    import torch
+
+    from common.config import SamplingConfig, load_config
+    from common.distributions import logprobs_from_logits
+    from common.models import load_causal_lm
+    from common.sequences import collate
+    from common.vision import decoded, load_processor, pixel_inputs, unpack_images
+    from learner.deepspeed_engine import make_deepspeed_engine
+    from learner.parallel import init_distributed
+    from learner.step import forward_logits, ppo_step
+    from tests.helpers import base_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    processor = load_processor(policy)
+    samples = vision_samples(tmp_path, processor)
+    model = load_causal_lm(policy).eval()
+    batch = collate(samples, processor.tokenizer.pad_token_id, processor)
+    assert batch.images["pixel_values"].shape[:2] == (3, 1)  # a row each, one image each
+    with torch.no_grad():
+        batched = logprobs_from_logits(forward_logits(model, batch), batch.response_tokens, SamplingConfig())
+        part = batch.select(torch.tensor([2, 0]))
+        micro = logprobs_from_logits(forward_logits(model, part), part.response_tokens, SamplingConfig())
+    gaps = []
+    for i, sample in enumerate(samples):
+        ids = torch.tensor([sample.prompt_tokens.tolist() + sample.response_tokens.tolist()])
+        with torch.no_grad():
+            logits = model(input_ids=ids, **pixel_inputs(processor, [decoded(unpack_images(sample.images))])).logits
+        alone = torch.log_softmax(logits[0, len(sample.prompt_tokens) - 1:-1], -1).gather(
+            1, torch.as_tensor(sample.response_tokens, dtype=torch.long)[:, None])[:, 0]
+        gaps.append(float((batched[i, :len(alone)] - alone).abs().max()))
+        sample.behavior_logprobs = sample.ref_logprobs = alone.numpy().copy()
+    assert max(gaps) < 1e-5, gaps
+    torch.testing.assert_close(micro[1, :len(samples[0].response_tokens)], batched[0, :len(samples[0].response_tokens)])
+    # the scorer's reference (the same checkpoint) reads the images the same way
+    from scorer.scoring import reference_logprobs
+
+    references = reference_logprobs(model, samples, processor.tokenizer.pad_token_id, SamplingConfig(), processor)
+    assert max(float((ref - torch.as_tensor(s.ref_logprobs)).abs().max()) for ref, s in zip(references, samples)) < 1e-5
+
+    config = load_config(None, ["learner.batch_size=3", "learner.minibatch_size=3", "learner.actor_lr=1e-3",
+                                "learner.advantage_estimator=reinforce_pp"],
+                         base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
+    init_distributed(config)
+    actor = make_deepspeed_engine(load_causal_lm(policy), config.learner.actor_lr, config)
+    before = {name: p.detach().clone() for name, p in actor.module.named_parameters()}
+    stats = ppo_step(actor, None, samples, batch, config, policy_version=0, kl_coef=0.05)
+    assert stats["behavior_logprob_gap"] < 1e-4 and abs(stats["kl"]) < 1e-4
+    assert np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
+    moved = [name for name, p in actor.module.named_parameters() if not torch.equal(p.detach(), before[name])]
+    assert any("vision" in name for name in moved) and any("text_model" in name for name in moved), moved[:5]
+
+
+@pytest.mark.slow
+def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_seen_anew(tmp_path):
+    """The learner's weights of a policy that sees (the vision tower's too) load into the rollout's
+    engine under their own names, and the next generation from the same image is the new weights'
+    (vLLM keeps each image's vision features by the image's hash: they are recomputed after a load),
+    against a transformers forward of those weights."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from vllm import SamplingParams, TokensPrompt
+
+    from common.config import load_config
+    from common.models import load_causal_lm
+    from common.vision import decoded, load_processor, pixel_inputs, read_images, vision_prompt_text
+    from rollout.engine import apply_weights, make_vllm_engine
+    from tests.helpers import base_config
+    from weight_sync.buckets import ShmWeightWriter
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    processor = load_processor(policy)
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    row = {"prompt": "colour:", "images": ["red.png"]}
+    image = decoded(read_images(row, str(tmp_path / "prompts.jsonl"), "line 1"))
+    ids = processor.tokenizer(vision_prompt_text(row, processor))["input_ids"]
+    config = load_config(None, ["rollout.max_model_len=128", "rollout.kv_cache_gib=0.0625"],
+                         base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
+    engine = make_vllm_engine(config, limit_mm_per_prompt={"image": 1})
+
+    def gap_to(model) -> float:
+        output = engine.generate([TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": image})],
+                                 SamplingParams(max_tokens=8, logprobs=0, seed=0), use_tqdm=False)[0]
+        prompt, response = list(output.prompt_token_ids), list(output.outputs[0].token_ids)
+        full = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = model(input_ids=full, **pixel_inputs(processor, [image])).logits
+        ours = torch.log_softmax(logits[0, len(prompt) - 1:-1], -1).gather(1, torch.tensor(response)[:, None])[:, 0]
+        return float((ours - torch.tensor([e[t].logprob for e, t in zip(output.outputs[0].logprobs, response)]))
+                     .abs().max())
+
+    try:
+        sft = load_causal_lm(policy).eval()
+        assert gap_to(sft) < 1e-3  # the image's features are cached now
+        updated = load_causal_lm(policy).eval()
+        generator = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for name, parameter in updated.named_parameters():  # the vision tower most of all
+                parameter.add_((0.5 if "vision" in name else 0.05) * torch.randn(parameter.shape, generator=generator))
+        writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 16)
+        manifest = writer.publish(1, updated.named_parameters())
+        grant = SimpleNamespace(fields={"weights_manifest": manifest.to_dict(), "policy_version": 1})
+        rollout = SimpleNamespace(models=SimpleNamespace(policy=policy), weights_dir=writer.directory)
+        assert apply_weights(engine, grant, None, None, rollout, logging.getLogger("test")) == (1, None)
+        after = gap_to(updated)
+        assert after < 1e-3, after
+        assert gap_to(sft) > 1e-2  # the engine holds the new weights, not the old
+    finally:
+        engine.llm_engine.engine_core.shutdown()
