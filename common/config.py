@@ -255,6 +255,9 @@ class LearnerConfig(_Strict):
     lr_warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 1/N of the rate")
     lr_min_ratio: float = Field(0.0, ge=0, le=1, description="the rate at the end of a linear or cosine decay, "
                                                               "as a share of actor_lr / critic_lr")
+    train_vision_tower: bool = Field(False, description="a policy that sees images: train its vision tower too (by "
+                                     "default it stays as the SFT model has it; the language model and the "
+                                     "connector train)")
     lora_rank: int = Field(0, ge=0, description="LoRA adapters of this rank on actor and critic (peft), only they "
                                                 "train; 0: full fine-tuning")
     lora_alpha: float = Field(16.0, gt=0, description="LoRA scaling: alpha / rank")

@@ -88,6 +88,19 @@ def decoded(images: list[bytes]) -> list:
     return [Image.open(io.BytesIO(image)).convert("RGB") for image in images]
 
 
+VISION_TOWERS = ("vision_model.", "vision_tower.", "visual.")  # where families keep their image encoder
+
+
+def freeze_vision_tower(model) -> int:
+    """Stop the gradient of the image encoder's parameters (by their names' ``VISION_TOWERS``);
+    returns how many tensors it froze."""
+    frozen = [parameter for name, parameter in model.named_parameters()
+              if any(f".{tower}" in f".{name}" for tower in VISION_TOWERS)]
+    for parameter in frozen:
+        parameter.requires_grad_(False)
+    return len(frozen)
+
+
 def sees_images(model: str) -> bool:
     """Whether the model in directory ``model`` is a vision-language one (its config has a vision
     tower's), read from its config alone."""

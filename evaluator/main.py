@@ -19,6 +19,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import resolve_models
 from common.prompts import prompts_within, read_rows
 from common.runlog import metrics_writer, setup_logging
+from common.vision import decoded, load_processor, vision_prompts
 from protocol.samples import Sample
 
 
@@ -54,21 +55,32 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         environments.read_calls_with(config.rollout.tool_parser, tokenizer, config.rollout.reasoning_parser)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
     rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
-    token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "eval.prompts",
-                                     config.data.prompts, tools)
+    processor, images = load_processor(checkpoint), None  # a policy that sees: the rows' images too
+    if processor is not None and environments is not None:
+        raise ConfigError("eval: episodes with images are not built yet (issue 36)")
+    if processor is not None:
+        token_ids, kept, images = vision_prompts(rows, processor, limit, config.data.system_prompt, "eval.prompts",
+                                                 config.data.prompts)
+    else:
+        token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "eval.prompts",
+                                         config.data.prompts, tools)
     # every request is seeded (the same checkpoint gives the same figures), and on vLLM's CPU backend a
     # seeded request whose prefill is cut in chunks fails ("CPU Generator does not use offset"):
     # episodes' later turns are long prefills, so prefills are taken whole
+    vision = {"limit_mm_per_prompt": {"image": max(map(len, images), default=1) or 1}} if images is not None else {}
     engine = make_vllm_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}),
-                              enable_chunked_prefill=False)
+                              enable_chunked_prefill=False, **vision)
     episode_figures = {}
     try:
         if environments is None:
             sampling = [sampling_params(config, n=1, ignore_eos=False, seed=config.eval.seed + i)
                         for i in range(len(kept))]
-            outputs = engine.generate([TokensPrompt(prompt_token_ids=ids) for ids in token_ids], sampling,
-                                      use_tqdm=False)
-            samples = to_samples(outputs, [Generating(i, row, 0) for i, row in enumerate(kept)], 0)
+            prompts = [TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": decoded(images[i])})
+                       if images and images[i] else TokensPrompt(prompt_token_ids=ids)
+                       for i, ids in enumerate(token_ids)]
+            outputs = engine.generate(prompts, sampling, use_tqdm=False)
+            samples = to_samples(outputs, [Generating(i, row, 0, images[i] if images else None)
+                                           for i, row in enumerate(kept)], 0)
         else:  # each turn seeded by its prompt and its number: the same checkpoint gives the same episodes
             turns = config.rollout.max_turns
             episodes = Episodes(config, environments, Renderer(tokenizer, tools), tokenizer, rows, token_ids, kept,

@@ -14,7 +14,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import critic_source, resolve_models
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
-from common.vision import load_processor, sees_images
+from common.vision import freeze_vision_tower, load_processor, sees_images
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
@@ -117,7 +117,10 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     if cfg.advantage_estimator == "gae" and sees_images(config.models.policy):
         raise ConfigError(f"learner.advantage_estimator gae: the critic of a policy that sees images "
                           f"({config.models.policy}) is not built yet (issue 36): use grpo, rloo or reinforce_pp")
-    actor_model = with_lora(models.load_causal_lm(config.models.policy, dtype), cfg)
+    actor_model = models.load_causal_lm(config.models.policy, dtype)
+    if sees_images(config.models.policy) and not cfg.train_vision_tower:
+        freeze_vision_tower(actor_model)
+    actor_model = with_lora(actor_model, cfg)
     pad_token_id = models.pad_token_id(actor_model)
     critic_model = (critic_with_lora(models.load_critic(critic_source(config), dtype), cfg)
                     if cfg.advantage_estimator == "gae" else None)

@@ -140,8 +140,11 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
         tmp_path, restore_environment):
     """The learner's batch (padded, with each row's pixel inputs from the bytes it carries) gives
     every sample the logprobs a plain transformers forward of that sample alone gives, also for a
-    micro-batch of its rows; a PPO step on a DeepSpeed engine trains on them (REINFORCE++, no
-    critic), recomputing the logprobs the samples carry."""
+    micro-batch of its rows, and so does the scorer's reference; a PPO step on the learner's
+    DeepSpeed engine trains on them (REINFORCE++, no critic), recomputing the logprobs the samples
+    carry: the language model and the connector, the vision tower only with train_vision_tower."""
+    from types import SimpleNamespace
+
     import torch
 
     from common.config import SamplingConfig, load_config
@@ -149,7 +152,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     from common.models import load_causal_lm
     from common.sequences import collate
     from common.vision import decoded, load_processor, pixel_inputs, unpack_images
-    from learner.deepspeed_engine import make_deepspeed_engine
+    from learner.main import load_engines
     from learner.parallel import init_distributed
     from learner.step import forward_logits, ppo_step
     from tests.helpers import base_config
@@ -181,17 +184,20 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     references = reference_logprobs(model, samples, processor.tokenizer.pad_token_id, SamplingConfig(), processor)
     assert max(float((ref - torch.as_tensor(s.ref_logprobs)).abs().max()) for ref, s in zip(references, samples)) < 1e-5
 
-    config = load_config(None, ["learner.batch_size=3", "learner.minibatch_size=3", "learner.actor_lr=1e-3",
-                                "learner.advantage_estimator=reinforce_pp"],
-                         base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
-    init_distributed(config)
-    actor = make_deepspeed_engine(load_causal_lm(policy), config.learner.actor_lr, config)
-    before = {name: p.detach().clone() for name, p in actor.module.named_parameters()}
-    stats = ppo_step(actor, None, samples, batch, config, policy_version=0, kl_coef=0.05)
-    assert stats["behavior_logprob_gap"] < 1e-4 and abs(stats["kl"]) < 1e-4
-    assert np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
-    moved = [name for name, p in actor.module.named_parameters() if not torch.equal(p.detach(), before[name])]
-    assert any("vision" in name for name in moved) and any("text_model" in name for name in moved), moved[:5]
+    for train_vision_tower in (False, True):  # the tower stays as the SFT model has it, unless asked
+        config = load_config(None, ["learner.batch_size=3", "learner.minibatch_size=3", "learner.actor_lr=1e-3",
+                                    "learner.advantage_estimator=reinforce_pp",
+                                    f"learner.train_vision_tower={str(train_vision_tower).lower()}"],
+                             base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
+        init_distributed(config)
+        actor, _, _ = load_engines(config, SimpleNamespace(phase=lambda name: None))
+        before = {name: p.detach().clone() for name, p in actor.module.named_parameters()}
+        stats = ppo_step(actor, None, samples, batch, config, policy_version=0, kl_coef=0.05)
+        assert stats["behavior_logprob_gap"] < 1e-4 and abs(stats["kl"]) < 1e-4
+        assert np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
+        moved = {name for name, p in actor.module.named_parameters() if not torch.equal(p.detach(), before[name])}
+        assert any("text_model" in name for name in moved) and any("connector" in name for name in moved)
+        assert any("vision_model" in name for name in moved) == train_vision_tower, sorted(moved)[:4]
 
 
 @pytest.mark.slow
@@ -252,3 +258,35 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
         assert gap_to(sft) > 1e-2  # the engine holds the new weights, not the old
     finally:
         engine.llm_engine.engine_core.shutdown()
+
+
+def names_the_colour(response: str, row: dict) -> float:
+    """A reward function for the image rows: whether the response names the row's colour."""
+    return float(row["colour"] in response)
+
+
+@pytest.mark.slow
+def test_an_evaluation_of_a_vision_policy_reads_the_images_in_the_engine_and_the_reference_alike(tmp_path):
+    """`tether eval`'s figures on image prompts: vLLM generates from each row's image and the
+    scorer's reference (the same checkpoint) reads the same image from the bytes the sample
+    carries, so the KL to the reference is nought."""
+    import logging
+
+    from common.config import load_config
+    from evaluator.main import evaluate
+    from tests.helpers import base_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    rows = [{"prompt": "colour:", "images": ["red.png"], "colour": "red"},
+            {"messages": [{"role": "user", "content": "Which colour?"}], "images": ["blue.png"], "colour": "blue"}]
+    data = tmp_path / "eval.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, ["rollout.max_model_len=128", "rollout.kv_cache_gib=0.0625", "models.reward=null",
+                                "scorer.reward_functions=[{function: 'tests.test_vision:names_the_colour'}]"],
+                         base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": str(data)}))
+    figures, samples, per_sample = evaluate(config, policy, logging.getLogger("test"))
+    assert figures["prompts"] == 2 and all(s.images is not None for s in samples)
+    assert abs(figures["kl_to_reference"]) < 1e-3, figures  # the same image on both sides
+    assert "tests.test_vision:names_the_colour" in figures
