@@ -151,6 +151,23 @@ def pixel_inputs(processor, images: list[list]) -> dict[str, Any]:
     return {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
 
 
+def prompts_with_images(rows: list[dict[str, Any]], tokenizer, processor, limit: int, system_prompt: str | None,
+                        key: str, path: str, tools: list[dict] | None = None
+                        ) -> tuple[list[list[int]], list[int], list[list[bytes]] | None]:
+    """The prompts that fit, for any policy: with its ``processor`` (one that sees) ``vision_prompts``'
+    ids, rows and images; else ``common.prompts.prompts_within``'s ids and rows, and None."""
+    from common.prompts import prompts_within
+
+    if processor is not None:
+        return vision_prompts(rows, processor, limit, system_prompt, key, path)
+    return (*prompts_within(rows, tokenizer, limit, system_prompt, key, path, tools), None)
+
+
+def engine_arguments(images: list[list[bytes]] | None) -> dict[str, Any]:
+    """vLLM's arguments for prompts with ``images`` (None: text): the most images one prompt has."""
+    return {} if images is None else {"limit_mm_per_prompt": {"image": max(map(len, images), default=1) or 1}}
+
+
 def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_prompt: str | None, key: str,
                    path: str) -> tuple[list[list[int]], list[int], list[list[bytes]]]:
     """``prompts_within`` for a policy that sees: the token ids of the rows (of ``path``, config key

@@ -17,9 +17,9 @@ import numpy as np
 
 from common.config import ConfigError, TetherConfig
 from common.models import resolve_models
-from common.prompts import prompts_within, read_rows
+from common.prompts import read_rows
 from common.runlog import metrics_writer, setup_logging
-from common.vision import decoded, load_processor, vision_prompts
+from common.vision import decoded, engine_arguments, load_processor, prompts_with_images
 from protocol.samples import Sample
 
 
@@ -55,21 +55,16 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         environments.read_calls_with(config.rollout.tool_parser, tokenizer, config.rollout.reasoning_parser)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
     rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
-    processor, images = load_processor(checkpoint), None  # a policy that sees: the rows' images too
+    processor = load_processor(checkpoint)  # a policy that sees: the rows' images too
     if processor is not None and environments is not None:
         raise ConfigError("eval: episodes with images are not built yet (issue 36)")
-    if processor is not None:
-        token_ids, kept, images = vision_prompts(rows, processor, limit, config.data.system_prompt, "eval.prompts",
-                                                 config.data.prompts)
-    else:
-        token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "eval.prompts",
-                                         config.data.prompts, tools)
+    token_ids, kept, images = prompts_with_images(rows, tokenizer, processor, limit, config.data.system_prompt,
+                                                  "eval.prompts", config.data.prompts, tools)
     # every request is seeded (the same checkpoint gives the same figures), and on vLLM's CPU backend a
     # seeded request whose prefill is cut in chunks fails ("CPU Generator does not use offset"):
     # episodes' later turns are long prefills, so prefills are taken whole
-    vision = {"limit_mm_per_prompt": {"image": max(map(len, images), default=1) or 1}} if images is not None else {}
     engine = make_vllm_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}),
-                              enable_chunked_prefill=False, **vision)
+                              enable_chunked_prefill=False, **engine_arguments(images))
     episode_figures = {}
     try:
         if environments is None:

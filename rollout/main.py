@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 from common.config import ConfigError, TetherConfig
 from common.models import resolve_models
-from common.prompts import dataset_row, prompts_within, read_rows
+from common.prompts import dataset_row, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from common.vision import load_processor, vision_prompts
+from common.vision import engine_arguments, load_processor, prompts_with_images
 from protocol.samples import Sample
 from protocol.transport import connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments
@@ -36,13 +36,8 @@ def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | No
     started = time.monotonic()
     rows = rows if rows is not None else read_rows(config.data.prompts)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
-    images = None
-    if processor is not None:
-        token_ids, kept, images = vision_prompts(rows, processor, limit, config.data.system_prompt, "data.prompts",
-                                                 config.data.prompts)
-    else:
-        token_ids, kept = prompts_within(rows, tokenizer, limit, config.data.system_prompt, "data.prompts",
-                                         config.data.prompts, tools)
+    token_ids, kept, images = prompts_with_images(rows, tokenizer, processor, limit, config.data.system_prompt,
+                                                  "data.prompts", config.data.prompts, tools)
     skipped = len(rows) - len(kept)
     log.info("%d prompts tokenized in %.1fs%s", len(rows), time.monotonic() - started,
              f"; {skipped} skipped: longer than {limit} tokens (rollout.max_model_len - max_new_tokens)"
@@ -103,8 +98,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     # the engine first: it is the longest part of anyone's start-up and needs nobody
     own_engine = engine is None
     adapters = config.learner.lora_rank > 0 and lora_sync_logged(config, log) == "adapters"
-    vision = {"limit_mm_per_prompt": {"image": max(map(len, images), default=1) or 1}} if images is not None else {}
-    engine = engine or make_vllm_engine(config, worker_index, **(lora_arguments(config) if adapters else {}), **vision)
+    engine = engine or make_vllm_engine(config, worker_index, **(lora_arguments(config) if adapters else {}),
+                                        **engine_arguments(images))
     timeline.phase("engine init")
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")
