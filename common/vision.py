@@ -121,9 +121,13 @@ def load_processor(model: str):
         return None
     try:
         processor = AutoProcessor.from_pretrained(model)
-    except (OSError, ValueError, KeyError):  # a text model's directory has no processor of its own
-        return None
-    return processor if getattr(processor, "image_processor", None) is not None else None
+    except (OSError, ValueError, KeyError) as error:
+        raise ConfigError(f"{model} is a vision-language model (its config has a vision tower) but its processor "
+                          f"does not load ({type(error).__name__}: {error})") from None
+    if getattr(processor, "image_processor", None) is None:
+        raise ConfigError(f"{model} is a vision-language model (its config has a vision tower) but it has no "
+                          "image processor (processor_config.json / preprocessor_config.json)")
+    return processor
 
 
 def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None) -> str:
@@ -143,12 +147,26 @@ def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None
                                          add_generation_prompt=True, tokenize=False)
 
 
+def vision_prompt_ids(text: str, row: dict[str, Any], processor) -> list[int]:
+    """``vision_prompt_text``'s token ids: a text prompt with the tokenizer's special tokens, a chat
+    as its template wrote it (which holds any it wants: adding them again would double a BOS)."""
+    from common.prompts import chat_of
+
+    return list(processor.tokenizer(text, add_special_tokens=chat_of(row, None) is None)["input_ids"])
+
+
 def pixel_inputs(processor, images: list[list]) -> dict[str, Any]:
     """The model's image inputs for a batch of rows, ``images`` [B] lists of PIL images (a row may
     have none): the processor's output without its text (``pixel_values`` and what else the family
     takes, e.g. ``pixel_attention_mask``), rows in order."""
     output = processor.image_processor(images, return_tensors="pt")
-    return {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
+    inputs = {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
+    by_row = {name: tuple(value.shape[:1]) == (len(images),) for name, value in inputs.items()}
+    if not all(by_row.values()):  # Qwen-VL's patches of every image in one tensor, LLaVA's images stacked
+        raise ConfigError(f"{type(processor).__name__}'s image inputs are not one row per prompt "
+                          f"({', '.join(n for n, ok in by_row.items() if not ok)}): tether batches them by row, "
+                          "which this family does not do yet (issue 36; Idefics3's do)")
+    return inputs
 
 
 def prompts_with_images(rows: list[dict[str, Any]], tokenizer, processor, limit: int, system_prompt: str | None,
@@ -175,13 +193,16 @@ def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_pro
     (one placeholder per image, unexpanded: vLLM expands them), those rows' indices, and their
     images' bytes. A row whose images alone pass the limit is an error naming it; a longer text is
     left out, as a text prompt is."""
+    from common.prompts import chat_of
+
     token_ids, kept, images = [], [], []
     for row_index, row in enumerate(rows):
         where = f"prompt {row_index + 1}"
         row_images = read_images(row, path, where, key)
         text = vision_prompt_text(row, processor, system_prompt)
-        ids = list(processor.tokenizer(text)["input_ids"])
-        expanded = len(processor(text=[text], images=[decoded(row_images)] if row_images else None)["input_ids"][0])
+        ids = vision_prompt_ids(text, row, processor)
+        expanded = len(processor(text=[text], images=[decoded(row_images)] if row_images else None,
+                                 add_special_tokens=chat_of(row, None) is None)["input_ids"][0])
         if expanded - len(ids) + len(row_images) > limit:
             raise ConfigError(f"{key}: {path} {where}: its {len(row_images)} image(s) take {expanded - len(ids)} "
                               f"more tokens than the prompt's text, past the {limit} a prompt may have "

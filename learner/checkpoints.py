@@ -29,6 +29,11 @@ def save_tokenizer(source: str, directory: str) -> None:
     transformers 5 keeps in ``chat_template.jinja``. The model's ``generation_config.json`` (its
     sampling defaults) comes along where the model's own save did not write one."""
     _tokenizer_of(source).save_pretrained(directory)
+    from common.vision import load_processor
+
+    processor = load_processor(source)  # a policy that sees: its image processor too, or no role could read it
+    if processor is not None:
+        processor.save_pretrained(directory)
     generation = os.path.join(source, "generation_config.json")
     if os.path.exists(generation) and not os.path.exists(os.path.join(directory, "generation_config.json")):
         shutil.copy(generation, directory)

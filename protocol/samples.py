@@ -236,6 +236,8 @@ def unpack_samples(message: Message) -> list[Sample]:
     lengths = {per: fields_in.get(name) or [0] * count for per, name in LENGTHS.items()}
     if any(n < 1 for per in LENGTHS if per not in _OPTIONAL_LENGTHS for n in lengths[per]):
         raise ProtocolError(f"{message.type}: every sample needs a prompt and a response of length >= 1")
+    if any(n < 0 for per in _OPTIONAL_LENGTHS for n in lengths[per]):
+        raise ProtocolError(f"{message.type}: a negative length")
     for col in (c for c in present if c.is_tensor):
         shape = tensors[col.wire].shape
         if col.per == "sample" and shape != (count,):

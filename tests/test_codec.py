@@ -197,3 +197,7 @@ def test_a_samples_images_travel_as_bytes_and_a_message_without_any_carries_none
     fields, tensors = pack_samples([seen], scored=True)
     with pytest.raises(ProtocolError, match="image_bytes has shape"):
         unpack_samples(decode(encode("scored", {**fields, "image_byte_lengths": [3]}, tensors)))
+    fields, tensors = pack_samples([text[0], seen], scored=True)
+    total = sum(fields["image_byte_lengths"])
+    with pytest.raises(ProtocolError, match="a negative length"):  # lengths that add up, one of them below 0
+        unpack_samples(decode(encode("scored", {**fields, "image_byte_lengths": [-5, total + 5]}, tensors)))

@@ -49,6 +49,14 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     policy = tiny_vision_policy(tmp_path / "policy")
     assert sees_images(policy) and not sees_images(str(tmp_path)) and load_processor(str(tmp_path)) is None
     assert type(load_causal_lm(policy)).__name__ == "Idefics3ForConditionalGeneration"
+    with pytest.raises(ConfigError, match="LoRA on a policy that sees images .* is not built yet"):
+        from common.config import load_config
+        from learner.main import load_engines
+        from tests.helpers import base_config
+
+        assets = {"policy": policy, "reward": policy, "prompts": "/unused"}
+        load_engines(load_config(None, ["learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2",
+                                        "learner.lora_rank=4"], base=base_config(tmp_path, assets)), None)
     with pytest.raises(ConfigError, match="critic of a policy that sees images .* is not built yet"):
         from common.config import load_config
         from learner.main import load_engines
@@ -63,6 +71,9 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     assert kept == [0] and ids[0].count(processor.image_token_id) == 1 and len(images[0][0]) > 0  # the long: out
     with pytest.raises(ConfigError, match=f"data.prompts: {data} prompt 1: its 1 image.s. take 6 more tokens .*the 5"):
         vision_prompts(rows, processor, 5, None, "data.prompts", data)
+    (tmp_path / "policy" / "processor_config.json").unlink()  # a checkpoint without its image processor
+    with pytest.raises(ConfigError, match="is a vision-language model .* but its processor does not load"):
+        load_processor(policy)
 
 
 @pytest.mark.slow
@@ -198,6 +209,10 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
         moved = {name for name, p in actor.module.named_parameters() if not torch.equal(p.detach(), before[name])}
         assert any("text_model" in name for name in moved) and any("connector" in name for name in moved)
         assert any("vision_model" in name for name in moved) == train_vision_tower, sorted(moved)[:4]
+    from learner.checkpoints import save_hf_checkpoint
+
+    checkpoint = save_hf_checkpoint(actor, policy, str(tmp_path / "final"))  # what eval and a resume load
+    assert load_processor(checkpoint).image_seq_len == processor.image_seq_len
 
 
 @pytest.mark.slow
@@ -214,7 +229,8 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
 
     from common.config import load_config
     from common.models import load_causal_lm
-    from common.vision import decoded, load_processor, pixel_inputs, read_images, vision_prompt_text
+    from common.vision import (decoded, load_processor, pixel_inputs, read_images, vision_prompt_ids,
+                               vision_prompt_text)
     from rollout.engine import apply_weights, make_vllm_engine
     from tests.helpers import base_config
     from weight_sync.buckets import ShmWeightWriter
@@ -224,7 +240,7 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     row = {"prompt": "colour:", "images": ["red.png"]}
     image = decoded(read_images(row, str(tmp_path / "prompts.jsonl"), "line 1"))
-    ids = processor.tokenizer(vision_prompt_text(row, processor))["input_ids"]
+    ids = vision_prompt_ids(vision_prompt_text(row, processor), row, processor)
     config = load_config(None, ["rollout.max_model_len=128", "rollout.kv_cache_gib=0.0625"],
                          base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
     engine = make_vllm_engine(config, limit_mm_per_prompt={"image": 1})
