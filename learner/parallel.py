@@ -161,7 +161,22 @@ def init_process_group(dist_port: int = 0, dist_timeout_s: float = 1800.0, cpu_s
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     timeout = datetime.timedelta(seconds=dist_timeout_s)
     set_timeout(timeout)
+    if not dist.is_initialized():  # a new default group: subgroups cached from an earlier one are dead
+        _forget_groups()
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", timeout=timeout)
+
+def _forget_groups() -> None:
+    """Drop the subgroups DeepSpeed and this module keep of a default group that is gone. Only one
+    process makes a second default group: a test's, after a vLLM engine in that process destroyed
+    the first at its shutdown (DeepSpeed would then broadcast over a group torch no longer knows)."""
+    global _cpu_group
+    from deepspeed.utils import groups
+
+    _cpu_group = None
+    release = getattr(groups, "_release_process_group_references", None)  # DeepSpeed's own teardown
+    if release is not None:
+        release(None)
+
 
 def _skip_shared_memory_allreduce() -> None:
     """DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce op (~90 s on a fresh
