@@ -114,14 +114,15 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     from learner.deepspeed_engine import make_deepspeed_engine
 
     cfg, dtype = config.learner, config.models.dtype
-    if cfg.advantage_estimator == "gae" and sees_images(config.models.policy):
+    sees = sees_images(config.models.policy)
+    if cfg.advantage_estimator == "gae" and sees:
         raise ConfigError(f"learner.advantage_estimator gae: the critic of a policy that sees images "
                           f"({config.models.policy}) is not built yet (issue 36): use grpo, rloo or reinforce_pp")
-    if cfg.lora_rank > 0 and sees_images(config.models.policy):
+    if cfg.lora_rank > 0 and sees:
         raise ConfigError(f"learner.lora_rank: LoRA on a policy that sees images ({config.models.policy}) is not "
                           "built yet (issue 36: its adapters would reach the vision tower, which vLLM does not adapt)")
     actor_model = models.load_causal_lm(config.models.policy, dtype)
-    if sees_images(config.models.policy) and not cfg.train_vision_tower:
+    if sees and not cfg.train_vision_tower:
         freeze_vision_tower(actor_model)
     actor_model = with_lora(actor_model, cfg)
     pad_token_id = models.pad_token_id(actor_model)
