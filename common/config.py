@@ -54,10 +54,25 @@ class SamplingConfig(_Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling: the smallest set of likeliest tokens "
                                                     "holding this much probability; 1: all")
     top_k: int = Field(0, ge=0, description="sample from the k likeliest tokens; 0: all")
+    banned_tokens: tuple[int, ...] = Field(
+        (), description="token ids never sampled (vLLM's bad words; special tokens); the learner's logprobs leave them "
+                        "out too. A policy that sees images has its image placeholder added: sampled, it would be an "
+                        "image slot to the model's forward and text to vLLM")
+
+    @field_validator("banned_tokens")
+    @classmethod
+    def _token_ids(cls, banned: tuple[int, ...]) -> tuple[int, ...]:
+        if any(token < 0 for token in banned):
+            raise ValueError(f"token ids are >= 0, got {list(banned)}")
+        return tuple(sorted(set(banned)))
+
+    def banning(self, tokens) -> "SamplingConfig":
+        """The same distribution with ``tokens`` (ids) never sampled too."""
+        return self.model_copy(update={"banned_tokens": tuple(sorted({*self.banned_tokens, *tokens}))})
 
     def without_truncation(self) -> "SamplingConfig":
-        """The same temperature and no top-k / top-p: the reference's distribution, since the KL
-        tether is to the whole SFT distribution (truncated, a token outside the reference's nucleus
+        """The same temperature, no top-k / top-p and no banned token: the reference's distribution,
+        since the KL tether is to the whole SFT distribution (truncated, a token outside the reference's nucleus
         would make it infinite)."""
         return SamplingConfig(temperature=self.temperature)
 

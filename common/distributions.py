@@ -2,11 +2,11 @@
 learner (policy logprobs, entropy) compute it: pure tensor functions, shapes in each docstring.
 
 vLLM reports logprobs of the processed distribution (``logprobs_mode="processed_logprobs"``):
-logits divided by the temperature, then top-k and top-p (the tokens outside them get no mass and
-the rest is renormalised). The policy's logprobs are computed here the same way, so pi_prox /
-pi_behavior and the PPO ratio compare like with like. The reference's are not truncated: the KL
-tether is to the whole SFT distribution (truncated, a token outside the reference's nucleus would
-make it infinite).
+the banned tokens' logits set to -inf (its bad words), then logits divided by the temperature, then
+top-k and top-p (the tokens outside them get no mass and the rest is renormalised). The policy's
+logprobs are computed here the same way, so pi_prox / pi_behavior and the PPO ratio compare like
+with like. The reference's are neither truncated nor banned: the KL tether is to the whole SFT
+distribution (truncated, a token outside the reference's nucleus would make it infinite).
 """
 
 from __future__ import annotations
@@ -47,12 +47,20 @@ def truncated_logits(scaled: torch.Tensor, top_p: float = 1.0, top_k: int = 0) -
     return torch.empty_like(ordered).scatter_(-1, order, ordered)
 
 
+def scaled_logits(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """``logits`` [..., V] (float32) as sampled: ``sampling.banned_tokens`` at -inf, divided by the
+    temperature, then top-k / top-p (``truncated_logits``)."""
+    if sampling.banned_tokens:
+        logits = logits.index_fill(-1, torch.as_tensor(sampling.banned_tokens, device=logits.device), float("-inf"))
+    return truncated_logits(logits / sampling.temperature, sampling.top_p, sampling.top_k)
+
+
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling: SamplingConfig = PLAIN) -> torch.Tensor:
     """Log-probabilities of the taken tokens.
 
     logits: [B, T, V] (position t scores token t, i.e. already shifted); tokens: [B, T] int.
-    Returns [B, T]. Logits are divided by ``sampling.temperature`` first, then truncated by its
-    ``top_k`` / ``top_p`` (``truncated_logits``), so the result is the log-probability under the
+    Returns [B, T]. The banned tokens are left out, logits divided by ``sampling.temperature``, then
+    truncated by its ``top_k`` / ``top_p`` (``scaled_logits``), so the result is the log-probability under the
     same distribution the rollout sampled from; a token the truncation leaves out gets
     ``LOGPROB_FLOOR``.
     """
@@ -64,7 +72,7 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling: S
                          f"{tuple(logits.shape[:2])}")
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
-    scaled = truncated_logits(logits.float() / sampling.temperature, sampling.top_p, sampling.top_k)
+    scaled = scaled_logits(logits.float(), sampling)
     # log_softmax then gather: numerically the same as gather minus logsumexp, one pass less.
     log_normaliser = torch.logsumexp(scaled, dim=-1)
     taken = torch.gather(scaled, -1, tokens.long().unsqueeze(-1)).squeeze(-1)
@@ -72,8 +80,8 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor, sampling: S
 
 
 def entropy_from_logits(logits: torch.Tensor, sampling: SamplingConfig = PLAIN) -> torch.Tensor:
-    """Entropy of the next-token distribution sampled from (temperature, then top-k / top-p) per
-    position.
+    """Entropy of the next-token distribution sampled from (banned tokens out, temperature, then
+    top-k / top-p) per position.
 
     logits: [B, T, V]. Returns [B, T] in nats: H = logsumexp(z) - sum softmax(z) z, over the tokens
     the truncation keeps.
@@ -81,7 +89,7 @@ def entropy_from_logits(logits: torch.Tensor, sampling: SamplingConfig = PLAIN) 
     _check_sampling(sampling)
     if not torch.isfinite(logits).all():
         raise ValueError("logits contains NaN or inf")
-    scaled = truncated_logits(logits.float() / sampling.temperature, sampling.top_p, sampling.top_k)
+    scaled = scaled_logits(logits.float(), sampling)
     probs = torch.softmax(scaled, dim=-1)
     kept = torch.where(torch.isfinite(scaled), scaled, torch.zeros_like(scaled))  # 0 x -inf is NaN
     return torch.logsumexp(scaled, dim=-1) - (probs * kept).sum(dim=-1)

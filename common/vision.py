@@ -130,6 +130,17 @@ def load_processor(model: str):
     return processor
 
 
+def banning_placeholder(config, processor):
+    """``config`` whose sampling never samples the image placeholder of a policy that sees (its
+    ``processor``; None: ``config`` as is). A sampled placeholder is text to vLLM, which places
+    images by the prompt's placeholders alone, but an image slot to the model's forward in the
+    scorer and the learner, which would find more slots than images."""
+    if processor is None:
+        return config
+    token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    return config.model_copy(update={"sampling": config.sampling.banning([token])})
+
+
 def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None) -> str:
     """The prompt's text with one placeholder per image (``processor.image_token``), before the
     prompt's text: a text prompt as is, a chat through the processor's chat template with the

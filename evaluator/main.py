@@ -19,7 +19,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import resolve_models
 from common.prompts import read_rows
 from common.runlog import metrics_writer, setup_logging
-from common.vision import decoded, engine_arguments, load_processor, prompts_with_images
+from common.vision import banning_placeholder, decoded, engine_arguments, load_processor, prompts_with_images
 from protocol.samples import Sample
 
 
@@ -38,7 +38,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     from vllm.sampling_params import RequestOutputKind
 
     from rollout.agents import agent_programs
-    from rollout.engine import make_vllm_engine, sampling_params
+    from rollout.engine import banned_words, make_vllm_engine, sampling_params
     from rollout.environments import Environments
     from rollout.episodes import Episodes, Renderer
     from rollout.generators import generate_to_end
@@ -56,6 +56,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
     rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
     processor = load_processor(checkpoint)  # a policy that sees: the rows' images too
+    config = banning_placeholder(config, processor)
+    bad_words = banned_words(config, tokenizer)
     if processor is not None and environments is not None:
         raise ConfigError("eval: episodes with images are not built yet (issue 36)")
     token_ids, kept, images = prompts_with_images(rows, tokenizer, processor, limit, config.data.system_prompt,
@@ -68,7 +70,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     episode_figures = {}
     try:
         if environments is None:
-            sampling = [sampling_params(config, n=1, ignore_eos=False, seed=config.eval.seed + i)
+            sampling = [sampling_params(config, bad_words, n=1, ignore_eos=False, seed=config.eval.seed + i)
                         for i in range(len(kept))]
             prompts = [TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": decoded(images[i])})
                        if images and images[i] else TokensPrompt(prompt_token_ids=ids)
@@ -80,7 +82,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
             turns = config.rollout.max_turns
             episodes = Episodes(config, environments, Renderer(tokenizer, tools), tokenizer, rows, token_ids, kept,
                                 lambda episode, max_tokens: sampling_params(
-                                    config, n=1, ignore_eos=False, max_tokens=max_tokens,
+                                    config, bad_words, n=1, ignore_eos=False, max_tokens=max_tokens,
                                     seed=config.eval.seed + episode.group.prompt_index * turns + episode.turns,
                                     output_kind=RequestOutputKind.FINAL_ONLY), log)
             samples, failed = generate_to_end(engine, episodes, list(range(len(kept))))

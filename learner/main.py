@@ -14,7 +14,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import critic_source, resolve_models
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
-from common.vision import freeze_vision_tower, load_processor, sees_images
+from common.vision import banning_placeholder, freeze_vision_tower, load_processor, sees_images
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
@@ -172,6 +172,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     main = parallel.rank() == 0
     actor, critic, pad_token_id = load_engines(config, timeline)
     processor = load_processor(config.models.policy)  # a policy that sees: its samples' images become its inputs
+    config = banning_placeholder(config, processor)  # as the rollout samples
     kl_controller = make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     carry = StepCarry(SkippedSteps(cfg.max_skipped_steps), ppo.RunningMoments() if cfg.normalize_rewards else None,
                       ptx_stream(config))

@@ -94,16 +94,31 @@ def make_vllm_engine(config: TetherConfig, worker_index: int = 0, **overrides):
     return LLM(**{**arguments, **overrides})
 
 
-def sampling_params(config: TetherConfig, **overrides):
-    """vLLM's sampling settings: ``config.sampling`` (which the learner's logprobs reproduce) and the
-    rollout's lengths, with ``overrides`` (the evaluator's: one response, its own seed)."""
+def banned_words(config: TetherConfig, tokenizer) -> list[str]:
+    """``sampling.banned_tokens`` as vLLM's bad words (it takes text): each token's own text, which
+    must encode back to that one token, or vLLM would ban another."""
+    words = []
+    for token in config.sampling.banned_tokens:
+        word = tokenizer.convert_ids_to_tokens(token)
+        if word is None or tokenizer.encode(word, add_special_tokens=False) != [token]:
+            raise ConfigError(f"sampling.banned_tokens: token {token} ({word!r}) does not encode back to itself alone, "
+                              "so vLLM cannot ban it (a special token can be banned; part of a word cannot)")
+        words.append(word)
+    return words
+
+
+def sampling_params(config: TetherConfig, bad_words: list[str] = (), **overrides):
+    """vLLM's sampling settings: ``config.sampling`` (which the learner's logprobs reproduce; its
+    banned tokens as ``banned_words`` gave them) and the rollout's lengths, with ``overrides`` (the
+    evaluator's: one response, its own seed)."""
     from vllm import SamplingParams
 
     rollout = config.rollout
     sampling = config.sampling
     return SamplingParams(**{"n": rollout.samples_per_prompt, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "top_k": sampling.top_k, "max_tokens": rollout.max_new_tokens,
-                             "ignore_eos": rollout.ignore_eos, "logprobs": 0, **overrides})
+                             "ignore_eos": rollout.ignore_eos, "logprobs": 0,
+                             **({"bad_words": list(bad_words)} if bad_words else {}), **overrides})
 
 
 def apply_weights(engine, grant, staging, prefetcher, config: TetherConfig, log,

@@ -10,13 +10,13 @@ from common.config import ConfigError, TetherConfig
 from common.models import resolve_models
 from common.prompts import dataset_row, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from common.vision import engine_arguments, load_processor, prompts_with_images
+from common.vision import banning_placeholder, engine_arguments, load_processor, prompts_with_images
 from protocol.samples import Sample
 from protocol.transport import connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments
 from rollout.agents import agent_programs
 from rollout.credits import Credits, Outbox
-from rollout.engine import WeightLoads, make_vllm_engine, sampling_params
+from rollout.engine import WeightLoads, banned_words, make_vllm_engine, sampling_params
 from rollout.environments import Environments
 from rollout.episodes import Episodes, Renderer
 from rollout.generators import ENVIRONMENT_POLL_S, Generator, InFlight
@@ -52,11 +52,12 @@ def generation_source(config: TetherConfig, environments: Environments | None, t
     Only finished requests come out of the engine (the loop reads nothing of one before its end)."""
     from vllm.sampling_params import RequestOutputKind
 
+    bad_words = banned_words(config, tokenizer)
     if environments is None:
-        return Responses(prompts, data_rows, sampling_params(config, output_kind=RequestOutputKind.FINAL_ONLY),
-                         images)
+        return Responses(prompts, data_rows,
+                         sampling_params(config, bad_words, output_kind=RequestOutputKind.FINAL_ONLY), images)
     return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
-                    data_rows, lambda _, max_tokens: sampling_params(config, n=1, max_tokens=max_tokens,
+                    data_rows, lambda _, max_tokens: sampling_params(config, bad_words, n=1, max_tokens=max_tokens,
                                                                      output_kind=RequestOutputKind.FINAL_ONLY), log)
 
 
@@ -90,6 +91,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
         environments.read_calls_with(rollout_cfg.tool_parser, tokenizer, rollout_cfg.reasoning_parser)
     rows = read_rows(config.data.prompts)
     processor = load_processor(config.models.policy)  # a policy that sees images: its processor
+    config = banning_placeholder(config, processor)
     if processor is not None and environments is not None:
         raise ConfigError("rollout.environment / rollout.tools / rollout.agent with a policy that sees images "
                           f"({config.models.policy}): episodes with images are not built yet (issue 36)")

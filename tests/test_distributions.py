@@ -98,3 +98,28 @@ def test_the_sampled_distribution_is_one_value_not_loose_numbers():
         ppo.logprobs_from_logits(torch.zeros(1, 1, 3), torch.zeros(1, 1, dtype=torch.long), 0.7)
     with pytest.raises(TypeError, match="sampling must be a SamplingConfig"):
         ppo.entropy_from_logits(torch.zeros(1, 1, 3), 0.7)
+
+
+def test_a_banned_token_gets_no_mass_and_the_others_renormalise_before_top_k_and_top_p():
+    from common.distributions import LOGPROB_FLOOR, entropy_from_logits, logprobs_from_logits
+
+    logits = torch.randn(1, 2, 6, generator=torch.Generator().manual_seed(3)) * 2
+    logits[0, :, 4] = 6.0  # the banned token is the likeliest: its mass matters
+    sampling = SamplingConfig(temperature=0.7, top_k=3, banned_tokens=(4,))
+    every_token = torch.stack([logprobs_from_logits(logits, torch.full((1, 2), v), sampling) for v in range(6)], -1)
+    for t in range(2):
+        others = [v for v in range(6) if v != 4]
+        kept = sorted(_kept_by_hand(torch.softmax(logits[0, t, others] / 0.7, -1).tolist(), 1.0, 3))
+        kept = [others[i] for i in kept]  # top-k counts the tokens left after the ban
+        assert torch.allclose(every_token[0, t, kept], torch.log_softmax(logits[0, t, kept] / 0.7, -1), atol=1e-6)
+        assert all(every_token[0, t, v] == LOGPROB_FLOOR for v in range(6) if v not in kept)
+    assert torch.isfinite(entropy_from_logits(logits, sampling)).all()
+
+
+def test_banned_tokens_are_ids_and_banning_adds_to_them():
+    from pydantic import ValidationError
+
+    assert SamplingConfig(banned_tokens=(5, 2, 5)).banning([7, 2]).banned_tokens == (2, 5, 7)
+    assert SamplingConfig(banned_tokens=(3,)).without_truncation().banned_tokens == ()  # the reference: the whole SFT's
+    with pytest.raises(ValidationError, match="token ids are >= 0"):
+        SamplingConfig(banned_tokens=(-1,))

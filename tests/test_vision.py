@@ -71,6 +71,12 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     assert kept == [0] and ids[0].count(processor.image_token_id) == 1 and len(images[0][0]) > 0  # the long: out
     with pytest.raises(ConfigError, match=f"data.prompts: {data} prompt 1: its 1 image.s. take 6 more tokens .*the 5"):
         vision_prompts(rows, processor, 5, None, "data.prompts", data)
+    from rollout.engine import banned_words
+
+    config = load_config(None, [], base=base_config(tmp_path, assets))
+    piece = next(t for t in range(len(processor.tokenizer)) if processor.tokenizer.convert_ids_to_tokens(t)[0] == "Ġ")
+    with pytest.raises(ConfigError, match=f"sampling.banned_tokens: token {piece} .* does not encode back"):
+        banned_words(config.model_copy(update={"sampling": config.sampling.banning([piece])}), processor.tokenizer)
     (tmp_path / "policy" / "processor_config.json").unlink()  # a checkpoint without its image processor
     with pytest.raises(ConfigError, match="is a vision-language model .* but its processor does not load"):
         load_processor(policy)
@@ -220,18 +226,21 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
     """The learner's weights of a policy that sees (the vision tower's too) load into the rollout's
     engine under their own names, and the next generation from the same image is the new weights'
     (vLLM keeps each image's vision features by the image's hash: they are recomputed after a load),
-    against a transformers forward of those weights."""
+    against a transformers forward of those weights. A policy whose image placeholder holds most of
+    the mass samples it unbanned, never banned as tether bans it, and then its logprobs are tether's
+    with the ban (and not without)."""
     import logging
     from types import SimpleNamespace
 
     import torch
     from vllm import SamplingParams, TokensPrompt
 
-    from common.config import load_config
+    from common.config import SamplingConfig, load_config
+    from common.distributions import logprobs_from_logits
     from common.models import load_causal_lm
-    from common.vision import (decoded, load_processor, pixel_inputs, read_images, vision_prompt_ids,
-                               vision_prompt_text)
-    from rollout.engine import apply_weights, make_vllm_engine
+    from common.vision import (banning_placeholder, decoded, load_processor, pixel_inputs, read_images,
+                               vision_prompt_ids, vision_prompt_text)
+    from rollout.engine import apply_weights, banned_words, make_vllm_engine
     from tests.helpers import base_config
     from weight_sync.buckets import ShmWeightWriter
 
@@ -245,16 +254,25 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
                          base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
     engine = make_vllm_engine(config, limit_mm_per_prompt={"image": 1})
 
-    def gap_to(model) -> float:
+    def generate(bad_words=()):
         output = engine.generate([TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": image})],
-                                 SamplingParams(max_tokens=8, logprobs=0, seed=0), use_tqdm=False)[0]
-        prompt, response = list(output.prompt_token_ids), list(output.outputs[0].token_ids)
-        full = torch.tensor([prompt + response])
+                                 SamplingParams(max_tokens=8, logprobs=0, seed=0, bad_words=list(bad_words)),
+                                 use_tqdm=False)[0]
+        return list(output.prompt_token_ids), output.outputs[0]
+
+    def gap_to(model, bad_words=(), sampling=SamplingConfig()) -> float:
+        prompt, output = generate(bad_words)
+        response = list(output.token_ids)
         with torch.no_grad():
-            logits = model(input_ids=full, **pixel_inputs(processor, [image])).logits
-        ours = torch.log_softmax(logits[0, len(prompt) - 1:-1], -1).gather(1, torch.tensor(response)[:, None])[:, 0]
-        return float((ours - torch.tensor([e[t].logprob for e, t in zip(output.outputs[0].logprobs, response)]))
-                     .abs().max())
+            logits = model(input_ids=torch.tensor([prompt + response]), **pixel_inputs(processor, [image])).logits
+        ours = logprobs_from_logits(logits[:, len(prompt) - 1:-1], torch.tensor([response]), sampling)[0]
+        return float((ours - torch.tensor([e[t].logprob for e, t in zip(output.logprobs, response)])).abs().max())
+
+    def publish(version, model):
+        manifest = writer.publish(version, model.named_parameters())
+        grant = SimpleNamespace(fields={"weights_manifest": manifest.to_dict(), "policy_version": version})
+        rollout = SimpleNamespace(models=SimpleNamespace(policy=policy), weights_dir=writer.directory)
+        assert apply_weights(engine, grant, None, None, rollout, logging.getLogger("test")) == (version, None)
 
     try:
         sft = load_causal_lm(policy).eval()
@@ -265,13 +283,27 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
             for name, parameter in updated.named_parameters():  # the vision tower most of all
                 parameter.add_((0.5 if "vision" in name else 0.05) * torch.randn(parameter.shape, generator=generator))
         writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 16)
-        manifest = writer.publish(1, updated.named_parameters())
-        grant = SimpleNamespace(fields={"weights_manifest": manifest.to_dict(), "policy_version": 1})
-        rollout = SimpleNamespace(models=SimpleNamespace(policy=policy), weights_dir=writer.directory)
-        assert apply_weights(engine, grant, None, None, rollout, logging.getLogger("test")) == (1, None)
+        publish(1, updated)
         after = gap_to(updated)
         assert after < 1e-3, after
         assert gap_to(sft) > 1e-2  # the engine holds the new weights, not the old
+
+        placeholder = processor.image_token_id
+        with torch.no_grad():  # the placeholder's row along the mean final hidden state: 0.25-0.99 of the mass
+            prompt, _ = generate()
+            hidden = updated(input_ids=torch.tensor([prompt + list(range(100, 120))]),
+                             **pixel_inputs(processor, [image]), output_hidden_states=True).hidden_states[-1][0]
+            mean = hidden.mean(0)
+            updated.lm_head.weight[placeholder] = 8 * mean / mean.norm() ** 2
+        publish(2, updated)
+        assert list(generate()[1].token_ids).count(placeholder) >= 4  # unbanned, it is sampled
+        banned = banning_placeholder(config, processor)
+        assert banned.sampling.banned_tokens == (placeholder,)
+        words = banned_words(banned, processor.tokenizer)
+        assert words == [processor.image_token] and placeholder not in generate(words)[1].token_ids
+        with_ban, without = gap_to(updated, words, banned.sampling), gap_to(updated, words)
+        print(json.dumps({"gap with the ban": with_ban, "gap without it": without}))
+        assert with_ban < 1e-3 and without > 1e-2, (with_ban, without)
     finally:
         engine.llm_engine.engine_core.shutdown()
 
