@@ -71,10 +71,11 @@ class SamplingConfig(_Strict):
         return self.model_copy(update={"banned_tokens": tuple(sorted({*self.banned_tokens, *tokens}))})
 
     def without_truncation(self) -> "SamplingConfig":
-        """The same temperature, no top-k / top-p and no banned token: the reference's distribution,
-        since the KL tether is to the whole SFT distribution (truncated, a token outside the reference's nucleus
-        would make it infinite)."""
-        return SamplingConfig(temperature=self.temperature)
+        """The same temperature and banned tokens, no top-k / top-p: the reference's distribution,
+        since the KL tether is to the whole SFT distribution (truncated, a token outside the
+        reference's nucleus would make it infinite). Its banned tokens stay out: no response holds
+        one, and with them in the KL of the SFT policy to itself would be -log(1 - their mass), not 0."""
+        return SamplingConfig(temperature=self.temperature, banned_tokens=self.banned_tokens)
 
 
 class DataConfig(_Strict):

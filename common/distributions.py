@@ -5,8 +5,9 @@ vLLM reports logprobs of the processed distribution (``logprobs_mode="processed_
 the banned tokens' logits set to -inf (its bad words), then logits divided by the temperature, then
 top-k and top-p (the tokens outside them get no mass and the rest is renormalised). The policy's
 logprobs are computed here the same way, so pi_prox / pi_behavior and the PPO ratio compare like
-with like. The reference's are neither truncated nor banned: the KL tether is to the whole SFT
-distribution (truncated, a token outside the reference's nucleus would make it infinite).
+with like. The reference's are not truncated: the KL tether is to the whole SFT distribution
+(truncated, a token outside the reference's nucleus would make it infinite), less the banned tokens,
+which no response holds.
 """
 
 from __future__ import annotations

@@ -104,17 +104,64 @@ def keys_of(row: dict) -> str:
 
 
 def messages_problem(messages: Any) -> str | None:
-    """What is wrong with a chat, or None: a non-empty list of {"role": text, "content": text}."""
+    """What is wrong with a chat, or None: a non-empty list of {"role": text, "content": ...}, the
+    content text or a list of parts (``content_problem``)."""
     if not isinstance(messages, list) or not messages:
         return f'has "messages" {json.dumps(messages)[:80]}, not a list of messages'
     for i, message in enumerate(messages):
         if not isinstance(message, dict):
             return f'has "messages"[{i}] {json.dumps(message)[:80]}, not a {{"role", "content"}} object'
-        for field in ("role", "content"):
-            if not isinstance(message.get(field), str):
-                found = "no" if field not in message else f"a non-text {json.dumps(message[field])[:40]} as"
-                return f'has {found} "{field}" in "messages"[{i}] {keys_of(message)}'
+        if not isinstance(message.get("role"), str):
+            found = "no" if "role" not in message else f"a non-text {json.dumps(message['role'])[:40]} as"
+            return f'has {found} "role" in "messages"[{i}] {keys_of(message)}'
+        if "content" not in message:
+            return f'has no "content" in "messages"[{i}] {keys_of(message)}'
+        problem = content_problem(message["content"])
+        if problem is not None:
+            return f'has {problem} as "content" of "messages"[{i}]'
     return None
+
+
+IMAGE_PART = 'an image part {"type": "image", "image": path} (or "path"; or OpenAI\'s "image_url": {"url": ...})'
+
+
+def content_problem(content: Any) -> str | None:
+    """What is wrong with a message's content, or None: text, or a list of parts in the OpenAI / HF
+    form, each a text part {"type": "text", "text": ...} or an ``IMAGE_PART``."""
+    if isinstance(content, str):
+        return None
+    if not isinstance(content, list):
+        return f"a non-text {json.dumps(content)[:40]}"
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            continue
+        if kind in ("image", "image_url") and image_part_path(part) is not None:
+            continue
+        return (f"a list whose part {j} {json.dumps(part)[:80]} is neither a text part "
+                f'{{"type": "text", "text": ...}} nor {IMAGE_PART}')
+    return None
+
+
+def image_part_path(part: dict[str, Any]) -> str | None:
+    """The file (or data: URL) an image part names, or None where it names none."""
+    if part.get("type") == "image_url":
+        url = part.get("image_url")
+        url = url.get("url") if isinstance(url, dict) else url
+        return url if isinstance(url, str) and url else None
+    found = part.get("image", part.get("path", part.get("url")))
+    return found if isinstance(found, str) and found else None
+
+
+def content_text(content: str | list[dict[str, Any]]) -> str:
+    """A message's content as text: itself, or its text parts joined (its images left out)."""
+    return content if isinstance(content, str) else "".join(part["text"] for part in content
+                                                            if part.get("type") == "text")
+
+
+def text_chat(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``chat`` with each message's content as text (``content_text``), as a text model's template reads it."""
+    return [{**message, "content": content_text(message["content"])} for message in chat]
 
 
 def prompt_problem(row: Any) -> str | None:
@@ -148,6 +195,14 @@ def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None =
     generation prompt added (and the ``tools``' JSON schemas, where the rollout has tools).
     ``model_key``: the config key of the model whose tokenizer this is, for the errors (the
     caller adds the data's key, file and line)."""
+    from common.vision import image_paths
+
+    try:
+        images = image_paths(row)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if images:
+        raise ConfigError(f"the row has images but {model_key} does not see images (its config has no vision tower)")
     chat = chat_of(row, system_prompt)
     if chat is None:
         return list(tokenizer(row["prompt"])["input_ids"])
@@ -157,14 +212,16 @@ def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None =
 
 def chat_token_ids(tokenizer, chat: list[dict[str, Any]], generation_prompt: bool, model_key: str,
                    tools: list[dict] | None = None, note: str = "") -> list[int]:
-    """``chat`` through the chat template of ``model_key``'s tokenizer; one it has not, or that its
-    template refuses, is a ``ConfigError`` naming the model's key (a template's own exception, a
-    Jinja traceback, would name neither)."""
+    """``chat`` through the chat template of ``model_key``'s tokenizer, each content as text (a text
+    model's template reads text; ``text_chat``); one it has not, or that its template refuses, is a
+    ``ConfigError`` naming the model's key (a template's own exception, a Jinja traceback, would name
+    neither)."""
     if not getattr(tokenizer, "chat_template", None):
         raise ConfigError(f'a row is a chat ("messages") but the tokenizer of {model_key} has no chat template '
                           '(chat_template.jinja, or chat_template in tokenizer_config.json); give "prompt" text')
     try:
-        ids = tokenizer.apply_chat_template(chat, tools=tools, add_generation_prompt=generation_prompt, tokenize=True)
+        ids = tokenizer.apply_chat_template(text_chat(chat), tools=tools, add_generation_prompt=generation_prompt,
+                                            tokenize=True)
     except Exception as error:  # the template's own checks (roles must alternate, no system role, ...)
         raise ConfigError(f"the chat template of {model_key} refuses a chat{note}: {type(error).__name__}: "
                           f"{str(error)[:300]}; chat: {json.dumps(chat)[:300]}") from None

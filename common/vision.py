@@ -29,17 +29,29 @@ _LENGTH = struct.Struct("<I")  # each image's byte count, before its bytes (pack
 
 
 def image_paths(row: dict[str, Any]) -> list[str]:
-    """The images a row names (``"images"``), in order; none for a text-only row."""
+    """The images a row names, in the order the prompt shows them: its ``"images"`` (shown before
+    the prompt's text) or its messages' image parts (where each stands); none for a text-only row.
+    Each is a file path (relative to the data file) or a ``data:`` URL."""
+    from common.prompts import image_part_path
+
     images = row.get("images", [])
     if not isinstance(images, list) or not all(isinstance(path, str) and path for path in images):
         raise ValueError(f'"images" must be a list of file paths, got {str(images)[:80]}')
-    return images
+    messages = row.get("messages") if not isinstance(row.get("prompt"), str) else None
+    parts = [image_part_path(part) for message in messages or [] if isinstance(message.get("content"), list)
+             for part in message["content"] if part.get("type") in ("image", "image_url")]
+    if images and parts:
+        raise ValueError('has both "images" and image parts in its messages: name each image once, where it stands')
+    return images or parts
 
 
 def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "data.prompts") -> list[bytes]:
-    """The encoded bytes of each image ``row`` names (paths relative to ``data_path``'s directory),
-    each checked to decode as an image. A bad one is a ConfigError naming the key, the data file,
-    the row (``where``: "line 5", "row 3") and the image file."""
+    """The encoded bytes of each image ``row`` names (paths relative to ``data_path``'s directory,
+    or ``data:`` URLs), each checked to decode as an image. A bad one is a ConfigError naming the
+    key, the data file, the row (``where``: "line 5", "row 3") and the image file."""
+    import base64
+    import binascii
+
     from PIL import Image, UnidentifiedImageError
 
     try:
@@ -48,13 +60,20 @@ def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "dat
         raise ConfigError(f"{key}: {data_path} {where}: {error}") from None
     images = []
     for path in paths:
-        full = path if os.path.isabs(path) else os.path.join(os.path.dirname(os.path.abspath(data_path)), path)
+        full = path if os.path.isabs(path) or path.startswith("data:") else os.path.join(
+            os.path.dirname(os.path.abspath(data_path)), path.removeprefix("file://"))
         try:
-            with open(full, "rb") as file:
-                data = file.read()
+            if path.startswith(("http://", "https://")):
+                raise ValueError("tether fetches no URL: give a file beside the data or a data: URL")
+            if path.startswith("data:"):
+                data = base64.b64decode(path.partition(",")[2], validate=True)
+                full = path[:40] + "..."
+            else:
+                with open(full, "rb") as file:
+                    data = file.read()
             with Image.open(io.BytesIO(data)) as image:
                 image.load()
-        except (OSError, UnidentifiedImageError, ValueError) as error:
+        except (OSError, UnidentifiedImageError, ValueError, binascii.Error) as error:
             raise ConfigError(f"{key}: {data_path} {where}: image {full} cannot be read as an image "
                               f"({type(error).__name__}: {error})") from None
         images.append(data)
@@ -142,18 +161,21 @@ def banning_placeholder(config, processor):
 
 
 def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None) -> str:
-    """The prompt's text with one placeholder per image (``processor.image_token``), before the
-    prompt's text: a text prompt as is, a chat through the processor's chat template with the
-    generation prompt, the placeholders opening its first user message."""
+    """The prompt's text with one placeholder per image (``processor.image_token``): a text prompt
+    with its ``"images"`` before its text; a chat through the processor's chat template with the
+    generation prompt, each image part where it stands, or the ``"images"`` opening its first user
+    message."""
     from common.prompts import chat_of
 
     count = len(image_paths(row))
     chat = chat_of(row, system_prompt)
     if chat is None:
         return processor.image_token * count + row["prompt"]
-    first_user = next(i for i, message in enumerate(chat) if message["role"] == "user")
-    parts = [[{"type": "text", "text": m["content"]}] for m in chat]
-    parts[first_user][:0] = [{"type": "image"}] * count
+    parts = [[{"type": "text", "text": content}] if isinstance(content := message["content"], str) else
+             [{"type": "image"} if part["type"] in ("image", "image_url") else part for part in content]
+             for message in chat]
+    if row.get("images"):
+        parts[next(i for i, message in enumerate(chat) if message["role"] == "user")][:0] = [{"type": "image"}] * count
     return processor.apply_chat_template([{"role": m["role"], "content": p} for m, p in zip(chat, parts)],
                                          add_generation_prompt=True, tokenize=False)
 

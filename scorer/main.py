@@ -15,9 +15,9 @@ import torch
 from common import models
 from common.config import ConfigError, TetherConfig
 from common.models import resolve_models, same_tokens
-from common.prompts import chat_of, read_rows
+from common.prompts import chat_of, read_rows, text_chat
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from common.vision import load_processor
+from common.vision import banning_placeholder, load_processor
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction
@@ -37,11 +37,12 @@ class Scorer:
         if config.models.reference and not same_tokens(config.models.policy, config.models.reference):
             raise ConfigError(f"models.reference: {config.models.reference} reads other tokens than the policy; "
                               "the KL tether compares both on the policy's tokens")
-        # the KL tether is to the reference's whole distribution at the rollout's temperature
-        self.log, self.sampling = log, config.sampling.without_truncation()
+        self.processor = load_processor(config.reference_path)  # a reference that sees reads the images
+        # the KL tether is to the reference's whole distribution at the rollout's temperature, less
+        # the tokens the policy may not sample (a policy that sees: its image placeholder)
+        self.log, self.sampling = log, banning_placeholder(config, self.processor).sampling.without_truncation()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.reference = models.load_causal_lm(config.reference_path, config.models.dtype).to(self.device).eval()
-        self.processor = load_processor(config.reference_path)  # a reference that sees reads the images
         self.pad_token_id = models.pad_token_id(self.reference)
         self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
         self.reward_model = self.rm_tokenizer = None
@@ -145,7 +146,8 @@ class Scorer:
         if arguments["messages"] is not None:
             return arguments["messages"]
         chat = chat_of(arguments["row"], self.system_prompt)
-        return None if chat is None else [*chat, {"role": "assistant", "content": arguments["response"]}]
+        # text: an RM of its own tokenizer reads no image (a chat's image parts are left out)
+        return None if chat is None else [*text_chat(chat), {"role": "assistant", "content": arguments["response"]}]
 
 
 def run(config: TetherConfig, worker_index: int = 0) -> None:

@@ -120,6 +120,7 @@ def test_banned_tokens_are_ids_and_banning_adds_to_them():
     from pydantic import ValidationError
 
     assert SamplingConfig(banned_tokens=(5, 2, 5)).banning([7, 2]).banned_tokens == (2, 5, 7)
-    assert SamplingConfig(banned_tokens=(3,)).without_truncation().banned_tokens == ()  # the reference: the whole SFT's
+    reference = SamplingConfig(top_k=2, banned_tokens=(3,)).without_truncation()
+    assert reference.banned_tokens == (3,) and reference.top_k == 0  # no response holds a banned token
     with pytest.raises(ValidationError, match="token ids are >= 0"):
         SamplingConfig(banned_tokens=(-1,))

@@ -26,6 +26,42 @@ def test_a_rows_images_are_read_as_bytes_and_travel_packed(tmp_path):
         unpack_images(packed[:-1])
 
 
+def test_a_chats_image_parts_are_read_where_they_stand_and_text_models_and_rms_read_the_text(tmp_path):
+    """Image parts inside a chat's messages, in the HF form (a file) and OpenAI's (a data: URL),
+    are read in the order they stand and their placeholders put where they stand; a text policy
+    given such a row is told it does not see; an RM of its own tokenizer reads the chat's text."""
+    import base64
+
+    from common.prompts import prompt_token_ids, read_rows, text_chat
+    from common.vision import load_processor, read_images, vision_prompt_text
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    processor = load_processor(policy)
+    red = write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    blue = write_image(tmp_path / "blue.png", (8, 8), (0, 0, 255))
+    blue_url = "data:image/png;base64," + base64.b64encode(open(blue, "rb").read()).decode()
+    row = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "Is "}, {"type": "image", "image": "red.png"}, {"type": "text", "text": " like "},
+        {"type": "image_url", "image_url": {"url": blue_url}}, {"type": "text", "text": "?"}]}]}
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps(row) + "\n")
+    assert read_rows(str(data)) == [row]
+    assert read_images(row, str(data), "line 1") == [open(red, "rb").read(), open(blue, "rb").read()]
+    assert vision_prompt_text(row, processor) == ("<|im_start|>user\nIs <image> like <image>?<|im_end|>\n"
+                                                  "<|im_start|>assistant\n")
+    with pytest.raises(ConfigError, match="the row has images but models.policy does not see images"):
+        prompt_token_ids(row, processor.tokenizer)
+    with pytest.raises(ValueError, match='both "images" and image parts'):
+        read_images({**row, "images": ["red.png"]}, str(data), "line 1")
+    with pytest.raises(ConfigError, match="line 1: image data:image/png;base64,.* cannot be read"):
+        read_images({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}]}, str(data), "line 1")
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "video"}]}]}))
+    with pytest.raises(ConfigError, match='bad.jsonl line 1 .*part 0 {"type": "video"} is neither a text part'):
+        read_rows(str(tmp_path / "bad.jsonl"))
+    assert text_chat(row["messages"]) == [{"role": "user", "content": "Is  like ?"}]  # what an RM's template reads
+
+
 @pytest.mark.parametrize("images, reason", [
     (["missing.png"], "missing.png cannot be read as an image .FileNotFoundError"),
     (["notes.txt"], "notes.txt cannot be read as an image .UnidentifiedImageError"),
@@ -86,20 +122,22 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
 def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transformers_forward(tmp_path):
     """The real rollout loop and buffer on a vision-language policy: each prompt holds one
     placeholder per image, unexpanded; vLLM expands it as the model's processor does, and each
-    sample carries the expanded ids and its images' bytes. Its logprobs at every sampled token are
-    the transformers model's on those ids with the pixel inputs tether computes from those bytes;
-    another image gives others (the image is read)."""
+    sample carries the expanded ids and its images' bytes (a chat's image part where it stands).
+    Its logprobs at every sampled token are the transformers model's on those ids with the pixel
+    inputs tether computes from those bytes, the placeholder banned; another image gives others
+    (the image is read)."""
     import torch
     from transformers import Idefics3ForConditionalGeneration
 
-    from common.vision import decoded, load_processor, pixel_inputs, unpack_images, vision_prompt_text
+    from common.vision import decoded, image_paths, load_processor, pixel_inputs, unpack_images, vision_prompt_text
     from tests.helpers import rollout_one_batch
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
-    rows = [{"messages": [{"role": "user", "content": "What is in the picture?"}], "images": ["red.png"]},
+    rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is in "},
+                                                       {"type": "image", "image": "red.png"}]}]},
             {"prompt": "colour:", "images": ["blue.png"]}]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
@@ -109,21 +147,22 @@ def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transfo
     assert len(samples) == 4 and result["identity_holds"]
 
     model = Idefics3ForConditionalGeneration.from_pretrained(policy, dtype=torch.float32).eval()
+    placeholder = torch.tensor([processor.image_token_id])  # never sampled: its mass left out (~0.003 here)
     gaps, other_image = [], []
     for sample in samples:
         images = unpack_images(sample.images)
-        assert images == [(tmp_path / rows[sample.data_row]["images"][0]).read_bytes()]
+        assert images == [(tmp_path / image_paths(rows[sample.data_row])[0]).read_bytes()]
         text = vision_prompt_text(rows[sample.data_row], processor)
         prompt = sample.prompt_tokens.tolist()
         assert prompt == processor(text=[text], images=[decoded(images)])["input_ids"][0]  # expanded as vLLM does
         assert prompt.count(processor.image_token_id) == 4  # the image's tokens
         ids = torch.tensor([prompt + sample.response_tokens.tolist()])
-        other = (tmp_path / rows[1 - sample.data_row]["images"][0]).read_bytes()
+        other = (tmp_path / image_paths(rows[1 - sample.data_row])[0]).read_bytes()
         for pixels, found in ((images, gaps), ([other], other_image)):
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
                                **pixel_inputs(processor, [decoded(pixels)])).logits
-            logprobs = torch.log_softmax(logits[0, len(prompt) - 1:-1], -1)
+            logprobs = torch.log_softmax(logits[0, len(prompt) - 1:-1].index_fill(-1, placeholder, -torch.inf), -1)
             ours = logprobs.gather(1, torch.as_tensor(sample.response_tokens, dtype=torch.long)[:, None])[:, 0]
             found.append(float((ours - torch.as_tensor(sample.behavior_logprobs)).abs().max()))
     print(json.dumps({"largest gap": max(gaps), "least gap with the other image": min(other_image)}))
