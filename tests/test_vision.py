@@ -122,7 +122,8 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
 def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transformers_forward(tmp_path):
     """The real rollout loop and buffer on a vision-language policy: each prompt holds one
     placeholder per image, unexpanded; vLLM expands it as the model's processor does, and each
-    sample carries the expanded ids and its images' bytes (a chat's image part where it stands).
+    sample carries the expanded ids and its images' bytes (a chat's image part where it stands; a
+    prompt without an image in the same run, none).
     Its logprobs at every sampled token are the transformers model's on those ids with the pixel
     inputs tether computes from those bytes, the placeholder banned; another image gives others
     (the image is read)."""
@@ -138,30 +139,34 @@ def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transfo
     write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
     rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is in "},
                                                        {"type": "image", "image": "red.png"}]}]},
-            {"prompt": "colour:", "images": ["blue.png"]}]
+            {"prompt": "colour:", "images": ["blue.png"]}, {"prompt": "no picture:"}]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     samples, engine, result = rollout_one_batch(tmp_path, {"policy": policy, "reward": policy, "prompts": str(data)},
-                                                4, "rollout.samples_per_prompt=2")
+                                                6, "rollout.samples_per_prompt=2")
     engine.llm_engine.engine_core.shutdown()
-    assert len(samples) == 4 and result["identity_holds"]
+    assert len(samples) == 6 and result["identity_holds"]
+    assert sorted(s.data_row for s in samples if s.images is None) == [2, 2]  # the prompt without an image
 
     model = Idefics3ForConditionalGeneration.from_pretrained(policy, dtype=torch.float32).eval()
     placeholder = torch.tensor([processor.image_token_id])  # never sampled: its mass left out (~0.003 here)
     gaps, other_image = [], []
     for sample in samples:
-        images = unpack_images(sample.images)
-        assert images == [(tmp_path / image_paths(rows[sample.data_row])[0]).read_bytes()]
+        images = unpack_images(sample.images) if sample.images is not None else []
+        assert images == [(tmp_path / path).read_bytes() for path in image_paths(rows[sample.data_row])]
         text = vision_prompt_text(rows[sample.data_row], processor)
         prompt = sample.prompt_tokens.tolist()
-        assert prompt == processor(text=[text], images=[decoded(images)])["input_ids"][0]  # expanded as vLLM does
-        assert prompt.count(processor.image_token_id) == 4  # the image's tokens
+        # expanded as vLLM does
+        assert prompt == processor(text=[text], images=[decoded(images)] if images else None)["input_ids"][0]
+        assert prompt.count(processor.image_token_id) == 4 * len(images)  # the image's tokens
         ids = torch.tensor([prompt + sample.response_tokens.tolist()])
-        other = (tmp_path / image_paths(rows[1 - sample.data_row])[0]).read_bytes()
-        for pixels, found in ((images, gaps), ([other], other_image)):
+        other = [(tmp_path / image_paths(rows[1 - sample.data_row])[0]).read_bytes()] if images else None
+        for pixels, found in ((images, gaps), (other, other_image)):
+            if pixels is None:
+                continue
             with torch.no_grad():
                 logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               **pixel_inputs(processor, [decoded(pixels)])).logits
+                               **(pixel_inputs(processor, [decoded(pixels)]) if pixels else {})).logits
             logprobs = torch.log_softmax(logits[0, len(prompt) - 1:-1].index_fill(-1, placeholder, -torch.inf), -1)
             ours = logprobs.gather(1, torch.as_tensor(sample.response_tokens, dtype=torch.long)[:, None])[:, 0]
             found.append(float((ours - torch.as_tensor(sample.behavior_logprobs)).abs().max()))
@@ -171,31 +176,34 @@ def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transfo
 
 
 def vision_samples(tmp_path, processor) -> list:
-    """Three scored samples of image prompts (two images, one each; a chat and a text prompt), their
-    prompts expanded as vLLM reports them, and the behavior and reference logprobs still to fill."""
+    """Four scored samples: three of image prompts (two images, one each; a chat and a text prompt)
+    and one of a prompt without an image, their prompts expanded as vLLM reports them, and the
+    behavior and reference logprobs still to fill."""
     from common.vision import decoded, pack_images, vision_prompt_text
     from protocol.samples import Sample
 
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
     rows = [{"messages": [{"role": "user", "content": "What is in the picture?"}], "images": ["red.png"]},
-            {"prompt": "colour:", "images": ["blue.png"]}, {"prompt": "colour of this:", "images": ["red.png"]}]
+            {"prompt": "colour:", "images": ["blue.png"]}, {"prompt": "colour of this:", "images": ["red.png"]},
+            {"prompt": "a colour:"}]
     samples = []
     for i, row in enumerate(rows):
-        image = (tmp_path / row["images"][0]).read_bytes()
-        prompt = processor(text=[vision_prompt_text(row, processor)], images=[decoded([image])])["input_ids"][0]
+        image = [(tmp_path / row["images"][0]).read_bytes()] if "images" in row else []
+        prompt = processor(text=[vision_prompt_text(row, processor)],
+                           images=[decoded(image)] if image else None)["input_ids"][0]
         response = processor.tokenizer(" a red square" if i != 1 else " blue")["input_ids"] + [
             processor.tokenizer.eos_token_id]
         samples.append(Sample(f"s{i}", i, 0, np.array(prompt, np.int32), np.array(response, np.int32),
                               np.zeros(len(response), np.float32), "stop", reward=float(i), data_row=i,
-                              images=pack_images([image])))
+                              images=pack_images(image) if image else None))
     return samples
 
 
 def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and_a_step_trains(
         tmp_path, restore_environment):
-    """The learner's batch (padded, with each row's pixel inputs from the bytes it carries) gives
-    every sample the logprobs a plain transformers forward of that sample alone gives, also for a
+    """The learner's batch (padded, with each row's pixel inputs from the bytes it carries; a row
+    without an image among them) gives every sample the logprobs a plain transformers forward of that sample alone gives, also for a
     micro-batch of its rows, and so does the scorer's reference; a PPO step on the learner's
     DeepSpeed engine trains on them (REINFORCE++, no critic), recomputing the logprobs the samples
     carry: the language model and the connector, the vision tower only with train_vision_tower."""
@@ -218,7 +226,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     samples = vision_samples(tmp_path, processor)
     model = load_causal_lm(policy).eval()
     batch = collate(samples, processor.tokenizer.pad_token_id, processor)
-    assert batch.images["pixel_values"].shape[:2] == (3, 1)  # a row each, one image each
+    assert batch.images["pixel_values"].shape[:2] == (4, 1)  # a row each, one image each (the last's all 0)
     with torch.no_grad():
         batched = logprobs_from_logits(forward_logits(model, batch), batch.response_tokens, SamplingConfig())
         part = batch.select(torch.tensor([2, 0]))
@@ -227,7 +235,8 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     for i, sample in enumerate(samples):
         ids = torch.tensor([sample.prompt_tokens.tolist() + sample.response_tokens.tolist()])
         with torch.no_grad():
-            logits = model(input_ids=ids, **pixel_inputs(processor, [decoded(unpack_images(sample.images))])).logits
+            logits = model(input_ids=ids, **(pixel_inputs(processor, [decoded(unpack_images(sample.images))])
+                                             if sample.images is not None else {})).logits
         alone = torch.log_softmax(logits[0, len(sample.prompt_tokens) - 1:-1], -1).gather(
             1, torch.as_tensor(sample.response_tokens, dtype=torch.long)[:, None])[:, 0]
         gaps.append(float((batched[i, :len(alone)] - alone).abs().max()))
@@ -241,7 +250,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     assert max(float((ref - torch.as_tensor(s.ref_logprobs)).abs().max()) for ref, s in zip(references, samples)) < 1e-5
 
     for train_vision_tower in (False, True):  # the tower stays as the SFT model has it, unless asked
-        config = load_config(None, ["learner.batch_size=3", "learner.minibatch_size=3", "learner.actor_lr=1e-3",
+        config = load_config(None, ["learner.batch_size=4", "learner.minibatch_size=4", "learner.actor_lr=1e-3",
                                     "learner.advantage_estimator=reinforce_pp",
                                     f"learner.train_vision_tower={str(train_vision_tower).lower()}"],
                              base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
