@@ -160,11 +160,12 @@ def banning_placeholder(config, processor):
     return config.model_copy(update={"sampling": config.sampling.banning([token])})
 
 
-def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None) -> str:
+def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None,
+                       response: str | None = None) -> str:
     """The prompt's text with one placeholder per image (``processor.image_token``): a text prompt
     with its ``"images"`` before its text; a chat through the processor's chat template with the
     generation prompt, each image part where it stands, or the ``"images"`` opening its first user
-    message."""
+    message. With a ``response`` (a chat only): the chat and the response as the assistant's turn."""
     from common.prompts import chat_of
 
     count = len(image_paths(row))
@@ -176,8 +177,17 @@ def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None
              for message in chat]
     if row.get("images"):
         parts[next(i for i, message in enumerate(chat) if message["role"] == "user")][:0] = [{"type": "image"}] * count
-    return processor.apply_chat_template([{"role": m["role"], "content": p} for m, p in zip(chat, parts)],
-                                         add_generation_prompt=True, tokenize=False)
+    messages = [{"role": m["role"], "content": p} for m, p in zip(chat, parts)]
+    if response is not None:
+        messages.append({"role": "assistant", "content": [{"type": "text", "text": response}]})
+    return processor.apply_chat_template(messages, add_generation_prompt=response is None, tokenize=False)
+
+
+def expanded_ids(processor, text: str, images: list[bytes], special_tokens: bool) -> list[int]:
+    """``text``'s token ids with each placeholder expanded into its image's tokens, as the processor
+    (and vLLM) expands them: what the model's forward reads."""
+    return list(processor(text=[text], images=[decoded(images)] if images else None,
+                          add_special_tokens=special_tokens)["input_ids"][0])
 
 
 def vision_prompt_ids(text: str, row: dict[str, Any], processor) -> list[int]:
@@ -234,8 +244,7 @@ def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_pro
         row_images = read_images(row, path, where, key)
         text = vision_prompt_text(row, processor, system_prompt)
         ids = vision_prompt_ids(text, row, processor)
-        expanded = len(processor(text=[text], images=[decoded(row_images)] if row_images else None,
-                                 add_special_tokens=chat_of(row, None) is None)["input_ids"][0])
+        expanded = len(expanded_ids(processor, text, row_images, chat_of(row, None) is None))
         if expanded - len(ids) + len(row_images) > limit:
             raise ConfigError(f"{key}: {path} {where}: its {len(row_images)} image(s) take {expanded - len(ids)} "
                               f"more tokens than the prompt's text, past the {limit} a prompt may have "

@@ -13,33 +13,34 @@ from common.config import TetherConfig
 from learner.optimizer_step import SkippedSteps
 from learner.signals import StopSignal
 from stages import training
-from stages.examples import Example, padded
+from stages.examples import Example, model_inputs
 from stages.losses import dpo_loss, sequence_logprobs
 from weight_sync.lora import with_lora
 
 
-def logprob_sums(module, examples: list[Example], pad_token_id: int) -> torch.Tensor:
-    """[rows]: log pi(response | prompt) of every row of ``examples`` (chosen, rejected, ...)."""
-    input_ids, attention_mask, loss_mask = (t.to(next(module.parameters()).device)
-                                            for t in padded(examples, pad_token_id))
-    logits = module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+def logprob_sums(module, examples: list[Example], pad_token_id: int, processor=None) -> torch.Tensor:
+    """[rows]: log pi(response | prompt) of every row of ``examples`` (chosen, rejected, ...); a
+    model that sees (``processor``) reads their images."""
+    inputs, input_ids, loss_mask = model_inputs(examples, pad_token_id, processor, next(module.parameters()).device)
+    logits = module(**inputs, use_cache=False).logits
     return sequence_logprobs(logits, input_ids, loss_mask)
 
 
 @torch.no_grad()
 def reference_logprobs(path: str, dtype: str, examples: list[Example], pad_token_id: int,
-                       stage: training.Stage) -> None:
+                       stage: training.Stage, processor=None) -> None:
     """Each example's reference logprobs (chosen, rejected), stored on it as ``reference``."""
     reference = models.load_causal_lm(path, dtype).eval().to(training.parallel.device())
     for part in training.forward_parts(examples, stage):
-        for example, values in zip(part, logprob_sums(reference, part, pad_token_id).view(-1, 2).cpu()):
+        for example, values in zip(part, logprob_sums(reference, part, pad_token_id, processor).view(-1, 2).cpu()):
             example.reference = values
     del reference
 
 
-def pair_sums(module, examples: list[Example], pad_token_id: int, beta: float) -> tuple[torch.Tensor, dict]:
+def pair_sums(module, examples: list[Example], pad_token_id: int, beta: float,
+              processor=None) -> tuple[torch.Tensor, dict]:
     """(summed DPO loss, summed chosen and rejected rewards and correct pairs) of ``examples``."""
-    policy = logprob_sums(module, examples, pad_token_id).view(-1, 2)
+    policy = logprob_sums(module, examples, pad_token_id, processor).view(-1, 2)
     reference = torch.stack([example.reference for example in examples]).to(policy.device)
     loss, chosen, rejected = dpo_loss(policy[:, 0], policy[:, 1], reference[:, 0], reference[:, 1], beta)
     return loss.sum(), {"pairs": float(len(examples)), "chosen_reward": float(chosen.sum()),
@@ -60,10 +61,11 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     stage = training.start(config, "dpo", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    train, evaluation = training.examples_loaded(stage, tokenizer)
+    processor = training.processor_of(stage)  # a model that sees: the rows' images too (the reference's alike)
+    train, evaluation = training.examples_loaded(stage, tokenizer, processor)
     model = models.load_causal_lm(cfg.model, cfg.dtype)
     pad_token_id = models.pad_token_id(model)
-    reference_logprobs(cfg.reference, cfg.dtype, train + evaluation, pad_token_id, stage)
+    reference_logprobs(cfg.reference, cfg.dtype, train + evaluation, pad_token_id, stage, processor)
     engine = training.engine_of(with_lora(model, cfg), stage)
     total_steps = training.total_steps(len(train), stage)
     stage.log.info("dpo: %s against %s for %d epoch(s), %d steps of %d pairs, beta %g, ZeRO-%d, %d rank(s)",
@@ -72,7 +74,7 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
 
     def sums_of(module, part):
-        return pair_sums(module, part, pad_token_id, cfg.beta)
+        return pair_sums(module, part, pad_token_id, cfg.beta, processor)
 
     for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
         sums = training.train_step(engine, training.rank_parts(indices, train, stage), train, sums_of,

@@ -7,13 +7,17 @@ tokenizer's special tokens, or ``"messages"``, a chat rendered by the chat templ
 generation prompt. A response to a text prompt is its text and the end-of-sequence token, as the
 rollout's responses end when they stop; a response to a chat is what the template writes for it
 as the assistant's turn. So the reward model scores, and SFT teaches, the tokens PPO generates.
+
+A model that sees images (``common.vision``) reads a row's images as the rollout does: its prompt
+holds each image's tokens as the processor expands them (the ids vLLM reports), and the batch
+carries the images' pixel inputs (``model_inputs``).
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,6 +35,7 @@ class Example:
     loss_masks: list[list[int]]
     ranks: list[int]
     reference: torch.Tensor | None = None  # DPO: the reference's log pi(response | prompt) of each row
+    images: list[bytes] = field(default_factory=list)  # its prompt's images, encoded (a model that sees)
 
     @property
     def cost(self) -> int:
@@ -38,16 +43,23 @@ class Example:
         return len(self.rows) * max(len(row) for row in self.rows)
 
 
-def read_examples(path: str, key: str, tokenizer, form: str, max_len: int) -> tuple[list[Example], int]:
+def read_examples(path: str, key: str, tokenizer, form: str, max_len: int,
+                  processor=None) -> tuple[list[Example], int]:
     """The examples of a stage's data file (config key ``key``) and how many rows were left out for
-    passing ``max_len`` tokens. ``form``: "demonstration" (sft), "ranking" (rm) or "pair" (dpo).
-    A row of the wrong form is an error naming the key, the file and the row."""
+    passing ``max_len`` tokens (image tokens included). ``form``: "demonstration" (sft), "ranking"
+    (rm) or "pair" (dpo). ``processor``: a model that sees (``seen_example``). A row of the wrong
+    form, or a bad image, is an error naming the key, the file and the row."""
+    from common.vision import read_images
+
     numbered = numbered_records(path, key, *FORMS[form])
     model_key = f"{key.split('.')[0]}.model"  # rm.data -> rm.model: whose tokenizer reads the rows
     examples = []
     for where, row in numbered:
         try:
-            example = EXAMPLE_OF[form](row, tokenizer, model_key)
+            if processor is None:
+                example = EXAMPLE_OF[form](row, tokenizer, model_key)
+            else:
+                example = seen_example(form, row, processor, read_images(row, path, where, key), model_key)
         except ConfigError as error:
             raise ConfigError(f"{key}: {path} {where}: {error}") from None
         if max(len(ids) for ids in example.rows) <= max_len and all(any(mask) for mask in example.loss_masks):
@@ -55,6 +67,21 @@ def read_examples(path: str, key: str, tokenizer, form: str, max_len: int) -> tu
     if not examples:
         raise ConfigError(f"{key}: none of the {len(numbered)} rows of {path} fits in {max_len} tokens (max_len)")
     return examples, len(numbered) - len(examples)
+
+
+def model_inputs(examples: list[Example], pad_token_id: int, processor, device
+                 ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
+    """(the model's inputs, input_ids [B, L], loss_mask [B, L]) of every row of ``examples`` on
+    ``device``: ``padded``'s, and with a model's ``processor`` (one that sees) the pixel inputs of
+    each row's prompt images."""
+    from common.vision import decoded, pixel_inputs
+
+    input_ids, attention_mask, loss_mask = (t.to(device) for t in padded(examples, pad_token_id))
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if processor is not None and any(example.images for example in examples):
+        pixels = pixel_inputs(processor, [decoded(e.images) for e in examples for _ in e.rows])
+        inputs.update({name: value.to(device) for name, value in pixels.items()})
+    return inputs, input_ids, loss_mask
 
 
 def held_out(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:
@@ -195,3 +222,35 @@ def pair(row: dict[str, Any], tokenizer, model_key: str = "dpo.model") -> Exampl
 
 
 EXAMPLE_OF = {"demonstration": demonstration, "ranking": ranking, "pair": pair}
+
+
+def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes], model_key: str) -> Example:
+    """A row for a model that sees (``processor``): a demonstration {"prompt" or "messages",
+    "response"} or a pair {..., "chosen", "rejected"}, with its ``images`` (none: a text row beside
+    them). The prompt is expanded as vLLM expands it; a response to a text prompt is its text and
+    the end-of-sequence token, to a chat the template's assistant turn."""
+    from common.vision import expanded_ids, vision_prompt_text
+
+    if form == "ranking":
+        raise ConfigError(f"{model_key} sees images: a reward model that sees is not built yet (issue 36); train "
+                          "one of its own tokenizer on the text")
+    if form == "demonstration" and not _is_text(row.get("response")):
+        raise ConfigError('a demonstration for a model that sees is {"prompt" or "messages", "response"}: a chat '
+                          "whose assistant turns are taught is not built yet for it (issue 36)")
+    responses, ranks = ([row["response"]], [0]) if form == "demonstration" else ([row["chosen"], row["rejected"]],
+                                                                                  [0, 1])
+    chat = chat_of(row, None)
+    prompt = expanded_ids(processor, vision_prompt_text(row, processor), images, chat is None)
+    answers = []
+    for response in responses:
+        if chat is None:
+            tokenizer = processor.tokenizer
+            answers.append(list(tokenizer(response, add_special_tokens=False)["input_ids"]) + (
+                [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+            continue
+        whole = expanded_ids(processor, vision_prompt_text(row, processor, response=response), images, False)
+        if whole[:len(prompt)] != prompt:
+            raise ConfigError("the chat template does not render the prompt as the start of prompt + response")
+        answers.append(whole[len(prompt):])
+    return Example([prompt + answer for answer in answers],
+                   [[0] * len(prompt) + [1] * len(answer) for answer in answers], ranks, images=images)

@@ -12,15 +12,16 @@ from common.config import TetherConfig
 from learner.optimizer_step import SkippedSteps
 from learner.signals import StopSignal
 from stages import training
-from stages.examples import Example, padded
+from stages.examples import Example, model_inputs
 from stages.losses import token_nll
 from weight_sync.lora import with_lora
 
 
-def nll_sums(module, examples: list[Example], pad_token_id: int) -> tuple[torch.Tensor, dict[str, float]]:
-    """(summed next-token loss over the examples' taught tokens, {"tokens": how many})."""
-    input_ids, attention_mask, loss_mask = (t.to(_device(module)) for t in padded(examples, pad_token_id))
-    logits = module(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+def nll_sums(module, examples: list[Example], pad_token_id: int, processor=None) -> tuple[torch.Tensor, dict[str, float]]:
+    """(summed next-token loss over the examples' taught tokens, {"tokens": how many}); a model
+    that sees (``processor``) reads their images."""
+    inputs, input_ids, loss_mask = model_inputs(examples, pad_token_id, processor, _device(module))
+    logits = module(**inputs, use_cache=False).logits
     nll, mask = token_nll(logits, input_ids, loss_mask)
     return (nll * mask).sum(), {"tokens": float(mask.sum())}
 
@@ -30,10 +31,11 @@ def taught_tokens(example: Example) -> int:
     return sum(sum(mask[1:]) for mask in example.loss_masks)
 
 
-def held_out_loss(module, examples: list[Example], pad_token_id: int, stage: training.Stage) -> dict[str, float]:
+def held_out_loss(module, examples: list[Example], pad_token_id: int, stage: training.Stage,
+                  processor=None) -> dict[str, float]:
     if not examples:
         return {}
-    sums = training.forward_sums(module, examples, lambda m, part: nll_sums(m, part, pad_token_id), stage)
+    sums = training.forward_sums(module, examples, lambda m, part: nll_sums(m, part, pad_token_id, processor), stage)
     return {"loss": sums["loss"] / sums["tokens"], "tokens": sums["tokens"]}
 
 
@@ -44,7 +46,8 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     stage = training.start(config, "sft", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    train, evaluation = training.examples_loaded(stage, tokenizer)
+    processor = training.processor_of(stage)  # a model that sees: the rows' images too
+    train, evaluation = training.examples_loaded(stage, tokenizer, processor)
     model = with_lora(models.load_causal_lm(cfg.model, cfg.dtype), cfg)
     pad_token_id = models.pad_token_id(model)
     engine = training.engine_of(model, stage)
@@ -55,14 +58,14 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
         parts = training.rank_parts(indices, train, stage)
         tokens = sum(taught_tokens(train[int(i)]) for i in indices)
-        sums = training.train_step(engine, parts, train, lambda m, part: nll_sums(m, part, pad_token_id),
+        sums = training.train_step(engine, parts, train, lambda m, part: nll_sums(m, part, pad_token_id, processor),
                                    tokens, skipped, step)
         progress.step(step, epoch, {"loss": sums["loss"] / sums["tokens"], "lr": lr, "grad_norm": sums["grad_norm"],
                                     "tokens": sums["tokens"]}, len(indices))
         if evaluation and training.evaluate_due(step, len(train), stage):
-            progress.held_out(step, held_out_loss(engine.module, evaluation, pad_token_id, stage))
+            progress.held_out(step, held_out_loss(engine.module, evaluation, pad_token_id, stage, processor))
         training.after_step(engine, stage, step, stop)
-    figures = held_out_loss(engine.module, evaluation, pad_token_id, stage) if evaluation else {}
+    figures = held_out_loss(engine.module, evaluation, pad_token_id, stage, processor) if evaluation else {}
     progress.held_out(total_steps, figures)
     output = training.save_output(engine, cfg.model, stage, figures)
     stage.log.info("sft: wrote %s (held-out loss %s)", output, f"{figures['loss']:.4f}" if figures else "n/a")

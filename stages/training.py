@@ -323,15 +323,29 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
     return stage.output
 
 
-def examples_loaded(stage: Stage, tokenizer) -> tuple[list[Example], list[Example]]:
-    """(train, held out) examples of the stage's data, and the log of what was left out."""
+def processor_of(stage: Stage):
+    """The processor of the stage's model where it sees images (None: a text model); LoRA on one is
+    refused by name, as the learner refuses it."""
+    from common.vision import load_processor
+
+    processor = load_processor(stage.cfg.model)
+    if processor is not None and getattr(stage.cfg, "lora_rank", 0) > 0:
+        raise ConfigError(f"{stage.name}.lora_rank: LoRA on a model that sees images ({stage.cfg.model}) is not "
+                          "built yet (issue 36)")
+    return processor
+
+
+def examples_loaded(stage: Stage, tokenizer, processor=None) -> tuple[list[Example], list[Example]]:
+    """(train, held out) examples of the stage's data (``processor``: a model that sees reads their
+    images), and the log of what was left out."""
     from stages.examples import STAGE_FORMS, held_out, read_examples
 
     cfg, key = stage.cfg, stage.name
     form = STAGE_FORMS[key]
-    train, dropped = read_examples(cfg.data, f"{key}.data", tokenizer, form, cfg.max_len)
+    train, dropped = read_examples(cfg.data, f"{key}.data", tokenizer, form, cfg.max_len, processor)
     if cfg.eval_data:
-        evaluation, dropped_eval = read_examples(cfg.eval_data, f"{key}.eval_data", tokenizer, form, cfg.max_len)
+        evaluation, dropped_eval = read_examples(cfg.eval_data, f"{key}.eval_data", tokenizer, form, cfg.max_len,
+                                                 processor)
         dropped += dropped_eval
     else:
         train, evaluation = held_out(train, cfg.eval_fraction, stage.seed)

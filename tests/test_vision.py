@@ -386,3 +386,46 @@ def test_an_evaluation_of_a_vision_policy_reads_the_images_in_the_engine_and_the
     assert figures["prompts"] == 2 and all(s.images is not None for s in samples)
     assert abs(figures["kl_to_reference"]) < 1e-3, figures  # the same image on both sides
     assert "tests.test_vision:names_the_colour" in figures
+
+
+def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_they_run_alone(tmp_path):
+    """`tether sft` / `dpo` rows with images: the prompt's ids are the expanded ids the rollout's
+    samples carry (a chat's response is its template's assistant turn), a batch of them (a row
+    without an image among them) gives each row the loss it has alone, and a reward model that
+    sees is refused by name."""
+    import torch
+
+    from common.models import load_causal_lm
+    from common.vision import expanded_ids, load_processor, read_images, vision_prompt_text
+    from stages.examples import model_inputs, read_examples
+    from stages.sft import nll_sums
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    processor = load_processor(policy)
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    rows = [{"prompt": "colour:", "images": ["red.png"], "response": " red"},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "blue.png"},
+                                                       {"type": "text", "text": "Which colour?"}]}],
+             "response": "blue"},
+            {"prompt": "no picture:", "response": " none"}]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    examples, dropped = read_examples(str(data), "sft.data", processor.tokenizer, "demonstration", 128, processor)
+    assert dropped == 0 and [len(e.images) for e in examples] == [1, 1, 0]
+    for row, example in zip(rows, examples):
+        images = read_images(row, str(data), "line")
+        prompt = expanded_ids(processor, vision_prompt_text(row, processor), images, "prompt" in row)
+        assert example.rows[0][:len(prompt)] == prompt and example.loss_masks[0].index(1) == len(prompt)
+    taught = [token for token, mask in zip(examples[1].rows[0], examples[1].loss_masks[0]) if mask]
+    assert processor.tokenizer.decode(taught) == "blue<|im_end|>\n"  # the template's assistant turn
+    model = load_causal_lm(policy).eval()
+    with torch.no_grad():
+        together = nll_sums(model, examples, processor.tokenizer.pad_token_id, processor)[0]
+        alone = sum(nll_sums(model, [example], processor.tokenizer.pad_token_id, processor)[0] for example in examples)
+        inputs, _, _ = model_inputs(examples, processor.tokenizer.pad_token_id, processor, "cpu")
+    assert inputs["pixel_values"].shape[:2] == (3, 1)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="rm.data: .* line 1: rm.model sees images: a reward model that sees is not"):
+        (tmp_path / "rm.jsonl").write_text(json.dumps({**rows[0], "chosen": "red", "rejected": "blue"}) + "\n")
+        read_examples(str(tmp_path / "rm.jsonl"), "rm.data", processor.tokenizer, "ranking", 128, processor)
