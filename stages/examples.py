@@ -237,8 +237,10 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
     if form == "demonstration" and not _is_text(row.get("response")):
         raise ConfigError('a demonstration for a model that sees is {"prompt" or "messages", "response"}: a chat '
                           "whose assistant turns are taught is not built yet for it (issue 36)")
-    responses, ranks = ([row["response"]], [0]) if form == "demonstration" else ([row["chosen"], row["rejected"]],
-                                                                                  [0, 1])
+    if form == "demonstration":
+        responses, ranks = [row["response"]], [0]
+    else:
+        responses, ranks = [row["chosen"], row["rejected"]], [0, 1]
     chat = chat_of(row, None)
     prompt = expanded_ids(processor, vision_prompt_text(row, processor), images, chat is None)
     answers = []

@@ -17,7 +17,8 @@ from stages.losses import token_nll
 from weight_sync.lora import with_lora
 
 
-def nll_sums(module, examples: list[Example], pad_token_id: int, processor=None) -> tuple[torch.Tensor, dict[str, float]]:
+def nll_sums(module, examples: list[Example], pad_token_id: int,
+             processor=None) -> tuple[torch.Tensor, dict[str, float]]:
     """(summed next-token loss over the examples' taught tokens, {"tokens": how many}); a model
     that sees (``processor``) reads their images."""
     inputs, input_ids, loss_mask = model_inputs(examples, pad_token_id, processor, _device(module))
