@@ -262,8 +262,14 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
          openai: bool = typer.Option(False, help="with --agent: the episodes are an agent program's, written "
                                                  "against the OpenAI API (demos/agent.py openai_agent)"),
          openenv: bool = typer.Option(False, help="with --agent: the calculator is an OpenEnv server's MCP tool "
-                                                  "(demos/agent.py openenv_app, served by the demo)")) -> None:
+                                                  "(demos/agent.py openenv_app, served by the demo)"),
+         vision: bool = typer.Option(False, help="the parity read from an image: a policy that sees "
+                                                 "(configs/demo-vision.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
+    if vision:
+        from demos.vision import run_demo as run_vision_demo
+
+        raise typer.Exit(run_vision_demo(assets, override or []))
     if agent or openai or openenv:
         from demos.agent import run_demo as run_agent_demo
 

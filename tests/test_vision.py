@@ -203,10 +203,11 @@ def vision_samples(tmp_path, processor) -> list:
 def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and_a_step_trains(
         tmp_path, restore_environment):
     """The learner's batch (padded, with each row's pixel inputs from the bytes it carries; a row
-    without an image among them) gives every sample the logprobs a plain transformers forward of that sample alone gives, also for a
-    micro-batch of its rows, and so does the scorer's reference; a PPO step on the learner's
-    DeepSpeed engine trains on them (REINFORCE++, no critic), recomputing the logprobs the samples
-    carry: the language model and the connector, the vision tower only with train_vision_tower."""
+    without an image among them) gives every sample the logprobs a plain transformers forward of
+    that sample alone gives, also for a micro-batch of its rows, and so does the scorer's
+    reference; a PPO step on the learner's DeepSpeed engine trains on them (REINFORCE++, no
+    critic), recomputing the logprobs the samples carry: the language model and the connector,
+    the vision tower only with train_vision_tower."""
     from types import SimpleNamespace
 
     import torch
@@ -242,7 +243,8 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
         gaps.append(float((batched[i, :len(alone)] - alone).abs().max()))
         sample.behavior_logprobs = sample.ref_logprobs = alone.numpy().copy()
     assert max(gaps) < 1e-5, gaps
-    torch.testing.assert_close(micro[1, :len(samples[0].response_tokens)], batched[0, :len(samples[0].response_tokens)])
+    first = len(samples[0].response_tokens)
+    torch.testing.assert_close(micro[1, :first], batched[0, :first])
     # the scorer's reference (the same checkpoint) reads the images the same way
     from scorer.scoring import reference_logprobs
 
@@ -429,3 +431,24 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
     with pytest.raises(ConfigError, match="rm.data: .* line 1: rm.model sees images: a reward model that sees is not"):
         (tmp_path / "rm.jsonl").write_text(json.dumps({**rows[0], "chosen": "red", "rejected": "blue"}) + "\n")
         read_examples(str(tmp_path / "rm.jsonl"), "rm.data", processor.tokenizer, "ranking", 128, processor)
+
+
+@pytest.mark.slow
+def test_the_vision_demo_reads_the_parity_from_the_image_and_ppo_raises_held_out_gold(tmp_path):
+    """`tether demo --vision` as a user runs it, from a directory of its own: `tether sft` on image
+    rows, then PPO through every role on a policy that sees, then held-out gold on shades no
+    training row has: the gain passes the demo's +0.2, and every weight reload leaves the rollout's
+    logprobs the learner's (behavior_logprob_gap < 1e-3)."""
+    from tests.test_readme_examples import tether_from
+
+    done = tether_from(tmp_path, "demo", "--vision", "--assets", str(tmp_path / "assets"),
+                       "-o", "learner.total_steps=20", "-o", "eval.max_prompts=128",
+                       "-o", f"run_dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "run" / "demo_report.json").read_text())
+    print(json.dumps({"sft": report["sft"], "ppo": report["ppo"], "gain": report["gold_reward_gain"]}))
+    assert 0.45 < report["sft"]["gold_reward"] < 0.7  # SFT reads the image, right 60% of the time
+    assert report["gold_reward_gain"] >= 0.2, report
+    with open(tmp_path / "run" / "metrics" / "learner.jsonl") as file:
+        gaps = [gap for line in file if (gap := json.loads(line).get("behavior_logprob_gap")) is not None]
+    assert gaps and max(gaps) < 1e-3, gaps
