@@ -120,6 +120,12 @@ def freeze_vision_tower(model) -> int:
     return len(frozen)
 
 
+def vision_tower_layers(model) -> list[str]:
+    """The names of the image encoder's modules (by ``VISION_TOWERS``): what LoRA leaves alone
+    when the tower is not trained."""
+    return [name for name, _ in model.named_modules() if any(f".{tower}" in f".{name}." for tower in VISION_TOWERS)]
+
+
 def sees_images(model: str) -> bool:
     """Whether the model in directory ``model`` is a vision-language one (its config has a vision
     tower's), read from its config alone."""

@@ -14,7 +14,8 @@ from common.config import ConfigError, TetherConfig
 from common.models import critic_source, resolve_models
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
-from common.vision import banning_placeholder, freeze_vision_tower, load_processor, sees_images
+from common.vision import (banning_placeholder, freeze_vision_tower, load_processor, sees_images,
+                           vision_tower_layers)
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
@@ -118,13 +119,12 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     if cfg.advantage_estimator == "gae" and sees:
         raise ConfigError(f"learner.advantage_estimator gae: the critic of a policy that sees images "
                           f"({config.models.policy}) is not built yet (issue 36): use grpo, rloo or reinforce_pp")
-    if cfg.lora_rank > 0 and sees:
-        raise ConfigError(f"learner.lora_rank: LoRA on a policy that sees images ({config.models.policy}) is not "
-                          "built yet (issue 36: its adapters would reach the vision tower, which vLLM does not adapt)")
     actor_model = models.load_causal_lm(config.models.policy, dtype)
+    tower = []  # a policy that sees: its image encoder stays as the SFT model has it, adapters too
     if sees and not cfg.train_vision_tower:
         freeze_vision_tower(actor_model)
-    actor_model = with_lora(actor_model, cfg)
+        tower = vision_tower_layers(actor_model)
+    actor_model = with_lora(actor_model, cfg, tower)
     pad_token_id = models.pad_token_id(actor_model)
     critic_model = (critic_with_lora(models.load_critic(critic_source(config), dtype), cfg)
                     if cfg.advantage_estimator == "gae" else None)

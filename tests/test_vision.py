@@ -85,19 +85,17 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     policy = tiny_vision_policy(tmp_path / "policy")
     assert sees_images(policy) and not sees_images(str(tmp_path)) and load_processor(str(tmp_path)) is None
     assert type(load_causal_lm(policy)).__name__ == "Idefics3ForConditionalGeneration"
-    with pytest.raises(ConfigError, match="LoRA on a policy that sees images .* is not built yet"):
-        from common.config import load_config
-        from learner.main import load_engines
-        from tests.helpers import base_config
+    from common.config import load_config
+    from learner.main import load_engines
+    from tests.helpers import base_config
+    from weight_sync.lora import lora_sync
 
-        assets = {"policy": policy, "reward": policy, "prompts": "/unused"}
-        load_engines(load_config(None, ["learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2",
-                                        "learner.lora_rank=4"], base=base_config(tmp_path, assets)), None)
+    assets = {"policy": policy, "reward": policy, "prompts": "/unused"}
+    lora = ["learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2", "learner.lora_rank=4"]
+    assert lora_sync(load_config(None, lora, base=base_config(tmp_path, assets)))[0] == "merged"
+    with pytest.raises(ConfigError, match="lora_sync: adapters, but a policy that sees images gets no adapters"):
+        lora_sync(load_config(None, [*lora, "learner.lora_sync=adapters"], base=base_config(tmp_path, assets)))
     with pytest.raises(ConfigError, match="critic of a policy that sees images .* is not built yet"):
-        from common.config import load_config
-        from learner.main import load_engines
-        from tests.helpers import base_config
-
         load_engines(load_config(None, [], base=base_config(tmp_path, {"policy": policy, "reward": policy,
                                                                        "prompts": "/unused"})), None)
     processor, data = load_processor(policy), str(tmp_path / "prompts.jsonl")
@@ -221,6 +219,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     from learner.parallel import init_distributed
     from learner.step import forward_logits, ppo_step
     from tests.helpers import base_config
+    from weight_sync.lora import merged_named_tensors
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
@@ -251,9 +250,11 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     references = reference_logprobs(model, samples, processor.tokenizer.pad_token_id, SamplingConfig(), processor)
     assert max(float((ref - torch.as_tensor(s.ref_logprobs)).abs().max()) for ref, s in zip(references, samples)) < 1e-5
 
-    for train_vision_tower in (False, True):  # the tower stays as the SFT model has it, unless asked
+    names = [name for name, _ in model.state_dict().items()]
+    # the tower stays as the SFT model has it, unless asked; LoRA's adapters leave it alone alike
+    for train_vision_tower, lora_rank in ((False, 0), (True, 0), (False, 4), (True, 4)):
         config = load_config(None, ["learner.batch_size=4", "learner.minibatch_size=4", "learner.actor_lr=1e-3",
-                                    "learner.advantage_estimator=reinforce_pp",
+                                    "learner.advantage_estimator=reinforce_pp", f"learner.lora_rank={lora_rank}",
                                     f"learner.train_vision_tower={str(train_vision_tower).lower()}"],
                              base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
         init_distributed(config)
@@ -265,6 +266,9 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
         moved = {name for name, p in actor.module.named_parameters() if not torch.equal(p.detach(), before[name])}
         assert any("text_model" in name for name in moved) and any("connector" in name for name in moved)
         assert any("vision_model" in name for name in moved) == train_vision_tower, sorted(moved)[:4]
+        assert all(("lora_" in name) == (lora_rank > 0) for name in moved), sorted(moved)[:4]
+        if lora_rank:  # published merged, under the names vLLM loads (the in-place test's)
+            assert [name for name, _ in merged_named_tensors(actor.module)] == names
     from learner.checkpoints import save_hf_checkpoint
 
     checkpoint = save_hf_checkpoint(actor, policy, str(tmp_path / "final"))  # what eval and a resume load

@@ -107,9 +107,16 @@ def lora_not_served(policy: str) -> str | None:
 def lora_sync(config: TetherConfig) -> tuple[str, str]:
     """(``adapters`` or ``merged``, why) for a LoRA run (``learner.lora_rank`` > 0), the same in the
     learner and the rollout; an explicit ``adapters`` vLLM cannot serve is an error naming the key."""
+    from common.vision import sees_images
+
     cfg = config.learner
     if cfg.lora_sync == "merged":
         return "merged", "learner.lora_sync: merged"
+    if sees_images(config.models.policy):  # vLLM's LoRA adapts a VLM's language model alone, under its own names
+        reason = "a policy that sees images gets no adapters in vLLM from tether yet (issue 36)"
+        if cfg.lora_sync == "adapters":
+            raise ConfigError(f"learner.lora_sync: adapters, but {reason}; use merged (or auto)")
+        return "merged", f"learner.lora_sync: auto, and {reason}: whole merged weights are published"
     try:
         reason = lora_not_served(config.models.policy)
     except ImportError as error:  # a learner's host without vLLM: the rollouts', which have it, check
