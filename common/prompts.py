@@ -159,6 +159,21 @@ def content_text(content: str | list[dict[str, Any]]) -> str:
                                                             if part.get("type") == "text")
 
 
+def image_paths(row: dict[str, Any]) -> list[str]:
+    """The images a row names, in the order the prompt shows them: its ``"images"`` (shown before
+    the prompt's text) or its messages' image parts (where each stands); none for a text-only row.
+    Each is a file path (relative to the data file) or a ``data:`` URL."""
+    images = row.get("images", [])
+    if not isinstance(images, list) or not all(isinstance(path, str) and path for path in images):
+        raise ValueError(f'"images" must be a list of file paths, got {str(images)[:80]}')
+    messages = row.get("messages") if not isinstance(row.get("prompt"), str) else None
+    parts = [image_part_path(part) for message in messages or [] if isinstance(message.get("content"), list)
+             for part in message["content"] if part.get("type") in ("image", "image_url")]
+    if images and parts:
+        raise ValueError('has both "images" and image parts in its messages: name each image once, where it stands')
+    return images or parts
+
+
 def text_chat(chat: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """``chat`` with each message's content as text (``content_text``), as a text model's template reads it."""
     return [{**message, "content": content_text(message["content"])} for message in chat]
@@ -195,8 +210,6 @@ def prompt_token_ids(row: dict[str, Any], tokenizer, system_prompt: str | None =
     generation prompt added (and the ``tools``' JSON schemas, where the rollout has tools).
     ``model_key``: the config key of the model whose tokenizer this is, for the errors (the
     caller adds the data's key, file and line)."""
-    from common.vision import image_paths
-
     try:
         images = image_paths(row)
     except ValueError as error:

@@ -24,25 +24,9 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError
+from common.prompts import chat_of, image_paths, prompts_within
 
 _LENGTH = struct.Struct("<I")  # each image's byte count, before its bytes (pack_images)
-
-
-def image_paths(row: dict[str, Any]) -> list[str]:
-    """The images a row names, in the order the prompt shows them: its ``"images"`` (shown before
-    the prompt's text) or its messages' image parts (where each stands); none for a text-only row.
-    Each is a file path (relative to the data file) or a ``data:`` URL."""
-    from common.prompts import image_part_path
-
-    images = row.get("images", [])
-    if not isinstance(images, list) or not all(isinstance(path, str) and path for path in images):
-        raise ValueError(f'"images" must be a list of file paths, got {str(images)[:80]}')
-    messages = row.get("messages") if not isinstance(row.get("prompt"), str) else None
-    parts = [image_part_path(part) for message in messages or [] if isinstance(message.get("content"), list)
-             for part in message["content"] if part.get("type") in ("image", "image_url")]
-    if images and parts:
-        raise ValueError('has both "images" and image parts in its messages: name each image once, where it stands')
-    return images or parts
 
 
 def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "data.prompts",
@@ -179,8 +163,6 @@ def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None
     with its ``"images"`` before its text; a chat through the processor's chat template with the
     generation prompt, each image part where it stands, or the ``"images"`` opening its first user
     message. With a ``response`` (a chat only): the chat and the response as the assistant's turn."""
-    from common.prompts import chat_of
-
     count = len(image_paths(row))
     chat = chat_of(row, system_prompt)
     if chat is None:
@@ -206,8 +188,6 @@ def expanded_ids(processor, text: str, images: list[bytes], special_tokens: bool
 def vision_prompt_ids(text: str, row: dict[str, Any], processor) -> list[int]:
     """``vision_prompt_text``'s token ids: a text prompt with the tokenizer's special tokens, a chat
     as its template wrote it (which holds any it wants: adding them again would double a BOS)."""
-    from common.prompts import chat_of
-
     return list(processor.tokenizer(text, add_special_tokens=chat_of(row, None) is None)["input_ids"])
 
 
@@ -230,8 +210,6 @@ def prompts_with_images(rows: list[dict[str, Any]], tokenizer, processor, limit:
                         ) -> tuple[list[list[int]], list[int], list[list[bytes]] | None]:
     """The prompts that fit, for any policy: with its ``processor`` (one that sees) ``vision_prompts``'
     ids, rows and images; else ``common.prompts.prompts_within``'s ids and rows, and None."""
-    from common.prompts import prompts_within
-
     if processor is not None:
         return vision_prompts(rows, processor, limit, system_prompt, key, path)
     return (*prompts_within(rows, tokenizer, limit, system_prompt, key, path, tools), None)
