@@ -224,24 +224,31 @@ def build_assets(directory: str | os.PathLike, sft_steps: int = 600, rm_prompts:
     return built_once(directory, recipe, paths, "demo assets", build, log)
 
 
-def stage_config(directory: Path, seed: int, rm_epochs: int) -> str:
-    """The demo's `tether sft` and `tether rm` config: the recipe its private trainers used to
-    follow (SFT: AdamW at 3e-3, 30 steps of warm-up, a linear decay to 5%, batches of 64; RM:
-    1e-3, 16 rankings of 4 a step), through the product's stages."""
-    return f"""# the demo's SFT policy and reward model, built by `tether sft` and `tether rm` (demos/parity.py)
-run_dir: {directory}
+def sft_section(directory: Path, seed: int, max_len: int, epochs: int = 1) -> str:
+    """The run and `tether sft` sections of a demo's stage config: SFT from ``directory``/base on its
+    demonstrations, AdamW at 3e-3, 30 steps of warm-up, a linear decay to 5%, batches of 64."""
+    return f"""run_dir: {directory}
 seed: {seed}
 sft:
   model: {directory / "base"}
   data: {directory / "demonstrations.jsonl"}
   eval_data: {directory / "demonstrations_eval.jsonl"}
   output: {directory / "sft"}
+  epochs: {epochs}
   batch_size: 64
   lr: 3.0e-3
   lr_warmup_steps: 30
   lr_schedule: linear
   lr_min_ratio: 0.05
-  max_len: 128
+  max_len: {max_len}"""
+
+
+def stage_config(directory: Path, seed: int, rm_epochs: int) -> str:
+    """The demo's `tether sft` and `tether rm` config: the recipe its private trainers used to
+    follow (SFT: AdamW at 3e-3, 30 steps of warm-up, a linear decay to 5%, batches of 64; RM:
+    1e-3, 16 rankings of 4 a step), through the product's stages."""
+    return f"""# the demo's SFT policy and reward model, built by `tether sft` and `tether rm` (demos/parity.py)
+{sft_section(directory, seed, 128)}
 rm:
   data: {directory / "rankings.jsonl"}
   eval_data: {directory / "rankings_eval.jsonl"}

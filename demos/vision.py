@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from demos.parity import DEMO_HIDDEN, SFT_CORRECT_RATE, built_once, run_and_compare, run_stage_command
+from demos.parity import (DEMO_HIDDEN, SFT_CORRECT_RATE, built_once, run_and_compare, run_stage_command,
+                          sft_section)
 
 IMAGE_TOKENS = ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>",
                 *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]  # what Idefics3's processor names
@@ -122,20 +123,7 @@ def build_base(directory: str, seed: int) -> None:
 def stage_config(directory: Path, seed: int, sft_epochs: int) -> str:
     """The demo's `tether sft` config: the parity demo's recipe on image rows."""
     return f"""# the vision demo's SFT policy, built by `tether sft` (demos/vision.py)
-run_dir: {directory}
-seed: {seed}
-sft:
-  model: {directory / "base"}
-  data: {directory / "demonstrations.jsonl"}
-  eval_data: {directory / "demonstrations_eval.jsonl"}
-  output: {directory / "sft"}
-  epochs: {sft_epochs}
-  batch_size: 64
-  lr: 3.0e-3
-  lr_warmup_steps: 30
-  lr_schedule: linear
-  lr_min_ratio: 0.05
-  max_len: 64
+{sft_section(directory, seed, 64, sft_epochs)}
 """
 
 
