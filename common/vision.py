@@ -157,22 +157,36 @@ def banning_placeholder(config, processor):
     return config.model_copy(update={"sampling": config.sampling.banning([token])})
 
 
-def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None,
-                       response: str | None = None) -> str:
-    """The prompt's text with one placeholder per image (``processor.image_token``): a text prompt
-    with its ``"images"`` before its text; a chat through the processor's chat template with the
-    generation prompt, each image part where it stands, or the ``"images"`` opening its first user
-    message. With a ``response`` (a chat only): the chat and the response as the assistant's turn."""
-    count = len(image_paths(row))
+def vision_chat(row: dict[str, Any], processor, system_prompt: str | None = None) -> list[dict[str, Any]] | None:
+    """The row's chat as the processor's chat template takes it (None for a text prompt): each
+    content a list of parts, an image part ``{"type": "image"}`` where it stands, or the row's
+    ``"images"`` opening its first user message. The images are in the order of ``image_paths``."""
     chat = chat_of(row, system_prompt)
     if chat is None:
-        return processor.image_token * count + row["prompt"]
+        return None
     parts = [[{"type": "text", "text": content}] if isinstance(content := message["content"], str) else
              [{"type": "image"} if part["type"] in ("image", "image_url") else part for part in content]
              for message in chat]
     if row.get("images"):
-        parts[next(i for i, message in enumerate(chat) if message["role"] == "user")][:0] = [{"type": "image"}] * count
-    messages = [{"role": m["role"], "content": p} for m, p in zip(chat, parts)]
+        first_user = next(i for i, message in enumerate(chat) if message["role"] == "user")
+        parts[first_user][:0] = [{"type": "image"}] * len(image_paths(row))
+    return [{"role": m["role"], "content": p} for m, p in zip(chat, parts)]
+
+
+def images_shown(messages: list[dict[str, Any]]) -> int:
+    """How many image parts ``vision_chat``'s ``messages`` hold."""
+    return sum(part["type"] == "image" for message in messages for part in message["content"])
+
+
+def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None,
+                       response: str | None = None) -> str:
+    """The prompt's text with one placeholder per image (``processor.image_token``): a text prompt
+    with its ``"images"`` before its text; a chat (``vision_chat``) through the processor's chat
+    template with the generation prompt. With a ``response`` (a chat only): the chat and the
+    response as the assistant's turn."""
+    messages = vision_chat(row, processor, system_prompt)
+    if messages is None:
+        return processor.image_token * len(image_paths(row)) + row["prompt"]
     if response is not None:
         messages.append({"role": "assistant", "content": [{"type": "text", "text": response}]})
     return processor.apply_chat_template(messages, add_generation_prompt=response is None, tokenize=False)

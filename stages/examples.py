@@ -235,8 +235,7 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
         raise ConfigError(f"{model_key} sees images: a reward model that sees is not built yet (issue 36); train "
                           "one of its own tokenizer on the text")
     if form == "demonstration" and not _is_text(row.get("response")):
-        raise ConfigError('a demonstration for a model that sees is {"prompt" or "messages", "response"}: a chat '
-                          "whose assistant turns are taught is not built yet for it (issue 36)")
+        return seen_chat_demonstration(row, processor, images)
     if form == "demonstration":
         responses, ranks = [row["response"]], [0]
     else:
@@ -256,3 +255,31 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
         answers.append(whole[len(prompt):])
     return Example([prompt + answer for answer in answers],
                    [[0] * len(prompt) + [1] * len(answer) for answer in answers], ranks, images=images)
+
+
+def seen_chat_demonstration(row: dict[str, Any], processor, images: list[bytes]) -> Example:
+    """{"messages"} for a model that sees: the loss on each assistant turn, found as
+    ``demonstration`` finds it (the tokens the template adds for the turn after the chat before it
+    with the generation prompt), every prefix expanded with the images it shows."""
+    from common.vision import expanded_ids, images_shown, vision_chat
+
+    messages = vision_chat(row, processor)
+
+    def ids_of(prefix: list[dict[str, Any]], generation_prompt: bool) -> list[int]:
+        text = processor.apply_chat_template(prefix, add_generation_prompt=generation_prompt, tokenize=False)
+        return expanded_ids(processor, text, images[:images_shown(prefix)], False)
+
+    ids = ids_of(messages, False)
+    mask = [0] * len(ids)
+    for turn, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = ids_of(messages[:turn], True) if turn else []
+        through = ids_of(messages[:turn + 1], False)
+        if through[:len(before)] != before or ids[:len(through)] != through:
+            raise ConfigError(f"the chat template renders turn {turn} differently once later turns follow; its "
+                              "assistant tokens cannot be found")
+        mask[len(before):len(through)] = [1] * (len(through) - len(before))
+    if not any(mask):
+        raise ConfigError('"messages" holds no assistant turn to learn from')
+    return Example([ids], [mask], [0], images=images)

@@ -375,9 +375,10 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
 
 def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_they_run_alone(tmp_path):
     """`tether sft` / `dpo` rows with images: the prompt's ids are the expanded ids the rollout's
-    samples carry (a chat's response is its template's assistant turn), a batch of them (a row
-    without an image among them) gives each row the loss it has alone, and a reward model that
-    sees is refused by name."""
+    samples carry (a chat's response is its template's assistant turn; a chat's assistant turns
+    each taught, every prefix with the images it shows), a batch of them (a row without an image
+    among them) gives each row the loss it has alone, and a reward model that sees is refused by
+    name."""
     import torch
 
     from common.models import load_causal_lm
@@ -393,23 +394,33 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
             {"messages": [{"role": "user", "content": [{"type": "image", "image": "blue.png"},
                                                        {"type": "text", "text": "Which colour?"}]}],
              "response": "blue"},
-            {"prompt": "no picture:", "response": " none"}]
+            {"prompt": "no picture:", "response": " none"},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"}]},
+                          {"role": "assistant", "content": "red"},
+                          {"role": "user", "content": [{"type": "text", "text": "and "},
+                                                       {"type": "image", "image": "blue.png"}]},
+                          {"role": "assistant", "content": "blue"}]}]
     data = tmp_path / "sft.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
     examples, dropped = read_examples(str(data), "sft.data", processor.tokenizer, "demonstration", 128, processor)
-    assert dropped == 0 and [len(e.images) for e in examples] == [1, 1, 0]
-    for row, example in zip(rows, examples):
+    assert dropped == 0 and [len(e.images) for e in examples] == [1, 1, 0, 2]
+    for row, example in zip(rows[:3], examples):
         images = read_images(row, str(data), "line")
         prompt = expanded_ids(processor, vision_prompt_text(row, processor), images, "prompt" in row)
         assert example.rows[0][:len(prompt)] == prompt and example.loss_masks[0].index(1) == len(prompt)
     taught = [token for token, mask in zip(examples[1].rows[0], examples[1].loss_masks[0]) if mask]
     assert processor.tokenizer.decode(taught) == "blue<|im_end|>\n"  # the template's assistant turn
+    # a chat whose assistant turns are taught: each turn's tokens, the second after a second image
+    chat = examples[3]
+    taught = [token for token, mask in zip(chat.rows[0], chat.loss_masks[0]) if mask]
+    assert processor.tokenizer.decode(taught) == "red<|im_end|>\nblue<|im_end|>\n"
+    assert chat.rows[0].count(processor.image_token_id) == 8  # both images' tokens
     model = load_causal_lm(policy).eval()
     with torch.no_grad():
         together = nll_sums(model, examples, processor.tokenizer.pad_token_id, processor)[0]
         alone = sum(nll_sums(model, [example], processor.tokenizer.pad_token_id, processor)[0] for example in examples)
         inputs, _, _ = model_inputs(examples, processor.tokenizer.pad_token_id, processor, "cpu")
-    assert inputs["pixel_values"].shape[:2] == (3, 1)
+    assert inputs["pixel_values"].shape[:2] == (4, 2)  # rows of fewer images padded with all-0 ones
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="rm.data: .* line 1: rm.model sees images: a reward model that sees is not"):
         (tmp_path / "rm.jsonl").write_text(json.dumps({**rows[0], "chosen": "red", "rejected": "blue"}) + "\n")
