@@ -46,27 +46,29 @@ def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "dat
         raise ConfigError(f"{key}: {data_path} {where}: {error}") from None
     images = []
     for path in paths:
-        full = path if os.path.isabs(path) or path.startswith("data:") else os.path.join(
-            os.path.dirname(os.path.abspath(data_path)), path.removeprefix("file://"))
+        inline = path.startswith("data:")
+        url = path.startswith(("http://", "https://"))
+        full = path if inline or url else os.path.join(os.path.dirname(os.path.abspath(data_path)),
+                                                       path.removeprefix("file://"))
         if read is not None and full in read:
             images.append(read[full])
             continue
         try:
-            if path.startswith(("http://", "https://")):
+            if url:
                 raise ValueError("tether fetches no URL: give a file beside the data or a data: URL")
-            if path.startswith("data:"):
+            if inline:
                 data = base64.b64decode(path.partition(",")[2], validate=True)
-                full = path[:40] + "..."
             else:
                 with open(full, "rb") as file:
                     data = file.read()
             with Image.open(io.BytesIO(data)) as image:
                 image.load()
         except (OSError, UnidentifiedImageError, ValueError, binascii.Error) as error:
-            raise ConfigError(f"{key}: {data_path} {where}: image {full} cannot be read as an image "
+            shown = path[:40] + "..." if inline and len(path) > 40 else full
+            raise ConfigError(f"{key}: {data_path} {where}: image {shown} cannot be read as an image "
                               f"({type(error).__name__}: {error})") from None
         images.append(data)
-        if read is not None and not path.startswith("data:"):
+        if read is not None and not inline:
             read[full] = data
     return images
 
@@ -192,6 +194,15 @@ def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None
     return processor.apply_chat_template(messages, add_generation_prompt=response is None, tokenize=False)
 
 
+def check_placeholders(text: str, images: list[bytes], processor) -> None:
+    """A ConfigError where ``text`` shows another number of image placeholders than there are
+    ``images``: a literal placeholder in a row's own text would take an image slot of its own."""
+    shown = text.count(processor.image_token)
+    if shown != len(images):
+        raise ConfigError(f"its text holds {shown} image placeholder(s) ({processor.image_token!r}) for "
+                          f"{len(images)} image(s): the text may not hold the placeholder itself")
+
+
 def expanded_ids(processor, text: str, images: list[bytes], special_tokens: bool) -> list[int]:
     """``text``'s token ids with each placeholder expanded into its image's tokens, as the processor
     (and vLLM) expands them: what the model's forward reads."""
@@ -250,7 +261,12 @@ def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_pro
     for row_index, row in enumerate(rows):
         where = f"prompt {row_index + 1}"
         row_images = read_images(row, path, where, key, read)
-        ids = vision_prompt_ids(vision_prompt_text(row, processor, system_prompt), row, processor)
+        text = vision_prompt_text(row, processor, system_prompt)
+        try:
+            check_placeholders(text, row_images, processor)
+        except ConfigError as error:
+            raise ConfigError(f"{key}: {path} {where}: {error}") from None
+        ids = vision_prompt_ids(text, row, processor)
         for image in row_images:
             if image not in tokens_of:
                 tokens_of[image] = len(expanded_ids(processor, processor.image_token, [image], False))

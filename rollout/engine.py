@@ -95,15 +95,26 @@ def make_vllm_engine(config: TetherConfig, worker_index: int = 0, **overrides):
 
 
 def banned_words(config: TetherConfig, tokenizer) -> list[str]:
-    """``sampling.banned_tokens`` as vLLM's bad words (it takes text): each token's own text, which
-    must encode back to that one token, or vLLM would ban another."""
-    words = []
-    for token in config.sampling.banned_tokens:
-        word = tokenizer.convert_ids_to_tokens(token)
-        if word is None or tokenizer.encode(word, add_special_tokens=False) != [token]:
-            raise ConfigError(f"sampling.banned_tokens: token {token} ({word!r}) does not encode back to itself alone, "
-                              "so vLLM cannot ban it (a special token can be banned; part of a word cannot)")
-        words.append(word)
+    """``sampling.banned_tokens`` as vLLM's bad words (it takes text): each token's own text. vLLM
+    bans what each word encodes to, with and without a space before it, so those must be the
+    banned tokens exactly, or vLLM would ban others than the learner leaves out (a ConfigError)."""
+    from vllm import SamplingParams
+    from vllm.tokenizers.hf import get_cached_tokenizer
+
+    banned = config.sampling.banned_tokens
+    if not banned:
+        return []
+    words = [tokenizer.convert_ids_to_tokens(token) for token in banned]
+    params = SamplingParams(bad_words=[word or "" for word in words])
+    try:  # through the tokenizer as the engine holds it (its max_token_id is read)
+        params.update_from_tokenizer(get_cached_tokenizer(tokenizer))
+        encoded = params._bad_words_token_ids  # what vLLM's sampler bans: no public reader of it
+    except ValueError as error:  # vLLM's validation: too many words, a word of no token
+        raise ConfigError(f"sampling.banned_tokens: vLLM refuses them as bad words: {error}") from None
+    if sorted(map(tuple, encoded)) != sorted((token,) for token in banned):
+        raise ConfigError(f"sampling.banned_tokens: {list(banned)} are {words} to vLLM, which it would ban as "
+                          f"{[list(ids) for ids in encoded]} (each also after a space), not these tokens alone: "
+                          "a special token can be banned; part of a word cannot")
     return words
 
 
@@ -115,6 +126,9 @@ def sampling_params(config: TetherConfig, bad_words: list[str] = (), **overrides
 
     rollout = config.rollout
     sampling = config.sampling
+    if len(bad_words) != len(sampling.banned_tokens):  # the learner leaves them out: so must vLLM
+        raise ValueError(f"sampling.banned_tokens {list(sampling.banned_tokens)} given to vLLM as {list(bad_words)}: "
+                         "pass banned_words(config, tokenizer)")
     return SamplingParams(**{"n": rollout.samples_per_prompt, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "top_k": sampling.top_k, "max_tokens": rollout.max_new_tokens,
                              "ignore_eos": rollout.ignore_eos, "logprobs": 0,

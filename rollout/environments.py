@@ -25,7 +25,7 @@ import numpy as np
 
 from common.config import ConfigError
 from common.functions import load_function
-from common.prompts import chat_of
+from common.prompts import chat_of, text_chat
 from rollout import openenv
 from rollout.tools import Tool, ToolCallParser, ToolError, call_tool
 
@@ -177,7 +177,7 @@ class OpenEnvEnvironment:
         except BaseException:  # the server's session would outlive the episode
             self.close()
             raise
-        return first or chat_of(self.row, None) or [{"role": "user", "content": self.row.get("prompt", "")}]
+        return first or text_chat(chat_of(self.row, None) or [{"role": "user", "content": self.row.get("prompt", "")}])
 
     def step(self, response: str, messages: list[dict], turn: "Turn | None" = None) -> Step:
         parser = self.server.parser

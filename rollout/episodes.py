@@ -29,7 +29,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common.config import ConfigError, TetherConfig
-from common.prompts import chat_of
+from common.prompts import chat_of, text_chat
 from protocol.samples import Sample
 from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Restart, Step, TokenIds,
                                   Turn, as_step, check_observation)
@@ -241,8 +241,8 @@ class Episodes:
         data_row = self.rows[group.data_row]
         for index in range(self.config.rollout.samples_per_prompt):
             episode = Episode(group, index=index, prompt_tokens=list(self.prompts[row]),
-                              messages=chat_of(data_row, self.config.data.system_prompt)
-                              or [{"role": "user", "content": data_row.get("prompt", "")}])
+                              messages=text_chat(chat_of(data_row, self.config.data.system_prompt)
+                                                 or [{"role": "user", "content": data_row.get("prompt", "")}]))
             group.episodes.append(episode)
             delay = self.backoff_s()
             self._call(episode, _reset, self.environments, data_row, delay)

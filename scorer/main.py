@@ -17,7 +17,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import resolve_models, same_tokens
 from common.prompts import chat_of, read_rows, text_chat
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from common.vision import banning_placeholder, load_processor
+from common.vision import banning_placeholder, load_processor, sees_images
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction
@@ -38,6 +38,11 @@ class Scorer:
             raise ConfigError(f"models.reference: {config.models.reference} reads other tokens than the policy; "
                               "the KL tether compares both on the policy's tokens")
         self.processor = load_processor(config.reference_path)  # a reference that sees reads the images
+        if sees_images(config.models.policy) != (self.processor is not None):
+            sees = ("sees images and the policy does not" if self.processor
+                    else "does not see images and the policy does")
+            raise ConfigError(f"models.reference: {config.reference_path} {sees} ({config.models.policy}): the KL "
+                              "tether compares both on the same inputs")
         # the KL tether is to the reference's whole distribution at the rollout's temperature, less
         # the tokens the policy may not sample (a policy that sees: its image placeholder)
         self.log, self.sampling = log, banning_placeholder(config, self.processor).sampling.without_truncation()

@@ -49,18 +49,22 @@ def read_examples(path: str, key: str, tokenizer, form: str, max_len: int,
     passing ``max_len`` tokens (image tokens included). ``form``: "demonstration" (sft), "ranking"
     (rm) or "pair" (dpo). ``processor``: a model that sees (``seen_example``). A row of the wrong
     form, or a bad image, is an error naming the key, the file and the row."""
-    from common.vision import read_images
+    from common.vision import image_paths, read_images
 
     numbered = numbered_records(path, key, *FORMS[form])
     model_key = f"{key.split('.')[0]}.model"  # rm.data -> rm.model: whose tokenizer reads the rows
-    examples = []
+    examples, read = [], {}
     for where, row in numbered:
+        images = read_images(row, path, where, key, read) if processor is not None else []  # names the row itself
         try:
-            if processor is None:
-                example = EXAMPLE_OF[form](row, tokenizer, model_key)
+            if processor is not None:
+                example = seen_example(form, row, processor, images, model_key)
+            elif image_paths(row):  # every form: a text model's chat template would drop them unseen
+                raise ConfigError(f"the row has images but {model_key} does not see images (its config has no "
+                                  "vision tower)")
             else:
-                example = seen_example(form, row, processor, read_images(row, path, where, key), model_key)
-        except ConfigError as error:
+                example = EXAMPLE_OF[form](row, tokenizer, model_key)
+        except ValueError as error:  # ConfigError, and image_paths' "images" that is not a list of paths
             raise ConfigError(f"{key}: {path} {where}: {error}") from None
         if max(len(ids) for ids in example.rows) <= max_len and all(any(mask) for mask in example.loss_masks):
             examples.append(example)
@@ -229,7 +233,7 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
     "response"} or a pair {..., "chosen", "rejected"}, with its ``images`` (none: a text row beside
     them). The prompt is expanded as vLLM expands it; a response to a text prompt is its text and
     the end-of-sequence token, to a chat the template's assistant turn."""
-    from common.vision import expanded_ids, vision_prompt_text
+    from common.vision import check_placeholders, expanded_ids, vision_prompt_text
 
     if form == "ranking":
         raise ConfigError(f"{model_key} sees images: a reward model that sees is not built yet (issue 36); train "
@@ -241,7 +245,9 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
     else:
         responses, ranks = [row["chosen"], row["rejected"]], [0, 1]
     chat = chat_of(row, None)
-    prompt = expanded_ids(processor, vision_prompt_text(row, processor), images, chat is None)
+    text = vision_prompt_text(row, processor)
+    check_placeholders(text, images, processor)
+    prompt = expanded_ids(processor, text, images, chat is None)
     answers = []
     for response in responses:
         if chat is None:

@@ -325,7 +325,7 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
 
 def processor_of(stage: Stage):
     """The processor of the stage's model where it sees images (None: a text model); LoRA on one is
-    refused by name, as the learner refuses it."""
+    refused by name (the stages do not keep its vision tower out of the adapters yet)."""
     from common.vision import load_processor
 
     processor = load_processor(stage.cfg.model)

@@ -100,7 +100,7 @@ def test_the_sampled_distribution_is_one_value_not_loose_numbers():
         ppo.entropy_from_logits(torch.zeros(1, 1, 3), 0.7)
 
 
-def test_a_banned_token_gets_no_mass_and_the_others_renormalise_before_top_k_and_top_p():
+def test_a_banned_token_gets_no_mass_and_the_others_renormalise_before_top_k():
     from common.distributions import LOGPROB_FLOOR, entropy_from_logits, logprobs_from_logits
 
     logits = torch.randn(1, 2, 6, generator=torch.Generator().manual_seed(3)) * 2

@@ -53,6 +53,8 @@ def test_a_chats_image_parts_are_read_where_they_stand_and_text_models_and_rms_r
         prompt_token_ids(row, processor.tokenizer)
     with pytest.raises(ValueError, match='both "images" and image parts'):
         read_images({**row, "images": ["red.png"]}, str(data), "line 1")
+    with pytest.raises(ConfigError, match="line 1: image https://example.com/a.png cannot be read .*fetches no URL"):
+        read_images({"images": ["https://example.com/a.png"], "prompt": "x"}, str(data), "line 1")
     with pytest.raises(ConfigError, match="line 1: image data:image/png;base64,.* cannot be read"):
         read_images({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
             "url": "data:image/png;base64,bm90IGFuIGltYWdl"}}]}]}, str(data), "line 1")
@@ -114,14 +116,25 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     whole = len(expanded_ids(processor, vision_prompt_text(two[0], processor),
                              [(tmp_path / "red.png").read_bytes(), (tmp_path / "b.png").read_bytes()], False))
     assert vision_prompts(two, processor, whole, None, "data.prompts", data)[1] == [0]
+    with pytest.raises(ConfigError, match=r"data.prompts: \S+ prompt 1: its text holds 2 image placeholder"):
+        vision_prompts([{"prompt": "a <image> b", "images": ["red.png"]}], processor, 64, None, "data.prompts", data)
     with pytest.raises(ConfigError, match=f"no prompt of {data} fits in {whole - 1} tokens"):
         vision_prompts(two, processor, whole - 1, None, "data.prompts", data)
     from rollout.engine import banned_words
 
     config = load_config(None, [], base=base_config(tmp_path, assets))
-    piece = next(t for t in range(len(processor.tokenizer)) if processor.tokenizer.convert_ids_to_tokens(t)[0] == "Ġ")
-    with pytest.raises(ConfigError, match=f"sampling.banned_tokens: token {piece} .* does not encode back"):
-        banned_words(config.model_copy(update={"sampling": config.sampling.banning([piece])}), processor.tokenizer)
+
+    def banning(*tokens):
+        return config.model_copy(update={"sampling": config.sampling.banning(tokens)})
+
+    assert banned_words(banning(processor.image_token_id), processor.tokenizer) == ["<image>"]
+    vocabulary = processor.tokenizer.get_vocab()
+    piece = next(t for word, t in vocabulary.items() if word.startswith("Ġ"))  # its text is not what it encodes
+    # a word whose text after a space is another single token: vLLM would ban that one too
+    word = next(t for word, t in vocabulary.items() if word.isalpha() and "Ġ" + word in vocabulary)
+    for tokens in ((piece,), (processor.image_token_id, word)):
+        with pytest.raises(ConfigError, match=r"sampling.banned_tokens: .* not these tokens alone"):
+            banned_words(banning(*tokens), processor.tokenizer)
     (tmp_path / "policy" / "processor_config.json").unlink()  # a checkpoint without its image processor
     with pytest.raises(ConfigError, match="is a vision-language model .* but its processor does not load"):
         load_processor(policy)
@@ -422,6 +435,17 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
         inputs, _, _ = model_inputs(examples, processor.tokenizer.pad_token_id, processor, "cpu")
     assert inputs["pixel_values"].shape[:2] == (4, 2)  # rows of fewer images padded with all-0 ones
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    bad = [  # the text's own placeholder; a missing image, named once; a text model, whose template drops images
+        ({"prompt": "see <image> here", "images": ["red.png"], "response": "x"}, processor,
+         r"sft.data: \S+ line 1: its text holds 2 image placeholder\(s\) .* for 1 image"),
+        ({"prompt": "colour:", "images": ["gone.png"], "response": "x"}, processor,
+         r"^sft.data: \S+ line 1: image \S+gone.png cannot be read"),
+        ({"messages": rows[3]["messages"]}, None,
+         r"sft.data: \S+ line 1: the row has images but sft.model does not see images")]
+    for row, seeing, reason in bad:
+        (tmp_path / "bad.jsonl").write_text(json.dumps(row) + "\n")
+        with pytest.raises(ConfigError, match=reason):
+            read_examples(str(tmp_path / "bad.jsonl"), "sft.data", processor.tokenizer, "demonstration", 128, seeing)
     with pytest.raises(ConfigError, match="rm.data: .* line 1: rm.model sees images: a reward model that sees is not"):
         (tmp_path / "rm.jsonl").write_text(json.dumps({**rows[0], "chosen": "red", "rejected": "blue"}) + "\n")
         read_examples(str(tmp_path / "rm.jsonl"), "rm.data", processor.tokenizer, "ranking", 128, processor)
