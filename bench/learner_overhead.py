@@ -112,7 +112,8 @@ def untrimmed(self, rows):
     """``SequenceBatch.select`` before the token budget: every column of the batch."""
     from common.sequences import SequenceBatch
 
-    return SequenceBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__ if name != "images"))
+    return SequenceBatch(*(getattr(self, name)[rows] for name in self.__dataclass_fields__
+                           if name not in ("images", "seen")))
 
 
 def unsorted(rows, lengths, cfg, world):

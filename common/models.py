@@ -133,10 +133,12 @@ class ValueModel(nn.Module):
         # a decoder builds a KV cache at every forward unless told not to (a concat per layer, for nothing)
         self.no_cache = {"use_cache": False} if "use_cache" in inspect.signature(body.forward).parameters else {}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **images):
+        """``images``: a body that sees images takes their inputs (``SequenceBatch.model_inputs``)."""
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **self.no_cache).last_hidden_state
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **images,
+                           **self.no_cache).last_hidden_state
         return TokenClassifierOutput(logits=self.head(hidden))
 
 
@@ -150,10 +152,11 @@ def load_critic(path: str, dtype: str = "float32") -> nn.Module:
     try:
         source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
     except ValueError:  # a family without a sequence-classification class: its body and a new head
-        body = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
-        head = nn.Linear(body.config.hidden_size, 1, dtype=getattr(torch, dtype))
+        body = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))  # a VLM's: its towers and text model
+        width = body.config.get_text_config().hidden_size
+        head = nn.Linear(width, 1, dtype=getattr(torch, dtype))
         with torch.no_grad():
-            head.weight.normal_(0.0, 1.0 / (body.config.hidden_size + 1))  # HF's score-head init
+            head.weight.normal_(0.0, 1.0 / (width + 1))  # HF's score-head init
             head.bias.zero_()
         return disable_dropout(ValueModel(body, head))
     head = classification_head(source)

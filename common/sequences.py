@@ -28,10 +28,14 @@ class SequenceBatch:
     # a policy that sees: its processor's image inputs of each row, rows first (Idefics3's pixel_values
     # [B, images, 3, H, W] and pixel_attention_mask), which the model takes beside the ids
     images: dict[str, torch.Tensor] | None = None
+    # [B] bool: the rows that have images (the others' image inputs are the family's padding, which a
+    # forward of such rows alone refuses: Idefics3 finds no real image and fails)
+    seen: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
-        return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self) if f.name != "images"),
-                             images=_each(self.images, lambda tensor: tensor.to(device)))
+        return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self)
+                               if f.name not in ("images", "seen")),
+                             images=_each(self.images, lambda tensor: tensor.to(device)), seen=self.seen)
 
     @property
     def model_inputs(self) -> dict[str, torch.Tensor]:
@@ -50,7 +54,13 @@ class SequenceBatch:
                              self.response_tokens[rows, :response_width],
                              self.response_positions[rows, :response_width],
                              self.response_mask[rows, :response_width], self.last_positions[rows],
-                             _each(self.images, lambda tensor: tensor[rows]))
+                             *self._images_of(rows))
+
+    def _images_of(self, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
+        """(images, seen) of ``rows``: none where no row of them has an image."""
+        if self.images is None or not bool(self.seen[rows.cpu()].any()):
+            return None, None
+        return _each(self.images, lambda tensor: tensor[rows]), self.seen[rows.cpu()]
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -87,14 +97,15 @@ def collate(samples: list[Sample], pad_token_id: int, processor=None) -> Sequenc
         response_mask[i, :resp_len] = 1.0 if sample.loss_mask is None else torch.as_tensor(sample.loss_mask,
                                                                                             dtype=torch.float32)
     last_positions = attention_mask.sum(dim=1) - 1
-    images = None
+    images = seen = None
     if processor is not None and any(sample.images is not None for sample in samples):
         from common.vision import decoded, pixel_inputs, unpack_images
 
         images = pixel_inputs(processor, [decoded(unpack_images(s.images)) if s.images is not None else []
                                           for s in samples])
+        seen = torch.tensor([sample.images is not None for sample in samples])
     return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions,
-                         images)
+                         images, seen)
 
 
 def pad_rows(rows: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

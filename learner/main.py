@@ -116,9 +116,10 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
 
     cfg, dtype = config.learner, config.models.dtype
     sees = sees_images(config.models.policy)
-    if cfg.advantage_estimator == "gae" and sees:
-        raise ConfigError(f"learner.advantage_estimator gae: the critic of a policy that sees images "
-                          f"({config.models.policy}) is not built yet (issue 36): use grpo, rloo or reinforce_pp")
+    source = critic_source(config) if cfg.advantage_estimator == "gae" else None
+    if source is not None and sees and not sees_images(source):
+        raise ConfigError(f"models.critic_init: the critic of a policy that sees images ({config.models.policy}) "
+                          f"starts from a model that sees them too; {source} does not (critic_init: policy)")
     actor_model = models.load_causal_lm(config.models.policy, dtype)
     tower = []  # a policy that sees: its image encoder stays as the SFT model has it, adapters too
     if sees and not cfg.train_vision_tower:
@@ -126,8 +127,14 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
         tower = vision_tower_layers(actor_model)
     actor_model = with_lora(actor_model, cfg, tower)
     pad_token_id = models.pad_token_id(actor_model)
-    critic_model = (critic_with_lora(models.load_critic(critic_source(config), dtype), cfg)
-                    if cfg.advantage_estimator == "gae" else None)
+    critic_model = None
+    if source is not None:  # the critic of a policy that sees reads the images through its own towers
+        critic_model = models.load_critic(source, dtype)
+        critic_tower = []
+        if sees and not cfg.train_vision_tower:
+            freeze_vision_tower(critic_model)
+            critic_tower = vision_tower_layers(critic_model.body)
+        critic_model = critic_with_lora(critic_model, cfg, critic_tower)
     timeline.phase("model load")
     actor = make_deepspeed_engine(actor_model, cfg.actor_lr, config)
     critic = make_deepspeed_engine(critic_model, cfg.critic_lr, config) if critic_model is not None else None

@@ -41,7 +41,7 @@ def forward_logits(engine, batch: SequenceBatch) -> torch.Tensor:
 
 def forward_values(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T] V(s_t) for each response token: the critic at the position before the token."""
-    values = engine(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits.squeeze(-1)
+    values = engine(**batch.model_inputs).logits.squeeze(-1)  # a critic that sees: the images too
     return _finite("critic values", gather_response(values, batch.response_positions).float())
 
 

@@ -80,7 +80,7 @@ def test_a_bad_image_is_an_error_naming_the_data_file_the_row_and_the_image(tmp_
         read_images({"prompt": "what colour?", "images": images}, data, "line 7")
 
 
-def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_named(tmp_path):
+def test_image_prompts_that_do_not_fit_and_lora_sync_for_a_vision_policy_are_named(tmp_path):
     from common.models import load_causal_lm
     from common.vision import load_processor, sees_images, vision_prompts
 
@@ -88,7 +88,6 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     assert sees_images(policy) and not sees_images(str(tmp_path)) and load_processor(str(tmp_path)) is None
     assert type(load_causal_lm(policy)).__name__ == "Idefics3ForConditionalGeneration"
     from common.config import load_config
-    from learner.main import load_engines
     from tests.helpers import base_config
     from weight_sync.lora import lora_sync
 
@@ -97,9 +96,6 @@ def test_image_prompts_that_do_not_fit_and_a_critic_for_a_vision_policy_are_name
     assert lora_sync(load_config(None, lora, base=base_config(tmp_path, assets)))[0] == "merged"
     with pytest.raises(ConfigError, match="lora_sync: adapters, but a policy that sees images gets no adapters"):
         lora_sync(load_config(None, [*lora, "learner.lora_sync=adapters"], base=base_config(tmp_path, assets)))
-    with pytest.raises(ConfigError, match="critic of a policy that sees images .* is not built yet"):
-        load_engines(load_config(None, [], base=base_config(tmp_path, {"policy": policy, "reward": policy,
-                                                                       "prompts": "/unused"})), None)
     processor, data = load_processor(policy), str(tmp_path / "prompts.jsonl")
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     rows = [{"prompt": "colour:", "images": ["red.png"]}, {"prompt": "colour: " * 40, "images": ["red.png"]}]
@@ -230,6 +226,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     reference; a PPO step on the learner's DeepSpeed engine trains on them (REINFORCE++, no
     critic), recomputing the logprobs the samples carry: the language model and the connector,
     the vision tower only with train_vision_tower."""
+    import copy
     from types import SimpleNamespace
 
     import torch
@@ -241,7 +238,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     from common.vision import decoded, load_processor, pixel_inputs, unpack_images
     from learner.main import load_engines
     from learner.parallel import init_distributed
-    from learner.step import forward_logits, ppo_step
+    from learner.step import forward_logits, forward_values, ppo_step
     from tests.helpers import base_config
     from weight_sync.lora import merged_named_tensors
 
@@ -255,6 +252,9 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
         batched = logprobs_from_logits(forward_logits(model, batch), batch.response_tokens, SamplingConfig())
         part = batch.select(torch.tensor([2, 0]))
         micro = logprobs_from_logits(forward_logits(model, part), part.response_tokens, SamplingConfig())
+        text_only = batch.select(torch.tensor([3]))  # a micro-batch of no image: no image inputs either
+        assert text_only.images is None
+        text_micro = logprobs_from_logits(forward_logits(model, text_only), text_only.response_tokens, SamplingConfig())
     gaps = []
     for i, sample in enumerate(samples):
         ids = torch.tensor([sample.prompt_tokens.tolist() + sample.response_tokens.tolist()])
@@ -268,6 +268,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     assert max(gaps) < 1e-5, gaps
     first = len(samples[0].response_tokens)
     torch.testing.assert_close(micro[1, :first], batched[0, :first])
+    torch.testing.assert_close(text_micro[0], batched[3, :text_micro.shape[1]])
     # the scorer's reference (the same checkpoint) reads the images the same way
     from scorer.scoring import reference_logprobs
 
@@ -276,15 +277,31 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
 
     names = [name for name, _ in model.state_dict().items()]
     # the tower stays as the SFT model has it, unless asked; LoRA's adapters leave it alone alike
-    for train_vision_tower, lora_rank in ((False, 0), (True, 0), (False, 4), (True, 4)):
+    # (the last: GAE, its critic a value head on the policy's own towers, reading the images too)
+    for train_vision_tower, lora_rank, estimator in ((False, 0, "reinforce_pp"), (True, 0, "reinforce_pp"),
+                                                     (False, 4, "reinforce_pp"), (True, 4, "reinforce_pp"),
+                                                     (False, 0, "gae")):
         config = load_config(None, ["learner.batch_size=4", "learner.minibatch_size=4", "learner.actor_lr=1e-3",
-                                    "learner.advantage_estimator=reinforce_pp", f"learner.lora_rank={lora_rank}",
+                                    f"learner.advantage_estimator={estimator}", f"learner.lora_rank={lora_rank}",
                                     f"learner.train_vision_tower={str(train_vision_tower).lower()}"],
                              base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
         init_distributed(config)
-        actor, _, _ = load_engines(config, SimpleNamespace(phase=lambda name: None))
+        actor, critic, _ = load_engines(config, SimpleNamespace(phase=lambda name: None))
+        assert (critic is not None) == (estimator == "gae")
+        if critic is not None:  # each row's values are its own forward's, images and all
+            with torch.no_grad():
+                together = forward_values(critic.module, batch)
+                for i in range(len(samples)):
+                    alone = forward_values(critic.module, batch.select(torch.tensor([i])))[0]
+                    torch.testing.assert_close(together[i, :len(alone)], alone, rtol=1e-4, atol=1e-5)
+                swapped = copy.copy(samples[1])
+                swapped.images = samples[0].images  # the other image
+                other = forward_values(critic.module, collate([swapped], processor.tokenizer.pad_token_id, processor))
+            assert (other[0] - together[1, :other.shape[1]]).abs().max() > 1e-4  # the critic reads the image
+            assert not any("vision_model" in name for name, p in critic.module.named_parameters() if p.requires_grad)
         before = {name: p.detach().clone() for name, p in actor.module.named_parameters()}
-        stats = ppo_step(actor, None, samples, batch, config, policy_version=0, kl_coef=0.05)
+        stats = ppo_step(actor, critic, samples, batch, config, policy_version=0, kl_coef=0.05)
+        assert critic is None or np.isfinite(stats["value_loss"])
         assert stats["behavior_logprob_gap"] < 1e-4 and abs(stats["kl"]) < 1e-4
         assert np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0
         moved = {name for name, p in actor.module.named_parameters() if not torch.equal(p.detach(), before[name])}

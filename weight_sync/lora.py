@@ -44,10 +44,11 @@ def with_lora(model: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = 
                                             target_modules=target, exclude_modules=exclude or None))
 
 
-def critic_with_lora(critic: nn.Module, cfg: LearnerConfig) -> nn.Module:
-    """A ``ValueModel`` with LoRA on its body; its value head trains whole (it is new or the RM's)."""
+def critic_with_lora(critic: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = None) -> nn.Module:
+    """A ``ValueModel`` with LoRA on its body save the modules named in ``exclude`` (a vision tower
+    left as it is); its value head trains whole (it is new or the RM's)."""
     if cfg.lora_rank:
-        critic.body = with_lora(critic.body, cfg)
+        critic.body = with_lora(critic.body, cfg, exclude)
     return critic
 
 
