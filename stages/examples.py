@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -190,21 +190,30 @@ def demonstration(row: dict[str, Any], tokenizer, model_key: str = "sft.model") 
         prompt = prompt_token_ids(row, tokenizer, model_key=model_key)
         response = response_ids(row, prompt, row["response"], tokenizer, model_key)
         return Example([prompt + response], [[0] * len(prompt) + [1] * len(response)], [0])
-    messages = row["messages"]
-    ids = chat_token_ids(tokenizer, messages, False, model_key)
+    ids, mask = assistant_turns(row["messages"],
+                                lambda prefix, generation: chat_token_ids(tokenizer, prefix, generation, model_key))
+    return Example([ids], [mask], [0])
+
+
+def assistant_turns(messages: list[dict[str, Any]], ids_of: Callable[[list, bool], list[int]]
+                    ) -> tuple[list[int], list[int]]:
+    """(the chat's ids, a mask 1 at each assistant turn's): a turn's tokens are those the template
+    adds for it after the chat before it with the generation prompt. ``ids_of(prefix,
+    generation_prompt)``: a prefix of ``messages`` rendered as ids."""
+    ids = ids_of(messages, False)
     mask = [0] * len(ids)
     for turn, message in enumerate(messages):
         if message.get("role") != "assistant":
             continue
-        before = chat_token_ids(tokenizer, messages[:turn], True, model_key) if turn else []
-        through = chat_token_ids(tokenizer, messages[:turn + 1], False, model_key)
+        before = ids_of(messages[:turn], True) if turn else []
+        through = ids_of(messages[:turn + 1], False)
         if through[:len(before)] != before or ids[:len(through)] != through:
             raise ConfigError(f"the chat template renders turn {turn} differently once later turns follow; its "
                               "assistant tokens cannot be found")
         mask[len(before):len(through)] = [1] * (len(through) - len(before))
     if not any(mask):
         raise ConfigError('"messages" holds no assistant turn to learn from')
-    return Example([ids], [mask], [0])
+    return ids, mask
 
 
 def ranking(row: dict[str, Any], tokenizer, model_key: str = "rm.model") -> Example:
@@ -275,17 +284,5 @@ def seen_chat_demonstration(row: dict[str, Any], processor, images: list[bytes])
         text = processor.apply_chat_template(prefix, add_generation_prompt=generation_prompt, tokenize=False)
         return expanded_ids(processor, text, images[:images_shown(prefix)], False)
 
-    ids = ids_of(messages, False)
-    mask = [0] * len(ids)
-    for turn, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        before = ids_of(messages[:turn], True) if turn else []
-        through = ids_of(messages[:turn + 1], False)
-        if through[:len(before)] != before or ids[:len(through)] != through:
-            raise ConfigError(f"the chat template renders turn {turn} differently once later turns follow; its "
-                              "assistant tokens cannot be found")
-        mask[len(before):len(through)] = [1] * (len(through) - len(before))
-    if not any(mask):
-        raise ConfigError('"messages" holds no assistant turn to learn from')
+    ids, mask = assistant_turns(messages, ids_of)
     return Example([ids], [mask], [0], images=images)
