@@ -154,9 +154,10 @@ def image_part_path(part: dict[str, Any]) -> str | None:
 
 
 def content_text(content: str | list[dict[str, Any]]) -> str:
-    """A message's content as text: itself, or its text parts joined (its images left out)."""
-    return content if isinstance(content, str) else "".join(part["text"] for part in content
-                                                            if part.get("type") == "text")
+    """A message's content as text: itself, or its text parts a line each, as vLLM's OpenAI server
+    joins them for a text model (its images left out)."""
+    return content if isinstance(content, str) else "\n".join(part["text"] for part in content
+                                                              if part.get("type") == "text")
 
 
 def image_paths(row: dict[str, Any]) -> list[str]:

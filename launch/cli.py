@@ -267,6 +267,9 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
                                                  "(configs/demo-vision.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
     if vision:
+        if agent or openai or openenv or long_tail:
+            fail("tether demo --vision is a demo of its own: without --agent, --openai, --openenv or --long-tail",
+                 ExitCode.CONFIG_ERROR)
         from demos.vision import run_demo as run_vision_demo
 
         raise typer.Exit(run_vision_demo(assets, override or []))

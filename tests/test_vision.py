@@ -61,7 +61,7 @@ def test_a_chats_image_parts_are_read_where_they_stand_and_text_models_and_rms_r
     (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": [{"type": "video"}]}]}))
     with pytest.raises(ConfigError, match='bad.jsonl line 1 .*part 0 {"type": "video"} is neither a text part'):
         read_rows(str(tmp_path / "bad.jsonl"))
-    assert text_chat(row["messages"]) == [{"role": "user", "content": "Is  like ?"}]  # what an RM's template reads
+    assert text_chat(row["messages"]) == [{"role": "user", "content": "Is \n like \n?"}]  # what a text template reads
 
 
 @pytest.mark.parametrize("images, reason", [
@@ -466,6 +466,16 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
     with pytest.raises(ConfigError, match="rm.data: .* line 1: rm.model sees images: a reward model that sees is not"):
         (tmp_path / "rm.jsonl").write_text(json.dumps({**rows[0], "chosen": "red", "rejected": "blue"}) + "\n")
         read_examples(str(tmp_path / "rm.jsonl"), "rm.data", processor.tokenizer, "ranking", 128, processor)
+
+
+def test_the_vision_demo_is_a_demo_of_its_own():
+    from typer.testing import CliRunner
+
+    from launch.cli import app
+    from launch.exit_codes import ExitCode
+
+    result = CliRunner().invoke(app, ["demo", "--vision", "--agent"])
+    assert result.exit_code == ExitCode.CONFIG_ERROR and "--vision is a demo of its own" in result.output
 
 
 @pytest.mark.slow
