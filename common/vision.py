@@ -103,20 +103,17 @@ def decoded(images: list[bytes]) -> list:
 VISION_TOWERS = ("vision_model.", "vision_tower.", "visual.")  # where families keep their image encoder
 
 
-def freeze_vision_tower(model) -> int:
+def _in_tower(name: str) -> bool:
+    return any(f".{tower}" in f".{name}." for tower in VISION_TOWERS)
+
+
+def freeze_vision_tower(model) -> list[str]:
     """Stop the gradient of the image encoder's parameters (by their names' ``VISION_TOWERS``);
-    returns how many tensors it froze."""
-    frozen = [parameter for name, parameter in model.named_parameters()
-              if any(f".{tower}" in f".{name}" for tower in VISION_TOWERS)]
-    for parameter in frozen:
-        parameter.requires_grad_(False)
-    return len(frozen)
-
-
-def vision_tower_layers(model) -> list[str]:
-    """The names of the image encoder's modules (by ``VISION_TOWERS``): what LoRA leaves alone
-    when the tower is not trained."""
-    return [name for name, _ in model.named_modules() if any(f".{tower}" in f".{name}." for tower in VISION_TOWERS)]
+    returns the names of its modules, which LoRA's adapters leave alone too."""
+    for name, parameter in model.named_parameters():
+        if _in_tower(name):
+            parameter.requires_grad_(False)
+    return [name for name, _ in model.named_modules() if _in_tower(name)]
 
 
 def sees_images(model: str) -> bool:

@@ -14,8 +14,7 @@ from common.config import ConfigError, TetherConfig
 from common.models import critic_source, resolve_models
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
-from common.vision import (banning_placeholder, freeze_vision_tower, load_processor, sees_images,
-                           vision_tower_layers)
+from common.vision import banning_placeholder, freeze_vision_tower, load_processor, sees_images
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
@@ -121,20 +120,14 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
         raise ConfigError(f"models.critic_init: the critic of a policy that sees images ({config.models.policy}) "
                           f"starts from a model that sees them too; {source} does not (critic_init: policy)")
     actor_model = models.load_causal_lm(config.models.policy, dtype)
-    tower = []  # a policy that sees: its image encoder stays as the SFT model has it, adapters too
-    if sees and not cfg.train_vision_tower:
-        freeze_vision_tower(actor_model)
-        tower = vision_tower_layers(actor_model)
-    actor_model = with_lora(actor_model, cfg, tower)
+    keep_tower = sees and not cfg.train_vision_tower  # as the SFT model has it, LoRA's adapters too
+    actor_model = with_lora(actor_model, cfg, freeze_vision_tower(actor_model) if keep_tower else None)
     pad_token_id = models.pad_token_id(actor_model)
     critic_model = None
     if source is not None:  # the critic of a policy that sees reads the images through its own towers
         critic_model = models.load_critic(source, dtype)
-        critic_tower = []
-        if sees and not cfg.train_vision_tower:
-            freeze_vision_tower(critic_model)
-            critic_tower = vision_tower_layers(critic_model.body)
-        critic_model = critic_with_lora(critic_model, cfg, critic_tower)
+        critic_model = critic_with_lora(critic_model, cfg,
+                                        freeze_vision_tower(critic_model.body) if keep_tower else None)
     timeline.phase("model load")
     actor = make_deepspeed_engine(actor_model, cfg.actor_lr, config)
     critic = make_deepspeed_engine(critic_model, cfg.critic_lr, config) if critic_model is not None else None

@@ -223,9 +223,14 @@ def ranking(row: dict[str, Any], tokenizer, model_key: str = "rm.model") -> Exam
     else:
         responses, ranks = row["responses"], row["ranking"]
     prompt = prompt_token_ids(row, tokenizer, model_key=model_key)
-    answers = [response_ids(row, prompt, response, tokenizer, model_key) for response in responses]
+    return answered(prompt, [response_ids(row, prompt, response, tokenizer, model_key) for response in responses],
+                    list(ranks))
+
+
+def answered(prompt: list[int], answers: list[list[int]], ranks: list[int], images: list[bytes] = ()) -> Example:
+    """One row per answer after ``prompt``, its loss on the answer's tokens."""
     return Example([prompt + answer for answer in answers], [[0] * len(prompt) + [1] * len(answer)
-                                                             for answer in answers], list(ranks))
+                                                             for answer in answers], ranks, images=list(images))
 
 
 def pair(row: dict[str, Any], tokenizer, model_key: str = "dpo.model") -> Example:
@@ -259,17 +264,14 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
     prompt = expanded_ids(processor, text, images, chat is None)
     answers = []
     for response in responses:
-        if chat is None:
-            tokenizer = processor.tokenizer
-            answers.append(list(tokenizer(response, add_special_tokens=False)["input_ids"]) + (
-                [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []))
+        if chat is None:  # its text and the end of sequence, as for a text model
+            answers.append(response_ids(row, prompt, response, processor.tokenizer, model_key))
             continue
         whole = expanded_ids(processor, vision_prompt_text(row, processor, response=response), images, False)
         if whole[:len(prompt)] != prompt:
             raise ConfigError("the chat template does not render the prompt as the start of prompt + response")
         answers.append(whole[len(prompt):])
-    return Example([prompt + answer for answer in answers],
-                   [[0] * len(prompt) + [1] * len(answer) for answer in answers], ranks, images=images)
+    return answered(prompt, answers, ranks, images)
 
 
 def seen_chat_demonstration(row: dict[str, Any], processor, images: list[bytes]) -> Example:
