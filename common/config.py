@@ -157,6 +157,9 @@ class RolloutConfig(_Strict):
                                          "...): a turn's reasoning is set apart before its tool calls are read in "
                                          "the content, and an agent program's reply carries it as `reasoning`")
     max_turns: int = Field(4, ge=1, description="most policy turns in an episode")
+    max_images_per_episode: int = Field(4, ge=1, description="a policy that sees images: most images an episode may "
+                                        "show (its prompt's and its observations'), vLLM's limit_mm_per_prompt; an "
+                                        "observation past it ends its episode (env_error)")
     env_step_deadline_s: float = Field(30.0, gt=0, description="an environment that takes longer to make, reset or "
                                        "answer a turn ends its episode (env_deadline); an agent program: to make "
                                        "its next call or return")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from common.config import ConfigError
-from common.prompts import chat_of, image_paths, prompts_within
+from common.prompts import chat_of, image_part_path, image_paths, prompts_within
 
 _LENGTH = struct.Struct("<I")  # each image's byte count, before its bytes (pack_images)
 
@@ -35,42 +35,121 @@ def read_images(row: dict[str, Any], data_path: str, where: str, key: str = "dat
     or ``data:`` URLs), each checked to decode as an image. A bad one is a ConfigError naming the
     key, the data file, the row (``where``: "line 5", "row 3") and the image file. ``read``: the
     images read before, by path (rows of a file share images: each is read and checked once)."""
-    import base64
-    import binascii
-
-    from PIL import Image, UnidentifiedImageError
-
     try:
         paths = image_paths(row)
     except ValueError as error:
         raise ConfigError(f"{key}: {data_path} {where}: {error}") from None
     images = []
     for path in paths:
-        inline = path.startswith("data:")
-        url = path.startswith(("http://", "https://"))
-        full = path if inline or url else os.path.join(os.path.dirname(os.path.abspath(data_path)),
-                                                       path.removeprefix("file://"))
+        full = _full_path(path, os.path.dirname(os.path.abspath(data_path)))
         if read is not None and full in read:
             images.append(read[full])
             continue
         try:
-            if url:
-                raise ValueError("tether fetches no URL: give a file beside the data or a data: URL")
-            if inline:
-                data = base64.b64decode(path.partition(",")[2], validate=True)
-            else:
-                with open(full, "rb") as file:
-                    data = file.read()
-            with Image.open(io.BytesIO(data)) as image:
-                image.load()
-        except (OSError, UnidentifiedImageError, ValueError, binascii.Error) as error:
-            shown = path[:40] + "..." if inline and len(path) > 40 else full
-            raise ConfigError(f"{key}: {data_path} {where}: image {shown} cannot be read as an image "
-                              f"({type(error).__name__}: {error})") from None
+            data = encoded_image(path, full)
+        except ValueError as error:
+            raise ConfigError(f"{key}: {data_path} {where}: {error}") from None
         images.append(data)
-        if read is not None and not inline:
+        if read is not None and not path.startswith("data:"):
             read[full] = data
     return images
+
+
+def _full_path(path: str, directory: str) -> str:
+    """A row's image path as a file's path (relative to ``directory``); a URL as it is."""
+    if path.startswith(("data:", "http://", "https://")):
+        return path
+    return os.path.join(directory, path.removeprefix("file://"))
+
+
+def encoded_image(path: str, full: str) -> bytes:
+    """The bytes of the image ``path`` names (``full``: its file, ``_full_path``), or of a ``data:``
+    URL, checked to decode; a ValueError naming it where it cannot be read as an image."""
+    import base64
+    import binascii
+
+    inline = path.startswith("data:")
+    try:
+        if path.startswith(("http://", "https://")):
+            raise ValueError("tether fetches no URL: give a file beside the data or a data: URL")
+        if inline:
+            data = base64.b64decode(path.partition(",")[2], validate=True)
+        else:
+            with open(full, "rb") as file:
+                data = file.read()
+        _check_image(data)
+    except (OSError, ValueError, binascii.Error) as error:
+        shown = path[:40] + "..." if inline and len(path) > 40 else full
+        raise ValueError(f"image {shown} cannot be read as an image ({type(error).__name__}: {error})") from None
+    return data
+
+
+def _check_image(data: bytes) -> None:
+    """An OSError (PIL's UnidentifiedImageError is one) where ``data`` does not decode as an image."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as image:
+        image.load()
+
+
+def part_image(part: dict[str, Any]) -> bytes:
+    """The encoded bytes of an environment's or a tool's image part: its ``image`` as encoded bytes,
+    a PIL image (encoded as PNG), a file path (relative to the working directory) or a ``data:``
+    URL; an ``image_url`` part's URL. A ValueError saying what it was where it is none of those."""
+    image = part.get("image", part.get("path", part.get("url"))) if part.get("type") == "image" else None
+    if isinstance(image, (bytes, bytearray)):
+        try:
+            _check_image(bytes(image))
+        except OSError as error:
+            raise ValueError(f"an image part's bytes do not decode as an image ({type(error).__name__}: {error})") \
+                from None
+        return bytes(image)
+    if hasattr(image, "save") and hasattr(image, "size"):  # a PIL image
+        encoded = io.BytesIO()
+        image.save(encoded, format="PNG")
+        return encoded.getvalue()
+    path = image if isinstance(image, str) and image else image_part_path(part)
+    if path is None:
+        raise ValueError(f"an image part {str(part)[:80]} holds no image: give its encoded bytes, a PIL image, "
+                         "a file path or a data: URL")
+    return encoded_image(path, _full_path(path, os.getcwd()))
+
+
+def observation_images(messages: list[dict[str, Any]]) -> list[bytes]:
+    """The encoded bytes of each image part of ``messages`` (an environment's observation), in the
+    order they are shown (``part_image``)."""
+    return [part_image(part) for message in messages if isinstance(message["content"], list)
+            for part in message["content"] if part.get("type") in ("image", "image_url")]
+
+
+def template_chat(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` as a processor's chat template takes them: each content a list of parts, text as
+    ``{"type": "text", "text": ...}``, an image as ``{"type": "image"}`` where it stands (the
+    template writes its placeholder there)."""
+    return [{**message, "content": [{"type": "text", "text": content}] if isinstance(content := message["content"], str)
+             else [{"type": "image"} if part["type"] in ("image", "image_url") else part for part in content]}
+            for message in messages]
+
+
+def expand_placeholders(ids: list[int], placeholder: int, expansions: list[list[int]],
+                        columns: tuple[list, ...] = ()) -> tuple[list[int], tuple[list, ...]]:
+    """``ids`` [T] with its i-th ``placeholder`` replaced by ``expansions[i]`` (the image's ids, as the
+    processor and vLLM expand it), and each of ``columns`` (a value per id: logprobs, masks) given a
+    0 at every expanded id in place of the placeholder's value. The placeholders must be as many as
+    ``expansions``."""
+    found = [position for position, token in enumerate(ids) if token == placeholder]
+    if len(found) != len(expansions):
+        raise ValueError(f"{len(found)} image placeholders for {len(expansions)} images")
+    out, grown, start = [], tuple([] for _ in columns), 0
+    for position, expansion in zip(found, expansions):
+        out += ids[start:position] + expansion
+        for column, into in zip(columns, grown):
+            into += column[start:position] + [0] * len(expansion)
+        start = position + 1
+    out += ids[start:]
+    for column, into in zip(columns, grown):
+        into += column[start:]
+    return out, grown
 
 
 def pack_images(images: list[bytes]) -> np.ndarray:
@@ -163,13 +242,11 @@ def vision_chat(row: dict[str, Any], processor, system_prompt: str | None = None
     chat = chat_of(row, system_prompt)
     if chat is None:
         return None
-    parts = [[{"type": "text", "text": content}] if isinstance(content := message["content"], str) else
-             [{"type": "image"} if part["type"] in ("image", "image_url") else part for part in content]
-             for message in chat]
+    messages = [{"role": message["role"], "content": message["content"]} for message in template_chat(chat)]
     if row.get("images"):
         first_user = next(i for i, message in enumerate(chat) if message["role"] == "user")
-        parts[first_user][:0] = [{"type": "image"}] * len(image_paths(row))
-    return [{"role": m["role"], "content": p} for m, p in zip(chat, parts)]
+        messages[first_user]["content"][:0] = [{"type": "image"}] * len(image_paths(row))
+    return messages
 
 
 def images_shown(messages: list[dict[str, Any]]) -> int:
@@ -237,9 +314,12 @@ def prompts_with_images(rows: list[dict[str, Any]], tokenizer, processor, limit:
     return (*prompts_within(rows, tokenizer, limit, system_prompt, key, path, tools), None)
 
 
-def engine_arguments(images: list[list[bytes]] | None) -> dict[str, Any]:
-    """vLLM's arguments for prompts with ``images`` (None: text): the most images one prompt has."""
-    return {} if images is None else {"limit_mm_per_prompt": {"image": max(map(len, images), default=1) or 1}}
+def engine_arguments(images: list[list[bytes]] | None, per_episode: int | None = None) -> dict[str, Any]:
+    """vLLM's arguments for prompts with ``images`` (None: text): the most images one prompt has,
+    or episodes may show (``per_episode``, ``rollout.max_images_per_episode``; None: single responses)."""
+    if images is None:
+        return {}
+    return {"limit_mm_per_prompt": {"image": max(max(map(len, images), default=1), per_episode or 0) or 1}}
 
 
 def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_prompt: str | None, key: str,

@@ -58,15 +58,17 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     processor = load_processor(checkpoint)  # a policy that sees: the rows' images too
     config = banning_placeholder(config, processor)
     bad_words = banned_words(config, tokenizer)
-    if processor is not None and environments is not None:
-        raise ConfigError("eval: episodes with images are not built yet (issue 36)")
+    if processor is not None and programs is not None:
+        raise ConfigError("eval: agent programs' images are not built yet (issue 36); an environment's are")
     token_ids, kept, images = prompts_with_images(rows, tokenizer, processor, limit, config.data.system_prompt,
                                                   "eval.prompts", config.data.prompts, tools)
     # every request is seeded (the same checkpoint gives the same figures), and on vLLM's CPU backend a
     # seeded request whose prefill is cut in chunks fails ("CPU Generator does not use offset"):
     # episodes' later turns are long prefills, so prefills are taken whole
     engine = make_vllm_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}),
-                              enable_chunked_prefill=False, **engine_arguments(images))
+                              enable_chunked_prefill=False,
+                              **engine_arguments(images, config.rollout.max_images_per_episode
+                                                 if environments is not None else None))
     episode_figures = {}
     try:
         if environments is None:
@@ -80,11 +82,11 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
                                            for i, row in enumerate(kept)], 0)
         else:  # each turn seeded by its prompt and its number: the same checkpoint gives the same episodes
             turns = config.rollout.max_turns
-            episodes = Episodes(config, environments, Renderer(tokenizer, tools), tokenizer, rows, token_ids, kept,
-                                lambda episode, max_tokens: sampling_params(
+            episodes = Episodes(config, environments, Renderer(tokenizer, tools, processor), tokenizer, rows,
+                                token_ids, kept, lambda episode, max_tokens: sampling_params(
                                     config, bad_words, n=1, ignore_eos=False, max_tokens=max_tokens,
                                     seed=config.eval.seed + episode.group.prompt_index * turns + episode.turns,
-                                    output_kind=RequestOutputKind.FINAL_ONLY), log)
+                                    output_kind=RequestOutputKind.FINAL_ONLY), log, images)
             samples, failed = generate_to_end(engine, episodes, list(range(len(kept))))
             record = episodes.record()
             episode_figures = {"episodes_failed": failed, "turns_per_episode": record["turns_per_episode"],

@@ -8,7 +8,9 @@ an object with
 - ``step(response, messages)``: the policy's last turn as text and the conversation so far; it
   returns ``Step(observation, reward, done)`` (or the tuple, or a dict of those keys). The
   observation is messages or text (None: nothing to say), the reward is that turn's, and
-  ``done`` ends the episode.
+  ``done`` ends the episode. A message's content may be a list of text and image parts
+  (``{"type": "image", "image": <PNG bytes | PIL image | path>}``), which a policy that sees
+  images is shown.
 
 Tools (``rollout.tools``) are an environment of their own: a turn with tool calls is answered with
 the tools' results; a turn without one goes to the configured environment, or ends the episode
@@ -113,8 +115,20 @@ def as_step(value: Any) -> Step:
     return step
 
 
+def _is_content(content: Any) -> bool:
+    """Text, or a list of parts: text parts ``{"type": "text", "text": str}`` and image parts
+    (``{"type": "image", "image": ...}``, ``{"type": "image_url", ...}``; their images are read where
+    they are rendered, ``common.vision.part_image``)."""
+    return isinstance(content, str) or isinstance(content, list) and all(
+        isinstance(part, dict) and (part.get("type") in ("image", "image_url")
+                                    or part.get("type") == "text" and isinstance(part.get("text"), str))
+        for part in content)
+
+
 def check_observation(observation: Any) -> Observation:
-    """Text, a list of ``{"role": str, "content": str}`` messages, ``TokenIds`` or None; else ``BadStep``."""
+    """Text, a list of ``{"role": str, "content": str | parts}`` messages, ``TokenIds`` or None; else
+    ``BadStep``. A message's content may be a list of text and image parts (a policy that sees
+    images reads the images)."""
     if observation is None or isinstance(observation, str):
         return observation
     if isinstance(observation, TokenIds) and all(isinstance(token, int) for token in observation):
@@ -123,10 +137,11 @@ def check_observation(observation: Any) -> Observation:
         check_observation(observation.first)
         return observation
     if isinstance(observation, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))
             for m in observation):
         return observation
-    raise BadStep(f"an observation is text or a list of {{'role', 'content'}} messages, not {observation!r:.200}")
+    raise BadStep(f"an observation is text or a list of {{'role', 'content'}} messages (content: text or a list of "
+                  f"text and image parts), not {observation!r:.200}")
 
 
 class ToolEnvironment:

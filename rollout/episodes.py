@@ -15,6 +15,7 @@ deadline (``rollout.env_step_deadline_s``), so the engine never waits on one.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -29,7 +30,8 @@ from typing import Any, Callable
 import numpy as np
 
 from common.config import ConfigError, TetherConfig
-from common.prompts import chat_of, text_chat
+from common.prompts import chat_of, content_text, text_chat
+from common.vision import expand_placeholders, expanded_ids, observation_images, pack_images, template_chat
 from protocol.samples import Sample
 from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Restart, Step, TokenIds,
                                   Turn, as_step, check_observation)
@@ -42,11 +44,14 @@ _BASE_CHAT = [{"role": "user", "content": "."}, {"role": "assistant", "content":
 
 class Renderer:
     """Token ids of what the environment says, the way the policy sees it: through the policy's
-    chat template where it has one, else as plain text."""
+    chat template where it has one, else as plain text. A policy that sees images (its
+    ``processor``) is rendered through the processor's template, each image part a placeholder
+    (unexpanded: vLLM expands it, ``Episodes._sample`` expands the sample's)."""
 
-    def __init__(self, tokenizer, tools: list[dict] | None) -> None:
-        self.tokenizer, self.tools = tokenizer, tools
-        self.chat = bool(getattr(tokenizer, "chat_template", None))
+    def __init__(self, tokenizer, tools: list[dict] | None, processor=None) -> None:
+        self.tokenizer, self.tools, self.processor = tokenizer, tools, processor
+        self.template = processor if processor is not None else tokenizer
+        self.chat = bool(getattr(self.template, "chat_template", None))
         if self.chat:
             try:
                 self.base = self._render(_BASE_CHAT, generation_prompt=False)
@@ -58,18 +63,46 @@ class Renderer:
             self.special = {*tokenizer.all_special_ids, *tokenizer.get_added_vocab().values()}
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(messages, tools=self.tools, tokenize=False,
-                                                  add_generation_prompt=generation_prompt)
+        messages = template_chat(messages) if self.processor is not None else text_chat(messages)
+        return self.template.apply_chat_template(messages, tools=self.tools, tokenize=False,
+                                                 add_generation_prompt=generation_prompt)
 
     def _ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    @staticmethod
-    def _text(messages: list[dict]) -> str:
-        """Messages without a chat template: their contents a line each, a tool's result inside
-        ``<tool_response>`` as Hermes-style templates write it."""
-        return "\n".join(f"<tool_response>\n{m['content']}\n</tool_response>" if m["role"] == "tool" else m["content"]
+    def _text(self, messages: list[dict]) -> str:
+        """Messages without a chat template: their contents a line each (an image as its placeholder),
+        a tool's result inside ``<tool_response>`` as Hermes-style templates write it."""
+        def content(message: dict) -> str:
+            if isinstance(message["content"], str) or self.processor is None:
+                return content_text(message["content"])
+            return "".join(self.processor.image_token if part["type"] in ("image", "image_url") else part["text"]
+                           for part in message["content"])
+
+        return "\n".join(f"<tool_response>\n{content(m)}\n</tool_response>" if m["role"] == "tool" else content(m)
                          for m in messages)
+
+    def images_of(self, messages: list[dict], ids: list[int]) -> list[bytes]:
+        """The encoded images ``messages`` show, in order, which rendered to ``ids``: a ``BadStep``
+        where the policy does not see images, an image part holds no image, or the text holds a
+        placeholder of its own (it would take an image's slot)."""
+        shown = sum(isinstance(m["content"], list) and part.get("type") in ("image", "image_url")
+                    for m in messages for part in (m["content"] if isinstance(m["content"], list) else ()))
+        if self.processor is None:
+            if shown:
+                raise BadStep(f"the environment shows {shown} image(s) and the policy does not see images (its "
+                              "config has no vision tower)")
+            return []
+        try:
+            images = observation_images(messages)
+        except ValueError as error:
+            raise BadStep(str(error)) from None
+        placeholder = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        if ids.count(placeholder) != len(images):
+            raise BadStep(f"the environment's text holds {ids.count(placeholder) - len(images)} image placeholder(s) "
+                          f"({self.processor.image_token!r}) of its own beside its {len(images)} image(s): the text "
+                          "may not hold the placeholder itself")
+        return images
 
     def prompt_ids(self, first: Observation) -> list[int]:
         """An episode's start from an environment's ``reset``, by the rule of every observation: text
@@ -132,6 +165,16 @@ class Episode:
     index: int = 0  # its place in its group
     # the token streams it left behind (an agent program rewrote its context): samples of their own
     parts: list[Sample] = field(default_factory=list)
+    # a policy that sees: the images shown so far (the prompt's, then the observations'), encoded, one
+    # for each placeholder of prompt_tokens + tokens in order; and the tokens their expansion adds
+    images: list[bytes] = field(default_factory=list)
+    image_tokens: int = 0
+    engine_prompt: list[int] | None = None  # the expanded ids vLLM reported for the last turn's prompt
+
+    @property
+    def length(self) -> int:
+        """Its tokens as the engine counts them: each image expanded."""
+        return len(self.prompt_tokens) + len(self.tokens) + self.image_tokens
 
 
 def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
@@ -166,6 +209,11 @@ def _step(environment: Any, response: str, messages: list[dict], turn: Turn) -> 
     if getattr(environment, "reads_turns", False):  # an agent program's episode: its reply carries the tokens
         return as_step(environment.step(response, messages, turn))
     return as_step(environment.step(response, messages))
+
+
+def _shown(observation: str | list[dict] | None) -> list[dict]:
+    """An observation of text or messages as the messages the template renders: text as a user's."""
+    return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation or [])
 
 
 def _close(environment: Any) -> None:
@@ -212,6 +260,7 @@ class FailureLog:
 BACKOFF_AFTER, BACKOFF_FIRST_S, BACKOFF_MAX_S = 4, 0.1, 5.0
 FAILED_ENDINGS = ("env_error", "env_deadline")
 CLOSE_DEADLINE_S = 5.0  # the run's end: how long the environments of episodes under way may take to close
+EXPANSIONS_KEPT = 4096  # images whose expanded ids an engine's episodes keep (a few KB each)
 
 
 class Episodes:
@@ -219,10 +268,14 @@ class Episodes:
 
     def __init__(self, config: TetherConfig, environments: Environments, renderer: Renderer, tokenizer,
                  rows: list[dict], prompts: list[list[int]], data_rows: list[int],
-                 sampling_for: Callable[["Episode", int], object], log: logging.Logger) -> None:
+                 sampling_for: Callable[["Episode", int], object], log: logging.Logger,
+                 images: list[list[bytes]] | None = None) -> None:
         """``prompts``, ``data_rows``: the kept prompts' ids and their rows of ``rows`` (the data file);
-        ``sampling_for(episode, max_tokens)``: vLLM's sampling of the episode's next turn."""
+        ``sampling_for(episode, max_tokens)``: vLLM's sampling of the episode's next turn; ``images``:
+        a policy that sees (``renderer.processor``): each kept prompt's images."""
         self.config, self.environments, self.renderer, self.tokenizer = config, environments, renderer, tokenizer
+        self.images = images
+        self.expansions: dict[bytes, list[int]] = {}  # an image's ids, expanded (image_expansion)
         self.renderers: dict[str, Renderer] = {}  # by the tools they render, for environments with their own
         self.sampling_for = sampling_for
         self.rows, self.prompts, self.data_rows, self.log = rows, prompts, data_rows, log
@@ -243,6 +296,8 @@ class Episodes:
             episode = Episode(group, index=index, prompt_tokens=list(self.prompts[row]),
                               messages=text_chat(chat_of(data_row, self.config.data.system_prompt)
                                                  or [{"role": "user", "content": data_row.get("prompt", "")}]))
+            if self.images:
+                self._show(episode, self.images[row])
             group.episodes.append(episode)
             delay = self.backoff_s()
             self._call(episode, _reset, self.environments, data_row, delay)
@@ -255,7 +310,7 @@ class Episodes:
             return self.renderer
         key = json.dumps(tools, sort_keys=True)
         if key not in self.renderers:
-            self.renderers[key] = Renderer(self.tokenizer, tools)
+            self.renderers[key] = Renderer(self.tokenizer, tools, self.renderer.processor)
         return self.renderers[key]
 
     def backoff_s(self) -> float:
@@ -282,7 +337,7 @@ class Episodes:
             ids = episode.prompt_tokens + episode.tokens
             # an agent program's call may ask for fewer tokens than the run's turns have
             asked = getattr(episode.environment, "turn_max_tokens", None) or self.config.rollout.max_new_tokens
-            limit = min(self.config.rollout.max_new_tokens, self.config.rollout.max_model_len - len(ids))
+            limit = min(self.config.rollout.max_new_tokens, self.config.rollout.max_model_len - episode.length)
             episode.call_cap = asked if asked < limit else None
             turns.append((episode, ids, self.sampling_for(episode, min(limit, asked))))
         return turns
@@ -292,6 +347,8 @@ class Episodes:
         weights of ``version``. The environment answers it, unless vLLM cut it."""
         completion = output.outputs[0]
         tokens = list(completion.token_ids)
+        if episode.images:  # what vLLM expanded, for _sample to check its own expansion against
+            episode.engine_prompt = list(output.prompt_token_ids)
         episode.tokens += tokens
         episode.logprobs += [entry[token].logprob for entry, token in zip(completion.logprobs, tokens)]
         episode.loss_mask += [1] * len(tokens)
@@ -391,15 +448,20 @@ class Episodes:
 
     def _start_from(self, episode: Episode, first: Observation) -> None:
         episode.messages = self._as_messages(first)
+        episode.images, episode.image_tokens, episode.engine_prompt = [], 0, None  # the reset's replace the row's
         try:
             episode.renderer = self.renderer_for(getattr(episode.environment, "tools", None))
-            episode.prompt_tokens = list(first) if isinstance(first, TokenIds) else episode.renderer.prompt_ids(first)
+            if isinstance(first, TokenIds):
+                episode.prompt_tokens = list(first)
+            else:
+                episode.prompt_tokens = episode.renderer.prompt_ids(first)
+                self._show(episode, self._images(episode, _shown(first), episode.prompt_tokens))
         except Exception as error:  # the template refuses the environment's chat
             self.failures.report("env_error", error, f"the chat template refuses the environment's first messages "
                                  f"({type(error).__name__}: {error})",
                                  f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", ("render",))
             return self._end(episode, "env_error")
-        if len(episode.prompt_tokens) >= self.config.rollout.max_model_len:
+        if episode.length >= self.config.rollout.max_model_len:
             return self._end(episode, "token_budget")
         self.ready.append(episode)
 
@@ -421,24 +483,77 @@ class Episodes:
             return self._end(episode, "max_turns")
         if isinstance(step.observation, Restart):
             return self._restart(episode, step.observation.first)
-        observation = self._as_messages(step.observation)
+        images: list[bytes] = []
         try:
-            ids = (list(step.observation) if isinstance(step.observation, TokenIds)
-                   else (episode.renderer or self.renderer).observation_ids(observation, episode.last_token))
+            if isinstance(step.observation, TokenIds):
+                ids = list(step.observation)
+            else:
+                shown = _shown(step.observation)
+                ids = (episode.renderer or self.renderer).observation_ids(shown, episode.last_token)
+                images = self._images(episode, shown, ids)
         except Exception as error:
             self.failures.report("env_error", error, f"an observation does not render ({type(error).__name__}: "
                                  f"{error})", f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}",
                                  ("render",))
             return self._end(episode, "env_error")
         # the next turn needs room for at least one token
-        if len(episode.prompt_tokens) + len(episode.tokens) + len(ids) >= self.config.rollout.max_model_len:
+        added = len(ids) + sum(len(self.image_expansion(image)) - 1 for image in images)
+        if episode.length + added >= self.config.rollout.max_model_len:
             return self._end(episode, "token_budget")
         episode.tokens += ids
         episode.logprobs += [0.0] * len(ids)
         episode.loss_mask += [0] * len(ids)
         episode.turn_rewards += [0.0] * len(ids)
-        episode.messages = [*episode.messages, *observation]
+        self._show(episode, images)
+        episode.messages = [*episode.messages, *self._as_messages(step.observation)]
         self.ready.append(episode)
+
+    def _images(self, episode: Episode, shown: list[dict], ids: list[int]) -> list[bytes]:
+        """The images ``shown`` (an observation's messages, rendered to ``ids``) shows, each expanded
+        once (``image_expansion``); a ``BadStep`` where the episode would show more than
+        ``rollout.max_images_per_episode`` (vLLM's limit a prompt, set at the engine's start)."""
+        images = (episode.renderer or self.renderer).images_of(shown, ids)
+        limit = self.config.rollout.max_images_per_episode
+        if len(episode.images) + len(images) > limit:
+            raise BadStep(f"the episode would show {len(episode.images) + len(images)} images, past "
+                          f"rollout.max_images_per_episode ({limit})")
+        for image in images:
+            self.image_expansion(image)
+        return images
+
+    def _show(self, episode: Episode, images: list[bytes]) -> None:
+        """``images`` join the episode's, their expansion counted in its length."""
+        episode.images += images
+        episode.image_tokens += sum(len(self.image_expansion(image)) - 1 for image in images)
+
+    def image_expansion(self, image: bytes) -> list[int]:
+        """The ids an image's placeholder expands into, as the processor (and vLLM) expands it, which
+        depends on the image alone: computed once an image (by its digest; at most EXPANSIONS_KEPT)."""
+        key = hashlib.sha1(image).digest()
+        if key not in self.expansions:
+            if len(self.expansions) >= EXPANSIONS_KEPT:
+                del self.expansions[next(iter(self.expansions))]
+            processor = self.renderer.processor
+            self.expansions[key] = expanded_ids(processor, processor.image_token, [image], False)
+        return self.expansions[key]
+
+    def _expanded(self, episode: Episode) -> tuple[list[int], list[int], tuple[list, ...]]:
+        """The episode's prompt and tokens with each image's placeholder expanded, and its logprobs,
+        loss mask and turn rewards with a 0 at each image's ids: what vLLM computed its turns on and
+        what the scorer and the learner read. A ``RuntimeError`` where vLLM's own expansion of the last
+        turn's prompt differs (a family whose image ids depend on more than the image)."""
+        processor = self.renderer.processor
+        placeholder = self.tokenizer.convert_tokens_to_ids(processor.image_token)
+        expansions = [self.image_expansion(image) for image in episode.images]
+        in_prompt = episode.prompt_tokens.count(placeholder)
+        prompt, _ = expand_placeholders(episode.prompt_tokens, placeholder, expansions[:in_prompt])
+        tokens, columns = expand_placeholders(episode.tokens, placeholder, expansions[in_prompt:],
+                                              (episode.logprobs, episode.loss_mask, episode.turn_rewards))
+        engine = episode.engine_prompt
+        if engine is not None and (prompt + tokens)[:len(engine)] != engine:
+            raise RuntimeError(f"vLLM expanded an episode's images into other ids than {type(processor).__name__} "
+                               "expands each image alone: episodes with images are not built for this family")
+        return prompt, tokens, columns
 
     def _restart(self, episode: Episode, first: Observation) -> None:
         """The episode's context starts over (an agent program rewrote its conversation): its token
@@ -454,11 +569,11 @@ class Episodes:
 
     def _as_messages(self, observation: Observation) -> list[dict]:
         """An observation as the conversation's messages (what reward functions and the reward model
-        read): text and token ids as a user's turn."""
+        read): text and token ids as a user's turn, a message's text parts as its text (images left out)."""
         if isinstance(observation, TokenIds):
             text = self.tokenizer.decode(observation, skip_special_tokens=True)
             return [{"role": "user", "content": text}] if text else []
-        return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation or [])
+        return text_chat(_shown(observation))
 
     def _row_text(self, episode: Episode) -> str:
         row = self.rows[episode.group.data_row]
@@ -489,16 +604,21 @@ class Episodes:
 
     def _sample(self, episode: Episode, finish_reason: str | None = None) -> Sample:
         # an observation is appended only when a turn follows it: the episode ends on a policy token
+        prompt, tokens = episode.prompt_tokens, episode.tokens
+        logprobs, loss_mask, turn_rewards = episode.logprobs, episode.loss_mask, episode.turn_rewards
+        if episode.images:
+            prompt, tokens, (logprobs, loss_mask, turn_rewards) = self._expanded(episode)
         return Sample(
             sample_id="", prompt_index=episode.group.prompt_index, behavior_version=episode.behavior_version,
             last_behavior_version=episode.last_behavior_version,
-            prompt_tokens=np.asarray(episode.prompt_tokens, dtype=np.int32),
-            response_tokens=np.asarray(episode.tokens, dtype=np.int32),
-            behavior_logprobs=np.asarray(episode.logprobs, dtype=np.float32),
+            prompt_tokens=np.asarray(prompt, dtype=np.int32),
+            response_tokens=np.asarray(tokens, dtype=np.int32),
+            behavior_logprobs=np.asarray(logprobs, dtype=np.float32),
             finish_reason=finish_reason or episode.ended, data_row=episode.group.data_row,
-            loss_mask=np.asarray(episode.loss_mask, dtype=np.uint8),
-            turn_rewards=np.asarray(episode.turn_rewards, dtype=np.float32),
-            messages=json.dumps(episode.messages))
+            loss_mask=np.asarray(loss_mask, dtype=np.uint8),
+            turn_rewards=np.asarray(turn_rewards, dtype=np.float32),
+            messages=json.dumps(episode.messages),
+            images=pack_images(episode.images) if episode.images else None)
 
     def close(self) -> None:
         """The run is over: the environments of the episodes still under way are closed (an OpenEnv

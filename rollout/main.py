@@ -47,18 +47,20 @@ def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | No
 
 def generation_source(config: TetherConfig, environments: Environments | None, tokenizer, rows: list[dict],
                       prompts: list[list[int]], data_rows: list[int], log,
-                      images: list[list[bytes]] | None = None) -> Generator:
+                      images: list[list[bytes]] | None = None, processor=None) -> Generator:
     """What the loop drives: one request a prompt without environments, else episodes of turns.
-    Only finished requests come out of the engine (the loop reads nothing of one before its end)."""
+    Only finished requests come out of the engine (the loop reads nothing of one before its end).
+    A policy that sees images: its ``processor`` and each prompt's ``images``."""
     from vllm.sampling_params import RequestOutputKind
 
     bad_words = banned_words(config, tokenizer)
     if environments is None:
         return Responses(prompts, data_rows,
                          sampling_params(config, bad_words, output_kind=RequestOutputKind.FINAL_ONLY), images)
-    return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
-                    data_rows, lambda _, max_tokens: sampling_params(config, bad_words, n=1, max_tokens=max_tokens,
-                                                                     output_kind=RequestOutputKind.FINAL_ONLY), log)
+    return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas, processor), tokenizer, rows,
+                    prompts, data_rows, lambda _, max_tokens: sampling_params(
+                        config, bad_words, n=1, max_tokens=max_tokens, output_kind=RequestOutputKind.FINAL_ONLY),
+                    log, images)
 
 
 def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
@@ -92,20 +94,22 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     rows = read_rows(config.data.prompts)
     processor = load_processor(config.models.policy)  # a policy that sees images: its processor
     config = banning_placeholder(config, processor)
-    if processor is not None and environments is not None:
-        raise ConfigError("rollout.environment / rollout.tools / rollout.agent with a policy that sees images "
-                          f"({config.models.policy}): episodes with images are not built yet (issue 36)")
+    if processor is not None and programs is not None:
+        raise ConfigError("rollout.agent / rollout.agent_command with a policy that sees images "
+                          f"({config.models.policy}): agent programs' images are not built yet (issue 36); "
+                          "an environment's are (rollout.environment)")
     prompts, data_rows, skipped, images = prompts_that_fit(config, tokenizer, log, rows, tools, processor)
     timeline.phase("prompts")
     # the engine first: it is the longest part of anyone's start-up and needs nobody
     own_engine = engine is None
     adapters = config.learner.lora_rank > 0 and lora_sync_logged(config, log) == "adapters"
     engine = engine or make_vllm_engine(config, worker_index, **(lora_arguments(config) if adapters else {}),
-                                        **engine_arguments(images))
+                                        **engine_arguments(images, rollout_cfg.max_images_per_episode
+                                                           if environments is not None else None))
     timeline.phase("engine init")
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")
-    source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log, images)
+    source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log, images, processor)
     metrics = metrics_writer(config, name)
     weights = WeightLoads(engine, config, name, log,
                           PolicyAdapter(config, f"{config.weights_dir}-{name}-lora") if adapters else None)

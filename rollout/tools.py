@@ -198,9 +198,11 @@ class ToolError:
     detail: str
 
 
-def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, ToolError | None]:
+def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str | list[dict], ToolError | None]:
     """The tool message's content for ``call``, and what went wrong if anything did (then the
-    content is that error, for the policy to read)."""
+    content is that error, for the policy to read). A result of text is the content; an image (a PIL
+    image) or a list of text and image parts (``{"type": "text" | "image", ...}``, as MCP's content)
+    is shown as parts, to a policy that sees images; anything else is its JSON."""
     if call.name is None:
         return f"error: {call.error}", ToolError("malformed", None, {}, call.error or "")
     tool = tools.get(call.name)
@@ -213,6 +215,11 @@ def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str, ToolError | 
         return (f"error: {call.name} raised {type(error).__name__}: {error}",
                 ToolError("raised", call.name, call.arguments, traceback.format_exc()))
     if isinstance(result, str):
+        return result, None
+    if hasattr(result, "save") and hasattr(result, "size"):  # a PIL image
+        return [{"type": "image", "image": result}], None
+    if isinstance(result, list) and result and all(
+            isinstance(part, dict) and part.get("type") in ("text", "image", "image_url") for part in result):
         return result, None
     try:
         return json.dumps(result), None

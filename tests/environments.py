@@ -308,3 +308,42 @@ class Closes(Counting):
 
 def closes(row: dict) -> Closes:
     return Closes(row)
+
+
+SQUARE = (0, 200, 0)  # the square ShowsASquare shows
+
+
+class ShowsASquare:
+    """Answers the policy's first turn with an image (a green square) and a question, for a policy
+    that sees; ends the episode at its second turn."""
+
+    def __init__(self, row: dict) -> None:
+        self.turn = 0
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        from PIL import Image
+
+        self.turn += 1
+        if self.turn > 1:
+            return Step(None, reward=1.0, done=True)
+        square = Image.new("RGB", (40, 40), SQUARE)
+        return Step([{"role": "user", "content": [{"type": "image", "image": square},
+                                                  {"type": "text", "text": "and this?"}]}], reward=0.5)
+
+
+def shows_a_square(row: dict) -> ShowsASquare:
+    return ShowsASquare(row)
+
+
+class ShowsAPlaceholder(ShowsASquare):
+    """Shows a square beside text that holds the image placeholder itself."""
+
+    def step(self, response: str, messages: list[dict]) -> Step:
+        step = super().step(response, messages)
+        if step.observation:
+            step.observation[0]["content"].append({"type": "text", "text": "<image>"})
+        return step
+
+
+def shows_a_placeholder(row: dict) -> ShowsAPlaceholder:
+    return ShowsAPlaceholder(row)

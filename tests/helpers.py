@@ -253,12 +253,12 @@ def chatml_tokenizer(directory: str):
     return tokenizer
 
 
-def rollout_one_batch(tmp_path, assets: dict, batch: int, *overrides: str):
-    """The real rollout loop (``rollout.main.run``, here, on a vLLM engine of its own) against the
-    real buffer at k = 0, a scorer that returns its work as scored, and a learner that takes one
-    batch at version 0 and finishes (no weights are ever published). ``overrides``: the run's
-    config (both the buffer's and the rollout's). Returns the batch, the engine (for a chunked pass
-    over it) and the buffer's accounting."""
+def rollout_one_batch(tmp_path, assets: dict, batch: int, *overrides: str, engine=None):
+    """The real rollout loop (``rollout.main.run``, here, on a vLLM engine of its own, or ``engine``)
+    against the real buffer at k = 0, a scorer that returns its work as scored, and a learner that
+    takes one batch at version 0 and finishes (no weights are ever published). ``overrides``: the
+    run's config (both the buffer's and the rollout's). Returns the batch, the engine (for a
+    chunked pass over it, or another run) and the buffer's accounting."""
     import threading
 
     from bench.buffer_throughput import scorer_process
@@ -273,7 +273,7 @@ def rollout_one_batch(tmp_path, assets: dict, batch: int, *overrides: str):
     rollout_config = load_config(None, [f"run_dir={config.run_dir}", "rollout.max_model_len=64",
                                         "rollout.prompts_per_generate=4", "rollout.kv_cache_gib=0.1", *shared],
                                  base=base_config(tmp_path, assets))
-    engine = make_vllm_engine(rollout_config)
+    engine = engine or make_vllm_engine(rollout_config)
     threading.Thread(target=scorer_process, args=(config, 64), daemon=True).start()
     samples = []
 

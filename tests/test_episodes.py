@@ -15,11 +15,12 @@ from tests.helpers import base_config, chatml_tokenizer
 EOS = 2  # the demo tokenizer's
 
 
-def fake_output(tokens, finish_reason="stop"):
-    """A finished vLLM request of one completion: its ids, a logprob for each, why it stopped."""
+def fake_output(tokens, finish_reason="stop", prompt_token_ids=()):
+    """A finished vLLM request of one completion: its ids, a logprob for each, why it stopped (and
+    the prompt's ids, as vLLM reports them)."""
     logprobs = [{token: SimpleNamespace(logprob=-0.1 * (i + 1))} for i, token in enumerate(tokens)]
-    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs,
-                                                    finish_reason=finish_reason)])
+    return SimpleNamespace(outputs=[SimpleNamespace(token_ids=tokens, logprobs=logprobs, finish_reason=finish_reason)],
+                           prompt_token_ids=list(prompt_token_ids))
 
 
 def make_episodes(tmp_path, tokenizer, environment, rows, *overrides, tools=()):

@@ -9,6 +9,7 @@ import pytest
 
 from common.config import ConfigError
 from tests.helpers import tiny_vision_policy, write_image
+from tests.test_episodes import settle
 
 
 def test_a_rows_images_are_read_as_bytes_and_travel_packed(tmp_path):
@@ -137,22 +138,31 @@ def test_image_prompts_that_do_not_fit_and_lora_sync_for_a_vision_policy_are_nam
 
 
 @pytest.mark.slow
-def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transformers_forward(tmp_path):
+def test_the_rollout_generates_from_image_prompts_and_episodes_that_show_images_as_a_transformers_forward(tmp_path):
     """The real rollout loop and buffer on a vision-language policy: each prompt holds one
     placeholder per image, unexpanded; vLLM expands it as the model's processor does, and each
     sample carries the expanded ids and its images' bytes (a chat's image part where it stands; a
     prompt without an image in the same run, none).
     Its logprobs at every sampled token are the transformers model's on those ids with the pixel
     inputs tether computes from those bytes, the placeholder banned; another image gives others
-    (the image is read)."""
+    (the image is read).
+    Then, on the same engine, episodes whose environment answers the first turn with an image: each
+    sample holds the prompt's images and the observation's, expanded where they stand, and every
+    policy token's logprob is the forward's with all of them (another square: other logprobs)."""
     import torch
     from transformers import Idefics3ForConditionalGeneration
 
     from common.vision import decoded, image_paths, load_processor, pixel_inputs, unpack_images, vision_prompt_text
+    from tests.environments import SQUARE
     from tests.helpers import rollout_one_batch
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
+    # a tenth of the vocabulary ends a turn (vLLM's stop ids from the generation config): the random
+    # policy's turns end in a few tokens, so its episodes reach the environment
+    eos = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    stops = [eos, *range(60, len(processor.tokenizer), 10)]
+    (tmp_path / "policy" / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
     rows = [{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is in "},
@@ -160,14 +170,33 @@ def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transfo
             {"prompt": "colour:", "images": ["blue.png"]}, {"prompt": "no picture:"}]
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    samples, engine, result = rollout_one_batch(tmp_path, {"policy": policy, "reward": policy, "prompts": str(data)},
-                                                6, "rollout.samples_per_prompt=2")
-    engine.llm_engine.engine_core.shutdown()
+    assets = {"policy": policy, "reward": policy, "prompts": str(data)}
+    samples, engine, result = rollout_one_batch(tmp_path / "responses", assets, 6, "rollout.samples_per_prompt=2",
+                                                "rollout.max_model_len=128")
     assert len(samples) == 6 and result["identity_holds"]
     assert sorted(s.data_row for s in samples if s.images is None) == [2, 2]  # the prompt without an image
+    episodes, _, result = rollout_one_batch(tmp_path / "episodes", assets, 12, "rollout.samples_per_prompt=4",
+                                            "rollout.max_model_len=128", "rollout.max_turns=2",
+                                            "rollout.environment=tests.environments:shows_a_square", engine=engine)
+    engine.llm_engine.engine_core.shutdown()
+    assert len(episodes) == 12 and result["identity_holds"]
 
     model = Idefics3ForConditionalGeneration.from_pretrained(policy, dtype=torch.float32).eval()
     placeholder = torch.tensor([processor.image_token_id])  # never sampled: its mass left out (~0.003 here)
+    other_square = (tmp_path / write_image(tmp_path / "magenta.png", (40, 40), (200, 0, 200))).read_bytes()
+
+    def gap(sample, images: list[bytes]) -> float:
+        """The largest gap between the sample's behavior logprobs and the forward's with ``images``."""
+        prompt, response = sample.prompt_tokens.tolist(), sample.response_tokens.tolist()
+        ids = torch.tensor([prompt + response])
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           **(pixel_inputs(processor, [decoded(images)]) if images else {})).logits
+        logprobs = torch.log_softmax(logits[0, len(prompt) - 1:-1].index_fill(-1, placeholder, -torch.inf), -1)
+        ours = logprobs.gather(1, torch.tensor(response)[:, None])[:, 0]
+        policy = slice(None) if sample.loss_mask is None else torch.as_tensor(sample.loss_mask).bool()
+        return float((ours - torch.as_tensor(sample.behavior_logprobs))[policy].abs().max())
+
     gaps, other_image = [], []
     for sample in samples:
         images = unpack_images(sample.images) if sample.images is not None else []
@@ -177,26 +206,144 @@ def test_the_rollout_generates_from_image_prompts_and_its_logprobs_are_a_transfo
         # expanded as vLLM does
         assert prompt == processor(text=[text], images=[decoded(images)] if images else None)["input_ids"][0]
         assert prompt.count(processor.image_token_id) == 4 * len(images)  # the image's tokens
-        ids = torch.tensor([prompt + sample.response_tokens.tolist()])
-        other = [(tmp_path / image_paths(rows[1 - sample.data_row])[0]).read_bytes()] if images else None
-        for pixels, found in ((images, gaps), (other, other_image)):
-            if pixels is None:
-                continue
-            with torch.no_grad():
-                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                               **(pixel_inputs(processor, [decoded(pixels)]) if pixels else {})).logits
-            logprobs = torch.log_softmax(logits[0, len(prompt) - 1:-1].index_fill(-1, placeholder, -torch.inf), -1)
-            ours = logprobs.gather(1, torch.as_tensor(sample.response_tokens, dtype=torch.long)[:, None])[:, 0]
-            found.append(float((ours - torch.as_tensor(sample.behavior_logprobs)).abs().max()))
-    print(json.dumps({"largest gap": max(gaps), "least gap with the other image": min(other_image)}))
+        gaps.append(gap(sample, images))
+        if images:
+            other_image.append(gap(sample, [(tmp_path / image_paths(rows[1 - sample.data_row])[0]).read_bytes()]))
+    shown, episode_gaps, other_square_gaps = 0, [], []
+    for sample in episodes:
+        images = unpack_images(sample.images) if sample.images is not None else []
+        from_row = [(tmp_path / path).read_bytes() for path in image_paths(rows[sample.data_row])]
+        assert images[:len(from_row)] == from_row and len(images) - len(from_row) <= 1, sample.data_row
+        ids = sample.prompt_tokens.tolist() + sample.response_tokens.tolist()
+        assert ids.count(processor.image_token_id) == 4 * len(images)  # each expanded where it stands
+        assert sample.loss_mask is not None and len(sample.loss_mask) == len(sample.response_tokens)
+        episode_gaps.append(gap(sample, images))
+        if len(images) > len(from_row):  # the environment's square: decoded as the PNG the rollout encoded
+            shown += 1
+            assert decoded(images[-1:])[0].getpixel((0, 0)) == SQUARE
+            assert sample.response_tokens.tolist().count(processor.image_token_id) == 4
+            other_square_gaps.append(gap(sample, from_row + [other_square]))
+    print(json.dumps({"largest gap": max(gaps), "least gap with the other image": min(other_image),
+                      "episodes": len(episodes), "showing the square": shown,
+                      "largest episode gap": max(episode_gaps),
+                      "least gap with another square": min(other_square_gaps)}))
     assert max(gaps) < 1e-3, gaps  # issue 36's bound
     assert min(other_image) > 1e-2, other_image  # the image is read: the check means something
+    assert shown >= 6, shown  # most episodes reached the environment (the rest: a first turn cut at its length)
+    assert max(episode_gaps) < 1e-3, episode_gaps
+    assert min(other_square_gaps) > 1e-2, other_square_gaps  # the observation's image is read too
+
+
+def test_placeholders_expand_in_place_and_their_columns_grow_by_zeros():
+    from common.vision import expand_placeholders
+
+    ids, (logprobs, mask) = expand_placeholders([5, 9, 6, 9], 9, [[1, 2], [3]], ([-0.5, 0.0, -0.25, 0.0], [1, 0, 1, 0]))
+    assert ids == [5, 1, 2, 6, 3] and logprobs == [-0.5, 0, 0, -0.25, 0] and mask == [1, 0, 0, 1, 0]
+    assert expand_placeholders([9], 9, [[]])[0] == []
+    with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
+        expand_placeholders([9, 9], 9, [[1]])
+
+
+@pytest.mark.parametrize("environment, sees, overrides, reason", [
+    ("shows_a_square", False, (), "the policy does not see images"),
+    ("shows_a_placeholder", True, (), "1 image placeholder(s) ('<image>') of its own"),
+    ("shows_a_square", True, ("rollout.max_images_per_episode=1",), "past rollout.max_images_per_episode (1)"),
+])
+def test_an_image_an_episode_cannot_show_ends_it_with_the_reason(tmp_path, caplog, environment, sees, overrides,
+                                                                 reason):
+    """A text policy shown an image, an observation whose text holds the placeholder itself and an
+    image past the episode's limit each end the episode (env_error), the reason in the log."""
+    episodes = vision_episodes(tmp_path, environment, sees, *overrides)
+    with caplog.at_level("ERROR"):
+        episode = first_turn(episodes)
+    assert episode.ended == "env_error" and reason in caplog.text, caplog.text
+
+
+def test_vllm_expanding_an_episodes_image_otherwise_than_the_processor_is_an_error_naming_it(tmp_path):
+    from tests.test_episodes import fake_output
+
+    episodes = vision_episodes(tmp_path, "shows_a_square", True)
+    episode = first_turn(episodes)
+    assert episode.ended is None and len(episode.images) == 2  # the row's image and the square
+    (_, ids, _), = episodes.take_ready(0)
+    episodes.turn_finished(episode, fake_output([7, 8], prompt_token_ids=ids), 0)  # unexpanded: not vLLM's
+    settle(episodes)
+    with pytest.raises(RuntimeError, match="other ids than Idefics3Processor expands each image alone"):
+        episodes.finished()
+
+
+def test_a_tools_image_is_shown_as_an_image_part_where_its_message_stands(tmp_path):
+    """A tool that returns a PIL image (or parts beside text) answers with image parts; the policy's
+    processor renders its tool message with one placeholder, and the image travels as a PNG of the
+    same pixels."""
+    from PIL import Image
+
+    from common.vision import decoded, load_processor
+    from rollout.episodes import Renderer
+    from rollout.tools import Tool, ToolCall, call_tool
+
+    def look(colour: str):
+        return Image.new("RGB", (20, 20), (0, 0, 255) if colour == "blue" else (255, 0, 0))
+
+    def describe(colour: str):
+        return [{"type": "text", "text": f"a {colour} square:"}, {"type": "image", "image": look(colour)}]
+
+    tools = {"look": Tool("look", look, {}), "describe": Tool("describe", describe, {})}
+    (content, error), = [call_tool(tools, ToolCall("look", {"colour": "blue"}))]
+    assert error is None and content[0]["type"] == "image"
+    parts, error = call_tool(tools, ToolCall("describe", {"colour": "red"}))
+    assert error is None and [part["type"] for part in parts] == ["text", "image"]
+    processor = load_processor(tiny_vision_policy(tmp_path / "policy"))
+    renderer = Renderer(processor.tokenizer, None, processor)
+    messages = [{"role": "tool", "name": "look", "content": content}, {"role": "tool", "name": "describe",
+                                                                       "content": parts}]
+    ids = renderer.observation_ids(messages, processor.tokenizer.convert_tokens_to_ids("<|im_end|>"))
+    images = renderer.images_of(messages, ids)
+    assert ids.count(processor.image_token_id) == 2 and "a red square:" in processor.tokenizer.decode(ids)
+    assert [image.getpixel((0, 0)) for image in decoded(images)] == [(0, 0, 255), (255, 0, 0)]
+
+
+def vision_episodes(tmp_path, environment: str, sees: bool, *overrides: str):
+    """``tests.environments:<environment>``'s episodes of a prompt with an image, for a policy that
+    sees (the tiny Idefics3) or a text one of the same tokenizer; turns given by hand."""
+    import logging
+
+    from common.config import load_config
+    from common.vision import load_processor, vision_prompts
+    from rollout.environments import Environments
+    from rollout.episodes import Episodes, Renderer
+    from tests.helpers import base_config
+
+    processor = load_processor(tiny_vision_policy(tmp_path / "policy"))
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    rows = [{"prompt": "colour:", "images": ["red.png"]}]
+    prompts, kept, images = vision_prompts(rows, processor, 100, None, "data.prompts", str(tmp_path / "p.jsonl"))
+    config = load_config(None, [f"rollout.environment=tests.environments:{environment}", "rollout.max_new_tokens=8",
+                                "rollout.max_model_len=128", "rollout.samples_per_prompt=1", *overrides],
+                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
+    environments = Environments.load(config.rollout.environment, {})
+    return Episodes(config, environments, Renderer(processor.tokenizer, None, processor if sees else None),
+                    processor.tokenizer, rows, prompts, kept, lambda _, max_tokens: max_tokens,
+                    logging.getLogger("test"), images if sees else None)
+
+
+def first_turn(episodes):
+    """The episode of the prompt, its first turn given and its environment's answer taken."""
+    from tests.test_episodes import fake_output
+
+    episodes.start(0, 0)
+    settle(episodes)
+    (episode, ids, _), = episodes.take_ready(0)
+    episodes.turn_finished(episode, fake_output([5, 6], prompt_token_ids=ids), 0)
+    settle(episodes)
+    return episode
 
 
 def vision_samples(tmp_path, processor) -> list:
-    """Four scored samples: three of image prompts (two images, one each; a chat and a text prompt)
-    and one of a prompt without an image, their prompts expanded as vLLM reports them, and the
-    behavior and reference logprobs still to fill."""
+    """Five scored samples: three of image prompts (two images, one each; a chat and a text prompt),
+    one of a prompt without an image, and an episode's with an image in its prompt and one in its
+    response, their ids expanded as vLLM reports them, and the behavior and reference logprobs
+    still to fill."""
     from common.vision import decoded, pack_images, vision_prompt_text
     from protocol.samples import Sample
 
@@ -215,6 +362,18 @@ def vision_samples(tmp_path, processor) -> list:
         samples.append(Sample(f"s{i}", i, 0, np.array(prompt, np.int32), np.array(response, np.int32),
                               np.zeros(len(response), np.float32), "stop", reward=float(i), data_row=i,
                               images=pack_images(image) if image else None))
+    # an episode's: its second image shown by the environment between two turns, expanded where it stands
+    shown = [(tmp_path / "red.png").read_bytes(), (tmp_path / "blue.png").read_bytes()]
+    observation = processor(text=["<|im_end|>\n<|im_start|>user\n<image>and this?<|im_end|>\n<|im_start|>assistant\n"],
+                            images=[decoded(shown[1:])], add_special_tokens=False)["input_ids"][0]
+    turns = processor.tokenizer(" red")["input_ids"], processor.tokenizer(" blue")["input_ids"] + [
+        processor.tokenizer.eos_token_id]
+    response = turns[0] + observation + turns[1]
+    samples.append(Sample("s4", 4, 0, np.array(samples[1].prompt_tokens), np.array(response, np.int32),
+                          np.zeros(len(response), np.float32), "stop", reward=4.0, data_row=1,
+                          loss_mask=np.array([1] * len(turns[0]) + [0] * len(observation) + [1] * len(turns[1]),
+                                             np.uint8), turn_rewards=np.zeros(len(response), np.float32),
+                          images=pack_images(shown)))
     return samples
 
 
@@ -247,7 +406,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     samples = vision_samples(tmp_path, processor)
     model = load_causal_lm(policy).eval()
     batch = collate(samples, processor.tokenizer.pad_token_id, processor)
-    assert batch.images["pixel_values"].shape[:2] == (4, 1)  # a row each, one image each (the last's all 0)
+    assert batch.images["pixel_values"].shape[:2] == (5, 2)  # a row each, up to two images (the rest all 0)
     with torch.no_grad():
         batched = logprobs_from_logits(forward_logits(model, batch), batch.response_tokens, SamplingConfig())
         part = batch.select(torch.tensor([2, 0]))
@@ -281,7 +440,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
     for train_vision_tower, lora_rank, estimator in ((False, 0, "reinforce_pp"), (True, 0, "reinforce_pp"),
                                                      (False, 4, "reinforce_pp"), (True, 4, "reinforce_pp"),
                                                      (False, 0, "gae")):
-        config = load_config(None, ["learner.batch_size=4", "learner.minibatch_size=4", "learner.actor_lr=1e-3",
+        config = load_config(None, ["learner.batch_size=5", "learner.minibatch_size=5", "learner.actor_lr=1e-3",
                                     f"learner.advantage_estimator={estimator}", f"learner.lora_rank={lora_rank}",
                                     f"learner.train_vision_tower={str(train_vision_tower).lower()}"],
                              base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
