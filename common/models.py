@@ -121,11 +121,17 @@ def load_causal_lm(path: str, dtype: str = "float32") -> nn.Module:
     return disable_dropout(family.from_pretrained(path, dtype=getattr(torch, dtype)))
 
 
+HEAD_FILE = "tether_head.safetensors"  # a ValueModel's head, beside its body's HF files
+
+
 class ValueModel(nn.Module):
     """A per-token value model: a causal LM's transformer body with a one-output head on every
     position. Built by tether for every family alike, so no family needs a token-classification
     class of its own (OPT has none) nor a head of a given attribute name. ``forward`` returns
-    ``.logits`` of shape [B, L, 1], as HF's token classifiers do."""
+    ``.logits`` of shape [B, L, 1], as HF's token classifiers do. It is also the reward model of a
+    family without a sequence-classification class (a vision-language model: ``tether rm`` trains
+    it, the scorer reads it), read at the last token as HF's classifiers are
+    (``scorer.scoring.raw_scores``); saved as its body's HF directory with its head beside it."""
 
     def __init__(self, body: nn.Module, head: nn.Linear) -> None:
         super().__init__()
@@ -133,13 +139,50 @@ class ValueModel(nn.Module):
         # a decoder builds a KV cache at every forward unless told not to (a concat per layer, for nothing)
         self.no_cache = {"use_cache": False} if "use_cache" in inspect.signature(body.forward).parameters else {}
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, **images):
-        """``images``: a body that sees images takes their inputs (``SequenceBatch.model_inputs``)."""
+    @property
+    def base_model(self) -> nn.Module:
+        """The body, where HF's models keep theirs (``classification_head`` looks outside it)."""
+        return self.body
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_hidden_states: bool = False, **images):
+        """``images``: a body that sees images takes their inputs (``SequenceBatch.model_inputs``);
+        ``output_hidden_states``: the body's last hidden states too, as ``hidden_states[-1]``."""
         from transformers.modeling_outputs import TokenClassifierOutput
 
         hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **images,
                            **self.no_cache).last_hidden_state
-        return TokenClassifierOutput(logits=self.head(hidden))
+        return TokenClassifierOutput(logits=self.head(hidden),
+                                     hidden_states=(hidden,) if output_hidden_states else None)
+
+    def save_pretrained(self, directory: str, safe_serialization: bool = True, **_) -> None:
+        """The body as its family's HF directory (``AutoModel`` loads it) and the head in ``HEAD_FILE``."""
+        from safetensors.torch import save_file
+
+        self.body.save_pretrained(directory, safe_serialization=safe_serialization)
+        save_file({name: tensor.detach().contiguous() for name, tensor in self.head.state_dict().items()},
+                  os.path.join(directory, HEAD_FILE))
+
+    @staticmethod
+    def load(path: str, dtype: str = "float32") -> "ValueModel":
+        """The body of the model in ``path`` (a VLM's: its towers and text model) with the head saved
+        beside it, else a new one (HF's score-head init, bias 0)."""
+        from transformers import AutoModel
+
+        body = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
+        body.config.num_labels = 1  # a score, as tether's sequence classifiers have
+        width = body.config.get_text_config().hidden_size
+        head = nn.Linear(width, 1, dtype=getattr(torch, dtype))
+        saved = os.path.join(path, HEAD_FILE)
+        with torch.no_grad():
+            if os.path.exists(saved):
+                from safetensors.torch import load_file
+
+                head.load_state_dict(load_file(saved))
+            else:
+                head.weight.normal_(0.0, 1.0 / (width + 1))  # HF's score-head init
+                head.bias.zero_()
+        return disable_dropout(ValueModel(body, head))
 
 
 def load_critic(path: str, dtype: str = "float32") -> nn.Module:
@@ -147,18 +190,15 @@ def load_critic(path: str, dtype: str = "float32") -> nn.Module:
     every position. From a reward model the head starts as the RM's score head (found by
     ``classification_head``, whatever its name); from a policy it starts fresh. A bias starts at
     zero, so an RM-initialised critic starts out predicting the RM's own score at each position."""
-    from transformers import AutoModel, AutoModelForSequenceClassification
+    from transformers import AutoModelForSequenceClassification
 
     try:
         source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
-    except ValueError:  # a family without a sequence-classification class: its body and a new head
-        body = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))  # a VLM's: its towers and text model
-        width = body.config.get_text_config().hidden_size
-        head = nn.Linear(width, 1, dtype=getattr(torch, dtype))
+    except ValueError:  # a family without a sequence-classification class: its body and tether's head
+        source = ValueModel.load(path, dtype)
         with torch.no_grad():
-            head.weight.normal_(0.0, 1.0 / (width + 1))  # HF's score-head init
-            head.bias.zero_()
-        return disable_dropout(ValueModel(body, head))
+            source.head.bias.zero_()
+        return source
     head = classification_head(source)
     if head.bias is not None:
         with torch.no_grad():
@@ -169,10 +209,14 @@ def load_critic(path: str, dtype: str = "float32") -> nn.Module:
 def load_reward_model(path: str, dtype: str, tokenizer) -> nn.Module:
     """A one-label sequence-classification model of ``path``'s family, dropout off: from a policy
     its body and a new score head; its pad token the tokenizer's (else end-of-sequence), which
-    HF's own pooling needs even where tether pools itself."""
+    HF's own pooling needs even where tether pools itself. A family without a sequence-classification
+    class (a vision-language model) is tether's ``ValueModel``, read at the last token alike."""
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
+    except ValueError:  # transformers has no such class for the family
+        model = ValueModel.load(path, dtype)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                      else tokenizer.eos_token_id)

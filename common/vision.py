@@ -95,8 +95,11 @@ def _check_image(data: bytes) -> None:
 def part_image(part: dict[str, Any]) -> bytes:
     """The encoded bytes of an environment's or a tool's image part: its ``image`` as encoded bytes,
     a PIL image (encoded as PNG), a file path (relative to the working directory) or a ``data:``
-    URL; an ``image_url`` part's URL. A ValueError saying what it was where it is none of those."""
+    URL; an ``image_url`` part's URL; MCP's image content (``data``, base64, and ``mimeType``). A
+    ValueError saying what it was where it is none of those."""
     image = part.get("image", part.get("path", part.get("url"))) if part.get("type") == "image" else None
+    if image is None and isinstance(part.get("data"), str) and isinstance(part.get("mimeType"), str):  # MCP's form
+        image = f"data:{part['mimeType']};base64,{part['data']}"
     if isinstance(image, (bytes, bytearray)):
         try:
             _check_image(bytes(image))
@@ -255,17 +258,18 @@ def images_shown(messages: list[dict[str, Any]]) -> int:
 
 
 def vision_prompt_text(row: dict[str, Any], processor, system_prompt: str | None = None,
-                       response: str | None = None) -> str:
+                       response: str | None = None, tools: list[dict] | None = None) -> str:
     """The prompt's text with one placeholder per image (``processor.image_token``): a text prompt
     with its ``"images"`` before its text; a chat (``vision_chat``) through the processor's chat
-    template with the generation prompt. With a ``response`` (a chat only): the chat and the
-    response as the assistant's turn."""
+    template with the generation prompt (and the ``tools`` schemas, as a text chat has them). With
+    a ``response`` (a chat only): the chat and the response as the assistant's turn."""
     messages = vision_chat(row, processor, system_prompt)
     if messages is None:
         return processor.image_token * len(image_paths(row)) + row["prompt"]
     if response is not None:
         messages.append({"role": "assistant", "content": [{"type": "text", "text": response}]})
-    return processor.apply_chat_template(messages, add_generation_prompt=response is None, tokenize=False)
+    return processor.apply_chat_template(messages, add_generation_prompt=response is None, tokenize=False,
+                                         **({"tools": tools} if tools else {}))
 
 
 def check_placeholders(text: str, images: list[bytes], processor) -> None:
@@ -310,7 +314,7 @@ def prompts_with_images(rows: list[dict[str, Any]], tokenizer, processor, limit:
     """The prompts that fit, for any policy: with its ``processor`` (one that sees) ``vision_prompts``'
     ids, rows and images; else ``common.prompts.prompts_within``'s ids and rows, and None."""
     if processor is not None:
-        return vision_prompts(rows, processor, limit, system_prompt, key, path)
+        return vision_prompts(rows, processor, limit, system_prompt, key, path, tools)
     return (*prompts_within(rows, tokenizer, limit, system_prompt, key, path, tools), None)
 
 
@@ -323,12 +327,12 @@ def engine_arguments(images: list[list[bytes]] | None, per_episode: int | None =
 
 
 def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_prompt: str | None, key: str,
-                   path: str) -> tuple[list[list[int]], list[int], list[list[bytes]]]:
+                   path: str, tools: list[dict] | None = None) -> tuple[list[list[int]], list[int], list[list[bytes]]]:
     """``prompts_within`` for a policy that sees: the token ids of the rows (of ``path``, config key
     ``key``) whose prompt, each image expanded into its tokens, is at most ``limit`` tokens long
-    (one placeholder per image, unexpanded: vLLM expands them), those rows' indices, and their
-    images' bytes. A row whose images alone pass the limit is an error naming it; a longer text is
-    left out, as a text prompt is."""
+    (one placeholder per image, unexpanded: vLLM expands them; a chat rendered with the ``tools``
+    schemas), those rows' indices, and their images' bytes. A row whose images alone pass the limit
+    is an error naming it; a longer text is left out, as a text prompt is."""
     # an image's tokens, by its bytes: each placeholder's expansion depends on its image alone, so the
     # processor runs once per distinct image, not once per row (the vision demo's 4096 rows of 48
     # images: 4.6 s -> 0.3 s)
@@ -338,7 +342,7 @@ def vision_prompts(rows: list[dict[str, Any]], processor, limit: int, system_pro
     for row_index, row in enumerate(rows):
         where = f"prompt {row_index + 1}"
         row_images = read_images(row, path, where, key, read)
-        text = vision_prompt_text(row, processor, system_prompt)
+        text = vision_prompt_text(row, processor, system_prompt, tools=tools)
         try:
             check_placeholders(text, row_images, processor)
         except ConfigError as error:

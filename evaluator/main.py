@@ -62,6 +62,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
         raise ConfigError("eval: agent programs' images are not built yet (issue 36); an environment's are")
     token_ids, kept, images = prompts_with_images(rows, tokenizer, processor, limit, config.data.system_prompt,
                                                   "eval.prompts", config.data.prompts, tools)
+    if processor is not None and environments is not None:
+        environments.showing_images(images)
     # every request is seeded (the same checkpoint gives the same figures), and on vLLM's CPU backend a
     # seeded request whose prefill is cut in chunks fails ("CPU Generator does not use offset"):
     # episodes' later turns are long prefills, so prefills are taken whole

@@ -150,8 +150,10 @@ class ToolEnvironment:
 
     reads_turns = True  # the calls are read in the turn's tokens (ToolCallParser.text_of), special tokens kept
 
-    def __init__(self, tools: dict[str, Tool], inner: Any | None, parser: "ToolCallParser") -> None:
+    def __init__(self, tools: dict[str, Tool], inner: Any | None, parser: "ToolCallParser",
+                 shows_images: bool = False) -> None:
         self.tools, self.inner, self.parser = tools, inner, parser
+        self.shows_images = shows_images  # a policy that sees: a tool's images are shown to it
 
     def reset(self) -> Observation:
         reset = getattr(self.inner, "reset", None)
@@ -163,7 +165,7 @@ class ToolEnvironment:
             return as_step(self.inner.step(response, messages)) if self.inner is not None else Step(done=True)
         observation, errors = [], []
         for call in calls:
-            content, error = call_tool(self.tools, call)
+            content, error = call_tool(self.tools, call, self.shows_images)
             observation.append({"role": "tool", "name": call.name or "", "content": content})
             if error is not None:
                 errors.append(error)
@@ -232,6 +234,17 @@ class Environments:
         """``server``: the OpenEnv server the factory's episodes play against, whose tools are theirs."""
         self.factory, self.tools, self.server = factory, tools, server
         self.parser: ToolCallParser | None = None  # read_calls_with's, once the tokenizer is there
+        self.shows_images = False  # showing_images's
+
+    def showing_images(self, images: list[list[bytes]]) -> "Environments":
+        """For a policy that sees, whose prompts show ``images``: tools' images are shown to it. An
+        OpenEnv server's episodes with prompts that show images are refused: a server of tools alone
+        starts from the row's text, which would drop them unseen."""
+        if self.server is not None and any(images):
+            raise ConfigError("rollout.environment: an OpenEnv server's episodes read the prompt's text alone; "
+                              "data.prompts shows images, which they would drop (issue 36)")
+        self.shows_images = True
+        return self
 
     @staticmethod
     def load(environment: str | None, tools: dict[str, Tool], agent=None,
@@ -270,7 +283,7 @@ class Environments:
             return inner
         if self.parser is None:
             raise RuntimeError("Environments.read_calls_with was not called: tool calls cannot be read")
-        return ToolEnvironment(self.tools, inner, self.parser)
+        return ToolEnvironment(self.tools, inner, self.parser, self.shows_images)
 
     @property
     def tool_schemas(self) -> list[dict] | None:

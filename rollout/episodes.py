@@ -22,6 +22,7 @@ import math
 import threading
 import time
 import traceback
+from array import array
 from collections import Counter
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
@@ -97,12 +98,25 @@ class Renderer:
             images = observation_images(messages)
         except ValueError as error:
             raise BadStep(str(error)) from None
-        placeholder = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
-        if ids.count(placeholder) != len(images):
-            raise BadStep(f"the environment's text holds {ids.count(placeholder) - len(images)} image placeholder(s) "
-                          f"({self.processor.image_token!r}) of its own beside its {len(images)} image(s): the text "
-                          "may not hold the placeholder itself")
+        if ids.count(self.placeholder) != len(images):
+            raise BadStep(f"the environment's messages render to {ids.count(self.placeholder)} image placeholder(s) "
+                          f"({self.processor.image_token!r}) for their {len(images)} image(s): its text may not hold "
+                          "the placeholder itself, and the chat template must show every image part")
         return images
+
+    @property
+    def placeholder(self) -> int | None:
+        """A policy that sees: its image placeholder's id."""
+        return None if self.processor is None else self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+
+    def token_ids(self, ids: list[int], allowed: int = 0) -> list[int]:
+        """An observation's token ids; a ``BadStep`` where they hold more image placeholders than
+        ``allowed`` (token ids of an observation come without images: a placeholder in them would be
+        an image slot without its image)."""
+        if self.processor is not None and ids.count(self.placeholder) > allowed:
+            raise BadStep(f"an observation's token ids hold the image placeholder ({self.processor.image_token!r}) "
+                          f"{ids.count(self.placeholder)} time(s) for {allowed} image(s)")
+        return ids
 
     def prompt_ids(self, first: Observation) -> list[int]:
         """An episode's start from an environment's ``reset``, by the rule of every observation: text
@@ -260,7 +274,7 @@ class FailureLog:
 BACKOFF_AFTER, BACKOFF_FIRST_S, BACKOFF_MAX_S = 4, 0.1, 5.0
 FAILED_ENDINGS = ("env_error", "env_deadline")
 CLOSE_DEADLINE_S = 5.0  # the run's end: how long the environments of episodes under way may take to close
-EXPANSIONS_KEPT = 4096  # images whose expanded ids an engine's episodes keep (a few KB each)
+EXPANSIONS_KEPT = 4096  # images whose expanded ids an engine's episodes keep (4 bytes an id: under 64 MB)
 
 
 class Episodes:
@@ -275,7 +289,7 @@ class Episodes:
         a policy that sees (``renderer.processor``): each kept prompt's images."""
         self.config, self.environments, self.renderer, self.tokenizer = config, environments, renderer, tokenizer
         self.images = images
-        self.expansions: dict[bytes, list[int]] = {}  # an image's ids, expanded (image_expansion)
+        self.expansions: dict[bytes, array] = {}  # an image's ids, expanded (image_expansion)
         self.renderers: dict[str, Renderer] = {}  # by the tools they render, for environments with their own
         self.sampling_for = sampling_for
         self.rows, self.prompts, self.data_rows, self.log = rows, prompts, data_rows, log
@@ -452,12 +466,12 @@ class Episodes:
         try:
             episode.renderer = self.renderer_for(getattr(episode.environment, "tools", None))
             if isinstance(first, TokenIds):
-                episode.prompt_tokens = list(first)
+                episode.prompt_tokens = episode.renderer.token_ids(list(first))
             else:
                 episode.prompt_tokens = episode.renderer.prompt_ids(first)
                 self._show(episode, self._images(episode, _shown(first), episode.prompt_tokens))
         except Exception as error:  # the template refuses the environment's chat
-            self.failures.report("env_error", error, f"the chat template refuses the environment's first messages "
+            self.failures.report("env_error", error, f"the environment's first messages do not render "
                                  f"({type(error).__name__}: {error})",
                                  f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", ("render",))
             return self._end(episode, "env_error")
@@ -486,7 +500,7 @@ class Episodes:
         images: list[bytes] = []
         try:
             if isinstance(step.observation, TokenIds):
-                ids = list(step.observation)
+                ids = (episode.renderer or self.renderer).token_ids(list(step.observation))
             else:
                 shown = _shown(step.observation)
                 ids = (episode.renderer or self.renderer).observation_ids(shown, episode.last_token)
@@ -526,7 +540,7 @@ class Episodes:
         episode.images += images
         episode.image_tokens += sum(len(self.image_expansion(image)) - 1 for image in images)
 
-    def image_expansion(self, image: bytes) -> list[int]:
+    def image_expansion(self, image: bytes) -> array:
         """The ids an image's placeholder expands into, as the processor (and vLLM) expands it, which
         depends on the image alone: computed once an image (by its digest; at most EXPANSIONS_KEPT)."""
         key = hashlib.sha1(image).digest()
@@ -534,7 +548,7 @@ class Episodes:
             if len(self.expansions) >= EXPANSIONS_KEPT:
                 del self.expansions[next(iter(self.expansions))]
             processor = self.renderer.processor
-            self.expansions[key] = expanded_ids(processor, processor.image_token, [image], False)
+            self.expansions[key] = array("i", expanded_ids(processor, processor.image_token, [image], False))
         return self.expansions[key]
 
     def _expanded(self, episode: Episode) -> tuple[list[int], list[int], tuple[list, ...]]:
@@ -542,9 +556,8 @@ class Episodes:
         loss mask and turn rewards with a 0 at each image's ids: what vLLM computed its turns on and
         what the scorer and the learner read. A ``RuntimeError`` where vLLM's own expansion of the last
         turn's prompt differs (a family whose image ids depend on more than the image)."""
-        processor = self.renderer.processor
-        placeholder = self.tokenizer.convert_tokens_to_ids(processor.image_token)
-        expansions = [self.image_expansion(image) for image in episode.images]
+        processor, placeholder = self.renderer.processor, self.renderer.placeholder
+        expansions = [list(self.image_expansion(image)) for image in episode.images]
         in_prompt = episode.prompt_tokens.count(placeholder)
         prompt, _ = expand_placeholders(episode.prompt_tokens, placeholder, expansions[:in_prompt])
         tokens, columns = expand_placeholders(episode.tokens, placeholder, expansions[in_prompt:],

@@ -99,6 +99,8 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                           f"({config.models.policy}): agent programs' images are not built yet (issue 36); "
                           "an environment's are (rollout.environment)")
     prompts, data_rows, skipped, images = prompts_that_fit(config, tokenizer, log, rows, tools, processor)
+    if processor is not None and environments is not None:
+        environments.showing_images(images)
     timeline.phase("prompts")
     # the engine first: it is the longest part of anyone's start-up and needs nobody
     own_engine = engine is None

@@ -198,11 +198,14 @@ class ToolError:
     detail: str
 
 
-def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str | list[dict], ToolError | None]:
+def call_tool(tools: dict[str, Tool], call: ToolCall, shows_images: bool = False
+              ) -> tuple[str | list[dict], ToolError | None]:
     """The tool message's content for ``call``, and what went wrong if anything did (then the
     content is that error, for the policy to read). A result of text is the content; an image (a PIL
-    image) or a list of text and image parts (``{"type": "text" | "image", ...}``, as MCP's content)
-    is shown as parts, to a policy that sees images; anything else is its JSON."""
+    image) or a list of text and image parts (``{"type": "text", "text": ...}``, ``{"type":
+    "image", ...}``: common.vision.part_image) is shown as parts where the policy sees images
+    (``shows_images``; an image to one that does not is an error it reads); anything else is its
+    JSON."""
     if call.name is None:
         return f"error: {call.error}", ToolError("malformed", None, {}, call.error or "")
     tool = tools.get(call.name)
@@ -216,16 +219,30 @@ def call_tool(tools: dict[str, Tool], call: ToolCall) -> tuple[str | list[dict],
                 ToolError("raised", call.name, call.arguments, traceback.format_exc()))
     if isinstance(result, str):
         return result, None
-    if hasattr(result, "save") and hasattr(result, "size"):  # a PIL image
-        return [{"type": "image", "image": result}], None
-    if isinstance(result, list) and result and all(
-            isinstance(part, dict) and part.get("type") in ("text", "image", "image_url") for part in result):
-        return result, None
+    parts = _parts(result)
+    if parts is not None:
+        if shows_images or all(part["type"] == "text" for part in parts):
+            return parts, None
+        message = f"{call.name} returned an image, and the policy does not see images"
+        return f"error: {message}", ToolError("unserialisable", call.name, call.arguments, message)
     try:
         return json.dumps(result), None
     except (TypeError, ValueError) as error:
         message = f"{call.name} returned {type(result).__name__}, which JSON cannot hold ({error})"
         return f"error: {message}", ToolError("unserialisable", call.name, call.arguments, message)
+
+
+def _parts(result: Any) -> list[dict] | None:
+    """A tool's result as message parts, where it is an image (a PIL image) or a list of text and
+    image parts; else None."""
+    if hasattr(result, "save") and hasattr(result, "size"):  # a PIL image
+        return [{"type": "image", "image": result}]
+    if isinstance(result, list) and result and all(
+            isinstance(part, dict) and (part.get("type") in ("image", "image_url")
+                                        or part.get("type") == "text" and isinstance(part.get("text"), str))
+            for part in result):
+        return result
+    return None
 
 
 def load_tools(specs: list[str]) -> dict[str, Tool]:

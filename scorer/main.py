@@ -50,14 +50,20 @@ class Scorer:
         self.reference = models.load_causal_lm(config.reference_path, config.models.dtype).to(self.device).eval()
         self.pad_token_id = models.pad_token_id(self.reference)
         self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
-        self.reward_model = self.rm_tokenizer = None
+        self.reward_model = self.rm_tokenizer = self.rm_processor = None
         if config.models.reward:
-            if self.processor is not None and same_tokens(config.models.policy, config.models.reward):
+            policy_tokens = same_tokens(config.models.policy, config.models.reward)
+            self.rm_processor = load_processor(config.models.reward)  # an RM that sees: the samples' images too
+            if self.rm_processor is not None and not policy_tokens:
+                raise ConfigError(f"models.reward: {config.models.reward} sees images and reads other tokens than the "
+                                  "policy: a reward model that sees reads the samples' own ids and images, so it "
+                                  "needs the policy's tokenizer (train one with `tether rm` from the policy)")
+            if self.processor is not None and policy_tokens and self.rm_processor is None:
                 raise ConfigError(f"models.reward: {config.models.reward} reads the policy's token ids, which hold a "
-                                  "vision policy's image tokens without their images: a reward model of its own "
-                                  "tokenizer reads the conversation's text (issue 36: a reward model that sees is "
-                                  "not built yet)")
-            if not same_tokens(config.models.policy, config.models.reward):  # else ids go to it unchanged
+                                  "vision policy's image tokens, and does not see images: give a reward model that "
+                                  "sees (`tether rm` from the policy), or one of its own tokenizer, which reads the "
+                                  "conversation's text")
+            if not policy_tokens:  # else ids go to it unchanged
                 self.rm_tokenizer = AutoTokenizer.from_pretrained(config.models.reward)
             self.reward_model = models.load_reward_model(config.models.reward, config.models.dtype,
                                                          self.rm_tokenizer or self.tokenizer).to(self.device).eval()
@@ -77,7 +83,8 @@ class Scorer:
 
     def describe(self) -> str:
         rm = "none" if self.reward_model is None else (
-            "its own tokenizer" if self.rm_tokenizer is not None else "the policy's tokens")
+            "its own tokenizer" if self.rm_tokenizer is not None else
+            "the policy's tokens and images" if self.rm_processor is not None else "the policy's tokens")
         functions = ", ".join(f"{f.weight:g} x {f.name}" for f in self.functions) or "none"
         return f"reward model: {rm}; reward functions: {functions}"
 
@@ -106,7 +113,7 @@ class Scorer:
         parts: dict[str, float] = {}
         if self.reward_model is not None:
             if self.rm_tokenizer is None:
-                rm = reward_scores(self.reward_model, samples, self.pad_token_id)
+                rm = reward_scores(self.reward_model, samples, self.pad_token_id, self.rm_processor)
             else:
                 rows = [reward_model_tokens(a["sequence"], self._conversation(a), self.rm_tokenizer, self.rm_max_tokens)
                         for a in arguments]

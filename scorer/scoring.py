@@ -40,13 +40,14 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalt
 
 
 @torch.no_grad()
-def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: int) -> torch.Tensor:
+def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: int, processor=None) -> torch.Tensor:
     """One scalar per sample, from the samples' own token ids (an RM that reads the policy's
     tokens): the RM head on the last real token of prompt + response, minus the offset stored
     with the RM. Pooling is done here, not by the HF head, so padding side and pad-token
-    conventions of the RM cannot change a score."""
-    batch = collate(samples, pad_token_id).to(next(reward_model.parameters()).device)
-    return _pooled_scores(reward_model, batch.input_ids, batch.attention_mask, batch.last_positions)
+    conventions of the RM cannot change a score. An RM that sees reads each sample's images
+    through its ``processor``."""
+    batch = collate(samples, pad_token_id, processor).to(next(reward_model.parameters()).device)
+    return _pooled_scores(reward_model, batch.input_ids, batch.attention_mask, batch.last_positions, batch.images)
 
 
 @torch.no_grad()
@@ -60,22 +61,25 @@ def reward_scores_of_tokens(reward_model: nn.Module, rows: list[list[int]]) -> t
 
 
 def _pooled_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   last_positions: torch.Tensor) -> torch.Tensor:
-    """input_ids, attention_mask: [B, L] right-padded; last_positions: [B]. Returns [B] on the CPU,
-    calibrated by the offset and scale stored with the RM."""
+                   last_positions: torch.Tensor, images: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """input_ids, attention_mask: [B, L] right-padded; last_positions: [B]; ``images``: the rows'
+    image inputs (an RM that sees). Returns [B] on the CPU, calibrated by the offset and scale
+    stored with the RM."""
     offset = float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))
     scale = float(getattr(reward_model.config, REWARD_SCALE_KEY, 1.0))
-    return ((raw_scores(reward_model, input_ids, attention_mask, last_positions) - offset) / scale).cpu()
+    return ((raw_scores(reward_model, input_ids, attention_mask, last_positions, **(images or {})) - offset)
+            / scale).cpu()
 
 
 def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               last_positions: torch.Tensor) -> torch.Tensor:
+               last_positions: torch.Tensor, **images: torch.Tensor) -> torch.Tensor:
     """[B] fp32, uncalibrated: the RM's head on the hidden state of each row's last real token
-    (``last_positions`` [B]), as the scorer reads it and tether rm trains it."""
+    (``last_positions`` [B]), as the scorer reads it and tether rm trains it; ``images``: the image
+    inputs of an RM that sees."""
     from weight_sync.lora import is_lora
 
     model = reward_model.get_base_model() if is_lora(reward_model) else reward_model
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **images).last_hidden_state
     last_hidden = hidden[torch.arange(len(input_ids), device=hidden.device), last_positions]
     return classification_head(model)(last_hidden).squeeze(-1).float()
 

@@ -244,20 +244,20 @@ EXAMPLE_OF = {"demonstration": demonstration, "ranking": ranking, "pair": pair}
 
 def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes], model_key: str) -> Example:
     """A row for a model that sees (``processor``): a demonstration {"prompt" or "messages",
-    "response"} or a pair {..., "chosen", "rejected"}, with its ``images`` (none: a text row beside
-    them). The prompt is expanded as vLLM expands it; a response to a text prompt is its text and
-    the end-of-sequence token, to a chat the template's assistant turn."""
+    "response"}, a pair {..., "chosen", "rejected"} or a ranking ({..., "responses", "ranking"}
+    too), with its ``images`` (none: a text row beside them). The prompt is expanded as vLLM
+    expands it; a response to a text prompt is its text and the end-of-sequence token, to a chat
+    the template's assistant turn."""
     from common.vision import check_placeholders, expanded_ids, vision_prompt_text
 
-    if form == "ranking":
-        raise ConfigError(f"{model_key} sees images: a reward model that sees is not built yet (issue 36); train "
-                          "one of its own tokenizer on the text")
     if form == "demonstration" and not _is_text(row.get("response")):
         return seen_chat_demonstration(row, processor, images)
     if form == "demonstration":
         responses, ranks = [row["response"]], [0]
-    else:
+    elif _is_text(row.get("chosen")):
         responses, ranks = [row["chosen"], row["rejected"]], [0, 1]
+    else:
+        responses, ranks = row["responses"], list(row["ranking"])
     chat = chat_of(row, None)
     text = vision_prompt_text(row, processor)
     check_placeholders(text, images, processor)

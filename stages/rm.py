@@ -3,7 +3,9 @@ through the model in one forward pass, and the loss is the mean over their C(K, 
 -log sigmoid(r_w - r_l) (``stages.losses.kwise_ranking_loss``), averaged over prompts. A score is
 read as the scorer reads it: the head on the last real token of prompt + response. Calibration
 (``rm.calibration``) goes into the output's config.json, where the scorer finds it; the output is
-an HF sequence-classification directory that ``models.reward`` takes as is."""
+an HF sequence-classification directory that ``models.reward`` takes as is (a family without such a
+class, a vision-language model among them: its body's directory with tether's head beside it,
+``common.models.ValueModel``; it reads each row's images as the rollout does)."""
 
 from __future__ import annotations
 
@@ -14,20 +16,20 @@ from common.config import TetherConfig
 from learner.optimizer_step import SkippedSteps
 from learner.signals import StopSignal
 from stages import training
-from stages.examples import Example, padded
+from stages.examples import Example, model_inputs
 from stages.losses import kwise_ranking_loss
 from weight_sync.lora import is_lora, with_lora
 
 
-def scores_of(module, examples: list[Example], pad_token_id: int) -> torch.Tensor:
+def scores_of(module, examples: list[Example], pad_token_id: int, processor=None) -> torch.Tensor:
     """[rows]: the raw score of every row of ``examples``, in order, from one forward pass (through
     the DeepSpeed engine when training: its forward hooks the backward). Pooled as the scorer
-    pools (``scorer.scoring.raw_scores``): the head on each row's last real token."""
-    input_ids, attention_mask, _ = padded(examples, pad_token_id)
+    pools (``scorer.scoring.raw_scores``): the head on each row's last real token. A model that
+    sees (``processor``) reads each row's images."""
     device = next(module.parameters()).device
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    hidden = module(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states[-1]
-    last = hidden[torch.arange(len(input_ids), device=device), attention_mask.sum(dim=1) - 1]
+    inputs, input_ids, _ = model_inputs(examples, pad_token_id, processor, device)
+    hidden = module(**inputs, output_hidden_states=True).hidden_states[-1]
+    last = hidden[torch.arange(len(input_ids), device=device), inputs["attention_mask"].sum(dim=1) - 1]
     return models.classification_head(_model(module))(last).squeeze(-1).float()
 
 
@@ -54,9 +56,11 @@ def grouped(examples: list[Example], flat: torch.Tensor) -> tuple[torch.Tensor, 
     return scores, ranks.to(flat.device), present.to(flat.device)
 
 
-def ranking_sums(module, examples: list[Example], pad_token_id: int) -> tuple[torch.Tensor, dict[str, float]]:
+def ranking_sums(module, examples: list[Example], pad_token_id: int,
+                 processor=None) -> tuple[torch.Tensor, dict[str, float]]:
     """(summed per-prompt K-wise loss, {"prompts": prompts with a pair, "pairs", "correct"})."""
-    loss, pairs, correct = kwise_ranking_loss(*grouped(examples, scores_of(module, examples, pad_token_id)))
+    loss, pairs, correct = kwise_ranking_loss(*grouped(examples, scores_of(module, examples, pad_token_id,
+                                                                           processor)))
     return loss.sum(), {"prompts": float((pairs > 0).sum()), "pairs": float(pairs.sum()),
                         "correct": float(correct.sum())}
 
@@ -66,16 +70,18 @@ def has_pair(example: Example) -> bool:
 
 
 def held_out_accuracy(module, examples: list[Example], pad_token_id: int,
-                      stage: training.Stage) -> dict[str, float]:
+                      stage: training.Stage, processor=None) -> dict[str, float]:
     if not examples:
         return {}
-    sums = training.forward_sums(module, examples, lambda m, part: ranking_sums(m, part, pad_token_id), stage)
+    sums = training.forward_sums(module, examples, lambda m, part: ranking_sums(m, part, pad_token_id, processor),
+                                 stage)
     return {"accuracy": sums["correct"] / max(sums["pairs"], 1.0), "loss": sums["loss"] / max(sums["prompts"], 1.0),
             "pairs": sums["pairs"]}
 
 
 @torch.no_grad()
-def calibration(module, examples: list[Example], pad_token_id: int, how: str, stage: training.Stage) -> dict:
+def calibration(module, examples: list[Example], pad_token_id: int, how: str, stage: training.Stage,
+                processor=None) -> dict:
     """The config.json entries that calibrate the model: the mean raw score of the training
     responses (InstructGPT's are the SFT policy's, so the SFT policy scores 0 on average) as the
     offset, and with ``normalize`` their std as the scale."""
@@ -85,7 +91,8 @@ def calibration(module, examples: list[Example], pad_token_id: int, how: str, st
         return {REWARD_OFFSET_KEY: 0.0, REWARD_SCALE_KEY: 1.0}
     was_training = module.training
     module.eval()
-    scores = torch.cat([scores_of(module, part, pad_token_id) for part in training.forward_parts(examples, stage)])
+    scores = torch.cat([scores_of(module, part, pad_token_id, processor)
+                        for part in training.forward_parts(examples, stage)])
     module.train(was_training)
     offset, scale = float(scores.mean()), float(scores.std()) if how == "normalize" and len(scores) > 1 else 1.0
     return {REWARD_OFFSET_KEY: offset, REWARD_SCALE_KEY: scale if scale > 0 else 1.0}
@@ -98,7 +105,8 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     stage = training.start(config, "rm", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    train, evaluation = training.examples_loaded(stage, tokenizer)
+    processor = training.processor_of(stage)  # a model that sees: the rows' images too
+    train, evaluation = training.examples_loaded(stage, tokenizer, processor)
     model = models.load_reward_model(cfg.model, cfg.dtype, tokenizer)
     pad_token_id = models.pad_token_id(model)
     head = models.classification_head(model)
@@ -116,16 +124,17 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
         if not prompts:
             continue  # every ranking in the batch is a tie: nothing to learn
         sums = training.train_step(engine, training.rank_parts(indices, train, stage), train,
-                                   lambda m, part: ranking_sums(m, part, pad_token_id), prompts, skipped, step)
+                                   lambda m, part: ranking_sums(m, part, pad_token_id, processor), prompts, skipped,
+                                   step)
         progress.step(step, epoch, {"loss": sums["loss"] / max(sums["prompts"], 1.0), "lr": lr,
                                     "accuracy": sums["correct"] / max(sums["pairs"], 1.0),
                                     "grad_norm": sums["grad_norm"], "pairs": sums["pairs"]}, len(indices))
         if evaluation and training.evaluate_due(step, len(train), stage):
-            progress.held_out(step, held_out_accuracy(engine.module, evaluation, pad_token_id, stage))
+            progress.held_out(step, held_out_accuracy(engine.module, evaluation, pad_token_id, stage, processor))
         training.after_step(engine, stage, step, stop)
-    figures = held_out_accuracy(engine.module, evaluation, pad_token_id, stage) if evaluation else {}
+    figures = held_out_accuracy(engine.module, evaluation, pad_token_id, stage, processor) if evaluation else {}
     progress.held_out(total_steps, figures)
-    calibrated = calibration(engine.module, train, pad_token_id, cfg.calibration, stage)
+    calibrated = calibration(engine.module, train, pad_token_id, cfg.calibration, stage, processor)
     stage.log.info("rm: calibration %s", calibrated)
     output = training.save_output(engine, cfg.model, stage, {**figures, **calibrated}, calibrated)
     stage.log.info("rm: wrote %s (held-out pair accuracy %s)", output,

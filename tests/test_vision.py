@@ -247,7 +247,7 @@ def test_placeholders_expand_in_place_and_their_columns_grow_by_zeros():
 
 @pytest.mark.parametrize("environment, sees, overrides, reason", [
     ("shows_a_square", False, (), "the policy does not see images"),
-    ("shows_a_placeholder", True, (), "1 image placeholder(s) ('<image>') of its own"),
+    ("shows_a_placeholder", True, (), "render to 2 image placeholder(s) ('<image>') for their 1 image(s)"),
     ("shows_a_square", True, ("rollout.max_images_per_episode=1",), "past rollout.max_images_per_episode (1)"),
 ])
 def test_an_image_an_episode_cannot_show_ends_it_with_the_reason(tmp_path, caplog, environment, sees, overrides,
@@ -274,12 +274,18 @@ def test_vllm_expanding_an_episodes_image_otherwise_than_the_processor_is_an_err
 
 
 def test_a_tools_image_is_shown_as_an_image_part_where_its_message_stands(tmp_path):
-    """A tool that returns a PIL image (or parts beside text) answers with image parts; the policy's
-    processor renders its tool message with one placeholder, and the image travels as a PNG of the
-    same pixels."""
+    """A tool that returns a PIL image (or parts beside text, MCP's image content among them)
+    answers a policy that sees with image parts; the policy's processor renders its tool message
+    with one placeholder, and the image travels as a PNG of the same pixels. To a text policy the
+    image is an error it reads; token ids that hold the placeholder, and an OpenEnv server's
+    episodes of image prompts, are refused."""
+    import base64
+    import io
+
     from PIL import Image
 
     from common.vision import decoded, load_processor
+    from rollout.environments import BadStep, Environments
     from rollout.episodes import Renderer
     from rollout.tools import Tool, ToolCall, call_tool
 
@@ -287,13 +293,18 @@ def test_a_tools_image_is_shown_as_an_image_part_where_its_message_stands(tmp_pa
         return Image.new("RGB", (20, 20), (0, 0, 255) if colour == "blue" else (255, 0, 0))
 
     def describe(colour: str):
-        return [{"type": "text", "text": f"a {colour} square:"}, {"type": "image", "image": look(colour)}]
+        png = io.BytesIO()
+        look(colour).save(png, format="PNG")
+        return [{"type": "text", "text": f"a {colour} square:"},
+                {"type": "image", "data": base64.b64encode(png.getvalue()).decode(), "mimeType": "image/png"}]
 
     tools = {"look": Tool("look", look, {}), "describe": Tool("describe", describe, {})}
-    (content, error), = [call_tool(tools, ToolCall("look", {"colour": "blue"}))]
+    content, error = call_tool(tools, ToolCall("look", {"colour": "blue"}), shows_images=True)
     assert error is None and content[0]["type"] == "image"
-    parts, error = call_tool(tools, ToolCall("describe", {"colour": "red"}))
+    parts, error = call_tool(tools, ToolCall("describe", {"colour": "red"}), shows_images=True)
     assert error is None and [part["type"] for part in parts] == ["text", "image"]
+    refused, error = call_tool(tools, ToolCall("look", {"colour": "blue"}))  # a text policy
+    assert refused == "error: look returned an image, and the policy does not see images" and error.kind
     processor = load_processor(tiny_vision_policy(tmp_path / "policy"))
     renderer = Renderer(processor.tokenizer, None, processor)
     messages = [{"role": "tool", "name": "look", "content": content}, {"role": "tool", "name": "describe",
@@ -302,6 +313,118 @@ def test_a_tools_image_is_shown_as_an_image_part_where_its_message_stands(tmp_pa
     images = renderer.images_of(messages, ids)
     assert ids.count(processor.image_token_id) == 2 and "a red square:" in processor.tokenizer.decode(ids)
     assert [image.getpixel((0, 0)) for image in decoded(images)] == [(0, 0, 255), (255, 0, 0)]
+    with pytest.raises(BadStep, match="token ids hold the image placeholder"):
+        renderer.token_ids([5, processor.image_token_id])
+    with pytest.raises(ConfigError, match="an OpenEnv server's episodes read the prompt's text alone"):
+        Environments(None, {}, server=object()).showing_images([[], [b"png"]])
+
+
+def test_a_reward_model_that_sees_scores_each_sample_on_its_ids_and_images_and_loads_as_saved(tmp_path):
+    """A VLM has no sequence-classification class: its reward model is tether's ValueModel (the
+    body, a head read at the last token). The scorer's batched scores are each sample's own
+    forward with its images (an episode's two among them); another image scores otherwise; saved
+    and loaded, the same scores. The scorer refuses the reward models that cannot read such
+    samples, by name."""
+    import torch
+
+    from common.config import load_config
+    from common.models import HEAD_FILE, ValueModel, load_reward_model
+    from common.sequences import collate
+    from common.vision import load_processor
+    from scorer.main import Scorer
+    from scorer.scoring import raw_scores, reward_scores
+    from tests.helpers import base_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    processor = load_processor(policy)
+    samples = vision_samples(tmp_path, processor)
+    pad = processor.tokenizer.pad_token_id
+    rm = load_reward_model(policy, "float32", processor.tokenizer).eval()
+    assert isinstance(rm, ValueModel)
+    together = reward_scores(rm, samples, pad, processor)
+    with torch.no_grad():
+        for i, sample in enumerate(samples):
+            batch = collate([sample], pad, processor)
+            alone = raw_scores(rm, batch.input_ids, batch.attention_mask, batch.last_positions, **(batch.images or {}))
+            torch.testing.assert_close(together[i], alone[0], rtol=1e-5, atol=1e-5)
+    swapped = [samples[1]]
+    swapped[0].images = samples[2].images  # blue's prompt, red's image
+    assert abs(float(reward_scores(rm, swapped, pad, processor)[0] - together[1])) > 1e-4  # the image is read
+    rm.save_pretrained(str(tmp_path / "rm"))
+    processor.save_pretrained(str(tmp_path / "rm"))
+    assert (tmp_path / "rm" / HEAD_FILE).exists()
+    loaded = load_reward_model(str(tmp_path / "rm"), "float32", processor.tokenizer).eval()
+    samples = vision_samples(tmp_path, processor)
+    torch.testing.assert_close(reward_scores(loaded, samples, pad, processor), together)
+
+    import shutil
+
+    shutil.copytree(tmp_path / "rm", tmp_path / "other")  # a reward model that sees, of a tokenizer of its own
+    processor.tokenizer.add_tokens(["zebra"])
+    processor.tokenizer.save_pretrained(str(tmp_path / "other"))
+    for reward, reason in ((str(tmp_path / "rm"), None), (str(tmp_path / "other"), "needs the policy's tokenizer")):
+        config = load_config(None, [], base=base_config(tmp_path, {"policy": policy, "reward": reward,
+                                                                   "prompts": "/unused"}))
+        if reason:
+            with pytest.raises(ConfigError, match=f"models.reward: .* sees images and reads other tokens .*{reason}"):
+                Scorer(config, None)
+        else:
+            assert Scorer(config, None).describe().startswith("reward model: the policy's tokens and images")
+
+
+@pytest.mark.slow
+def test_tether_rm_on_image_rankings_learns_what_the_image_shows_and_the_scorer_reads_it(tmp_path):
+    """`tether rm` from a policy that sees, on rankings whose answer is the image's colour (the same
+    text prompt for both images, so only the image tells them apart): it learns to rank the right
+    colour first, its calibration makes the training responses score 0 with a std of 1 read the
+    scorer's way, and the scorer of a run with that policy reads it with the samples' images."""
+    import torch
+
+    from common.config import load_config
+    from protocol.samples import Sample
+    from scorer.main import Scorer
+    from stages.examples import read_examples
+    from tests.helpers import base_config, tether
+    from tests.test_stages import marker, stage_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    rows = [{"prompt": "colour:", "images": ["red.png"], "chosen": " red", "rejected": " blue"},
+            {"prompt": "colour:", "images": ["blue.png"], "chosen": " blue", "rejected": " red"}] * 16
+    data = tmp_path / "rankings.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "rm"
+    path = stage_config(tmp_path, "rm", {"model": policy, "data": str(data), "output": str(output), "batch_size": 8,
+                                         "lr": 1e-3, "eval_fraction": 0.0, "epochs": 4, "calibration": "normalize",
+                                         "max_len": 64})
+    result = tether("rm", "-c", path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert marker(output)["recipe"]
+    config = load_config(None, [], base=base_config(tmp_path, {"policy": policy, "reward": str(output),
+                                                               "prompts": str(data)}))
+    scorer = Scorer(config, None)
+    examples, _ = read_examples(str(data), "rm.data", scorer.rm_processor.tokenizer, "ranking", 64,
+                                scorer.rm_processor)
+    samples = []
+    for example in examples[:2]:
+        for ids, mask in zip(example.rows, example.loss_masks):
+            start = mask.index(1)
+            samples.append(Sample(f"s{len(samples)}", len(samples), 0, np.array(ids[:start], np.int32),
+                                  np.array(ids[start:], np.int32), np.zeros(len(ids) - start, np.float32), "stop",
+                                  data_row=len(samples) // 2, images=pack(example.images)))
+    parts = scorer.score(samples)
+    scores = [sample.reward for sample in samples]  # red image: red, blue; blue image: blue, red
+    print(json.dumps({"scores": scores, "rm_score": parts["rm_score"]}))
+    assert scores[0] > scores[1] and scores[2] > scores[3], scores  # the right colour first, for either image
+    assert abs(float(np.mean(scores))) < 0.1 * float(np.std(scores)) + 1e-3  # calibrated to 0 on these responses
+    assert torch.isfinite(torch.tensor(scores)).all()
+
+
+def pack(images: list[bytes]):
+    from common.vision import pack_images
+
+    return pack_images(images)
 
 
 def vision_episodes(tmp_path, environment: str, sees: bool, *overrides: str):
@@ -567,8 +690,7 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
     """`tether sft` / `dpo` rows with images: the prompt's ids are the expanded ids the rollout's
     samples carry (a chat's response is its template's assistant turn; a chat's assistant turns
     each taught, every prefix with the images it shows), a batch of them (a row without an image
-    among them) gives each row the loss it has alone, and a reward model that sees is refused by
-    name."""
+    among them) gives each row the loss it has alone; `tether rm`'s rankings are read alike."""
     import torch
 
     from common.models import load_causal_lm
@@ -623,9 +745,14 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
         (tmp_path / "bad.jsonl").write_text(json.dumps(row) + "\n")
         with pytest.raises(ConfigError, match=reason):
             read_examples(str(tmp_path / "bad.jsonl"), "sft.data", processor.tokenizer, "demonstration", 128, seeing)
-    with pytest.raises(ConfigError, match="rm.data: .* line 1: rm.model sees images: a reward model that sees is not"):
-        (tmp_path / "rm.jsonl").write_text(json.dumps({**rows[0], "chosen": "red", "rejected": "blue"}) + "\n")
-        read_examples(str(tmp_path / "rm.jsonl"), "rm.data", processor.tokenizer, "ranking", 128, processor)
+    # a ranking's responses each after the same expanded prompt, its images once
+    rankings = [{"prompt": "colour:", "images": ["red.png"], "chosen": " red", "rejected": " blue"},
+                {"prompt": "colour:", "images": ["blue.png"], "responses": [" red", " blue", " green"],
+                 "ranking": [1, 0, 2]}]
+    (tmp_path / "rm.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rankings))
+    ranked, _ = read_examples(str(tmp_path / "rm.jsonl"), "rm.data", processor.tokenizer, "ranking", 128, processor)
+    assert [e.ranks for e in ranked] == [[0, 1], [1, 0, 2]] and [len(e.images) for e in ranked] == [1, 1]
+    assert ranked[0].rows[0][:len(examples[0].rows[0]) - 2] == examples[0].rows[0][:-2]  # " red" + eos after it
 
 
 def test_the_vision_demo_is_a_demo_of_its_own():
