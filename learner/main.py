@@ -24,7 +24,7 @@ from learner.signals import Preempted, StopSignal, signal_name
 from protocol.codec import decode, encode
 from protocol.samples import unpack_samples
 from protocol.transport import connect_to_buffer
-from weight_sync.lora import critic_with_lora, with_lora
+from weight_sync.lora import critic_with_lora, policy_with_lora
 
 
 class TrainingStopped(RuntimeError):
@@ -121,7 +121,7 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
                           f"starts from a model that sees them too; {source} does not (critic_init: policy)")
     actor_model = models.load_causal_lm(config.models.policy, dtype)
     keep_tower = sees and not cfg.train_vision_tower  # as the SFT model has it, LoRA's adapters too
-    actor_model = with_lora(actor_model, cfg, freeze_vision_tower(actor_model) if keep_tower else None)
+    actor_model = policy_with_lora(actor_model, config)
     pad_token_id = models.pad_token_id(actor_model)
     critic_model = None
     if source is not None:  # the critic of a policy that sees reads the images through its own towers

@@ -81,7 +81,7 @@ def test_a_bad_image_is_an_error_naming_the_data_file_the_row_and_the_image(tmp_
         read_images({"prompt": "what colour?", "images": images}, data, "line 7")
 
 
-def test_image_prompts_that_do_not_fit_and_lora_sync_for_a_vision_policy_are_named(tmp_path):
+def test_image_prompts_that_do_not_fit_are_named_and_a_vision_policys_adapters_are_the_learners(tmp_path):
     from common.models import load_causal_lm
     from common.vision import load_processor, sees_images, vision_prompts
 
@@ -90,13 +90,17 @@ def test_image_prompts_that_do_not_fit_and_lora_sync_for_a_vision_policy_are_nam
     assert type(load_causal_lm(policy)).__name__ == "Idefics3ForConditionalGeneration"
     from common.config import load_config
     from tests.helpers import base_config
-    from weight_sync.lora import lora_sync
+    from weight_sync.lora import adapter_named_tensors, lora_sync, policy_with_lora, zero_adapter
 
     assets = {"policy": policy, "reward": policy, "prompts": "/unused"}
     lora = ["learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2", "learner.lora_rank=4"]
-    assert lora_sync(load_config(None, lora, base=base_config(tmp_path, assets)))[0] == "merged"
-    with pytest.raises(ConfigError, match="lora_sync: adapters, but a policy that sees images gets no adapters"):
-        lora_sync(load_config(None, [*lora, "learner.lora_sync=adapters"], base=base_config(tmp_path, assets)))
+    config = load_config(None, lora, base=base_config(tmp_path, assets))
+    assert lora_sync(config)[0] == "adapters"  # vLLM applies them, the connector's too
+    # the rollout's version 0 has the learner's adapters: the language model's and the connector's
+    _, zeros = zero_adapter(config)
+    learners = [name for name, _ in adapter_named_tensors(policy_with_lora(load_causal_lm(policy), config))]
+    assert sorted(zeros) == sorted(learners) and any(".connector." in name for name in zeros)
+    assert not any("vision_model" in name for name in zeros)  # the tower as the SFT model has it
     processor, data = load_processor(policy), str(tmp_path / "prompts.jsonl")
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     rows = [{"prompt": "colour:", "images": ["red.png"]}, {"prompt": "colour: " * 40, "images": ["red.png"]}]
@@ -606,7 +610,8 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
     (vLLM keeps each image's vision features by the image's hash: they are recomputed after a load),
     against a transformers forward of those weights. A policy whose image placeholder holds most of
     the mass samples it unbanned, never banned as tether bans it, and then its logprobs are tether's
-    with the ban (and not without)."""
+    with the ban (and not without). A LoRA version published as adapters alone (the language
+    model's and the connector's) gives the logprobs of the learner's model with them."""
     import logging
     from types import SimpleNamespace
 
@@ -618,9 +623,11 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
     from common.models import load_causal_lm
     from common.vision import (banning_placeholder, decoded, load_processor, pixel_inputs, read_images,
                                vision_prompt_ids, vision_prompt_text)
+    from rollout.adapters import PolicyAdapter, lora_arguments
     from rollout.engine import apply_weights, banned_words, make_vllm_engine
     from tests.helpers import base_config
     from weight_sync.buckets import ShmWeightWriter
+    from weight_sync.lora import adapter_named_tensors, policy_with_lora
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
@@ -628,40 +635,52 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
     row = {"prompt": "colour:", "images": ["red.png"]}
     image = decoded(read_images(row, str(tmp_path / "prompts.jsonl"), "line 1"))
     ids = vision_prompt_ids(vision_prompt_text(row, processor), row, processor)
-    config = load_config(None, ["rollout.max_model_len=128", "rollout.kv_cache_gib=0.0625"],
+    config = load_config(None, ["rollout.max_model_len=128", "rollout.kv_cache_gib=0.0625", "learner.lora_rank=4",
+                                "learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2"],
                          base=base_config(tmp_path, {"policy": policy, "reward": policy, "prompts": "/unused"}))
-    engine = make_vllm_engine(config, limit_mm_per_prompt={"image": 1})
+    engine = make_vllm_engine(config, limit_mm_per_prompt={"image": 1}, **lora_arguments(config))
 
-    def generate(bad_words=()):
+    def generate(bad_words=(), lora=None):
         output = engine.generate([TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": image})],
                                  SamplingParams(max_tokens=8, logprobs=0, seed=0, bad_words=list(bad_words)),
-                                 use_tqdm=False)[0]
+                                 use_tqdm=False, lora_request=lora)[0]
         return list(output.prompt_token_ids), output.outputs[0]
 
-    def gap_to(model, bad_words=(), sampling=SamplingConfig()) -> float:
-        prompt, output = generate(bad_words)
+    def gap_to(model, bad_words=(), sampling=SamplingConfig(), lora=None) -> float:
+        prompt, output = generate(bad_words, lora)
         response = list(output.token_ids)
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + response]), **pixel_inputs(processor, [image])).logits
         ours = logprobs_from_logits(logits[:, len(prompt) - 1:-1], torch.tensor([response]), sampling)[0]
         return float((ours - torch.tensor([e[t].logprob for e, t in zip(output.logprobs, response)])).abs().max())
 
-    def publish(version, model):
-        manifest = writer.publish(version, model.named_parameters())
+    def publish(version, tensors, adapter=None):
+        manifest = writer.publish(version, tensors)
         grant = SimpleNamespace(fields={"weights_manifest": manifest.to_dict(), "policy_version": version})
         rollout = SimpleNamespace(models=SimpleNamespace(policy=policy), weights_dir=writer.directory)
-        assert apply_weights(engine, grant, None, None, rollout, logging.getLogger("test")) == (version, None)
+        assert apply_weights(engine, grant, None, None, rollout, logging.getLogger("test"), adapter) == (version, None)
 
+    adapter = PolicyAdapter(config, str(tmp_path / "adapters"))
+    writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 16)
     try:
         sft = load_causal_lm(policy).eval()
         assert gap_to(sft) < 1e-3  # the image's features are cached now
+        assert gap_to(sft, lora=adapter.request) < 1e-3  # version 0: a zero adapter
+        actor = policy_with_lora(load_causal_lm(policy), config).eval()
+        with torch.no_grad():  # the connector's adapter most of all: vLLM must apply it too
+            for name, parameter in actor.named_parameters():
+                if "lora_B" in name:
+                    parameter.normal_(0.0, 0.5 if "connector" in name else 0.05)
+        publish(1, adapter_named_tensors(actor), adapter)
+        with_adapter = gap_to(actor, lora=adapter.request)
+        print(json.dumps({"gap with the adapters": with_adapter, "without them": gap_to(sft, lora=adapter.request)}))
+        assert with_adapter < 1e-3 and gap_to(sft, lora=adapter.request) > 1e-2
         updated = load_causal_lm(policy).eval()
         generator = torch.Generator().manual_seed(1)
         with torch.no_grad():
             for name, parameter in updated.named_parameters():  # the vision tower most of all
                 parameter.add_((0.5 if "vision" in name else 0.05) * torch.randn(parameter.shape, generator=generator))
-        writer = ShmWeightWriter(str(tmp_path / "shm"), bucket_bytes=1 << 16)
-        publish(1, updated)
+        publish(2, updated.named_parameters())
         after = gap_to(updated)
         assert after < 1e-3, after
         assert gap_to(sft) > 1e-2  # the engine holds the new weights, not the old
@@ -673,7 +692,7 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
                              **pixel_inputs(processor, [image]), output_hidden_states=True).hidden_states[-1][0]
             mean = hidden.mean(0)
             updated.lm_head.weight[placeholder] = 8 * mean / mean.norm() ** 2
-        publish(2, updated)
+        publish(3, updated.named_parameters())
         assert list(generate()[1].token_ids).count(placeholder) >= 4  # unbanned, it is sampled
         banned = banning_placeholder(config, processor)
         assert banned.sampling.banned_tokens == (placeholder,)
@@ -684,6 +703,7 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
         assert with_ban < 1e-3 and without > 1e-2, (with_ban, without)
     finally:
         engine.llm_engine.engine_core.shutdown()
+        adapter.close()
 
 
 def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_they_run_alone(tmp_path):

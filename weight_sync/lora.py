@@ -44,6 +44,16 @@ def with_lora(model: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = 
                                             target_modules=target, exclude_modules=exclude or None))
 
 
+def policy_with_lora(model: nn.Module, config: TetherConfig) -> nn.Module:
+    """The policy ``model`` with the run's LoRA (``with_lora`` on ``learner``); a policy that sees
+    keeps its vision tower as the SFT model has it (frozen, no adapters) unless
+    ``learner.train_vision_tower``. The learner's actor and the rollout's zero adapter alike."""
+    from common.vision import freeze_vision_tower, sees_images
+
+    keep_tower = sees_images(config.models.policy) and not config.learner.train_vision_tower
+    return with_lora(model, config.learner, freeze_vision_tower(model) if keep_tower else None)
+
+
 def critic_with_lora(critic: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = None) -> nn.Module:
     """A ``ValueModel`` with LoRA on its body save the modules named in ``exclude`` (a vision tower
     left as it is); its value head trains whole (it is new or the RM's)."""
@@ -108,16 +118,9 @@ def lora_not_served(policy: str) -> str | None:
 def lora_sync(config: TetherConfig) -> tuple[str, str]:
     """(``adapters`` or ``merged``, why) for a LoRA run (``learner.lora_rank`` > 0), the same in the
     learner and the rollout; an explicit ``adapters`` vLLM cannot serve is an error naming the key."""
-    from common.vision import sees_images
-
     cfg = config.learner
     if cfg.lora_sync == "merged":
         return "merged", "learner.lora_sync: merged"
-    if sees_images(config.models.policy):  # vLLM's LoRA adapts a VLM's language model alone, under its own names
-        reason = "a policy that sees images gets no adapters in vLLM from tether yet (issue 36)"
-        if cfg.lora_sync == "adapters":
-            raise ConfigError(f"learner.lora_sync: adapters, but {reason}; use merged (or auto)")
-        return "merged", f"learner.lora_sync: auto, and {reason}: whole merged weights are published"
     try:
         reason = lora_not_served(config.models.policy)
     except ImportError as error:  # a learner's host without vLLM: the rollouts', which have it, check
@@ -144,14 +147,16 @@ def lora_sync_logged(config: TetherConfig, log) -> str:
 
 def zero_adapter(config: TetherConfig) -> tuple[dict, dict]:
     """(peft's adapter_config, {name: zero tensor}) of the policy's adapters before any training:
-    ``with_lora`` on the policy built on the meta device (no memory, no weights read)."""
+    ``policy_with_lora`` on the policy built on the meta device (no memory, no weights read)."""
     import torch
     from peft import get_peft_model_state_dict
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    from common.vision import sees_images
+
+    family = AutoModelForImageTextToText if sees_images(config.models.policy) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = with_lora(AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.models.policy)),
-                          config.learner)
+        model = policy_with_lora(family.from_config(AutoConfig.from_pretrained(config.models.policy)), config)
     tensors = {name: torch.zeros(tensor.shape, dtype=torch.float32)
                for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()}
     return adapter_config(model), tensors
