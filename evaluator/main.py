@@ -58,8 +58,6 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     processor = load_processor(checkpoint)  # a policy that sees: the rows' images too
     config = banning_placeholder(config, processor)
     bad_words = banned_words(config, tokenizer)
-    if processor is not None and programs is not None:
-        raise ConfigError("eval: agent programs' images are not built yet (issue 36); an environment's are")
     token_ids, kept, images = prompts_with_images(rows, tokenizer, processor, limit, config.data.system_prompt,
                                                   "eval.prompts", config.data.prompts, tools)
     if processor is not None and environments is not None:

@@ -559,12 +559,17 @@ def _marked(answer, unread: str) -> dict:
 
 
 def _plain(message: Any) -> dict:
-    """A chat message as the template renders it and as it compares: role, content as text, and
-    the tool calls or the call answered where there are some."""
+    """A chat message as the template renders it and as it compares: role, content as text (parts
+    that show images kept as parts, for a policy that sees: ``image_url`` with a ``data:`` URL, or
+    ``{"type": "image", ...}``), and the tool calls or the call answered where there are some."""
     message = dict(message)
     content = message.get("content")
-    if isinstance(content, list):  # content parts: their text
-        content = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+    parts = [dict(part) for part in content if isinstance(part, dict)] if isinstance(content, list) else []
+    if any(part.get("type") in ("image", "image_url") for part in parts):
+        content = [part if part.get("type") != "text" else {"type": "text", "text": part.get("text") or ""}
+                   for part in parts]
+    elif isinstance(content, list):  # content parts: their text
+        content = "".join(part.get("text", "") for part in parts)
     plain = {"role": message["role"], "content": content or ""}
     if message.get("tool_calls"):
         plain["tool_calls"] = [{"id": call["id"], "type": "function",

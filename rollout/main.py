@@ -6,7 +6,7 @@ import os
 import time
 from dataclasses import dataclass, field
 
-from common.config import ConfigError, TetherConfig
+from common.config import TetherConfig
 from common.models import resolve_models
 from common.prompts import dataset_row, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
@@ -94,10 +94,6 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     rows = read_rows(config.data.prompts)
     processor = load_processor(config.models.policy)  # a policy that sees images: its processor
     config = banning_placeholder(config, processor)
-    if processor is not None and programs is not None:
-        raise ConfigError("rollout.agent / rollout.agent_command with a policy that sees images "
-                          f"({config.models.policy}): agent programs' images are not built yet (issue 36); "
-                          "an environment's are (rollout.environment)")
     prompts, data_rows, skipped, images = prompts_that_fit(config, tokenizer, log, rows, tools, processor)
     if processor is not None and environments is not None:
         environments.showing_images(images)

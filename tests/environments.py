@@ -347,3 +347,31 @@ class ShowsAPlaceholder(ShowsASquare):
 
 def shows_a_placeholder(row: dict) -> ShowsAPlaceholder:
     return ShowsAPlaceholder(row)
+
+
+OTHER_SQUARE = (200, 0, 200)  # the second square looks_at_squares shows
+
+
+def square_url(colour: tuple[int, int, int]) -> str:
+    """A 40-pixel square of ``colour`` as a PNG ``data:`` URL, as an OpenAI client sends an image."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (40, 40), colour).save(png, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode()
+
+
+async def looks_at_squares(client, row: dict) -> float:
+    """An agent program that shows a policy that sees a square with its question, then another
+    beside the policy's reply (OpenAI's image_url parts)."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": row.get("prompt", "colour:")},
+                                             {"type": "image_url", "image_url": {"url": square_url(SQUARE)}}]}]
+    reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
+    messages += [reply.model_dump(exclude_none=True),
+                 {"role": "user", "content": [{"type": "image_url", "image_url": {"url": square_url(OTHER_SQUARE)}},
+                                              {"type": "text", "text": "and this?"}]}]
+    await client.chat.completions.create(model="policy", messages=messages)
+    return 1.0

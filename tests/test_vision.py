@@ -152,12 +152,14 @@ def test_the_rollout_generates_from_image_prompts_and_episodes_that_show_images_
     (the image is read).
     Then, on the same engine, episodes whose environment answers the first turn with an image: each
     sample holds the prompt's images and the observation's, expanded where they stand, and every
-    policy token's logprob is the forward's with all of them (another square: other logprobs)."""
+    policy token's logprob is the forward's with all of them (another square: other logprobs).
+    And an agent program that sends OpenAI image_url parts through the endpoint: its episodes hold
+    both squares it showed, as exact."""
     import torch
     from transformers import Idefics3ForConditionalGeneration
 
     from common.vision import decoded, image_paths, load_processor, pixel_inputs, unpack_images, vision_prompt_text
-    from tests.environments import SQUARE
+    from tests.environments import OTHER_SQUARE, SQUARE
     from tests.helpers import rollout_one_batch
 
     policy = tiny_vision_policy(tmp_path / "policy")
@@ -182,8 +184,12 @@ def test_the_rollout_generates_from_image_prompts_and_episodes_that_show_images_
     episodes, _, result = rollout_one_batch(tmp_path / "episodes", assets, 12, "rollout.samples_per_prompt=4",
                                             "rollout.max_model_len=128", "rollout.max_turns=2",
                                             "rollout.environment=tests.environments:shows_a_square", engine=engine)
+    programs, _, result = rollout_one_batch(tmp_path / "programs", assets, 6, "rollout.samples_per_prompt=2",
+                                            "rollout.max_model_len=128",
+                                            "rollout.agent=tests.environments:looks_at_squares", engine=engine)
     engine.llm_engine.engine_core.shutdown()
     assert len(episodes) == 12 and result["identity_holds"]
+    assert len(programs) == 6
 
     model = Idefics3ForConditionalGeneration.from_pretrained(policy, dtype=torch.float32).eval()
     placeholder = torch.tensor([processor.image_token_id])  # never sampled: its mass left out (~0.003 here)
@@ -227,7 +233,16 @@ def test_the_rollout_generates_from_image_prompts_and_episodes_that_show_images_
             assert decoded(images[-1:])[0].getpixel((0, 0)) == SQUARE
             assert sample.response_tokens.tolist().count(processor.image_token_id) == 4
             other_square_gaps.append(gap(sample, from_row + [other_square]))
-    print(json.dumps({"largest gap": max(gaps), "median gap with the other image": float(np.median(other_image)),
+    program_gaps = []
+    for sample in programs:  # both squares, each where the program showed it (a turn cut early: the first)
+        images = decoded(unpack_images(sample.images))
+        assert [image.getpixel((0, 0)) for image in images] == [SQUARE, OTHER_SQUARE][:len(images)]
+        ids = sample.prompt_tokens.tolist() + sample.response_tokens.tolist()
+        assert ids.count(processor.image_token_id) == 4 * len(images)
+        program_gaps.append(gap(sample, unpack_images(sample.images)))
+    assert sum(sample.images is not None and len(unpack_images(sample.images)) == 2 for sample in programs) >= 3
+    assert max(program_gaps) < 1e-3, program_gaps
+    print(json.dumps({"largest program gap": max(program_gaps), "largest gap": max(gaps), "median gap with the other image": float(np.median(other_image)),
                       "episodes": len(episodes), "showing the square": shown,
                       "largest episode gap": max(episode_gaps),
                       "median gap with another square": float(np.median(other_square_gaps))}))
