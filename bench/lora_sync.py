@@ -46,7 +46,7 @@ def measure(policy: str, mode: str, rank: int, versions: int, work: str) -> dict
     from vllm import SamplingParams, TokensPrompt
 
     from common.config import load_config
-    from common.models import resolve_models
+    from common.model_dirs import resolve_models
     from rollout.adapters import PolicyAdapter, lora_arguments
     from rollout.engine import apply_weights, make_vllm_engine
     from weight_sync.buckets import ShmWeightWriter, without_tied_duplicates

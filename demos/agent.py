@@ -20,8 +20,6 @@ import re
 import time
 from pathlib import Path
 
-import torch
-
 BOS, EOS = 1, 2
 CALL = ["<tool_call>", '{"name":', '"calculator",', '"arguments":', '{"expression":', '"']
 CALL_END = ['"}}', "</tool_call>"]
@@ -195,6 +193,7 @@ def sft_trace(row: dict, rng: random.Random, tokenizer) -> tuple[list[int], list
 
 def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
     """Next-token SFT on the traces; the loss covers the policy's tokens only."""
+    import torch
     from transformers import LlamaForCausalLM
 
     from demos.parity import tiny_llama_config
@@ -215,6 +214,8 @@ def train_sft(directory: str, tokenizer, steps: int, seed: int, log=print):
 def fit_next_token(model, example, steps: int, seed: int, log=print) -> None:
     """The agent demo's SFT: ``steps`` AdamW steps (3e-3, 30 steps of warm-up, then a linear decay) on
     batches of 64 ``example(rng)`` -> (token ids, labels: -100 where no loss is taken)."""
+    import torch
+
     from common.sequences import pad_rows
 
     rng = random.Random(seed)
@@ -268,7 +269,7 @@ def evaluate_policy(config, checkpoint: str, eval_prompts: str) -> dict[str, flo
     episodes (vLLM, seeded) on ``eval_prompts``."""
     import logging
 
-    from common.models import resolve_models
+    from common.model_dirs import resolve_models
     from evaluator.main import evaluate
 
     config = resolve_models(config.model_copy(update={"data": config.data.model_copy(

@@ -18,9 +18,6 @@ import random
 import time
 from pathlib import Path
 
-import torch
-
-from common.sequences import pad_rows
 from launch.exit_codes import ExitCode
 
 PAD, BOS, EOS = 0, 1, 2
@@ -100,6 +97,7 @@ def sized_llama_config(hidden: int, layers: int, long_tail: bool):
 def write_base_model(directory: str, tokenizer, seed: int, long_tail: bool = False, hidden: int = DEMO_HIDDEN,
                      layers: int = DEMO_LAYERS) -> str:
     """The untrained Llama that SFT starts from (seeded), with the tokenizer."""
+    import torch
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -160,17 +158,21 @@ def run_stage_command(name: str, config_path: str, log=print) -> None:
         raise RuntimeError(f"tether {name} failed (exit {process.returncode}):\n" + "\n".join(lines[-30:]))
 
 
-@torch.no_grad()
 def sample_responses(model, prompt_ids: list[list[int]], max_new_tokens: int, seed: int,
                      temperature: float = 1.0) -> list[list[int]]:
     """Plain ancestral sampling (no KV cache needed at this size); stops at <eos>, keeps it."""
+    import torch
+
+    from common.sequences import pad_rows
+
     generator = torch.Generator().manual_seed(seed)
     responses: list[list[int]] = [[] for _ in prompt_ids]
     done = [False] * len(prompt_ids)
     for _ in range(max_new_tokens):
         rows = [p + r for p, r in zip(prompt_ids, responses)]
         input_ids, attention_mask = pad_rows(rows, PAD)
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        with torch.no_grad():
+            logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         last = attention_mask.sum(dim=1) - 1
         next_logits = logits[torch.arange(len(rows)), last] / temperature
         tokens = torch.multinomial(torch.softmax(next_logits.float(), dim=-1), 1, generator=generator).squeeze(1)
@@ -270,6 +272,8 @@ def built_once(directory: Path, recipe: dict, paths: dict[str, str], what: str, 
     if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
         log(f"{what}: cached in {directory}")
         return paths
+    import torch
+
     started = time.monotonic()
     directory.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -283,11 +287,11 @@ def built_once(directory: Path, recipe: dict, paths: dict[str, str], what: str, 
 # --------------------------------------------------------------------------- evaluation
 
 
-@torch.no_grad()
 def held_out_figures(policy_dir: str, reference_dir: str, reward_dir: str, prompts_path: str, max_new_tokens: int,
              seed: int = 1234) -> dict[str, float]:
     """Gold and RM reward, KL to the reference (sum over the response of log pi - log pi_ref, the
     k1 estimate, averaged over responses) and response length on held-out prompts."""
+    import torch
     from transformers import AutoTokenizer
 
     from common.distributions import logprobs_from_logits
@@ -310,10 +314,12 @@ def held_out_figures(policy_dir: str, reference_dir: str, reward_dir: str, promp
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         return logprobs_from_logits(gather_response(logits, batch.response_positions), batch.response_tokens)
 
-    kl = ((logprobs(policy) - logprobs(reference)) * batch.response_mask).sum(dim=1)
+    with torch.no_grad():
+        kl = ((logprobs(policy) - logprobs(reference)) * batch.response_mask).sum(dim=1)
+        rm_score = float(reward_scores(rm, samples, PAD).mean())
     return {
         "gold_reward": sum(gold_reward(p, r) for p, r in zip(prompt_ids, responses)) / len(responses),
-        "rm_score": float(reward_scores(rm, samples, PAD).mean()),
+        "rm_score": rm_score,
         "kl_to_reference": float(kl.mean()),
         "response_length": float(batch.response_mask.sum(dim=1).mean()),
     }

@@ -18,8 +18,6 @@ import random
 import time
 from pathlib import Path
 
-import torch
-
 from demos.parity import (DEMO_HIDDEN, SFT_CORRECT_RATE, built_once, run_and_compare, run_stage_command,
                           sft_section)
 
@@ -112,6 +110,8 @@ def build_base(directory: str, seed: int) -> None:
                        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False)
     config = Idefics3Config(vision_config=vision.to_dict(), text_config=text.to_dict(), scale_factor=2,
                             image_token_id=VOCAB.index("<image>"), tie_word_embeddings=False, pad_token_id=PAD)
+    import torch
+
     torch.manual_seed(seed)
     Idefics3ForConditionalGeneration(config).save_pretrained(directory)
     images = Idefics3ImageProcessorPil(do_image_splitting=False, size={"longest_edge": IMAGE_SIZE},
@@ -159,7 +159,7 @@ def evaluate_policy(config, checkpoint: str, eval_prompts: str) -> dict[str, flo
     images, their KL to the SFT policy and length."""
     import logging
 
-    from common.models import resolve_models
+    from common.model_dirs import resolve_models
     from evaluator.main import evaluate
 
     config = resolve_models(config.model_copy(update={"data": config.data.model_copy(

@@ -16,7 +16,7 @@ import time
 import numpy as np
 
 from common.config import ConfigError, TetherConfig
-from common.models import resolve_models
+from common.model_dirs import resolve_models
 from common.prompts import read_rows
 from common.runlog import metrics_writer, setup_logging
 from common.vision import banning_placeholder, decoded, engine_arguments, load_processor, prompts_with_images

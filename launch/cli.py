@@ -158,7 +158,7 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         fail("--config is needed (or --resume RUN_DIR)", ExitCode.CONFIG_ERROR)
     resolved = _load(config, override, saved=saved)
     from common.config import ConfigError
-    from common.models import resolve_models
+    from common.model_dirs import resolve_models
 
     from launch.preflight import check_run_data
 

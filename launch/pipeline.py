@@ -26,7 +26,7 @@ def run_stage(config: TetherConfig, name: str, overwrite: bool = False) -> str:
     one of this recipe; ``overwrite``: from the start, whatever is there. Returns the output."""
     import importlib
 
-    from common.models import local_model_dir
+    from common.model_dirs import local_model_dir
 
     section = config.stage(name)
     for key in ("model", "reference"):  # checked as `tether run` checks its models: a missing path is named
@@ -71,7 +71,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool) -> int:
 def _ppo(config: TetherConfig, overwrite: bool) -> int:
     """PPO on the stages' outputs: done if a final policy is there, resumed from the newest
     checkpoint if one is, else started (over whatever a run that saved nothing left)."""
-    from common.models import resolve_models
+    from common.model_dirs import resolve_models
     from launch.runner import run_roles
     from learner.checkpoints import newest_state
 

@@ -31,7 +31,7 @@ def check_run_data(config: TetherConfig) -> None:
         read_texts(config.data.ptx)
     for i, function in enumerate(config.scorer.reward_functions):
         RewardFunction.load(function.function, function.weight, f"scorer.reward_functions[{i}].function")
-    Environments.load(config.rollout.environment, load_tools(config.rollout.tools))
+    Environments.load(config.rollout.environment, load_tools(config.rollout.tools, schemas=False))
     if config.rollout.agent:
         load_function(config.rollout.agent, "rollout.agent")
     if config.rollout.agent_command and shutil.which(config.rollout.agent_command[0]) is None:

@@ -11,7 +11,8 @@ import torch
 
 from common import models
 from common.config import ConfigError, TetherConfig
-from common.models import critic_source, resolve_models
+from common.model_dirs import resolve_models
+from common.models import critic_source
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
 from common.vision import banning_placeholder, freeze_vision_tower, load_processor, sees_images

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from common.config import TetherConfig
-from common.models import resolve_models
+from common.model_dirs import resolve_models
 from common.prompts import dataset_row, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.vision import banning_placeholder, engine_arguments, load_processor, prompts_with_images

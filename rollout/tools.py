@@ -26,12 +26,15 @@ _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", 
 class Tool:
     name: str
     function: Callable[..., Any]
-    schema: dict  # {"type": "function", "function": {name, description, parameters}}: what the template renders
+    # {"type": "function", "function": {name, description, parameters}}: what the template renders; None
+    # where only the function was checked (tether run's preflight: its schema needs transformers, which
+    # imports torch, seconds before any role could start)
+    schema: dict | None
 
     @staticmethod
-    def load(spec: str, key: str) -> "Tool":
+    def load(spec: str, key: str, schema: bool = True) -> "Tool":
         function = load_function(spec, key, check=lambda function: inspect.signature(function))
-        return Tool(function.__name__, function, json_schema(function))
+        return Tool(function.__name__, function, json_schema(function) if schema else None)
 
 
 def json_schema(function: Callable[..., Any]) -> dict:
@@ -245,11 +248,12 @@ def _parts(result: Any) -> list[dict] | None:
     return None
 
 
-def load_tools(specs: list[str]) -> dict[str, Tool]:
-    """``rollout.tools`` -> the tools by name; two with one name is an error naming both."""
+def load_tools(specs: list[str], schemas: bool = True) -> dict[str, Tool]:
+    """``rollout.tools`` -> the tools by name (``schemas``: with their schemas); two with one name is
+    an error naming both."""
     tools: dict[str, Tool] = {}
     for i, spec in enumerate(specs):
-        tool = Tool.load(spec, f"rollout.tools[{i}]")
+        tool = Tool.load(spec, f"rollout.tools[{i}]", schemas)
         if tool.name in tools:
             raise ConfigError(f"rollout.tools[{i}]: {spec!r} is named {tool.name!r}, like another tool")
         tools[tool.name] = tool

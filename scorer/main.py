@@ -14,7 +14,8 @@ import torch
 
 from common import models
 from common.config import ConfigError, TetherConfig
-from common.models import resolve_models, same_tokens
+from common.model_dirs import resolve_models
+from common.models import same_tokens
 from common.prompts import chat_of, read_rows, text_chat
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.vision import banning_placeholder, load_processor, sees_images

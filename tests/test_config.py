@@ -6,7 +6,7 @@ from pydantic import ValidationError
 from typer.testing import CliRunner
 
 from common.config import ConfigError, load_config
-from common.models import resolve_models
+from common.model_dirs import resolve_models
 from launch.cli import app
 from launch.exit_codes import ExitCode
 

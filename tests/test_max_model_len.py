@@ -8,7 +8,7 @@ import torch
 
 from common.config import ConfigError, load_config
 from common.lengths import kv_bytes_per_token, vllm_on_cpu
-from common.models import resolve_models
+from common.model_dirs import resolve_models
 from demos.parity import BOS, EOS, PAD, VOCAB, build_tokenizer
 
 COMMON = dict(vocab_size=len(VOCAB), bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD)
