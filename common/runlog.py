@@ -11,6 +11,8 @@ import sys
 import time
 from typing import Any
 
+from common.config import STAGES, ConfigError
+
 
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -137,3 +139,11 @@ class StartupTimeline:
             file.write(json.dumps(record) + "\n")
         seconds, self.last = now - self.last, now
         return seconds
+
+
+def stage_files(name: str) -> set[str]:
+    """The run-directory entries a stage owns (kept when a PPO run there is replaced)."""
+    if name not in STAGES:
+        raise ConfigError(f"unknown stage {name!r}")
+    return {os.path.join("metrics", f"{name}.jsonl"), os.path.join("tensorboard", name),
+            os.path.join("logs", f"{name}.log")}

@@ -14,7 +14,7 @@ import time
 from collections import deque
 
 from common.config import STAGES, TetherConfig, dump_config
-from common.runlog import StartupTimeline, read_metrics
+from common.runlog import StartupTimeline, read_metrics, stage_files
 from launch.exit_codes import ExitCode, describe, signalled
 from launch.processes import DIST_ENV_KEYS, STOP_SIGNALS, RoleProcess, Stopped, role_command, role_name
 from launch.trackers import STATE_FILE as TRACKERS_STATE
@@ -322,7 +322,6 @@ def run_roles(config: TetherConfig, overwrite: bool = False, resume: bool = Fals
     """Every role of ``config`` as its own process, watched until the learner is done: on this host,
     or with ``ray`` (a cluster's address; "" for a cluster of this machine alone) wherever Ray
     places each (``launch.ray_cluster``). Returns the exit code."""
-    from stages.training import stage_files
 
     run_dir = config.run_dir
     kept = set().union(*(stage_files(name) for name in STAGES))  # tether pipeline's stages ran here first

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from common.config import STAGES, ConfigError, StageConfig, TetherConfig
+from common.config import ConfigError, StageConfig, TetherConfig
 from common.runlog import MetricsWriter, metrics_writer, setup_logging
 from learner import micro_batches, parallel
 from learner.optimizer_step import guarded_step
@@ -369,11 +369,3 @@ def forget_stage_metrics(run_dir: str, name: str) -> None:
     if os.path.exists(path):
         os.remove(path)
     shutil.rmtree(os.path.join(run_dir, "tensorboard", name), ignore_errors=True)
-
-
-def stage_files(name: str) -> set[str]:
-    """The run-directory entries a stage owns (kept when a PPO run there is replaced)."""
-    if name not in STAGES:
-        raise ConfigError(f"unknown stage {name!r}")
-    return {os.path.join("metrics", f"{name}.jsonl"), os.path.join("tensorboard", name),
-            os.path.join("logs", f"{name}.log")}
