@@ -91,19 +91,30 @@ class ValueModel(nn.Module):
         return TokenClassifierOutput(logits=self.head(hidden),
                                      hidden_states=(hidden,) if output_hidden_states else None)
 
-    def save_pretrained(self, directory: str, safe_serialization: bool = True, **_) -> None:
-        """The body as its family's HF directory (``AutoModel`` loads it) and the head in ``HEAD_FILE``."""
+    def save_pretrained(self, directory: str, safe_serialization: bool = True,
+                        state_dict: dict[str, torch.Tensor] | None = None, **_) -> None:
+        """The body as its family's HF directory (``AutoModel`` loads it) and the head in ``HEAD_FILE``;
+        ``state_dict``: the tensors to save in place of the modules' own (LoRA merged), named as
+        this model names them (``body.``, ``head.``)."""
         from safetensors.torch import save_file
 
-        self.body.save_pretrained(directory, safe_serialization=safe_serialization)
-        save_file({name: tensor.detach().contiguous() for name, tensor in self.head.state_dict().items()},
+        state = state_dict if state_dict is not None else self.state_dict()
+        part = {prefix: {name.removeprefix(prefix): tensor for name, tensor in state.items() if name.startswith(prefix)}
+                for prefix in ("body.", "head.")}
+        self.body.save_pretrained(directory, safe_serialization=safe_serialization, state_dict=part["body."])
+        save_file({name: tensor.detach().contiguous() for name, tensor in part["head."].items()},
                   os.path.join(directory, HEAD_FILE))
 
     @staticmethod
-    def load(path: str, dtype: str = "float32") -> "ValueModel":
+    def load(path: str, dtype: str = "float32", new_head: bool = True) -> "ValueModel":
         """The body of the model in ``path`` (a VLM's: its towers and text model) with the head saved
-        beside it, else a new one (HF's score-head init, bias 0)."""
+        beside it, else (``new_head``) a new one (HF's score-head init, bias 0); without ``new_head``
+        a missing head is a ConfigError (a reward model to score with must have been trained)."""
         from transformers import AutoModel
+
+        if not new_head and not os.path.exists(os.path.join(path, HEAD_FILE)):
+            raise ConfigError(f"{path} has no sequence-classification class in transformers and no head of "
+                              f"tether's ({HEAD_FILE}): it is no reward model yet; train one with `tether rm`")
 
         body = AutoModel.from_pretrained(path, dtype=getattr(torch, dtype))
         body.config.num_labels = 1  # a score, as tether's sequence classifiers have
@@ -128,13 +139,12 @@ def load_critic(path: str, dtype: str = "float32") -> nn.Module:
     zero, so an RM-initialised critic starts out predicting the RM's own score at each position."""
     from transformers import AutoModelForSequenceClassification
 
-    try:
-        source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
-    except ValueError:  # a family without a sequence-classification class: its body and tether's head
+    if not has_sequence_classifier(path):  # its body and tether's head
         source = ValueModel.load(path, dtype)
         with torch.no_grad():
             source.head.bias.zero_()
         return source
+    source = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
     head = classification_head(source)
     if head.bias is not None:
         with torch.no_grad():
@@ -142,28 +152,40 @@ def load_critic(path: str, dtype: str = "float32") -> nn.Module:
     return disable_dropout(ValueModel(source.base_model, head))
 
 
-def load_reward_model(path: str, dtype: str, tokenizer) -> nn.Module:
+def load_reward_model(path: str, dtype: str, tokenizer, new_head: bool = True) -> nn.Module:
     """A one-label sequence-classification model of ``path``'s family, dropout off: from a policy
     its body and a new score head; its pad token the tokenizer's (else end-of-sequence), which
     HF's own pooling needs even where tether pools itself. A family without a sequence-classification
-    class (a vision-language model) is tether's ``ValueModel``, read at the last token alike."""
+    class (a vision-language model) is tether's ``ValueModel``, read at the last token alike, whose
+    head must be there unless ``new_head`` (``tether rm`` starting from a policy)."""
     from transformers import AutoModelForSequenceClassification
 
-    try:
+    if has_sequence_classifier(path):
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=getattr(torch, dtype))
-    except ValueError:  # transformers has no such class for the family
-        model = ValueModel.load(path, dtype)
-    if model.config.pad_token_id is None:
+    else:
+        model = ValueModel.load(path, dtype, new_head)
+    if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                      else tokenizer.eos_token_id)
     return disable_dropout(model)
 
 
+def has_sequence_classifier(path: str) -> bool:
+    """Whether transformers has a sequence-classification class for the family of the model in ``path``."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    return type(AutoConfig.from_pretrained(path)) in AutoModelForSequenceClassification._model_mapping
+
+
 def pad_token_id(model: nn.Module) -> int:
     """The id a model's batches are padded with: its config's pad token, else 0. Padding is never
     attended to nor scored (the attention mask and ``response_mask`` hide it), so any id in the
-    vocabulary serves; the scorer and the learner must only agree, which one rule makes sure of."""
-    return model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    vocabulary serves; the scorer and the learner must only agree, which one rule makes sure of. A
+    vision-language family may keep it in its text config alone (Qwen2-VL, LLaVA)."""
+    for config in (model.config, model.config.get_text_config()):
+        if getattr(config, "pad_token_id", None) is not None:
+            return config.pad_token_id
+    return 0
 
 
 def disable_dropout(model: nn.Module) -> nn.Module:

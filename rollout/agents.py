@@ -566,8 +566,8 @@ def _plain(message: Any) -> dict:
     content = message.get("content")
     parts = [dict(part) for part in content if isinstance(part, dict)] if isinstance(content, list) else []
     if any(part.get("type") in ("image", "image_url") for part in parts):
-        content = [part if part.get("type") != "text" else {"type": "text", "text": part.get("text") or ""}
-                   for part in parts]
+        content = [part if part.get("type") not in ("text", "input_text") else
+                   {"type": "text", "text": part.get("text") or ""} for part in parts]
     elif isinstance(content, list):  # content parts: their text
         content = "".join(part.get("text", "") for part in parts)
     plain = {"role": message["role"], "content": content or ""}

@@ -59,6 +59,11 @@ class Scorer:
                 raise ConfigError(f"models.reward: {config.models.reward} sees images and reads other tokens than the "
                                   "policy: a reward model that sees reads the samples' own ids and images, so it "
                                   "needs the policy's tokenizer (train one with `tether rm` from the policy)")
+            if self.rm_processor is not None and self.processor is not None and (
+                    self.rm_processor.image_processor.to_dict() != self.processor.image_processor.to_dict()):
+                raise ConfigError(f"models.reward: {config.models.reward} processes images otherwise than the "
+                                  f"policy ({config.models.policy}): the samples' image tokens are the policy's "
+                                  "processor's, so the reward model's must be the same")
             if self.processor is not None and policy_tokens and self.rm_processor is None:
                 raise ConfigError(f"models.reward: {config.models.reward} reads the policy's token ids, which hold a "
                                   "vision policy's image tokens, and does not see images: give a reward model that "
@@ -67,7 +72,8 @@ class Scorer:
             if not policy_tokens:  # else ids go to it unchanged
                 self.rm_tokenizer = AutoTokenizer.from_pretrained(config.models.reward)
             self.reward_model = models.load_reward_model(config.models.reward, config.models.dtype,
-                                                         self.rm_tokenizer or self.tokenizer).to(self.device).eval()
+                                                         self.rm_tokenizer or self.tokenizer,
+                                                         new_head=False).to(self.device).eval()
             try:
                 models.classification_head(self.reward_model)
             except ValueError as error:

@@ -242,7 +242,8 @@ def test_the_rollout_generates_from_image_prompts_and_episodes_that_show_images_
         program_gaps.append(gap(sample, unpack_images(sample.images)))
     assert sum(sample.images is not None and len(unpack_images(sample.images)) == 2 for sample in programs) >= 3
     assert max(program_gaps) < 1e-3, program_gaps
-    print(json.dumps({"largest program gap": max(program_gaps), "largest gap": max(gaps), "median gap with the other image": float(np.median(other_image)),
+    print(json.dumps({"largest program gap": max(program_gaps), "largest gap": max(gaps),
+                      "median gap with the other image": float(np.median(other_image)),
                       "episodes": len(episodes), "showing the square": shown,
                       "largest episode gap": max(episode_gaps),
                       "median gap with another square": float(np.median(other_square_gaps))}))
@@ -376,16 +377,34 @@ def test_a_reward_model_that_sees_scores_each_sample_on_its_ids_and_images_and_l
     samples = vision_samples(tmp_path, processor)
     torch.testing.assert_close(reward_scores(loaded, samples, pad, processor), together)
 
+    # LoRA on it, saved merged as the stages save it: the merged model's scores, read back
+    from types import SimpleNamespace
+
+    from weight_sync.lora import merged_named_tensors, with_lora
+
+    adapted = with_lora(load_reward_model(policy, "float32", processor.tokenizer), SimpleNamespace(
+        lora_rank=4, lora_alpha=8, lora_target_modules=["all-linear"]), exclude=["head"]).eval()
+    with torch.no_grad():
+        for name, parameter in adapted.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.1)
+    adapted.get_base_model().save_pretrained(str(tmp_path / "merged"), state_dict=dict(merged_named_tensors(adapted)))
+    processor.save_pretrained(str(tmp_path / "merged"))
+    merged = load_reward_model(str(tmp_path / "merged"), "float32", processor.tokenizer).eval()
+    torch.testing.assert_close(reward_scores(merged, samples, pad, processor),
+                               reward_scores(adapted, samples, pad, processor), rtol=1e-4, atol=1e-5)
     import shutil
 
     shutil.copytree(tmp_path / "rm", tmp_path / "other")  # a reward model that sees, of a tokenizer of its own
     processor.tokenizer.add_tokens(["zebra"])
     processor.tokenizer.save_pretrained(str(tmp_path / "other"))
-    for reward, reason in ((str(tmp_path / "rm"), None), (str(tmp_path / "other"), "needs the policy's tokenizer")):
+    for reward, reason in ((str(tmp_path / "rm"), None),
+                           (str(tmp_path / "other"), "sees images and reads other tokens .*needs the policy's"),
+                           (policy, "no head of tether's .* train one with `tether rm`")):  # not a reward model yet
         config = load_config(None, [], base=base_config(tmp_path, {"policy": policy, "reward": reward,
                                                                    "prompts": "/unused"}))
         if reason:
-            with pytest.raises(ConfigError, match=f"models.reward: .* sees images and reads other tokens .*{reason}"):
+            with pytest.raises(ConfigError, match=reason):
                 Scorer(config, None)
         else:
             assert Scorer(config, None).describe().startswith("reward model: the policy's tokens and images")

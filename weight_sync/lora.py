@@ -102,16 +102,26 @@ def merged_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
 
 
 def lora_not_served(policy: str) -> str | None:
-    """Why vLLM cannot apply LoRA adapters to the model in directory ``policy``; None when it can."""
+    """Why vLLM cannot apply LoRA adapters to the model in directory ``policy``; None when it can. A
+    policy that sees has adapters on its connector too (``policy_with_lora``), which vLLM applies only
+    for the families that take them there (``supports_tower_connector_lora``): for the others it would
+    leave them out, silently, and generate off the learner's policy."""
     from vllm.model_executor.models.interfaces import supports_lora
     from vllm.model_executor.models.registry import ModelRegistry
+
+    from common.vision import sees_images
 
     with open(os.path.join(policy, "config.json")) as file:
         architectures = json.load(file).get("architectures") or []
     for architecture in architectures:
         model_class = ModelRegistry._try_load_model_cls(architecture)
-        if model_class is not None:
-            return None if supports_lora(model_class) else f"vLLM's {architecture} takes no LoRA adapters"
+        if model_class is None:
+            continue
+        if not supports_lora(model_class):
+            return f"vLLM's {architecture} takes no LoRA adapters"
+        if sees_images(policy) and not getattr(model_class, "supports_tower_connector_lora", False):
+            return f"vLLM's {architecture} takes no LoRA adapters on its connector"
+        return None
     return f"vLLM has no model for {architectures or 'the architecture (config.json names none)'}"
 
 
