@@ -6,10 +6,12 @@ round after round, because this machine's speed drifts between minutes:
 
 - ``default``: this checkout as configured (vLLM's engine in the rollout's process on CPU);
 - ``engine-processes``: the same with ``rollout.in_process=false`` (vLLM's own three processes);
+- ``shared-cores``: every role on both cores (issue 37's colocated shape without its turns: each
+  role may use every core, and they run side by side);
 - ``--baseline DIR``: another checkout of tether (a git worktree of an older commit) run the same
   way, for a before/after. Its roles may write no phases: then only the totals are shown.
 
-    python bench/startup.py [--rounds 2] [--baseline /tmp/tether-before]
+    python bench/startup.py [--rounds 2] [--baseline /tmp/tether-before] [--variants default,shared-cores]
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", help="another tether checkout to time the same way (before/after)")
+    parser.add_argument("--variants", default="default,engine-processes",
+                        help="of default, engine-processes, shared-cores; comma-separated")
     args = parser.parse_args()
 
     from demos.parity import build_assets
@@ -66,7 +70,9 @@ def main() -> None:
 
     assets = os.path.join(REPO, ".demo", "assets")
     build_assets(assets, log=lambda *_: None)  # cached after the first time
-    variants = [("default", REPO, []), ("engine-processes", REPO, ["rollout.in_process=false"])]
+    shared = [f"placement.cores.{role}=[0,1]" for role in ("buffer", "rollout", "scorer", "learner")]
+    known = {"default": [], "engine-processes": ["rollout.in_process=false"], "shared-cores": shared}
+    variants = [(name, REPO, known[name]) for name in args.variants.split(",")]
     if args.baseline:
         variants.append(("baseline", os.path.abspath(args.baseline), []))
     work = tempfile.mkdtemp(prefix="tether-bench-startup-")
