@@ -7,7 +7,8 @@ round after round, because this machine's speed drifts between minutes:
 - ``default``: this checkout as configured (vLLM's engine in the rollout's process on CPU);
 - ``engine-processes``: the same with ``rollout.in_process=false`` (vLLM's own three processes);
 - ``shared-cores``: every role on both cores (issue 37's colocated shape without its turns: each
-  role may use every core, and they run side by side);
+  role may use every core, and they run side by side); ``shared-cores-passive`` the same with
+  ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at once when they wait, instead of spinning);
 - ``--baseline DIR``: another checkout of tether (a git worktree of an older commit) run the same
   way, for a before/after. Its roles may write no phases: then only the totals are shown.
 
@@ -62,7 +63,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", help="another tether checkout to time the same way (before/after)")
     parser.add_argument("--variants", default="default,engine-processes",
-                        help="of default, engine-processes, shared-cores; comma-separated")
+                        help="of default, engine-processes, shared-cores, shared-cores-passive; comma-separated")
     args = parser.parse_args()
 
     from demos.parity import build_assets
@@ -71,15 +72,17 @@ def main() -> None:
     assets = os.path.join(REPO, ".demo", "assets")
     build_assets(assets, log=lambda *_: None)  # cached after the first time
     shared = [f"placement.cores.{role}=[0,1]" for role in ("buffer", "rollout", "scorer", "learner")]
-    known = {"default": [], "engine-processes": ["rollout.in_process=false"], "shared-cores": shared}
+    known = {"default": [], "engine-processes": ["rollout.in_process=false"], "shared-cores": shared,
+             "shared-cores-passive": shared}
     variants = [(name, REPO, known[name]) for name in args.variants.split(",")]
+    environments = {"shared-cores-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
     if args.baseline:
         variants.append(("baseline", os.path.abspath(args.baseline), []))
     work = tempfile.mkdtemp(prefix="tether-bench-startup-")
     results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
     for round_index in range(args.rounds):
         for name, repo, overrides in variants:
-            result = run_once(repo, assets, os.path.join(work, name), overrides)
+            result = run_once(repo, assets, os.path.join(work, name), overrides, env=environments.get(name))
             results[name].append(result)
             print(f"round {round_index + 1} {name:<17} first trained step {result['first_step_s']:5.1f}s, "
                   f"whole run {result['run_s']:5.1f}s", flush=True)
