@@ -465,6 +465,40 @@ def pack(images: list[bytes]):
     return pack_images(images)
 
 
+@pytest.mark.slow
+def test_tether_eval_runs_episodes_that_show_images_and_the_scorer_reads_them_as_vllm_did(tmp_path):
+    """The evaluator's episodes on a policy that sees: the environment's square joins the prompt's
+    image in each sample, and the scorer's reference (the same checkpoint) reads every image as
+    vLLM did, so the KL to it is nought."""
+    import logging
+
+    from common.config import load_config
+    from common.model_dirs import resolve_models
+    from common.vision import unpack_images
+    from evaluator.main import evaluate
+    from tests.helpers import base_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    eos = json.loads((tmp_path / "policy" / "config.json").read_text())["text_config"].get("eos_token_id")
+    stops = [2 if eos is None else eos, *range(60, 400, 10)]  # short turns, as the rollout test's
+    (tmp_path / "policy" / "generation_config.json").write_text(json.dumps({"eos_token_id": stops}))
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    rows = [{"prompt": "colour:", "images": ["red.png"]}, {"prompt": "none:"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = load_config(None, ["rollout.max_model_len=128", "rollout.kv_cache_gib=0.0625", "rollout.max_turns=2",
+                                "rollout.environment=tests.environments:shows_a_square", "models.reward=null"],
+                         base=base_config(tmp_path, {"policy": policy, "reward": policy,
+                                                     "prompts": str(tmp_path / "p.jsonl")}))
+    figures, samples, _ = evaluate(resolve_models(config, "scorer"), policy, logging.getLogger("test"))
+    shown = [len(unpack_images(s.images)) if s.images is not None else 0 for s in samples]
+    print(json.dumps({"kl_to_reference": figures["kl_to_reference"], "images": shown,
+                      "turns_per_episode": figures["turns_per_episode"]}))
+    assert figures["episodes_failed"] == 0, figures
+    # the row's image, then the square where the first turn reached the environment (seeded: it does)
+    assert [count - len(row.get("images", [])) for count, row in zip(shown, rows)] == [1, 1], shown
+    assert abs(figures["kl_to_reference"]) < 1e-3
+
+
 def vision_episodes(tmp_path, environment: str, sees: bool, *overrides: str):
     """``tests.environments:<environment>``'s episodes of a prompt with an image, for a policy that
     sees (the tiny Idefics3) or a text one of the same tokenizer; turns given by hand."""
