@@ -25,7 +25,7 @@ from learner.signals import Preempted, StopSignal, signal_name
 from protocol.codec import decode, encode
 from protocol.samples import unpack_samples
 from protocol.transport import connect_to_buffer
-from weight_sync.lora import critic_with_lora, policy_with_lora
+from weight_sync.lora import critic_with_lora, keeps_vision_tower, policy_with_lora
 
 
 class TrainingStopped(RuntimeError):
@@ -121,14 +121,13 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
         raise ConfigError(f"models.critic_init: the critic of a policy that sees images ({config.models.policy}) "
                           f"starts from a model that sees them too; {source} does not (critic_init: policy)")
     actor_model = models.load_causal_lm(config.models.policy, dtype)
-    keep_tower = sees and not cfg.train_vision_tower  # as the SFT model has it, LoRA's adapters too
     actor_model = policy_with_lora(actor_model, config)
     pad_token_id = models.pad_token_id(actor_model)
     critic_model = None
     if source is not None:  # the critic of a policy that sees reads the images through its own towers
         critic_model = models.load_critic(source, dtype)
         critic_model = critic_with_lora(critic_model, cfg,
-                                        freeze_vision_tower(critic_model.body) if keep_tower else None)
+                                        freeze_vision_tower(critic_model.body) if keeps_vision_tower(config) else None)
     timeline.phase("model load")
     actor = make_deepspeed_engine(actor_model, cfg.actor_lr, config)
     critic = make_deepspeed_engine(critic_model, cfg.critic_lr, config) if critic_model is not None else None

@@ -29,7 +29,7 @@ from common.config import ConfigError
 from common.functions import load_function
 from common.prompts import chat_of, text_chat
 from rollout import openenv
-from rollout.tools import Tool, ToolCallParser, ToolError, call_tool
+from rollout.tools import Tool, ToolCallParser, ToolError, call_tool, is_part
 
 
 class TokenIds(list):
@@ -116,13 +116,8 @@ def as_step(value: Any) -> Step:
 
 
 def _is_content(content: Any) -> bool:
-    """Text, or a list of parts: text parts ``{"type": "text", "text": str}`` and image parts
-    (``{"type": "image", "image": ...}``, ``{"type": "image_url", ...}``; their images are read where
-    they are rendered, ``common.vision.part_image``)."""
-    return isinstance(content, str) or isinstance(content, list) and all(
-        isinstance(part, dict) and (part.get("type") in ("image", "image_url")
-                                    or part.get("type") == "text" and isinstance(part.get("text"), str))
-        for part in content)
+    """Text, or a list of text and image parts (``rollout.tools.is_part``)."""
+    return isinstance(content, str) or isinstance(content, list) and all(map(is_part, content))
 
 
 def check_observation(observation: Any) -> Observation:

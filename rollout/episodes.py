@@ -32,7 +32,8 @@ import numpy as np
 
 from common.config import ConfigError, TetherConfig
 from common.prompts import chat_of, content_text, text_chat
-from common.vision import expand_placeholders, expanded_ids, observation_images, pack_images, template_chat
+from common.vision import (expand_placeholders, expanded_ids, images_shown, observation_images, pack_images,
+                           template_chat)
 from protocol.samples import Sample
 from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Restart, Step, TokenIds,
                                   Turn, as_step, check_observation)
@@ -87,8 +88,7 @@ class Renderer:
         """The encoded images ``messages`` show, in order, which rendered to ``ids``: a ``BadStep``
         where the policy does not see images, an image part holds no image, or the text holds a
         placeholder of its own (it would take an image's slot)."""
-        shown = sum(isinstance(m["content"], list) and part.get("type") in ("image", "image_url")
-                    for m in messages for part in (m["content"] if isinstance(m["content"], list) else ()))
+        shown = images_shown(template_chat(messages))
         if self.processor is None:
             if shown:
                 raise BadStep(f"the environment shows {shown} image(s) and the policy does not see images (its "
@@ -109,13 +109,12 @@ class Renderer:
         """A policy that sees: its image placeholder's id."""
         return None if self.processor is None else self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
 
-    def token_ids(self, ids: list[int], allowed: int = 0) -> list[int]:
-        """An observation's token ids; a ``BadStep`` where they hold more image placeholders than
-        ``allowed`` (token ids of an observation come without images: a placeholder in them would be
-        an image slot without its image)."""
-        if self.processor is not None and ids.count(self.placeholder) > allowed:
+    def token_ids(self, ids: list[int]) -> list[int]:
+        """An observation's token ids; a ``BadStep`` where they hold an image placeholder (token ids
+        of an observation come without images: a placeholder would be an image slot without one)."""
+        if self.processor is not None and self.placeholder in ids:
             raise BadStep(f"an observation's token ids hold the image placeholder ({self.processor.image_token!r}) "
-                          f"{ids.count(self.placeholder)} time(s) for {allowed} image(s)")
+                          f"{ids.count(self.placeholder)} time(s) for 0 image(s)")
         return ids
 
     def prompt_ids(self, first: Observation) -> list[int]:
@@ -511,8 +510,7 @@ class Episodes:
                                  ("render",))
             return self._end(episode, "env_error")
         # the next turn needs room for at least one token
-        added = len(ids) + sum(len(self.image_expansion(image)) - 1 for image in images)
-        if episode.length + added >= self.config.rollout.max_model_len:
+        if episode.length + len(ids) + self._image_tokens(images) >= self.config.rollout.max_model_len:
             return self._end(episode, "token_budget")
         episode.tokens += ids
         episode.logprobs += [0.0] * len(ids)
@@ -538,7 +536,11 @@ class Episodes:
     def _show(self, episode: Episode, images: list[bytes]) -> None:
         """``images`` join the episode's, their expansion counted in its length."""
         episode.images += images
-        episode.image_tokens += sum(len(self.image_expansion(image)) - 1 for image in images)
+        episode.image_tokens += self._image_tokens(images)
+
+    def _image_tokens(self, images: list[bytes]) -> int:
+        """The tokens ``images`` add past their placeholders, once each is expanded."""
+        return sum(len(self.image_expansion(image)) - 1 for image in images)
 
     def image_expansion(self, image: bytes) -> array:
         """The ids an image's placeholder expands into, as the processor (and vLLM) expands it, which

@@ -235,15 +235,20 @@ def call_tool(tools: dict[str, Tool], call: ToolCall, shows_images: bool = False
         return f"error: {message}", ToolError("unserialisable", call.name, call.arguments, message)
 
 
+def is_part(part: Any) -> bool:
+    """A message part tether shows: ``{"type": "text", "text": str}``, or an image part (``{"type":
+    "image", ...}``, ``{"type": "image_url", ...}``; its image is read where it is rendered,
+    ``common.vision.part_image``)."""
+    return isinstance(part, dict) and (part.get("type") in ("image", "image_url")
+                                       or part.get("type") == "text" and isinstance(part.get("text"), str))
+
+
 def _parts(result: Any) -> list[dict] | None:
     """A tool's result as message parts, where it is an image (a PIL image) or a list of text and
     image parts; else None."""
     if hasattr(result, "save") and hasattr(result, "size"):  # a PIL image
         return [{"type": "image", "image": result}]
-    if isinstance(result, list) and result and all(
-            isinstance(part, dict) and (part.get("type") in ("image", "image_url")
-                                        or part.get("type") == "text" and isinstance(part.get("text"), str))
-            for part in result):
+    if isinstance(result, list) and result and all(map(is_part, result)):
         return result
     return None
 

@@ -218,13 +218,17 @@ def assistant_turns(messages: list[dict[str, Any]], ids_of: Callable[[list, bool
 
 def ranking(row: dict[str, Any], tokenizer, model_key: str = "rm.model") -> Example:
     """{"prompt", "chosen", "rejected"} (ranks 0, 1) or {"prompt", "responses", "ranking"}."""
-    if _is_text(row.get("chosen")):
-        responses, ranks = [row["chosen"], row["rejected"]], [0, 1]
-    else:
-        responses, ranks = row["responses"], row["ranking"]
+    responses, ranks = _ranked(row)
     prompt = prompt_token_ids(row, tokenizer, model_key=model_key)
     return answered(prompt, [response_ids(row, prompt, response, tokenizer, model_key) for response in responses],
-                    list(ranks))
+                    ranks)
+
+
+def _ranked(row: dict[str, Any]) -> tuple[list[str], list[int]]:
+    """A ranking row's responses and their ranks (0 the best): chosen then rejected, or its own."""
+    if _is_text(row.get("chosen")):
+        return [row["chosen"], row["rejected"]], [0, 1]
+    return row["responses"], list(row["ranking"])
 
 
 def answered(prompt: list[int], answers: list[list[int]], ranks: list[int], images: list[bytes] = ()) -> Example:
@@ -252,12 +256,7 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
 
     if form == "demonstration" and not _is_text(row.get("response")):
         return seen_chat_demonstration(row, processor, images)
-    if form == "demonstration":
-        responses, ranks = [row["response"]], [0]
-    elif _is_text(row.get("chosen")):
-        responses, ranks = [row["chosen"], row["rejected"]], [0, 1]
-    else:
-        responses, ranks = row["responses"], list(row["ranking"])
+    responses, ranks = ([row["response"]], [0]) if form == "demonstration" else _ranked(row)
     chat = chat_of(row, None)
     text = vision_prompt_text(row, processor)
     check_placeholders(text, images, processor)

@@ -44,14 +44,20 @@ def with_lora(model: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = 
                                             target_modules=target, exclude_modules=exclude or None))
 
 
-def policy_with_lora(model: nn.Module, config: TetherConfig) -> nn.Module:
-    """The policy ``model`` with the run's LoRA (``with_lora`` on ``learner``); a policy that sees
-    keeps its vision tower as the SFT model has it (frozen, no adapters) unless
-    ``learner.train_vision_tower``. The learner's actor and the rollout's zero adapter alike."""
-    from common.vision import freeze_vision_tower, sees_images
+def keeps_vision_tower(config: TetherConfig) -> bool:
+    """Whether the run keeps a policy's vision tower as the SFT model has it (frozen, no adapters):
+    a policy that sees, unless ``learner.train_vision_tower``. The actor's and the critic's alike."""
+    from common.vision import sees_images
 
-    keep_tower = sees_images(config.models.policy) and not config.learner.train_vision_tower
-    return with_lora(model, config.learner, freeze_vision_tower(model) if keep_tower else None)
+    return sees_images(config.models.policy) and not config.learner.train_vision_tower
+
+
+def policy_with_lora(model: nn.Module, config: TetherConfig) -> nn.Module:
+    """The policy ``model`` with the run's LoRA (``with_lora`` on ``learner``), its vision tower kept
+    where ``keeps_vision_tower``. The learner's actor and the rollout's zero adapter alike."""
+    from common.vision import freeze_vision_tower
+
+    return with_lora(model, config.learner, freeze_vision_tower(model) if keeps_vision_tower(config) else None)
 
 
 def critic_with_lora(critic: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = None) -> nn.Module:
