@@ -14,6 +14,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from buffer.state import BufferState, GroupFilter, load_snapshot, save_snapshot
+from buffer.turns import Turns
 from common.config import TetherConfig
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from protocol.codec import Message, ProtocolError
@@ -72,6 +73,8 @@ class Buffer:
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted buffer is told from this one by its clients
         self.weight_failures: dict[str, tuple[int, int, str]] = {}  # rollout -> (failures, version, reason)
         self.checkpoints = os.path.realpath(os.path.join(config.run_dir, "checkpoints"))
+        # placement.mode colocate: the roles share the devices and take turns, granted here
+        self.turns = Turns(config.placement.turn_deadline_s) if config.colocated else None
         self.credit_waits: list[Pending] = []
         self.score_waits: list[Pending] = []
         self.batch_waits: list[Pending] = []
@@ -102,6 +105,8 @@ class Buffer:
                 if expired:
                     self.log.warning("%d samples passed their scoring deadline of %.0fs; sending them again",
                                      expired, self.config.scorer.deadline_s)
+                if self.turns is not None:
+                    self.end_overdue_turn(time.monotonic())
                 self.serve_waiting()
                 if received is not None:
                     self.handling_s.append(time.perf_counter() - handling_started)
@@ -158,6 +163,8 @@ class Buffer:
         reclaimed = self.state.rollout_gone(worker)
         self.log.warning("%s reconnected from a new process; %d samples it held go to the pool again, %d credits "
                          "it never used come back", worker, redispatched, reclaimed)
+        if self.turns is not None:
+            self.turns.forget(worker)
         for old in [identity for identity, name in self.workers.items() if name == worker]:
             del self.workers[old]
             # its held requests can never be answered: the old socket is gone
@@ -202,6 +209,8 @@ class Buffer:
         state, unfiltered = self.state, self.state.accounting.groups_unfiltered
         accepted = state.add_scored(unpack_samples(message))
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
+        if self.turns is not None and not state.scorer_load[self.workers[identity]]:
+            self.turns.release(self.workers[identity])  # its share is scored: the score turn may end
         if state.accounting.groups_unfiltered > unfiltered and self.unfiltered_warned != state.batches_served:
             self.unfiltered_warned = state.batches_served
             self.log.warning("buffer.filter_groups dropped %d episodes since the last batch, buffer.max_filter_ratio "
@@ -221,8 +230,31 @@ class Buffer:
         manifest = WeightManifest.from_dict(message.fields["weights_manifest"])  # refuse a malformed one here
         if manifest.policy_version != message.fields["policy_version"]:
             raise ProtocolError(f"manifest of version {manifest.policy_version} published as {message.fields['policy_version']}")
+        self._end_turn_of(identity)  # a learner past its train turn's deadline publishes nothing
         self.state.publish_weights(message.fields["policy_version"], message.fields["weights_manifest"])
         self.server.reply(identity, message.id, "ack", {"accepted": 1})
+
+    def on_turn_release(self, identity: bytes, message: Message) -> None:
+        """An engine ran dry (colocated): everything it was granted is sent, and on a GPU its memory
+        freed. A release that crossed a new grant is not one: the engine releases again later."""
+        worker = self.workers[identity]
+        if self.turns is None:
+            raise ValueError("turn_release: placement.mode is split here, and turns are for colocate")
+        if self.state.outstanding(worker):
+            self.server.reply(identity, message.id, "ack", {"accepted": 0})
+            return
+        self._end_turn_of(identity)
+        self.server.reply(identity, message.id, "ack", {"accepted": 1})
+
+    def _end_turn_of(self, identity: bytes) -> None:
+        """The worker's part of the turn is done; refused (an error it stops on) past the deadline."""
+        if self.turns is None:
+            return
+        worker = self.workers[identity]
+        refusal = self.turns.refusal(worker)
+        if refusal is not None:
+            raise ValueError(refusal)
+        self.turns.release(worker)
 
     def on_snapshot(self, identity: bytes, message: Message) -> None:
         path = os.path.realpath(message.fields["path"])
@@ -236,6 +268,8 @@ class Buffer:
             self.log.info("the learner stopped at policy version %d before training the batch it was sent: "
                           "its %d samples wait again", message.fields["policy_version"], returned)
         save_snapshot(self.state, path)
+        if self.turns is not None:  # a checkpoint trains nothing: the learner's turn, if any, is over
+            self.turns.release(self.workers[identity])
         self.server.reply(identity, message.id, "ack", {"accepted": 1})
 
     def on_finish(self, identity: bytes, message: Message) -> None:
@@ -251,18 +285,35 @@ class Buffer:
     def serve_waiting(self) -> None:
         # the least-loaded scorer is served first (idle ones hold nothing; a tie keeps arrival order)
         self.score_waits.sort(key=lambda wait: self.state.scorer_load[self.workers.get(wait.identity, "scorer")])
-        for waits, answer in ((self.batch_waits, self.answer_batch), (self.credit_waits, self.answer_credits),
-                              (self.score_waits, self.answer_score)):
+        order = ((self.batch_waits, self.answer_batch), (self.credit_waits, self.answer_credits),
+                 (self.score_waits, self.answer_score))
+        if self.turns is not None:  # a free turn: scoring what waits, else training, else generating
+            order = (order[2], order[0], order[1])
+        for waits, answer in order:
             waits[:] = [wait for wait in waits if not answer(wait)]
+
+    def _turn_allows(self, purpose: str) -> bool:
+        """Whether work of ``purpose`` may be handed out (always, split). Colocated, generation waits
+        for every sample generated to be scored: its turn would take the devices from the scorer."""
+        turns, state = self.turns, self.state
+        if turns is None or state.finished:
+            return True
+        if purpose == "generate" and turns.turn is None and (state.unscored or state.in_scoring):
+            return False
+        return turns.may(purpose)
 
     def answer_credits(self, wait: Pending) -> bool:
         state = self.state
+        if not self._turn_allows("generate"):
+            return False
         engines = sum(worker.startswith("rollout:") for worker in self.workers.values())
         indices = [] if state.finished else state.credits_for(self.workers[wait.identity], wait.policy_version,
                                                               wait.amount, engines)
         newer_weights = state.policy_version > wait.policy_version and state.weights_manifest is not None
         if not indices and not state.finished and not newer_weights:
             return False  # nothing to grant and no weights to give (a resumed learner republishes them)
+        if indices and self.turns is not None:
+            self.turns.grant("generate", self.workers[wait.identity], time.monotonic())
         self.server.reply(wait.identity, wait.request_id, "credits", {
             "credits": len(indices) * state.samples_per_prompt, "prompt_indices": indices,
             "policy_version": state.policy_version, "weights_manifest": state.weights_manifest,
@@ -272,11 +323,15 @@ class Buffer:
         return True
 
     def answer_score(self, wait: Pending) -> bool:
+        if not self._turn_allows("score"):
+            return False
         share = min(wait.amount, self.state.fair_share(len(self.score_waits)))
         work = self.state.take_for_scoring(share, self.workers[wait.identity], time.monotonic(),
                                            self.config.scorer.deadline_s)
         if not work and not self.state.finished:
             return False
+        if work and self.turns is not None:
+            self.turns.grant("score", self.workers[wait.identity], time.monotonic())
         fields, tensors = pack_samples(work)
         self.server.reply(wait.identity, wait.request_id, "score_work", {**fields, "stop": not work}, tensors)
         if not work:
@@ -284,9 +339,13 @@ class Buffer:
         return True
 
     def answer_batch(self, wait: Pending) -> bool:
+        if not self._turn_allows("train"):
+            return False
         batch = self.state.take_batch(wait.policy_version, wait.amount)
         if batch is None:
             return False
+        if self.turns is not None:
+            self.turns.grant("train", self.workers[wait.identity], time.monotonic())
         fields, tensors = pack_samples(batch, scored=True)
         self.server.reply(wait.identity, wait.request_id, "batch", {**fields, "stop": False}, tensors)
         return True
@@ -325,9 +384,32 @@ class Buffer:
             silent = now - self.last_seen.get(identity, (now, ""))[0]
             if silent > self.config.rollout.deadline_s:
                 reclaimed = self.state.rollout_gone(worker)
+                if self.turns is not None:
+                    self.turns.release(worker)
                 self.log.warning("%s holds credits and has been silent for %.0fs (rollout.deadline_s %.0f): "
                                  "taken for dead, %d credits and their prompts go to the pool", worker, silent,
                                  self.config.rollout.deadline_s, reclaimed)
+
+    def end_overdue_turn(self, now: float) -> None:
+        """A turn held past placement.turn_deadline_s: named in an error; what its holders held goes
+        back to the pool (an engine's credits and prompts, a scorer's samples), and the devices to
+        the next turn. Their late releases are refused (``Turns.refusal``), which stops them."""
+        overdue = None if self.state.finished else self.turns.overdue(now)  # after the last step no turn matters
+        if overdue is None:
+            return
+        purpose, holders, held = overdue
+        for worker in holders:
+            if worker.startswith("rollout:"):
+                self.state.rollout_gone(worker)
+            elif worker.startswith("scorer:"):
+                self.state.redispatch(scorer=worker)
+        last = {self.workers[identity]: kind for identity, (_, kind) in self.last_seen.items()
+                if identity in self.workers}
+        self.log.error("the %s turn was held for %.0fs by %s, past placement.turn_deadline_s (%gs); last heard: %s. "
+                       "What they held goes back to the pool and the devices to the next turn; their late "
+                       "release is refused", purpose, held, ", ".join(holders) or "nobody",
+                       self.config.placement.turn_deadline_s,
+                       ", ".join(f"{worker} {last.get(worker, 'nothing')}" for worker in holders) or "-")
 
     def write_metrics(self, now: float) -> None:
         state = self.state
@@ -340,6 +422,7 @@ class Buffer:
                             **({"groups_filtered": state.accounting.groups_filtered,
                                 "groups_unfiltered": state.accounting.groups_unfiltered}
                                if state.group_filter is not None else {}),
+                            **(self.turns.record(now) if self.turns is not None else {}),
                             "elapsed_s": now - self.started, "stalled": self.stalled_workers(now)})
 
     def drain(self, quiet_s: float = 0.3, deadline_s: float = 3.0) -> None:

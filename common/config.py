@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ROLES = ("buffer", "rollout", "scorer", "learner")
+COLOCATED_ROLES = ("rollout", "scorer", "learner")  # placement.mode colocate: the roles that take turns
 
 
 class ConfigError(ValueError):
@@ -570,8 +571,17 @@ class RayPlacementConfig(_Strict):
 
 class PlacementConfig(_Strict):
     """Which cores or GPUs each role runs on, on one host or on a Ray cluster."""
+    mode: Literal["split", "colocate"] = Field("split", description="split: each role on its own cores or GPUs "
+                                               "(placement.cores, cuda_visible_devices), computing side by side; "
+                                               "colocate: the rollout, scorer and learner share every device given "
+                                               "and take turns (generate, score, train), each turn granted by the "
+                                               "buffer: for boxes with fewer devices than roles")
+    turn_deadline_s: float = Field(1800.0, gt=0, description="colocate: a role holding its turn longer (an engine "
+                                   "still generating, a learner still training) is named in an error and its late "
+                                   "release refused, so it stops rather than hangs the run")
     cores: dict[str, list[int]] = Field(default_factory=dict, description="CPU cores per role (affinity); "
-                                        "`agent`: the cores of rollout.agent_processes")
+                                        "`agent`: the cores of rollout.agent_processes; colocate: every role "
+                                        "runs on all the cores named here (none: all the machine's)")
     cuda_visible_devices: dict[str, str] = Field(default_factory=dict, description="CUDA_VISIBLE_DEVICES per role")
     ray: RayPlacementConfig = Field(default_factory=RayPlacementConfig)
 
@@ -774,14 +784,27 @@ class TetherConfig(_Strict):
 
     def cores_of(self, role: str, index: int = 0) -> list[int]:
         """CPU cores of worker ``index`` of a role: ``placement.cores.<role>`` split evenly between
-        the role's processes when it has enough of them, else shared by all."""
-        return _share(self.placement.cores.get(role, []), self._count(role), index)
+        the role's processes when it has enough of them, else shared by all. Colocated, every role
+        has every core named for any of them (the roles take turns on them)."""
+        cores = self.placement.cores.get(role, [])
+        if self.colocated and role in COLOCATED_ROLES:
+            cores = sorted({core for name, named in self.placement.cores.items() if name in COLOCATED_ROLES
+                            for core in named})
+        return _share(cores, self._count(role), index)
+
+    @property
+    def colocated(self) -> bool:
+        return self.placement.mode == "colocate"
 
     def cuda_devices_of(self, role: str, index: int = 0) -> str | None:
         """CUDA_VISIBLE_DEVICES of worker ``index`` of a role, split as ``cores_of`` splits cores
         (a tensor-parallel engine needs ``tensor_parallel_size`` of them: checked at load). None:
         not set."""
         devices = self.placement.cuda_visible_devices.get(role)
+        if self.colocated and role in COLOCATED_ROLES:  # every role all the GPUs named for any of them
+            named = [d.strip() for name, listed in self.placement.cuda_visible_devices.items()
+                     if name in COLOCATED_ROLES for d in listed.split(",") if d.strip()]
+            devices = ",".join(dict.fromkeys(named)) if named else None
         if devices is None:
             return None
         if role == "learner":  # the ranks of one job each pick theirs by LOCAL_RANK

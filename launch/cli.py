@@ -393,7 +393,9 @@ def status(run_dir: Path = typer.Argument(..., help="a run directory"),
 @app.command()
 def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
           split: list[str] = typer.Option(..., "--split", help="rollout=0;scorer=1;learner=1, repeatable; "
-                                                               "rollout=0-1x2: two engines on cores 0-1"),
+                                                               "rollout=0-1x2: two engines on cores 0-1; "
+                                                               "colocate=0-1: every role on cores 0-1, taking "
+                                                               "turns (placement.mode colocate)"),
           staleness: str = typer.Option("0,1", help="max_staleness values, comma-separated"),
           steps: int = typer.Option(10, help="learner steps per trial"),
           gpus: bool = typer.Option(False, help="the split's numbers are GPU indices, not CPU cores"),
@@ -432,7 +434,7 @@ def plan(run_dirs: list[Path] = typer.Argument(..., help="finished runs whose pr
     import yaml
 
     from launch.report import profile_run
-    from launch.sweep import PLANNED_ROLES, best_splits, format_split, measured_costs, predict
+    from launch.sweep import PLANNED_ROLES, best_splits, format_split, measured_costs, predict, predict_colocated
 
     costs = measured_costs([str(run_dir) for run_dir in run_dirs])
     for role, cost in costs.items():
@@ -440,12 +442,25 @@ def plan(run_dirs: list[Path] = typer.Argument(..., help="finished runs whose pr
         how = (f"measured scaling: {cost.efficiency(2):.0%} efficient on 2 devices" if cost.measured_scaling
                else "one device count measured: linear scaling assumed")
         typer.echo(f"{role}: busy device-ms per trained token {points} ({how})")
-    for rank, (rate, split) in enumerate(best_splits(costs, devices), 1):
+    splits = best_splits(costs, devices)
+    for rank, (rate, split) in enumerate(splits, 1):
         typer.echo(f"{rank}. {format_split(split):<40} predicted {rate:,.0f} trained tokens/s")
+    colocated = predict_colocated(costs, devices)
+    typer.echo(f"colocated (placement.mode colocate, every role on all {devices} devices, taking turns): predicted "
+               f"{colocated:,.0f} trained tokens/s")
+    if colocated > splits[0][0]:
+        typer.echo(f"would run: colocated, {colocated / splits[0][0]:.2f}x the best split: each role is faster on "
+                   f"{devices} devices than the split would make the pipeline")
+    else:
+        typer.echo(f"would run: {format_split(splits[0][1])}, {splits[0][0] / colocated:.2f}x colocated: the roles "
+                   "computing side by side on their own devices beat taking turns on all of them")
     if check is not None:
         with open(os.path.join(check, "config.yaml")) as file:
-            cores = yaml.safe_load(file)["placement"]["cores"]
-        predicted = predict(costs, {role: cores[role] for role in PLANNED_ROLES})
+            placement = yaml.safe_load(file)["placement"]
+        if placement.get("mode") == "colocate":
+            predicted = predict_colocated(costs, devices)
+        else:
+            predicted = predict(costs, {role: placement["cores"][role] for role in PLANNED_ROLES})
         measured = profile_run(str(check)).pipeline_tokens_per_s
         typer.echo(f"check {check}: predicted {predicted:,.0f}, measured {measured:,.0f} trained tokens/s "
                    f"({(predicted - measured) / measured:+.0%})")

@@ -63,6 +63,11 @@ def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, s
     if cores:
         processes = config.learner.ranks if role == "learner" else 1
         env["OMP_NUM_THREADS"] = str(max(1, len(cores) // processes))
+    if config.colocated:
+        # a role waiting for its turn must leave the cores to the one computing: OpenMP's workers
+        # spin between parallel regions by default, which made colocated roles 2.7 times slower
+        # here (docs/proposals/issue-37-colocate.md); passive, they sleep
+        env["OMP_WAIT_POLICY"] = "PASSIVE"
     devices = config.cuda_devices_of(role, worker_index)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices

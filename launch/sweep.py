@@ -4,7 +4,8 @@ trained tokens/s; `tether plan`: the best split for N devices predicted from a p
 A split names each role's devices: ``rollout=0;scorer=1;learner=1;buffer=0`` (CPU cores here,
 GPU indices with ``--gpus``), and how many processes share them: ``rollout=0-1x2`` is two rollout
 engines on cores 0 and 1, ``learner=1x2`` two learner ranks on core 1. Roles that share a device
-share its time.
+share its time. ``colocate=0-1`` is the colocated mode (``placement.mode: colocate``): every role on
+cores 0 and 1, taking turns.
 
 The plan scales each role's measured cost by how the role itself scaled: from the profiles of
 two runs where it had different device counts (``RoleCost``), not by assuming that m devices make
@@ -26,26 +27,41 @@ PLANNED_ROLES = ("rollout", "scorer", "learner")  # the buffer's share is neglig
 
 
 COUNT_KEYS = {"rollout": "rollout.engines", "scorer": "scorer.workers", "learner": "learner.ranks"}
+COLOCATE = "colocate"  # a split of the colocated mode: colocate=0-1
 
 
 def parse_split(text: str) -> dict[str, list[int]]:
     """``rollout=0;scorer=1;learner=1`` -> {"rollout": [0], ...}; ``0-3`` and ``0,2`` work too.
-    A ``xN`` suffix (processes per role) is read by ``parse_counts``."""
-    split = {}
-    for role, devices, _ in _parts(text):
-        cores = []
-        for piece in devices.split(","):
-            low, _, high = piece.partition("-")
-            cores += list(range(int(low), int(high or low) + 1))
-        split[role] = cores
+    A ``xN`` suffix (processes per role) is read by ``parse_counts``. ``colocate=0-1``: every role
+    on those devices (``is_colocated``)."""
+    if is_colocated(text):
+        devices = _devices(text.partition("=")[2])
+        return {role: list(devices) for role in PLANNED_ROLES}
+    split = {role: _devices(devices) for role, devices, _ in _parts(text)}
     missing = [role for role in PLANNED_ROLES if role not in split]
     if missing:
         raise ValueError(f"split {text!r} gives no devices to {', '.join(missing)}")
     return split
 
 
+def is_colocated(text: str) -> bool:
+    return text.strip().startswith(f"{COLOCATE}=")
+
+
+def _devices(text: str) -> list[int]:
+    devices = []
+    for piece in text.split(","):
+        low, _, high = piece.partition("-")
+        if not low.strip().isdigit() or (high and not high.strip().isdigit()):
+            raise ValueError(f"{text!r} is not a list of devices (0-3, 0,2)")
+        devices += list(range(int(low), int(high or low) + 1))
+    return devices
+
+
 def parse_counts(text: str) -> dict[str, int]:
     """Processes per role of a split: ``rollout=0-1x2`` -> {"rollout": 2}; 1 where not given."""
+    if is_colocated(text):
+        return {role: 1 for role in PLANNED_ROLES}
     counts = {role: int(count or 1) for role, _, count in _parts(text)}
     for role, count in counts.items():
         if count > 1 and role not in COUNT_KEYS:
@@ -90,11 +106,13 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
 
     trials = []
     for split_text, k in itertools.product(splits, staleness):
-        split, counts = parse_split(split_text), parse_counts(split_text)
-        name = f"{format_split(split, counts).replace(';', '_').replace('=', '').replace(',', '-')}_k{k}"
+        split, counts, colocated = parse_split(split_text), parse_counts(split_text), is_colocated(split_text)
+        shown = f"{COLOCATE}={','.join(map(str, split['rollout']))}" if colocated else format_split(split, counts)
+        name = f"{shown.replace(';', '_').replace('=', '').replace(',', '-')}_k{k}"
         run_dir = os.path.join(out_dir, name)
         overrides = [f"run_dir={run_dir}", f"buffer.max_staleness={k}", f"learner.total_steps={steps}",
-                     "placement.cores={}", "placement.cuda_visible_devices={}"]
+                     "placement.cores={}", "placement.cuda_visible_devices={}",
+                     f"placement.mode={'colocate' if colocated else 'split'}"]
         overrides += [f"{COUNT_KEYS[role]}={counts.get(role, 1)}" for role in PLANNED_ROLES]
         for role, devices in split.items():
             if ray is not None:  # a share of the devices for each of the role's processes (a learner: per rank)
@@ -104,13 +122,12 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
             else:
                 overrides.append(f"placement.cores.{role}=[{','.join(map(str, devices))}]")
         trial_config = load_config(None, overrides, base=config.model_dump(mode="json"))
-        log(f"sweep: {format_split(split, counts)} max_staleness {k} -> {run_dir}")
+        log(f"sweep: {shown} max_staleness {k} -> {run_dir}")
         if run_roles(trial_config, overwrite=True, ray=ray) != 0:
             raise RuntimeError(f"trial {name} failed; see {run_dir}/logs")
         profile = profile_run(run_dir)
         busy = {r.role: r.wall_s - r.seconds.get("waiting", 0.0) for r in profile.roles if r.role != "buffer"}
-        trials.append(Trial(format_split(split, counts), k, run_dir, profile.pipeline_tokens_per_s, profile.bottleneck,
-                            busy))
+        trials.append(Trial(shown, k, run_dir, profile.pipeline_tokens_per_s, profile.bottleneck, busy))
     trials.sort(key=lambda trial: -trial.tokens_per_s)
     with open(os.path.join(out_dir, "sweep.json"), "w") as file:
         json.dump([trial.__dict__ for trial in trials], file, indent=2)
@@ -175,6 +192,9 @@ def role_costs(run_dir: str) -> dict[str, tuple[int, float]]:
         placement = yaml.safe_load(file).get("placement", {})
     devices = {**placement.get("cores", {}),
                **{role: str(v).split(",") for role, v in placement.get("cuda_visible_devices", {}).items()}}
+    if placement.get("mode") == COLOCATE:  # every role had all of them (all the machine's where none is named)
+        named = {device for listed in devices.values() for device in listed}
+        devices = {role: sorted(named) or sorted(os.sched_getaffinity(0)) for role in PLANNED_ROLES}
     ray = placement.get("ray", {})
     for role, share in {**ray.get("cpus", {}), **ray.get("gpus", {})}.items():  # a trial of `tether sweep --ray`
         processes = {"rollout": "engines", "scorer": "workers", "learner": "ranks"}.get(role)
@@ -217,11 +237,24 @@ def predict(costs: dict[str, "RoleCost | float"], split: dict[str, list[int]]) -
     return 1.0 / max(load.values())
 
 
+def predict_colocated(costs: dict[str, "RoleCost | float"], devices: int) -> float:
+    """Trained tokens/s of the colocated mode (``placement.mode: colocate``): every role on all
+    ``devices``, one at a time, each turn as fast as the role is on that many. The hand-overs
+    between turns are not in it (a weight load is in the rollout's busy time already)."""
+    return 1.0 / sum((costs[role].at(devices) if isinstance(costs[role], RoleCost) else costs[role]) / devices
+                     for role in PLANNED_ROLES)
+
+
 def best_splits(costs: dict[str, "RoleCost | float"], devices: int,
                 top: int = 5) -> list[tuple[float, dict[str, list[int]]]]:
+    """The best ``top`` splits of ``devices``, predicted. Every role on every device is the
+    colocated shape, which ``predict_colocated`` rates: computing side by side there, the roles'
+    threads would crowd each other out."""
     ranges = [list(range(a, b + 1)) for a in range(devices) for b in range(a, devices)]
     scored = []
     for choice in itertools.product(ranges, repeat=len(PLANNED_ROLES)):
+        if devices > 1 and all(len(cores) == devices for cores in choice):
+            continue
         split = dict(zip(PLANNED_ROLES, choice))
         scored.append((predict(costs, split), split))
     scored.sort(key=lambda item: -item[0])

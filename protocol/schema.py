@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-SCHEMA_VERSION = 10  # 10: samples carry their images (image_bytes); 9: an episode's parts (part_indices, ...)
+# 11: turn_release (placement.mode colocate); 10: samples carry their images (image_bytes); 9: an
+# episode's parts (part_indices, ...)
+SCHEMA_VERSION = 11
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -50,6 +52,9 @@ MESSAGES: dict[str, MessageSchema] = {
     # rollout -> buffer: the weights of policy_version could not be loaded, ``failures`` times in a row;
     # the engine generates nothing until a load succeeds (the buffer names it among the stalled)
     "weights_refused": MessageSchema(fields={"policy_version": "int", "failures": "int", "reason": "str"}),
+    # rollout -> buffer (placement.mode colocate): everything granted is generated and sent, and the
+    # devices are free for the next turn (buffer.turns)
+    "turn_release": MessageSchema(fields={"policy_version": "int"}),
     # rollout -> buffer: generated, unscored samples
     "samples": MessageSchema(fields=dict(_SAMPLE_FIELDS), tensors=dict(_SAMPLE_TENSORS)),
     # rollout -> buffer: episodes that end without a sample to send (an environment failed before the
@@ -91,6 +96,7 @@ SENDERS: dict[str, tuple[str, ...]] = {
     "weights_refused": ("rollout",),
     "samples": ("rollout",),
     "episodes_dropped": ("rollout",),
+    "turn_release": ("rollout",),
     "score_request": ("scorer",),
     "scored": ("scorer",),
     "batch_request": ("learner",),

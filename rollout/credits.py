@@ -79,3 +79,40 @@ class Outbox:
         except BufferLost:  # the buffer is gone already: what is left stays unanswered
             pass
         return len(self.unacknowledged)
+
+
+class GenerateTurn:
+    """Colocated (``placement.mode: colocate``): the engine shares its devices with the scorer and
+    the learner, and a grant of credits is its turn to generate (``buffer.turns``). Once everything
+    granted is generated and sent it gives the devices back (``turn_release``); on a GPU the engine
+    sleeps first, freeing its weights' and KV cache's memory, and wakes at its next grant. Split, it
+    does nothing."""
+
+    def __init__(self, client, engine, colocated: bool) -> None:
+        self.client, self.engine, self.colocated = client, engine, colocated
+        self.held = False
+        self.asleep = False
+
+    def granted(self, grant: Message) -> None:
+        """A grant came: with credits it is this engine's turn (woken before new weights load)."""
+        if not self.colocated or not grant.fields["credits"]:
+            return
+        if self.asleep:  # unmeasured: no GPU was lent with vLLM on it (docs/benchmarks.md, "Not measured")
+            self.engine.wake_up()
+            self.asleep = False
+        self.held = True
+
+    def release(self, version: int | None) -> None:
+        """The engine ran dry: the devices go to the next turn. Past the turn's deadline the buffer
+        refuses (``RemoteError``, which stops this engine: its work went back to the pool)."""
+        if not self.held:
+            return
+        if self.engine_sleeps():  # unmeasured, as in granted
+            self.engine.sleep(level=1)
+            self.asleep = True
+        reply = self.client.request("turn_release", {"policy_version": -1 if version is None else version})
+        # 0: a grant crossed the release; the engine generates it and releases again when dry
+        self.held = reply.fields["accepted"] == 0
+
+    def engine_sleeps(self) -> bool:
+        return bool(getattr(self.engine.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))

@@ -15,7 +15,7 @@ from protocol.samples import Sample
 from protocol.transport import connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments
 from rollout.agents import agent_programs
-from rollout.credits import Credits, Outbox
+from rollout.credits import Credits, GenerateTurn, Outbox
 from rollout.engine import WeightLoads, banned_words, make_vllm_engine, sampling_params
 from rollout.environments import Environments
 from rollout.episodes import Episodes, Renderer
@@ -118,12 +118,15 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
 
     version = 0  # the policy version the engine holds; None after a failed load: no new prompt joins then
     credits, outbox = Credits(client, rollout_cfg.samples_per_prompt), Outbox(client)
+    turn = GenerateTurn(client, engine, config.colocated)
     in_flight = InFlight(engine)
     queued: list[int] = []  # prompt indices granted and not yet started (waiting for a whole version)
     period = RolloutPeriod(time.monotonic())
     while True:
         # 1. credits: asked for while the engine has room, waited for only when it has nothing to do
         busy = bool(in_flight) or source.active > 0  # generating, or episodes waiting on their environment
+        if not busy and not queued:
+            turn.release(version)  # colocated: all it was granted is sent, the devices go to the next role
         grant = take_grant(credits, version, rollout_cfg.prompts_per_generate - source.active - len(queued), busy,
                            weights.retry_at, period)
         if grant is not None:
@@ -131,6 +134,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
                 break
             # positions in the run's prompt stream, each handed out once; a newer version may generate them
             queued += grant.fields["prompt_indices"]
+            turn.granted(grant)
             if version is None or grant.fields["policy_version"] > version:
                 sync_started = time.monotonic()
                 version = weights.load(grant, client)

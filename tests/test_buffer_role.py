@@ -1,6 +1,7 @@
 """The buffer role over real ZeroMQ sockets: credits, dispatch, batches, weights, stop; bad
 messages refused while it keeps serving."""
 
+import time
 
 import msgpack
 import numpy as np
@@ -11,7 +12,7 @@ from common.runlog import read_metrics
 from protocol.codec import decode
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SCHEMA_VERSION
-from protocol.transport import BufferClient, BufferUnreachable
+from protocol.transport import BufferClient, BufferUnreachable, RemoteError
 from tests.helpers import random_sample, start_buffer
 
 pytestmark = pytest.mark.buffer_overrides("buffer.max_staleness=0", "transport.max_frame_bytes=65536")
@@ -20,7 +21,7 @@ pytestmark = pytest.mark.buffer_overrides("buffer.max_staleness=0", "transport.m
 def client(config, role):
     c = BufferClient(config.buffer_address, role, "0")
     welcome = c.connect(retries=20, interval_s=0.5)
-    assert welcome.fields["batch_size"] == 2 and welcome.fields["max_staleness"] == 0
+    assert welcome.fields["batch_size"] == 2 and welcome.fields["max_staleness"] == config.buffer.max_staleness
     return c
 
 
@@ -83,6 +84,70 @@ def test_buffer_serves_a_synchronous_step_and_stops_everyone(buffer_role):
     assert result["dropped"] == {"after_finish": 2} and result["staleness_violations"] == 0
     final = read_metrics(config.run_dir, "buffer")[-1]  # the buffer's last record is its final state
     assert (final["step"], final["generated"], final["trained"]) == (1, result["generated"], result["trained"])
+
+
+def _generated(*indices: int, version: int = 0) -> list:
+    samples = [random_sample(i) for i in indices]
+    for sample in samples:
+        sample.behavior_version = sample.last_behavior_version = version
+    return samples
+
+
+def _scored(work: list) -> list:
+    for sample in work:
+        sample.ref_logprobs = np.full(len(sample.response_tokens), -1.0, np.float32)
+        sample.reward = 1.0
+    return work
+
+
+@pytest.mark.buffer_overrides("buffer.max_staleness=1", "transport.max_frame_bytes=65536", "placement.mode=colocate",
+                              "placement.turn_deadline_s=2")
+def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buffer_role):
+    """placement.mode colocate: generate, score and train one after the other, each turn granted by
+    the buffer's own answers; an engine that keeps its turn past placement.turn_deadline_s is
+    refused, and what it held goes back to the pool."""
+    config, result, thread = buffer_role
+    rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
+    held_batch = learner.send("batch_request", {"policy_version": 0, "batch_size": 2, "max_staleness": 1})
+    held_work = scorer.send("score_request", {"max_samples": 8})
+    assert rollout.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [0, 1]
+    assert rollout.request("samples", *pack_samples(_generated(0, 1))).fields["accepted"] == 2
+    # the engine holds the devices until it says it ran dry: its samples wait unscored meanwhile
+    assert scorer.reply_to(held_work, "score_request", 0.5) is None
+
+    assert rollout.request("turn_release", {"policy_version": 0}).fields["accepted"] == 1
+    work = scorer.wait(held_work)
+    assert [sample.sample_id for sample in unpack_samples(work)] == ["s0", "s1"]
+    # k = 1 allows a second batch of credits, but not while the scorer holds the devices
+    held_credits = rollout.send("credit_request", {"policy_version": 0, "wanted": 2})
+    assert rollout.reply_to(held_credits, "credit_request", 0.5) is None
+    assert learner.reply_to(held_batch, "batch_request", 0.1) is None
+    assert scorer.request("scored", *pack_samples(_scored(unpack_samples(work)), scored=True)).fields["accepted"] == 2
+    # scored: the batch goes first (training), and the credits wait for its weights
+    assert [sample.sample_id for sample in unpack_samples(learner.wait(held_batch))] == ["s0", "s1"]
+    assert rollout.reply_to(held_credits, "credit_request", 0.5) is None
+    manifest = {"policy_version": 1, "buckets": [{"index": 0, "nbytes": 8, "checksum": "ab", "path": "/dev/shm/b0",
+                                                  "tensors": [["w", "float32", [2], 0]]}]}
+    learner.request("weights_published", {"policy_version": 1, "weights_manifest": manifest})
+    grant = rollout.wait(held_credits)
+    assert grant.fields["prompt_indices"] == [2, 3] and grant.fields["policy_version"] == 1
+
+    # this engine keeps the devices past the deadline: named, its credits and prompts go back,
+    # and its late release is refused (it stops; a new process of it starts clean)
+    time.sleep(2.5)
+    with pytest.raises(RemoteError, match=r"rollout:0 held the generate turn for \ds, past placement.turn_deadline_s"):
+        rollout.request("turn_release", {"policy_version": 1})
+    restarted = BufferClient(config.buffer_address, "rollout", "0")
+    restarted.connect(retries=5, interval_s=0.5)
+    regrant = restarted.request("credit_request", {"policy_version": 1, "wanted": 2})
+    assert regrant.fields["prompt_indices"] == [2, 3]  # the prompts it never generated, to the new process
+    assert restarted.request("turn_release", {"policy_version": 1}).fields["accepted"] == 0  # it owes them
+    learner.request("finish", {"policy_version": 1})
+    assert restarted.request("credit_request", {"policy_version": 1, "wanted": 2}).fields["stop"] is True
+    assert scorer.request("score_request", {"max_samples": 8}).fields["stop"] is True
+    thread.join(timeout=10)
+    assert result["identity_holds"] and result["credits_returned"] == 2
+    assert read_metrics(config.run_dir, "buffer")[-1]["turns_generate"] == 3
 
 
 def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):

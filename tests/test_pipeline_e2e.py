@@ -24,7 +24,7 @@ def write_config(tmp_path, assets, **sections):
     config = base_config(tmp_path, assets, **sections)
     config.setdefault("rollout", {}).update(max_new_tokens=6, prompts_per_generate=16, max_model_len=64)
     config.setdefault("learner", {}).update(batch_size=BATCH, minibatch_size=8, ppo_epochs=1)
-    config["placement"] = dict(TWO_CORES)
+    config["placement"] = {**TWO_CORES, **config.get("placement", {})}  # a test may name the mode
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path, config["run_dir"]
@@ -263,13 +263,16 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     `tether run --resume` continues from the newest checkpoint (state-2 or state-4) with the buffer's
     samples and accounting of that moment, and finishes 4 steps past it with the identity holding
     and nothing dropped. The learner that is killed has 2 ranks under ZeRO-2: each rank's partition
-    comes back from the checkpoint. The first run is one that cannot end before the kill (1000
+    comes back from the checkpoint; its run is colocated (placement.mode colocate), and the turn it
+    may have held is not part of the checkpoint: the resumed run takes turns from the start. The
+    first run is one that cannot end before the kill (1000
     steps, ~5 minutes): at 6 it finished between the test seeing step 3 and its kill."""
     import signal
     import time
 
     ranks = {"ranks": 2, "zero_stage": 2} if victim == "learner" else {}
-    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": 1000, "checkpoint_every": 2, **ranks})
+    path, run_dir = write_config(tmp_path, tiny_assets, learner={"total_steps": 1000, "checkpoint_every": 2, **ranks},
+                                 placement={"mode": "colocate" if victim == "learner" else "split"})
     run = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "--config", str(path)], cwd=REPO,
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 240
@@ -306,6 +309,7 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
         partitions = os.listdir(os.path.join(newest, "actor", "state"))
         assert sum("optim_states" in name for name in partitions) == 2, partitions
         assert all(r["ranks"] == 2 for r in read_metrics(run_dir, "learner"))
+        assert read_metrics(run_dir, "buffer")[-1]["turns_train"] == 4  # the resumed run took turns
 
 
 def test_an_evaluation_past_its_deadline_is_stopped_and_its_export_removed(tmp_path, tiny_assets):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from launch.sweep import best_splits, parse_split, predict
+from launch.sweep import RoleCost, best_splits, parse_split, predict, predict_colocated
 
 
 def test_parse_split():
@@ -13,6 +13,10 @@ def test_parse_split():
         parse_split("rollout=0;scorer=1")
     with pytest.raises(ValueError, match="critic=1"):
         parse_split("rollout=0;scorer=1;learner=1;critic=1")
+    # the colocated mode: every role on the same devices, one process each
+    assert parse_split("colocate=0-1") == {"rollout": [0, 1], "scorer": [0, 1], "learner": [0, 1]}
+    with pytest.raises(ValueError, match="not a list of devices"):
+        parse_split("colocate=all")
 
 
 def test_predict_shares_devices_and_scales_roles():
@@ -28,9 +32,14 @@ def test_predict_shares_devices_and_scales_roles():
 def test_best_split_for_two_devices_balances_the_load():
     costs = {"rollout": 1e-3, "scorer": 0.5e-3, "learner": 2e-3}
     ranked = best_splits(costs, devices=2, top=100)
-    rate, split = ranked[0]
-    # with perfect scaling the total 3.5 ms spread over two devices is the floor: 1.75 ms a token
-    assert rate == pytest.approx(1 / 1.75e-3)
+    # with perfect scaling the total 3.5 ms spread over two devices is the floor, 1.75 ms a token:
+    # every role on both devices, taking turns (the colocated mode, rated apart from the splits)
+    assert predict_colocated(costs, 2) == pytest.approx(1 / 1.75e-3)
+    assert all(not all(len(s[role]) == 2 for role in s) for _, s in ranked)
+    assert ranked[0][0] == pytest.approx(1 / 2e-3)
+    # measured scaling: the learner 80% efficient on two devices costs the colocated mode its lead
+    slower = {**costs, "learner": RoleCost({1: 2e-3, 2: 2.5e-3})}
+    assert predict_colocated(slower, 2) == pytest.approx(1 / 2e-3)
     rates = {(tuple(s["rollout"]), tuple(s["scorer"]), tuple(s["learner"])): r for r, s in ranked}
     assert rates[((0,), (0,), (1,))] == pytest.approx(1 / 2e-3)  # learner alone: core 1 is busiest
     assert rates[((0,), (1,), (0,))] == pytest.approx(1 / 3e-3)  # rollout + learner share core 0
@@ -50,8 +59,6 @@ def test_a_split_names_processes_per_role():
 
 
 def test_the_plan_scales_a_role_as_it_was_measured_to_scale():
-    from launch.sweep import RoleCost
-
     # measured: 2 ms per token on one device, 2.5 device-ms on two (80% efficient)
     learner = RoleCost({1: 2e-3, 2: 2.5e-3})
     assert learner.at(1) == pytest.approx(2e-3) and learner.at(2) == pytest.approx(2.5e-3)
