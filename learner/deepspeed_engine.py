@@ -148,3 +148,44 @@ def full_parameters(engine) -> Iterator[nn.Module]:
             yield engine.module
     else:
         yield engine.module
+
+
+def offload_optimizer(engine) -> None:
+    """Colocated on a GPU (``placement.mode: colocate``): while the engine generates, what only the
+    optimizer step needs goes to host memory. Under ZeRO that is DeepSpeed's own offload of the
+    fp32 master weights, Adam's moments and the gradients' buffers; without ZeRO, Adam's moments
+    (the fp32 weights DeepSpeed keeps for a bf16 model stay). The weights themselves stay: they are
+    published and read as they are. On the CPU there is nothing to free."""
+    if engine.zero_optimization_stage() > 0:
+        from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as State
+
+        engine.offload_states(include={State.optim_states, State.hp_params, State.lp_grads,
+                                       State.contiguous_grad_buffer})
+    else:
+        # into pinned host buffers made at the first offload and kept: a copy from pageable memory
+        # took 0.85 s for 1.2 GiB on an H100 (bench/colocate_gpu.py)
+        buffers = engine.__dict__.setdefault("optimizer_host_buffers", {})
+        moved = []
+        for parameter, state in engine.basic_optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.is_cuda:
+                    host = buffers.get((parameter, key))
+                    if host is None:
+                        host = buffers[(parameter, key)] = torch.empty_like(value, device="cpu", pin_memory=True)
+                    host.copy_(value, non_blocking=True)
+                    state[key] = host
+                    moved.append((state, key, value.device))
+        torch.cuda.synchronize()  # the copies are done before the memory is given up
+        engine.offloaded_optimizer_state = moved
+    torch.cuda.empty_cache()
+
+
+def reload_optimizer(engine) -> None:
+    """What ``offload_optimizer`` moved, back where it was, before the next step."""
+    if engine.zero_optimization_stage() > 0:
+        if getattr(engine.optimizer, "offloaded_states", None):
+            engine.reload_states()
+        return
+    for state, key, device in getattr(engine, "offloaded_optimizer_state", []):
+        state[key] = state[key].to(device, non_blocking=True)  # the host buffer stays, for the next offload
+    engine.offloaded_optimizer_state = []

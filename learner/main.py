@@ -158,7 +158,7 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     config = resolve_models(config, "learner")
     torch.manual_seed(config.seed)
     from learner.checkpoints import load_state, save_hf_checkpoint, save_state
-    from learner.deepspeed_engine import snapshot_weights
+    from learner.deepspeed_engine import offload_optimizer, reload_optimizer, snapshot_weights
     from learner.optimizer_step import SkippedSteps
     from learner.publish import WeightPublisher
     from learner.replay import BatchRecorder, RecordedBuffer
@@ -206,11 +206,16 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     run_started, first_version = time.monotonic(), policy_version
     stop = StopSignal()
     snapshot = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
+    # colocated on a GPU the engine generates in the memory the optimizer's state leaves between steps
+    engines = [engine for engine in (actor, critic) if engine is not None]
+    offloads = config.colocated and parallel.device().type == "cuda"
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
         max_staleness = staleness.k  # the batch's k: the buffer serves no sample older
         reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop, max_staleness)
         if reply is None:
+            for engine in engines:  # the optimizer's state is saved from where it trains
+                reload_optimizer(engine)
             saved = save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
                                staleness=staleness)
             message = (f"got {signal_name(stop.number)} at policy version {policy_version}: saved {saved}; "
@@ -235,10 +240,16 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
         if (staleness.k and cfg.behavior_gap_every
                 and (policy_version + 1) % cfg.behavior_gap_every == 0):  # its samples come in the next batches
             snapshot = (policy_version, snapshot_weights(actor))
+        if offloads:  # unmeasured with vLLM beside it (docs/benchmarks.md, "Not measured")
+            for engine in engines:
+                reload_optimizer(engine)
         try:
             stats = ppo_step(actor, critic, samples, batch, config, policy_version, kl_controller.value, carry)
         except FloatingPointError as error:
             stop_on_nonfinite(error, actor, config, policy_version, metrics, log)
+        if offloads:  # before the weights are published: that ends the learner's turn
+            for engine in engines:
+                offload_optimizer(engine)
         stats["skipped_steps_total"] = carry.skipped.total
         if stats["behavior_logprob_gap"] is None:
             stats["behavior_logprob_gap"] = gap
@@ -264,8 +275,12 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
                                os.path.join(checkpoints, f"eval-step-{policy_version:06d}"))
         if cfg.checkpoint_every and policy_version % cfg.checkpoint_every == 0 and policy_version < cfg.total_steps:
             save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"step-{policy_version:06d}"))
+            for engine in engines:
+                reload_optimizer(engine)
             save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
                        staleness=staleness)
+            for engine in engines if offloads else ():
+                offload_optimizer(engine)
 
     final = save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, "final"))
     if main:

@@ -69,6 +69,9 @@ def engine_settings(config: TetherConfig, worker_index: int, cuda: bool) -> tupl
     )
     if cuda:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
         arguments["gpu_memory_utilization"] = rollout.gpu_memory_utilization
+        # colocated, the engine sleeps between its turns (rollout.credits.GenerateTurn), freeing the
+        # GPU memory for the scorer and the learner; vLLM refuses sleep mode on the CPU
+        arguments["enable_sleep_mode"] = config.colocated
     else:
         arguments["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
         cores = config.cores_of("rollout", worker_index)
