@@ -9,6 +9,10 @@ round after round, because this machine's speed drifts between minutes:
 - ``shared-cores``: every role on both cores (issue 37's colocated shape without its turns: each
   role may use every core, and they run side by side); ``shared-cores-passive`` the same with
   ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at once when they wait, instead of spinning);
+- ``colocate``: ``placement.mode=colocate``, the rollout, scorer and learner on both cores taking
+  the turns the buffer grants; ``colocate-passive`` the same with ``GOMP_SPINCOUNT=0`` (idle
+  OpenMP workers sleep at once, as OMP_WAIT_POLICY=PASSIVE alone makes them); ``default-k0`` and
+  ``colocate-k0`` both at ``buffer.max_staleness=0``;
 - ``--baseline DIR``: another checkout of tether (a git worktree of an older commit) run the same
   way, for a before/after. Its roles may write no phases: then only the totals are shown.
 
@@ -63,7 +67,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", help="another tether checkout to time the same way (before/after)")
     parser.add_argument("--variants", default="default,engine-processes",
-                        help="of default, engine-processes, shared-cores, shared-cores-passive; comma-separated")
+                        help="of default, engine-processes, shared-cores, shared-cores-passive, colocate, "
+                             "colocate-passive, default-k0, colocate-k0; comma-separated")
     args = parser.parse_args()
 
     from demos.parity import build_assets
@@ -73,9 +78,14 @@ def main() -> None:
     build_assets(assets, log=lambda *_: None)  # cached after the first time
     shared = [f"placement.cores.{role}=[0,1]" for role in ("buffer", "rollout", "scorer", "learner")]
     known = {"default": [], "engine-processes": ["rollout.in_process=false"], "shared-cores": shared,
-             "shared-cores-passive": shared}
+             "shared-cores-passive": shared, "colocate": ["placement.mode=colocate"],
+             "colocate-passive": ["placement.mode=colocate"],
+             "default-k0": ["buffer.max_staleness=0"],
+             "colocate-k0": ["placement.mode=colocate", "buffer.max_staleness=0"]}
     variants = [(name, REPO, known[name]) for name in args.variants.split(",")]
-    environments = {"shared-cores-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
+    environments = {"shared-cores-passive": {"OMP_WAIT_POLICY": "PASSIVE"},
+                    # the colocated roles' OpenMP workers without their short spin: sleeping at once
+                    "colocate-passive": {"GOMP_SPINCOUNT": "0"}}
     if args.baseline:
         variants.append(("baseline", os.path.abspath(args.baseline), []))
     work = tempfile.mkdtemp(prefix="tether-bench-startup-")

@@ -52,6 +52,9 @@ class LocalProcess:
         return _group_alive(self.pid)
 
 
+COLOCATED_SPINCOUNT = 10_000  # spins of an idle OpenMP worker before it sleeps, colocated (bench/startup.py)
+
+
 def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, str]:
     env = dict(os.environ)
     # `tether run` starts the learner's ranks with torch.distributed's launcher: a rendezvous
@@ -65,9 +68,13 @@ def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, s
         env["OMP_NUM_THREADS"] = str(max(1, len(cores) // processes))
     if config.colocated:
         # a role waiting for its turn must leave the cores to the one computing: OpenMP's workers
-        # spin between parallel regions by default, which made colocated roles 2.7 times slower
-        # here (docs/proposals/issue-37-colocate.md); passive, they sleep
-        env["OMP_WAIT_POLICY"] = "PASSIVE"
+        # spin 300,000 times after a parallel region by default, which made roles sharing cores 2.7
+        # times slower here (docs/proposals/issue-37-colocate.md). Passive, they sleep at once,
+        # and waking them for every op made a small matmul 2.1 times slower than spinning; a short
+        # spin (GNU OpenMP's count, which overrides the policy's 0) keeps both. The caller's
+        # environment wins.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        env.setdefault("GOMP_SPINCOUNT", str(COLOCATED_SPINCOUNT))
     devices = config.cuda_devices_of(role, worker_index)
     if devices is not None:
         env["CUDA_VISIBLE_DEVICES"] = devices

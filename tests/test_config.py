@@ -173,6 +173,26 @@ def test_a_role_s_devices_are_split_between_its_processes():
     assert config.cuda_devices_of("scorer", 0) is None
 
 
+def test_colocated_every_role_has_every_device_named_and_waits_passively():
+    from common.config import load_config
+    from launch.runner import _role_env
+
+    config = load_config(None, ["placement.mode=colocate", "placement.cores.buffer=[0]", "placement.cores.rollout=[0]",
+                                "placement.cores.scorer=[1]", "placement.cores.learner=[1]", "rollout.engines=2",
+                                "placement.cuda_visible_devices.rollout='0'",
+                                "placement.cuda_visible_devices.learner='1'"],
+                         base={"models": {"policy": "p", "reward": "r"}, "data": {"prompts": "d"}})
+    assert [config.cores_of(role) for role in ("rollout", "scorer", "learner")] == [[0], [0, 1], [0, 1]]
+    assert config.cores_of("rollout", 1) == [1]  # the pool's engines split them, as split does
+    assert config.cores_of("buffer") == [0]  # the buffer takes no turns: it answers them
+    assert config.cuda_devices_of("scorer") == "0,1" and config.cuda_devices_of("learner") == "0,1"
+    env = _role_env(config, "learner", 0)
+    assert (env["OMP_WAIT_POLICY"], env["GOMP_SPINCOUNT"], env["OMP_NUM_THREADS"]) == ("PASSIVE", "10000", "2")
+    split = load_config(None, ["placement.cores.learner=[1]"],
+                        base={"models": {"policy": "p", "reward": "r"}, "data": {"prompts": "d"}})
+    assert split.cores_of("learner") == [1] and "OMP_WAIT_POLICY" not in _role_env(split, "learner", 0)
+
+
 def test_the_minibatch_must_split_evenly_between_learner_ranks():
     import pytest
 

@@ -265,8 +265,8 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     and nothing dropped. The learner that is killed has 2 ranks under ZeRO-2: each rank's partition
     comes back from the checkpoint; its run is colocated (placement.mode colocate), and the turn it
     may have held is not part of the checkpoint: the resumed run takes turns from the start. The
-    first run is one that cannot end before the kill (1000
-    steps, ~5 minutes): at 6 it finished between the test seeing step 3 and its kill."""
+    first run is one that cannot end before the kill (1000 steps, ~5 minutes): at 6 it finished
+    between the test seeing step 3 and its kill."""
     import signal
     import time
 
