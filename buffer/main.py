@@ -302,6 +302,12 @@ class Buffer:
             return False
         return turns.may(purpose)
 
+    def _grant(self, purpose: str, wait: Pending) -> None:
+        """Colocated, work handed out is its worker's turn; after the last step turns are over
+        (what is still scored or sent then is counted, never trained)."""
+        if self.turns is not None and not self.state.finished:
+            self.turns.grant(purpose, self.workers[wait.identity], time.monotonic())
+
     def answer_credits(self, wait: Pending) -> bool:
         state = self.state
         if not self._turn_allows("generate"):
@@ -312,8 +318,8 @@ class Buffer:
         newer_weights = state.policy_version > wait.policy_version and state.weights_manifest is not None
         if not indices and not state.finished and not newer_weights:
             return False  # nothing to grant and no weights to give (a resumed learner republishes them)
-        if indices and self.turns is not None:
-            self.turns.grant("generate", self.workers[wait.identity], time.monotonic())
+        if indices:
+            self._grant("generate", wait)
         self.server.reply(wait.identity, wait.request_id, "credits", {
             "credits": len(indices) * state.samples_per_prompt, "prompt_indices": indices,
             "policy_version": state.policy_version, "weights_manifest": state.weights_manifest,
@@ -330,8 +336,8 @@ class Buffer:
                                            self.config.scorer.deadline_s)
         if not work and not self.state.finished:
             return False
-        if work and self.turns is not None:
-            self.turns.grant("score", self.workers[wait.identity], time.monotonic())
+        if work:
+            self._grant("score", wait)
         fields, tensors = pack_samples(work)
         self.server.reply(wait.identity, wait.request_id, "score_work", {**fields, "stop": not work}, tensors)
         if not work:
@@ -344,8 +350,7 @@ class Buffer:
         batch = self.state.take_batch(wait.policy_version, wait.amount)
         if batch is None:
             return False
-        if self.turns is not None:
-            self.turns.grant("train", self.workers[wait.identity], time.monotonic())
+        self._grant("train", wait)
         fields, tensors = pack_samples(batch, scored=True)
         self.server.reply(wait.identity, wait.request_id, "batch", {**fields, "stop": False}, tensors)
         return True

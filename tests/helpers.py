@@ -126,9 +126,11 @@ def tether(*args, timeout=400):
                           timeout=timeout)
 
 
-def run_to_the_end(tmp_path, config):
-    """`tether run` of a config dict, the roles placed on this machine's two cores; it must succeed."""
-    config["placement"] = dict(TWO_CORES)
+def run_to_the_end(tmp_path, config, mode: str = "split"):
+    """`tether run` of a config dict, the roles placed on this machine's two cores (split: the
+    rollout on one, the scorer and learner on the other; colocate: all three on both, taking
+    turns); it must succeed."""
+    config["placement"] = {**TWO_CORES, "mode": mode}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     result = tether("run", "--config", str(path))

@@ -68,11 +68,13 @@ def test_episodes_at_k0_train_exactly_what_vllm_sampled(tmp_path, agent_assets):
 
 
 @pytest.mark.slow
-def test_the_agent_demo_runs_on_two_engines_one_version_off_policy(tmp_path, agent_assets):
-    """k = 1 and two rollout engines: both generate episodes, the run ends, every episode is
+def test_the_agent_demo_runs_colocated_on_two_engines_one_version_off_policy(tmp_path, agent_assets):
+    """k = 1 and two rollout engines, colocated (placement.mode colocate): both engines generate
+    episodes in the same generate turns, each on a core of its own, and the turn ends only when both
+    have sent every episode they were granted, tool calls and all. The run ends, every episode is
     accounted for and none trained past the bound."""
     config = agent_config(tmp_path, agent_assets, rollout={"engines": 2}, buffer={"max_staleness": 1})
-    run_to_the_end(tmp_path, config)
+    run_to_the_end(tmp_path, config, mode="colocate")
     for engine in ("rollout0", "rollout1"):
         assert sum(r.get("episodes", 0) for r in read_metrics(config["run_dir"], engine)) > 0, engine
     with open(os.path.join(config["run_dir"], "metrics", "buffer_accounting.json")) as file:
@@ -81,6 +83,8 @@ def test_the_agent_demo_runs_on_two_engines_one_version_off_policy(tmp_path, age
     assert accounting["trained"] == STEPS * 16 and set(accounting["staleness_histogram"]) <= {"0", "1"}
     steps = read_metrics(config["run_dir"], "learner")
     assert [record["step"] for record in steps] == list(range(1, STEPS + 1))
+    buffer = read_metrics(config["run_dir"], "buffer")[-1]
+    assert buffer["turns_train"] == STEPS and buffer["turns_generate"] >= STEPS // 2, buffer
 
 
 @pytest.mark.slow

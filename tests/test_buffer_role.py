@@ -142,7 +142,11 @@ def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buff
     regrant = restarted.request("credit_request", {"policy_version": 1, "wanted": 2})
     assert regrant.fields["prompt_indices"] == [2, 3]  # the prompts it never generated, to the new process
     assert restarted.request("turn_release", {"policy_version": 1}).fields["accepted"] == 0  # it owes them
+    assert restarted.request("samples", *pack_samples(_generated(2, 3, version=1))).fields["accepted"] == 2
     learner.request("finish", {"policy_version": 1})
+    # after the last step no turn holds anything back: what is left is scored (counted, never trained)
+    # although the engine never released its turn
+    assert len(unpack_samples(scorer.request("score_request", {"max_samples": 8}))) == 2
     assert restarted.request("credit_request", {"policy_version": 1, "wanted": 2}).fields["stop"] is True
     assert scorer.request("score_request", {"max_samples": 8}).fields["stop"] is True
     thread.join(timeout=10)

@@ -275,6 +275,7 @@ def test_a_sweep_runs_its_trials_on_the_cluster_and_plans_from_them(tmp_path, ti
                                                                    "learner": 1.0}
     plan = tether("plan", trial["run_dir"], "--devices", "2", timeout=120)
     assert plan.returncode == 0 and "predicted" in plan.stdout, plan.stdout + plan.stderr
+    assert "colocated (placement.mode colocate" in plan.stdout and "would run: " in plan.stdout, plan.stdout
 
 
 @pytest.mark.slow
