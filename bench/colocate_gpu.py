@@ -6,7 +6,9 @@ For each ZeRO stage given: two DeepSpeed engines from the same weights take the 
 the same data; one offloads after every step and reloads before the next. Printed: the GPU memory
 allocated before and after each offload (what the engine may use meanwhile), the time of an offload
 and of a reload, and the largest weight difference between the two engines after the steps, which
-must be 0: the offload moves the state, it does not change it.
+must be 0: the offload moves the state, it does not change it. Then the offloaded engine's
+checkpoint, saved with its state on the host as the colocated learner saves it, is resumed into a
+new engine that offloads at once, and one more step of it must equal the kept engine's.
 
     python bench/colocate_gpu.py --stages 0,1 --steps 3
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from types import SimpleNamespace
 
@@ -35,24 +38,29 @@ def model(hidden: int, layers: int, vocab: int):
     return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
 
 
-def train(stage: int, steps: int, offload: bool, args) -> tuple[list, list[dict]]:
-    """The engine's trainable weights after ``steps`` steps (on the CPU), and per step the memory
-    and times of its offload and reload."""
-    import torch
-
-    from learner.deepspeed_engine import deepspeed_engine, offload_optimizer, reload_optimizer
+def engine_of(stage: int, args):
+    from learner.deepspeed_engine import deepspeed_engine
 
     learner = SimpleNamespace(zero_stage=stage, grad_clip=1.0, weight_decay=0.0, gradient_checkpointing=False)
-    engine = deepspeed_engine(model(args.hidden, args.layers, args.vocab).cuda(), 1e-4, learner, "bfloat16",
-                              args.batch)
-    generator = torch.Generator().manual_seed(1)
+    return deepspeed_engine(model(args.hidden, args.layers, args.vocab).cuda(), 1e-4, learner, "bfloat16", args.batch)
+
+
+def train(engine, steps: range, offload: bool, args) -> list[dict]:
+    """Steps ``steps`` (each on its own seeded batch) of ``engine``; with ``offload`` the state is
+    reloaded before each and offloaded after it, as the colocated learner does. Per step: the memory
+    and times of the offload and reload."""
+    import torch
+
+    from learner.deepspeed_engine import offload_optimizer, reload_optimizer
+
     figures = []
-    for _ in range(steps):
+    for step in steps:
         reloaded_at = time.perf_counter()
         if offload:
             reload_optimizer(engine)
         torch.cuda.synchronize()
         reload_s = time.perf_counter() - reloaded_at
+        generator = torch.Generator().manual_seed(1000 + step)
         ids = torch.randint(0, args.vocab, (args.batch, args.length), generator=generator).cuda()
         loss = engine(input_ids=ids, labels=ids).loss
         engine.backward(loss)
@@ -65,10 +73,49 @@ def train(stage: int, steps: int, offload: bool, args) -> tuple[list, list[dict]
         torch.cuda.synchronize()
         figures.append({"allocated_before": before, "allocated_after": torch.cuda.memory_allocated(),
                         "offload_s": time.perf_counter() - offloaded_at, "reload_s": reload_s})
-    weights = [p.detach().float().cpu() for p in engine.module.parameters()]
-    del engine
+    return figures
+
+
+def weights(engine) -> list:
+    return [p.detach().float().cpu() for p in engine.module.parameters()]
+
+
+def largest_gap(a: list, b: list) -> float:
+    return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+def compare(stage: int, args, directory: str) -> None:
+    """Kept on the GPU against offloaded between steps; then the offloaded engine's checkpoint,
+    saved with its state on the host (as the colocated learner saves), resumed into a new engine
+    that offloads at once, and one more step on both."""
+    import torch
+
+    from learner.deepspeed_engine import offload_optimizer
+
+    kept = engine_of(stage, args)
+    train(kept, range(args.steps), False, args)
+    offloaded = engine_of(stage, args)
+    figures = train(offloaded, range(args.steps), True, args)
+    gap = largest_gap(weights(kept), weights(offloaded))
+    for step, figure in enumerate(figures, 1):
+        print(f"ZeRO-{stage} step {step}: GPU memory allocated {figure['allocated_before'] / 2**20:,.0f} MiB "
+              f"-> {figure['allocated_after'] / 2**20:,.0f} MiB after the offload "
+              f"({figure['offload_s'] * 1000:.0f} ms); reload before it {figure['reload_s'] * 1000:.0f} ms")
+    print(f"ZeRO-{stage}: largest weight difference after {args.steps} steps, offloaded vs kept: {gap:g} "
+          f"(limit 0) -> {'ok' if gap == 0 else 'DIFFERENT'}")
+    offloaded.save_checkpoint(os.path.join(directory, f"zero{stage}"), tag="state")
+    del offloaded
     torch.cuda.empty_cache()
-    return weights, figures
+    resumed = engine_of(stage, args)
+    resumed.load_checkpoint(os.path.join(directory, f"zero{stage}"), tag="state")
+    offload_optimizer(resumed)
+    train(resumed, range(args.steps, args.steps + 1), True, args)
+    train(kept, range(args.steps, args.steps + 1), False, args)
+    gap = largest_gap(weights(kept), weights(resumed))
+    print(f"ZeRO-{stage}: saved with the state offloaded, resumed and offloaded, one more step: largest weight "
+          f"difference to the kept engine {gap:g} (limit 0) -> {'ok' if gap == 0 else 'DIFFERENT'}")
+    del kept, resumed
+    torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -88,16 +135,9 @@ def main() -> None:
     os.environ.update({"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29533")})
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    directory = tempfile.mkdtemp(prefix="tether-colocate-gpu-")
     for stage in (int(s) for s in args.stages.split(",")):
-        kept, _ = train(stage, args.steps, False, args)
-        offloaded, figures = train(stage, args.steps, True, args)
-        gap = max(float((a - b).abs().max()) for a, b in zip(kept, offloaded))
-        for step, figure in enumerate(figures, 1):
-            print(f"ZeRO-{stage} step {step}: GPU memory allocated {figure['allocated_before'] / 2**20:,.0f} MiB "
-                  f"-> {figure['allocated_after'] / 2**20:,.0f} MiB after the offload "
-                  f"({figure['offload_s'] * 1000:.0f} ms); reload before it {figure['reload_s'] * 1000:.0f} ms")
-        print(f"ZeRO-{stage}: largest weight difference after {args.steps} steps, offloaded vs kept: {gap:g} "
-              f"(limit 0) -> {'ok' if gap == 0 else 'DIFFERENT'}")
+        compare(stage, args, directory)
 
 
 if __name__ == "__main__":

@@ -106,6 +106,8 @@ class Buffer:
                     self.log.warning("%d samples passed their scoring deadline of %.0fs; sending them again",
                                      expired, self.config.scorer.deadline_s)
                 if self.turns is not None:
+                    if expired:  # a scorer whose samples went to another holds nothing now
+                        self.release_idle_scorers()
                     self.end_overdue_turn(time.monotonic())
                 self.serve_waiting()
                 if received is not None:
@@ -312,14 +314,17 @@ class Buffer:
         state = self.state
         if not self._turn_allows("generate"):
             return False
+        refusal = self.turns.refusal(self.workers[wait.identity]) if self.turns is not None else None
+        if refusal is not None:  # an engine past its turn's deadline gets no other: it stops, a new process starts
+            self.server.reply(wait.identity, wait.request_id, "error", {"reason": refusal})
+            return True
         engines = sum(worker.startswith("rollout:") for worker in self.workers.values())
         indices = [] if state.finished else state.credits_for(self.workers[wait.identity], wait.policy_version,
                                                               wait.amount, engines)
         newer_weights = state.policy_version > wait.policy_version and state.weights_manifest is not None
         if not indices and not state.finished and not newer_weights:
             return False  # nothing to grant and no weights to give (a resumed learner republishes them)
-        if indices:
-            self._grant("generate", wait)
+        self._grant("generate", wait)  # credits, or newer weights alone: loading them is the engine's work too
         self.server.reply(wait.identity, wait.request_id, "credits", {
             "credits": len(indices) * state.samples_per_prompt, "prompt_indices": indices,
             "policy_version": state.policy_version, "weights_manifest": state.weights_manifest,
@@ -394,6 +399,12 @@ class Buffer:
                 self.log.warning("%s holds credits and has been silent for %.0fs (rollout.deadline_s %.0f): "
                                  "taken for dead, %d credits and their prompts go to the pool", worker, silent,
                                  self.config.rollout.deadline_s, reclaimed)
+
+    def release_idle_scorers(self) -> None:
+        turn = self.turns.turn
+        if turn is not None and turn.purpose == "score":
+            for worker in [worker for worker in turn.holders if not self.state.scorer_load[worker]]:
+                self.turns.release(worker)
 
     def end_overdue_turn(self, now: float) -> None:
         """A turn held past placement.turn_deadline_s: named in an error; what its holders held goes

@@ -13,8 +13,10 @@ generation: generation, scoring and training of one batch follow each other, and
 rule decides, as ever, how much one generate turn may grant (up to ``k + 1`` batches).
 
 A turn held past ``placement.turn_deadline_s`` is named in an error; its holders' work goes back to
-the pool (an engine's credits, a scorer's samples) and their late release is refused, so a role
-that does not give the devices back stops with that error instead of hanging the run.
+the pool (an engine's credits, a scorer's samples). An engine's late release and a learner's late
+weights are refused, and such an engine gets no other grant, so a role that does not give the
+devices back stops with that error instead of hanging the run; a scorer's late scores are ignored,
+as after ``scorer.deadline_s``.
 """
 
 from __future__ import annotations

@@ -206,16 +206,18 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     run_started, first_version = time.monotonic(), policy_version
     stop = StopSignal()
     snapshot = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
-    # colocated on a GPU the engine generates in the memory the optimizer's state leaves between steps
+    # colocated on a GPU the engine generates in the memory the optimizer's state leaves between
+    # steps: from the start (a resumed state, ZeRO's master weights), and a checkpoint saves the
+    # state where it lies, so that no reload happens outside the learner's turn
     engines = [engine for engine in (actor, critic) if engine is not None]
     offloads = config.colocated and parallel.device().type == "cuda"
+    for engine in engines if offloads else ():
+        offload_optimizer(engine)
     while policy_version < cfg.total_steps:
         wait_started = time.monotonic()
         max_staleness = staleness.k  # the batch's k: the buffer serves no sample older
         reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop, max_staleness)
         if reply is None:
-            for engine in engines:  # the optimizer's state is saved from where it trains
-                reload_optimizer(engine)
             saved = save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
                                staleness=staleness)
             message = (f"got {signal_name(stop.number)} at policy version {policy_version}: saved {saved}; "
@@ -275,12 +277,8 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
                                os.path.join(checkpoints, f"eval-step-{policy_version:06d}"))
         if cfg.checkpoint_every and policy_version % cfg.checkpoint_every == 0 and policy_version < cfg.total_steps:
             save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"step-{policy_version:06d}"))
-            for engine in engines:
-                reload_optimizer(engine)
             save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
                        staleness=staleness)
-            for engine in engines if offloads else ():
-                offload_optimizer(engine)
 
     final = save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, "final"))
     if main:

@@ -94,8 +94,9 @@ class GenerateTurn:
         self.asleep = False
 
     def granted(self, grant: Message) -> None:
-        """A grant came: with credits it is this engine's turn (woken before new weights load)."""
-        if not self.colocated or not grant.fields["credits"]:
+        """A grant came: colocated, every grant but "stop" is this engine's turn (credits, or newer
+        weights alone when the staleness bound is full), woken before the new weights load."""
+        if not self.colocated or grant.fields["stop"]:
             return
         if self.asleep:  # unmeasured: no GPU was lent with vLLM on it (docs/benchmarks.md, "Not measured")
             self.engine.wake_up()
@@ -107,7 +108,7 @@ class GenerateTurn:
         refuses (``RemoteError``, which stops this engine: its work went back to the pool)."""
         if not self.held:
             return
-        if self.engine_sleeps():  # unmeasured, as in granted
+        if self.engine_sleeps() and not self.asleep:  # unmeasured, as in granted
             self.engine.sleep(level=1)
             self.asleep = True
         reply = self.client.request("turn_release", {"policy_version": -1 if version is None else version})

@@ -133,10 +133,12 @@ def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buff
     assert grant.fields["prompt_indices"] == [2, 3] and grant.fields["policy_version"] == 1
 
     # this engine keeps the devices past the deadline: named, its credits and prompts go back,
-    # and its late release is refused (it stops; a new process of it starts clean)
+    # and its late release is refused, as is any other grant (it stops; a new process starts clean)
     time.sleep(2.5)
     with pytest.raises(RemoteError, match=r"rollout:0 held the generate turn for \ds, past placement.turn_deadline_s"):
         rollout.request("turn_release", {"policy_version": 1})
+    with pytest.raises(RemoteError, match="past placement.turn_deadline_s"):
+        rollout.request("credit_request", {"policy_version": 1, "wanted": 2})
     restarted = BufferClient(config.buffer_address, "rollout", "0")
     restarted.connect(retries=5, interval_s=0.5)
     regrant = restarted.request("credit_request", {"policy_version": 1, "wanted": 2})

@@ -27,7 +27,7 @@ def gold_config(tmp_path, tiny_assets, **sections) -> dict:
                                 "actor_lr": 5e-4, "kl_coef": 0.01, "advantage_estimator": "grpo",
                                 "kl_in": "loss"},
                        # DAPO's dynamic sampling: groups whose four responses score the same are dropped
-                       buffer={"filter_groups": True}, **sections)
+                       buffer={"filter_groups": True, **sections.pop("buffer", {})}, **sections)
 
 
 def held_out_gold(policy: str, tiny_assets) -> float:
@@ -119,7 +119,9 @@ def test_colocated_the_run_reaches_the_split_runs_gold_and_a_killed_engine_loses
 
     from tests.helpers import REPO, TWO_CORES
 
-    config = gold_config(tmp_path, tiny_assets, launch={"restart_backoff_s": 0.5})
+    # k = 0, on-policy, as a colocated GPU run would train: after each step the engine's turn may
+    # bring it only the new weights (the bound allows no credits before it holds them)
+    config = gold_config(tmp_path, tiny_assets, launch={"restart_backoff_s": 0.5}, buffer={"max_staleness": 0})
     config["placement"] = {**TWO_CORES, "mode": "colocate"}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -143,12 +145,12 @@ def test_colocated_the_run_reaches_the_split_runs_gold_and_a_killed_engine_loses
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
     assert accounting["identity_holds"] and accounting["staleness_violations"] == 0
-    # the roles took turns: a train turn a step, and at k = 1 a generate turn (then a score turn)
-    # for at most two batches (a filtered group asks for more, the killed engine's prompts too)
+    # the roles took turns: a train turn, a score turn and at least one generate turn a step (a
+    # filtered group asks for more, the killed engine's prompts too)
     buffer = read_metrics(run_dir, "buffer")[-1]
     print(f"turns: generate {buffer['turns_generate']}, score {buffer['turns_score']}, train {buffer['turns_train']}")
-    assert buffer["turns_train"] == STEPS and min(buffer["turns_generate"], buffer["turns_score"]) >= STEPS // 2
-    assert any(step["staleness_max"] == 1 for step in read_metrics(run_dir, "learner"))  # a second batch a turn
+    assert buffer["turns_train"] == STEPS and min(buffer["turns_generate"], buffer["turns_score"]) >= STEPS
+    assert all(step["staleness_max"] == 0 for step in read_metrics(run_dir, "learner"))
     _, _, before, split_after = split_run
     after = held_out_gold(os.path.join(run_dir, "checkpoints", "final"), tiny_assets)
     print(f"held-out verifiable reward: SFT {before:.3f}, split {split_after:.3f}, colocated {after:.3f}")
