@@ -161,8 +161,7 @@ class Buffer:
 
     def _forget_old_process(self, worker: str) -> None:
         """The same worker from a new process: what the old one held goes back to the pool."""
-        redispatched = self.state.redispatch(scorer=worker)
-        reclaimed = self.state.rollout_gone(worker)
+        redispatched, reclaimed = self._return_held(worker)
         self.log.warning("%s reconnected from a new process; %d samples it held go to the pool again, %d credits "
                          "it never used come back", worker, redispatched, reclaimed)
         if self.turns is not None:
@@ -172,6 +171,11 @@ class Buffer:
             # its held requests can never be answered: the old socket is gone
             for waits in (self.credit_waits, self.score_waits, self.batch_waits):
                 waits[:] = [wait for wait in waits if wait.identity != old]
+
+    def _return_held(self, worker: str) -> tuple[int, int]:
+        """What ``worker`` held goes back to the pool: a scorer's samples to score again, an engine's
+        unused credits and the prompts it generated nothing of. Returns (samples, credits)."""
+        return self.state.redispatch(scorer=worker), self.state.rollout_gone(worker)
 
     def on_ping(self, identity: bytes, message: Message) -> None:
         self.server.reply(identity, message.id, "pong", {"run_id": self.run_id, "incarnation": self.incarnation})
@@ -211,8 +215,8 @@ class Buffer:
         state, unfiltered = self.state, self.state.accounting.groups_unfiltered
         accepted = state.add_scored(unpack_samples(message))
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
-        if self.turns is not None and not state.scorer_load[self.workers[identity]]:
-            self.turns.release(self.workers[identity])  # its share is scored: the score turn may end
+        if self.turns is not None:
+            self.release_idle_scorers()  # its share is scored: the score turn may end
         if state.accounting.groups_unfiltered > unfiltered and self.unfiltered_warned != state.batches_served:
             self.unfiltered_warned = state.batches_served
             self.log.warning("buffer.filter_groups dropped %d episodes since the last batch, buffer.max_filter_ratio "
@@ -401,6 +405,8 @@ class Buffer:
                                  self.config.rollout.deadline_s, reclaimed)
 
     def release_idle_scorers(self) -> None:
+        """Scorers of the score turn that hold no sample leave it: theirs is scored, or was sent to
+        another after scorer.deadline_s."""
         turn = self.turns.turn
         if turn is not None and turn.purpose == "score":
             for worker in [worker for worker in turn.holders if not self.state.scorer_load[worker]]:
@@ -409,22 +415,20 @@ class Buffer:
     def end_overdue_turn(self, now: float) -> None:
         """A turn held past placement.turn_deadline_s: named in an error; what its holders held goes
         back to the pool (an engine's credits and prompts, a scorer's samples), and the devices to
-        the next turn. Their late releases are refused (``Turns.refusal``), which stops them."""
+        the next turn. An engine's late release and a learner's late weights are refused
+        (``Turns.refusal``), which stops them."""
         overdue = None if self.state.finished else self.turns.overdue(now)  # after the last step no turn matters
         if overdue is None:
             return
         purpose, holders, held = overdue
         for worker in holders:
-            if worker.startswith("rollout:"):
-                self.state.rollout_gone(worker)
-            elif worker.startswith("scorer:"):
-                self.state.redispatch(scorer=worker)
+            self._return_held(worker)
         last = {self.workers[identity]: kind for identity, (_, kind) in self.last_seen.items()
                 if identity in self.workers}
         self.log.error("the %s turn was held for %.0fs by %s, past placement.turn_deadline_s (%gs); last heard: %s. "
-                       "What they held goes back to the pool and the devices to the next turn; their late "
-                       "release is refused", purpose, held, ", ".join(holders) or "nobody",
-                       self.config.placement.turn_deadline_s,
+                       "What they held goes back to the pool and the devices to the next turn; an engine's late "
+                       "release and a learner's late weights are refused", purpose, held,
+                       ", ".join(holders) or "nobody", self.config.placement.turn_deadline_s,
                        ", ".join(f"{worker} {last.get(worker, 'nothing')}" for worker in holders) or "-")
 
     def write_metrics(self, now: float) -> None:

@@ -53,9 +53,6 @@ class Turns:
             self.granted[purpose] += 1
         self.turn.holders.add(worker)
 
-    def holds(self, worker: str) -> bool:
-        return self.turn is not None and worker in self.turn.holders
-
     def release(self, worker: str) -> None:
         """``worker``'s work of the turn is done (or it is gone): the turn ends with its last holder."""
         if self.turn is not None:

@@ -788,8 +788,7 @@ class TetherConfig(_Strict):
         has every core named for any of them (the roles take turns on them)."""
         cores = self.placement.cores.get(role, [])
         if self.colocated and role in COLOCATED_ROLES:
-            cores = sorted({core for name, named in self.placement.cores.items() if name in COLOCATED_ROLES
-                            for core in named})
+            cores = sorted(_named_for_turns(self.placement.cores))
         return _share(cores, self._count(role), index)
 
     @property
@@ -802,9 +801,9 @@ class TetherConfig(_Strict):
         not set."""
         devices = self.placement.cuda_visible_devices.get(role)
         if self.colocated and role in COLOCATED_ROLES:  # every role all the GPUs named for any of them
-            named = [d.strip() for name, listed in self.placement.cuda_visible_devices.items()
-                     if name in COLOCATED_ROLES for d in listed.split(",") if d.strip()]
-            devices = ",".join(dict.fromkeys(named)) if named else None
+            named = _named_for_turns({name: [d.strip() for d in listed.split(",") if d.strip()]
+                                      for name, listed in self.placement.cuda_visible_devices.items()})
+            devices = ",".join(named) if named else None
         if devices is None:
             return None
         if role == "learner":  # the ranks of one job each pick theirs by LOCAL_RANK
@@ -852,6 +851,13 @@ class TetherConfig(_Strict):
     @property
     def reference_path(self) -> str:
         return self.models.reference or self.models.policy
+
+
+def _named_for_turns(devices_of: dict[str, list]) -> list:
+    """Every device named for any of the roles that take turns (placement.mode colocate), once
+    each, in the order first named."""
+    return list(dict.fromkeys(device for role, named in devices_of.items() if role in COLOCATED_ROLES
+                              for device in named))
 
 
 def _share(devices: list, count: int, index: int) -> list:

@@ -434,7 +434,8 @@ def plan(run_dirs: list[Path] = typer.Argument(..., help="finished runs whose pr
     import yaml
 
     from launch.report import profile_run
-    from launch.sweep import PLANNED_ROLES, best_splits, format_split, measured_costs, predict, predict_colocated
+    from launch.sweep import (PLANNED_ROLES, best_splits, format_split, measured_costs, predict, predict_colocated,
+                              role_costs)
 
     costs = measured_costs([str(run_dir) for run_dir in run_dirs])
     for role, cost in costs.items():
@@ -457,8 +458,8 @@ def plan(run_dirs: list[Path] = typer.Argument(..., help="finished runs whose pr
     if check is not None:
         with open(os.path.join(check, "config.yaml")) as file:
             placement = yaml.safe_load(file)["placement"]
-        if placement.get("mode") == "colocate":
-            predicted = predict_colocated(costs, devices)
+        if placement.get("mode") == "colocate":  # on the devices that run had (role_costs counts them alike)
+            predicted = predict_colocated(costs, role_costs(str(check))["learner"][0])
         else:
             predicted = predict(costs, {role: placement["cores"][role] for role in PLANNED_ROLES})
         measured = profile_run(str(check)).pipeline_tokens_per_s

@@ -52,7 +52,7 @@ class LocalProcess:
         return _group_alive(self.pid)
 
 
-COLOCATED_SPINCOUNT = 10_000  # spins of an idle OpenMP worker before it sleeps, colocated (bench/startup.py)
+COLOCATED_SPINCOUNT = 10_000  # spins of an idle OpenMP worker before it sleeps, colocated (bench/omp_wait.py)
 
 
 def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, str]:
@@ -70,8 +70,8 @@ def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, s
         # a role waiting for its turn must leave the cores to the one computing: OpenMP's workers
         # spin 300,000 times after a parallel region by default, which made roles sharing cores 2.7
         # times slower here (docs/proposals/issue-37-colocate.md). Passive, they sleep at once,
-        # and waking them for every op made a small matmul 2.1 times slower than spinning; a short
-        # spin (GNU OpenMP's count, which overrides the policy's 0) keeps both. The caller's
+        # and waking them for every op made a small matmul 3 times slower (bench/omp_wait.py); a
+        # short spin (GNU OpenMP's count, which overrides the policy's 0) keeps both. The caller's
         # environment wins.
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         env.setdefault("GOMP_SPINCOUNT", str(COLOCATED_SPINCOUNT))

@@ -90,6 +90,8 @@ class GenerateTurn:
 
     def __init__(self, client, engine, colocated: bool) -> None:
         self.client, self.engine, self.colocated = client, engine, colocated
+        # vLLM's sleep mode is on only colocated with CUDA (rollout.engine.engine_settings)
+        self.sleeps = colocated and bool(engine.llm_engine.vllm_config.model_config.enable_sleep_mode)
         self.held = False
         self.asleep = False
 
@@ -108,12 +110,9 @@ class GenerateTurn:
         refuses (``RemoteError``, which stops this engine: its work went back to the pool)."""
         if not self.held:
             return
-        if self.engine_sleeps() and not self.asleep:  # unmeasured, as in granted
+        if self.sleeps and not self.asleep:  # unmeasured, as in granted
             self.engine.sleep(level=1)
             self.asleep = True
         reply = self.client.request("turn_release", {"policy_version": -1 if version is None else version})
         # 0: a grant crossed the release; the engine generates it and releases again when dry
         self.held = reply.fields["accepted"] == 0
-
-    def engine_sleeps(self) -> bool:
-        return bool(getattr(self.engine.llm_engine.vllm_config.model_config, "enable_sleep_mode", False))
