@@ -130,11 +130,22 @@ def test_colocated_the_run_reaches_the_split_runs_gold_and_a_killed_engine_loses
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 300
-        while len(read_metrics(run_dir, "learner")) < 3 or read_metrics(run_dir, "buffer")[-1]["turn"] != "generate":
-            assert time.monotonic() < deadline and run.poll() is None, "no generate turn after step 3"
-            time.sleep(0.1)
+        while len(read_metrics(run_dir, "learner")) < 3:
+            assert time.monotonic() < deadline and run.poll() is None, "the run did not reach step 3"
+            time.sleep(0.05)
+        # the engine frozen (SIGSTOP), the run cannot end without it, and the next generate turn is
+        # granted to it and stays its: kill -9 then lands mid-turn, whatever the machine's speed (a
+        # run of 0.3 s a step had ended between the test seeing a generate turn and its kill)
         with open(os.path.join(run_dir, "pids.json")) as file:
-            os.killpg(json.load(file)["rollout0"], signal.SIGKILL)
+            rollout = json.load(file)["rollout0"]
+        os.killpg(rollout, signal.SIGSTOP)
+        stopped_at = time.time()
+        assert len(read_metrics(run_dir, "learner")) < STEPS, "the run went past its last generate turn"
+        while not any(record["time"] > stopped_at and record["turn"] == "generate"
+                      for record in read_metrics(run_dir, "buffer")):
+            assert time.monotonic() < deadline and run.poll() is None, "the frozen engine holds no generate turn"
+            time.sleep(0.1)
+        os.killpg(rollout, signal.SIGKILL)
         stdout, stderr = run.communicate(timeout=400)
     finally:
         if run.poll() is None:
