@@ -513,3 +513,40 @@ def test_text_from_reset_is_a_user_message_through_the_template_as_text_from_ste
     first = [{"role": "user", "content": "What is 17 plus 25?"}]
     assert ids == tok.apply_chat_template(first, add_generation_prompt=True, tokenize=True)["input_ids"]
     assert episode.messages == first
+
+
+def test_environment_calls_reuse_idle_threads_and_one_that_hangs_holds_only_its_own():
+    """``in_thread``'s workers: a call that never returns keeps its thread, the next call runs at
+    once on another; a finished call's thread takes the next call (no thread started for it); a
+    thread idle for ``IDLE_S`` ends."""
+    import threading
+
+    from rollout.episodes import _Workers
+
+    workers = _Workers()
+    workers.IDLE_S = 0.5
+    hang, threads = threading.Event(), []
+
+    def call(done: threading.Event, block: bool = False):
+        def run() -> None:
+            threads.append(threading.current_thread())
+            if block:
+                hang.wait(10)
+            done.set()
+        return run
+
+    hung, first, second = threading.Event(), threading.Event(), threading.Event()
+    workers.submit(call(hung, block=True))
+    workers.submit(call(first))
+    assert first.wait(5) and not hung.is_set()
+    started = threading.active_count()
+    deadline = time.monotonic() + 5
+    while workers.idle != 1 and time.monotonic() < deadline:  # the first call's thread is idle again
+        time.sleep(0.01)
+    workers.submit(call(second))
+    assert second.wait(5)
+    assert threads[2] is threads[1] and threads[1] is not threads[0] and threading.active_count() == started
+    time.sleep(1.0)  # past IDLE_S: the idle thread has ended, the hung one has not
+    assert threading.active_count() == started - 1 and workers.idle == 0
+    hang.set()
+    assert hung.wait(5)
