@@ -135,6 +135,9 @@ def sampling_params(config: TetherConfig, bad_words: list[str] = (), **overrides
     return SamplingParams(**{"n": rollout.samples_per_prompt, "temperature": sampling.temperature,
                              "top_p": sampling.top_p, "top_k": sampling.top_k, "max_tokens": rollout.max_new_tokens,
                              "ignore_eos": rollout.ignore_eos, "logprobs": 0,
+                             # tether reads token ids and decodes what it needs itself: vLLM's text of each
+                             # response and of each sampled token's logprob is work the engine's loop waits for
+                             "detokenize": False,
                              **({"bad_words": list(bad_words)} if bad_words else {}), **overrides})
 
 
