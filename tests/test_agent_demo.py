@@ -72,8 +72,10 @@ def test_the_agent_demo_runs_colocated_on_two_engines_one_version_off_policy(tmp
     """k = 1 and two rollout engines, colocated (placement.mode colocate): both engines generate
     episodes in the same generate turns, each on a core of its own, and the turn ends only when both
     have sent every episode they were granted, tool calls and all. The run ends, every episode is
-    accounted for and none trained past the bound."""
-    config = agent_config(tmp_path, agent_assets, rollout={"engines": 2}, buffer={"max_staleness": 1})
+    accounted for and none trained past the bound. Each engine runs at most 4 prompts at once: with
+    16, the first engine ready could take all 64 episodes of the run before the second had asked."""
+    config = agent_config(tmp_path, agent_assets, rollout={"engines": 2, "prompts_per_generate": 4},
+                          buffer={"max_staleness": 1})
     run_to_the_end(tmp_path, config, mode="colocate")
     for engine in ("rollout0", "rollout1"):
         assert sum(r.get("episodes", 0) for r in read_metrics(config["run_dir"], engine)) > 0, engine
