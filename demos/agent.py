@@ -45,6 +45,11 @@ def calculator(expression: str) -> str:
         expression: two numbers and a plus sign between them, such as "374 + 589"
     """
     time.sleep(min(MAX_LATENCY_S, random.expovariate(1 / 0.03)))  # a tool's latency: mostly short, a long tail
+    return add(expression)
+
+
+def add(expression: str) -> str:
+    """The calculator's answer, at once."""
     left, plus, right = expression.replace(" ", "").partition("+")
     if not plus or not left.isdigit() or not right.isdigit():
         raise ValueError(f"expected two numbers joined by '+', got {expression!r}")
