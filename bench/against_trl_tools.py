@@ -38,10 +38,8 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,21 +190,10 @@ def tether_overrides(paths: dict[str, str], run_dir: str, latency: str = "demo")
 
 def run_tether(paths: dict[str, str], run_dir: str, staleness: int, latency: str, repo: str = REPO) -> dict:
     """`tether run` of the task at ``staleness`` from the checkout ``repo``."""
-    from common.runlog import read_metrics
+    from against_trl_grpo import tether_run
 
     overrides = {**tether_overrides(paths, run_dir, latency), "buffer.max_staleness": staleness}
-    command = [sys.executable, "-m", "launch.cli", "run", "-c", os.path.join(repo, "configs", "demo-agent.yaml"),
-               "--overwrite", *[item for key, value in overrides.items() for item in ("-o", f"{key}={value}")]]
-    started = time.time()
-    result = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=1800, env=bench_path())
-    ended = time.time()
-    if result.returncode != 0:
-        raise RuntimeError(f"tether run failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    steps = read_metrics(run_dir, "learner")
-    first, last = steps[0]["time"], steps[-1]["time"]
-    return {"wall_s": ended - started, "first_step_s": first - started,
-            "steady_episodes_per_s": (len(steps) - 1) * BATCH / (last - first),
-            "output": os.path.join(run_dir, "checkpoints", "final")}
+    return tether_run(os.path.join(repo, "configs", "demo-agent.yaml"), overrides, run_dir, BATCH, repo, bench_path())
 
 
 def bench_path(*more: str) -> dict[str, str]:
@@ -217,18 +204,10 @@ def bench_path(*more: str) -> dict[str, str]:
 
 
 def run_trl(paths: dict[str, str], output: str, trl_path: str, latency: str) -> dict:
-    env = bench_path(trl_path)
-    started = time.time()
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), "--trl-run", json.dumps(paths),
-                             "--output", output, "--tool-latency", latency], cwd=REPO, capture_output=True, text=True,
-                            timeout=3600, env=env)
-    ended = time.time()
-    if result.returncode != 0:
-        raise RuntimeError(f"TRL failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    with open(output + "-times.json") as file:
-        times = json.load(file)
-    return {"wall_s": ended - started, "first_step_s": times[0] - started,
-            "steady_episodes_per_s": (len(times) - 1) * BATCH / (times[-1] - times[0]), "output": output}
+    from against_trl_grpo import trl_run
+
+    return trl_run([os.path.abspath(__file__), "--trl-run", json.dumps(paths), "--tool-latency", latency], output,
+                   BATCH, bench_path(trl_path))
 
 
 def trl_main(paths: dict[str, str], output: str, latency: str) -> None:
@@ -236,9 +215,10 @@ def trl_main(paths: dict[str, str], output: str, latency: str) -> None:
     optimizer step's end time to ``output``-times.json."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
+    from against_trl_grpo import step_times
     from demos import agent
 
     tool = agent.calculator if latency == "demo" else calculator
@@ -258,12 +238,6 @@ def trl_main(paths: dict[str, str], output: str, latency: str) -> None:
             rewards.append(float(digits == expected and not last.get("tool_calls")))
         return rewards
 
-    class StepTimes(TrainerCallback):
-        times: list[float] = []
-
-        def on_step_end(self, args, state, control, **kwargs):
-            self.times.append(time.time())
-
     torch.manual_seed(0)
     config = GRPOConfig(output_dir=output + "-trainer", per_device_train_batch_size=PROMPTS_PER_STEP,
                         gradient_accumulation_steps=GROUP, num_generations=GROUP, generation_batch_size=BATCH,
@@ -271,14 +245,15 @@ def trl_main(paths: dict[str, str], output: str, latency: str) -> None:
                         temperature=1.0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, beta=KL,
                         num_train_epochs=1, max_steps=STEPS, save_strategy="no", report_to="none",
                         logging_steps=10, use_cpu=True, dataloader_num_workers=0, seed=0)
+    callback = step_times()
     trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(paths["policy"]), reward_funcs=exact_answer,
                           args=config, train_dataset=data, processing_class=tokenizer, tools=[tool],
-                          callbacks=[StepTimes()])
+                          callbacks=[callback])
     trainer.train()
     trainer.save_model(output)
     tokenizer.save_pretrained(output)
     with open(output + "-times.json", "w") as file:
-        json.dump(StepTimes.times, file)
+        json.dump(callback.times, file)
 
 
 def held_out(paths: dict[str, str], checkpoint: str) -> float:
@@ -326,16 +301,16 @@ def main() -> None:
             result["exact"] = held_out(paths, result["output"])
             results[side].append(result)
             print(f"{side:<8}{round_index + 1:>6}{result['wall_s']:>9.1f}{result['first_step_s']:>14.1f}"
-                  f"{result['steady_episodes_per_s']:>19.1f}{result['exact']:>16.3f}", flush=True)
+                  f"{result['steady_per_s']:>19.1f}{result['exact']:>16.3f}", flush=True)
     medians = {side: {key: statistics.median(r[key] for r in runs) for key in
-                      ("wall_s", "first_step_s", "steady_episodes_per_s", "exact")} for side, runs in results.items()}
+                      ("wall_s", "first_step_s", "steady_per_s", "exact")} for side, runs in results.items()}
     for side, figures in medians.items():
         line = (f"{side:<8} medians: wall {figures['wall_s']:.1f} s, first step {figures['first_step_s']:.1f} s, "
-                f"steady {figures['steady_episodes_per_s']:.1f} episodes/s, held-out exact {figures['exact']:.3f}")
+                f"steady {figures['steady_per_s']:.1f} episodes/s, held-out exact {figures['exact']:.3f}")
         if side != "TRL" and "TRL" in medians:
             trl = medians["TRL"]
             wall = figures["wall_s"] / trl["wall_s"]
-            steady = figures["steady_episodes_per_s"] / trl["steady_episodes_per_s"]
+            steady = figures["steady_per_s"] / trl["steady_per_s"]
             line += f"; wall / TRL's {wall:.2f} (limit <= {WALL_LIMIT}: {'met' if wall <= WALL_LIMIT else 'NOT met'})"
             line += f", steady / TRL's {steady:.2f}"
             if side.endswith("k2"):

@@ -15,8 +15,10 @@ round after round, because this machine's speed drifts between minutes:
   ``colocate-k0`` both at ``buffer.max_staleness=0``;
 - ``--baseline DIR``: another checkout of tether (a git worktree of an older commit) run the same
   way, for a before/after. Its roles may write no phases: then only the totals are shown.
+- ``--floor``: besides, the rollout's start alone, on core 0 with nothing else running: tether's
+  imports, then vLLM's import and the demo's engine. No first trained step comes before it.
 
-    python bench/startup.py [--rounds 2] [--baseline /tmp/tether-before] [--variants default,shared-cores]
+    python bench/startup.py [--rounds 2] [--baseline /tmp/tether-before] [--variants default,shared-cores] [--floor]
 """
 
 from __future__ import annotations
@@ -30,6 +32,21 @@ import tempfile
 import time
 
 FIRST_STEP_GOAL_S, RUN_GOAL_S = 15.0, 35.0
+ISSUE_37_FIRST_STEP_S = 5.0
+# the rollout's start alone in a process of its own on core 0: argv = start time, repo, overrides (JSON)
+FLOOR = """
+import json, os, sys, time
+started = float(sys.argv[1])
+os.sched_setaffinity(0, {0})
+sys.path.insert(0, sys.argv[2])
+import rollout.main
+imported = time.time()
+from common.config import load_config
+from rollout.engine import make_vllm_engine
+make_vllm_engine(load_config(os.path.join(sys.argv[2], "configs", "demo.yaml"), json.loads(sys.argv[3])))
+print(json.dumps({"imports_s": imported - started, "engine_s": time.time() - imported}), flush=True)
+os._exit(0)
+"""
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
@@ -62,10 +79,25 @@ def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config:
             "startup": startup_timeline(run_dir), "steps": steps, "rollout": read_metrics(run_dir, "rollout0")}
 
 
+def rollout_floor(assets: str) -> dict:
+    """Seconds the rollout alone takes to its engine, on a core of its own: tether's imports, then
+    vLLM's import and engine."""
+    import json
+
+    overrides = [f"models.policy={assets}/sft", f"models.reward={assets}/rm", f"data.prompts={assets}/prompts.jsonl"]
+    started = time.time()
+    result = subprocess.run([sys.executable, "-c", FLOOR, str(started), REPO, json.dumps(overrides)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    if result.returncode != 0:
+        raise RuntimeError(f"the rollout alone failed ({result.returncode}):\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--baseline", help="another tether checkout to time the same way (before/after)")
+    parser.add_argument("--floor", action="store_true", help="also time the rollout's start alone on one core")
     parser.add_argument("--variants", default="default,engine-processes",
                         help="of default, engine-processes, shared-cores, shared-cores-passive, colocate, "
                              "colocate-passive, default-k0, colocate-k0; comma-separated")
@@ -90,12 +122,18 @@ def main() -> None:
         variants.append(("baseline", os.path.abspath(args.baseline), []))
     work = tempfile.mkdtemp(prefix="tether-bench-startup-")
     results: dict[str, list[dict]] = {name: [] for name, _, _ in variants}
+    floors: list[float] = []
     for round_index in range(args.rounds):
         for name, repo, overrides in variants:
             result = run_once(repo, assets, os.path.join(work, name), overrides, env=environments.get(name))
             results[name].append(result)
             print(f"round {round_index + 1} {name:<17} first trained step {result['first_step_s']:5.1f}s, "
                   f"whole run {result['run_s']:5.1f}s", flush=True)
+        if args.floor:
+            floor = rollout_floor(assets)
+            floors.append(floor["imports_s"] + floor["engine_s"])
+            print(f"round {round_index + 1} the rollout alone on core 0: tether's imports {floor['imports_s']:.1f}s, "
+                  f"vLLM's import and engine {floor['engine_s']:.1f}s", flush=True)
 
     print("\nlast round's phases, every process on one clock (seconds since `tether run` started):")
     for name, _, _ in variants:
@@ -110,6 +148,12 @@ def main() -> None:
         met = first <= FIRST_STEP_GOAL_S and run <= RUN_GOAL_S
         print(f"  {name:<17} first trained step {first:5.1f}s (limit {FIRST_STEP_GOAL_S:.0f}s), whole run "
               f"{run:5.1f}s (limit {RUN_GOAL_S:.0f}s): {'met' if met else 'NOT met'}")
+    if floors:
+        floor = statistics.median(floors)
+        reach = "within" if floor < ISSUE_37_FIRST_STEP_S else "past"
+        print(f"  the rollout alone has its engine {floor:.1f}s after its start, before any generation: issue 37's "
+              f"first trained step in {ISSUE_37_FIRST_STEP_S:.0f}s is {reach} reach with vLLM generating the first "
+              "batch")
 
 
 if __name__ == "__main__":

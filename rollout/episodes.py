@@ -195,7 +195,7 @@ class _Workers:
     """Daemon threads that take calls one after another: a call goes to an idle one, or to a new one
     when none is idle, so one that hangs past its deadline holds only its own thread (a fixed pool's
     worker would be lost to every later call), none waits for another, and no exit waits for any.
-    Reusing them spares the engine's loop a thread's start a call, which it waits for: 15% of the
+    Reusing them spares the engine's loop a thread's start a call, which it waits for: 10% of the
     loop's time on a tool task with both cores busy (bench/against_trl_tools.py). One idle for
     ``IDLE_S`` ends."""
 
