@@ -217,6 +217,7 @@ class _Workers:
     def _serve(self, call: Callable[[], None]) -> None:
         while True:
             call()
+            call = None  # what the call held (an environment, its result) is not kept while idle
             with self.lock:
                 self.idle += 1
             try:

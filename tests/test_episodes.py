@@ -523,30 +523,33 @@ def test_environment_calls_reuse_idle_threads_and_one_that_hangs_holds_only_its_
 
     from rollout.episodes import _Workers
 
-    workers = _Workers()
-    workers.IDLE_S = 0.5
-    hang, threads = threading.Event(), []
+    def until(condition, what: str) -> None:
+        deadline = time.monotonic() + 10
+        while not condition():
+            assert time.monotonic() < deadline, what
+            time.sleep(0.01)
 
-    def call(done: threading.Event, block: bool = False):
+    workers = _Workers()
+    workers.IDLE_S = 2.0
+    hang, ran = threading.Event(), {}
+
+    def call(name: str, done: threading.Event, block: bool = False):
         def run() -> None:
-            threads.append(threading.current_thread())
+            ran[name] = threading.current_thread()
             if block:
                 hang.wait(10)
             done.set()
         return run
 
     hung, first, second = threading.Event(), threading.Event(), threading.Event()
-    workers.submit(call(hung, block=True))
-    workers.submit(call(first))
+    workers.submit(call("hung", hung, block=True))
+    workers.submit(call("first", first))
     assert first.wait(5) and not hung.is_set()
-    started = threading.active_count()
-    deadline = time.monotonic() + 5
-    while workers.idle != 1 and time.monotonic() < deadline:  # the first call's thread is idle again
-        time.sleep(0.01)
-    workers.submit(call(second))
+    until(lambda: workers.idle == 1, "the first call's thread waits for another")
+    workers.submit(call("second", second))
     assert second.wait(5)
-    assert threads[2] is threads[1] and threads[1] is not threads[0] and threading.active_count() == started
-    time.sleep(1.0)  # past IDLE_S: the idle thread has ended, the hung one has not
-    assert threading.active_count() == started - 1 and workers.idle == 0
+    assert ran["second"] is ran["first"] and ran["first"] is not ran["hung"]
+    until(lambda: not ran["first"].is_alive(), "a thread idle past IDLE_S ends")
+    assert ran["hung"].is_alive() and workers.idle == 0
     hang.set()
     assert hung.wait(5)
