@@ -6,8 +6,8 @@ The task is the agent demo's (demos/agent.py: the sum of two 3-digit numbers, th
 tool with its 0-200 ms latency, the exact answer the only reward) through a chat template, so
 that both trainers run it as a chat with tools: a ChatML-shaped template in the demo's word
 vocabulary (``TEMPLATE``; the tool's result comes back in a user turn, as Qwen's does), and an
-SFT policy built here on its renderings (one trace in three calls the tool). TRL needs to read the
-policy's tool calls back from its tokens: the tokenizer is given ``RESPONSE_TEMPLATE`` (the
+SFT policy built here on its renderings (30% of the traces call the tool, as the demo's). TRL
+needs to read the policy's tool calls back from its tokens: the tokenizer is given ``RESPONSE_TEMPLATE`` (the
 transformers response-parsing spec TRL's own Qwen template follows), in this bench only. tether
 runs the same config and tools as `tether demo --agent` (vLLM's hermes parser reads the calls),
 with nothing changed for the bench.
@@ -87,7 +87,7 @@ def build_tokenizer(directory: str):
 
 
 def conversation(row: dict, rng: random.Random) -> list[dict]:
-    """An SFT trace as a chat: the answer at once, or (one in three, as the demo's traces) a
+    """An SFT trace as a chat: the answer at once, or (30% of them, as the demo's traces) a
     calculator call, its result and the answer."""
     from demos.agent import SFT_TOOL_RATE
 

@@ -24,6 +24,7 @@ round after round, because this machine's speed drifts between minutes:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -56,6 +57,11 @@ def median(results: dict[str, list[dict]], name: str, key: str) -> float:
     return statistics.median(r[key] for r in results[name])
 
 
+def asset_keys(assets: str) -> list[str]:
+    """The demo's models and prompts, built into ``assets``, as config overrides."""
+    return [f"models.policy={assets}/sft", f"models.reward={assets}/rm", f"data.prompts={assets}/prompts.jsonl"]
+
+
 def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config: str | None = None,
              arguments: tuple[str, ...] = (), env: dict[str, str] | None = None) -> dict:
     """One `tether run` of the demo (or of ``config``) from ``repo``: seconds to the first trained
@@ -65,8 +71,7 @@ def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config:
 
     config = config or os.path.join(repo, "configs", "demo.yaml")
     command = [sys.executable, "-m", "launch.cli", "run", "-c", config,
-               "--overwrite", "-o", f"run_dir={run_dir}", "-o", f"models.policy={assets}/sft",
-               "-o", f"models.reward={assets}/rm", "-o", f"data.prompts={assets}/prompts.jsonl",
+               "--overwrite", "-o", f"run_dir={run_dir}", *[item for key in asset_keys(assets) for item in ("-o", key)],
                *[item for override in overrides for item in ("-o", override)], *arguments]
     started = time.time()
     result = subprocess.run(command, cwd=repo, capture_output=True, text=True, timeout=600,
@@ -82,11 +87,8 @@ def run_once(repo: str, assets: str, run_dir: str, overrides: list[str], config:
 def rollout_floor(assets: str) -> dict:
     """Seconds the rollout alone takes to its engine, on a core of its own: tether's imports, then
     vLLM's import and engine."""
-    import json
-
-    overrides = [f"models.policy={assets}/sft", f"models.reward={assets}/rm", f"data.prompts={assets}/prompts.jsonl"]
     started = time.time()
-    result = subprocess.run([sys.executable, "-c", FLOOR, str(started), REPO, json.dumps(overrides)],
+    result = subprocess.run([sys.executable, "-c", FLOOR, str(started), REPO, json.dumps(asset_keys(assets))],
                             capture_output=True, text=True, timeout=300, cwd=REPO)
     if result.returncode != 0:
         raise RuntimeError(f"the rollout alone failed ({result.returncode}):\n{result.stderr[-3000:]}")
