@@ -18,7 +18,8 @@ episode's calls answered at once, one after another, with no engine (after 20 th
 ``--openenv``: the native episodes against the same calculator served as an OpenEnv server's MCP
 tool (``demos.agent.openenv_app``, in this process), each episode a session of its own.
 
-    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai | --openenv] [-o KEY=VALUE ...]
+    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai | --openenv] [--variants A,B]
+                          [-o KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -135,6 +136,7 @@ def main() -> None:
     parser.add_argument("--openai", action="store_true", help="native episodes against the OpenAI-client program")
     parser.add_argument("--openenv", action="store_true", help="native episodes against the same calculator as "
                                                                "an OpenEnv server's MCP tool")
+    parser.add_argument("--variants", help="a comma-separated subset of the variants to run (default: all)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant, as `tether run -o`")
     args = parser.parse_args()
@@ -159,6 +161,8 @@ def main() -> None:
 
         url, server = serve_openenv()
         variants = [("native", []), ("openenv", [o for o in openenv_overrides(url) if not o.startswith("run_dir=")])]
+    if args.variants:
+        variants = [(name, variant) for name, variant in variants if name in args.variants.split(",")]
     results: dict[str, list[dict]] = {name: [] for name, _ in variants}
     for round_index in range(args.rounds):
         for name, variant in variants if round_index % 2 == 0 else reversed(variants):
@@ -185,9 +189,10 @@ def main() -> None:
     if args.openai:
         factor = median(results, "openai", "tokens_per_s") / median(results, "native", "tokens_per_s")
         print(f"trained tokens/s, OpenAI-client program / native episodes: {factor:.2f}x (limit: >= 0.80x)")
-        apart = median(results, "openai-processes", "tokens_per_s") / median(results, "native", "tokens_per_s")
-        print(f"  the programs in a process of their own on either core (rollout.agent_processes 1): "
-              f"{apart:.2f}x")
+        if results.get("openai-processes"):
+            apart = median(results, "openai-processes", "tokens_per_s") / median(results, "native", "tokens_per_s")
+            print(f"  the programs in a process of their own on either core (rollout.agent_processes 1): "
+                  f"{apart:.2f}x")
         for processes in (0, 1):
             wall, cpu = endpoint_ms_per_call(processes)
             print(f"the endpoint's own cost, rollout.agent_processes {processes}: {wall:.2f} ms per call, of which "
