@@ -24,6 +24,7 @@ ends it as an environment would (``env_error``, ``env_deadline``).
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import inspect
 import itertools
@@ -37,7 +38,8 @@ import subprocess
 import threading
 import time
 import warnings
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, Callable
 
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
@@ -121,7 +123,7 @@ class AgentPrograms:
         """A program process's answer for the episode of ``key``: its return or its error."""
         episode = self.lookup(key)
         if episode is not None:  # else it ended first
-            episode.events.put((kind, value))
+            episode.event(kind, value)
 
     def done(self, runner: "ProgramThread") -> None:
         """``runner``'s program returned: it takes the next episode (one whose program hangs past its
@@ -226,14 +228,14 @@ def _kill(process: subprocess.Popen) -> None:
 
 def _client(endpoint: Endpoint, timeout_s: float, asynchronous: bool):
     """A client of the endpoint (its key set per episode); it never retries: a refused call is the
-    program's to see. An async one reaches the endpoint's app in this process; its own transport
-    also skips the TLS set-up a default client costs."""
+    program's to see. An async one reaches the endpoint in this process, without HTTP
+    (``Endpoint.transport``); its own transport also skips the TLS set-up a default client costs."""
     import httpx
     from openai import AsyncOpenAI, OpenAI
 
     if not asynchronous:
         return OpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0, timeout=timeout_s)
-    http = httpx.AsyncClient(transport=httpx.ASGITransport(app=endpoint.app), timeout=timeout_s)
+    http = httpx.AsyncClient(transport=endpoint.transport(), timeout=timeout_s)
     return AsyncOpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0, timeout=timeout_s, http_client=http)
 
 
@@ -256,7 +258,10 @@ class AgentEnvironment:
     def __init__(self, programs: AgentPrograms, row: dict) -> None:
         self.programs, self.row = programs, row
         self.key = secrets.token_hex(16)
-        self.events: queue.Queue = queue.Queue()  # ("call", Call), ("return", value) or ("raise", error)
+        # the program's calls and its end, ("call", Call), ("return", value) or ("raise", error), taken
+        # by the rollout's next wait for them (``expecting``: its future, and how it reads the event)
+        self.events: collections.deque = collections.deque()
+        self.expecting: tuple[Future, Callable[[str, Any], Any]] | None = None
         self.call: Call | None = None  # the call the policy's next turn answers
         self.sent: list[dict] = []  # the conversation as the program sent it, with the replies it got
         self.tools: list[dict] | None = None  # the program's tools, as its first call passed them
@@ -272,13 +277,36 @@ class AgentEnvironment:
     def offer(self, call: Call) -> HTTPError | None:
         """From the endpoint: the program's next call, or why it is refused."""
         refused = refusal(call.request, self.programs.sampling)
-        with self.lock:  # with close(): a call is either taken before the episode ends or refused
+        if refused is not None:
+            return HTTPError(400, refused)
+        # with close(): a call is either taken before the episode ends or refused
+        return HTTPError(404, "this episode has ended") if not self.event("call", call) else None
+
+    def event(self, kind: str, value: Any) -> bool:
+        """The program's call or its end (from its thread, the endpoint's or a program process's
+        answer): read at once by the rollout's wait for it, in this thread, or kept for the next.
+        False once the episode has ended."""
+        with self.lock:
             if self.ended:
-                return HTTPError(404, "this episode has ended")
-            if refused is not None:
-                return HTTPError(400, refused)
-            self.events.put(("call", call))
-        return None
+                return False
+            if self.expecting is None:
+                self.events.append((kind, value))
+                return True
+            (future, read), self.expecting = self.expecting, None
+        _settle(future, read, kind, value)
+        return True
+
+    def _expect(self, read: Callable[[str, Any], Any]) -> Future:
+        """A future of what ``read`` makes of the program's next event: the rollout's loop waits on it
+        as on an environment's call in a thread, with no thread between (a hand-over less a call)."""
+        future: Future = Future()
+        with self.lock:
+            if not self.events:
+                self.expecting = (future, read)
+                return future
+            kind, value = self.events.popleft()
+        _settle(future, read, kind, value)
+        return future
 
     @property
     def turn_max_tokens(self) -> int | None:
@@ -287,18 +315,23 @@ class AgentEnvironment:
 
     def reset(self) -> list[dict]:
         """Starts the program; its first call's messages are the episode's first observation."""
-        self.deadline = time.monotonic() + self.programs.deadline_s
-        self.programs.start(self)
-        kind, value = self._next()
-        if kind == "return":
-            raise BadStep("the agent program returned before it called the model")
-        self.tools = _tools_of(value.request)
-        return self._take(value)
+        return self._wait(self.begin_reset())
 
     def step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Step:
         """The policy's turn answers the program's call; then its next call (the observation: what it
         added to the conversation) or its return (the reward, and the episode's end). ``turn``: the
         engine's tokens and logprobs of the turn, for a call that asks for them."""
+        return self._wait(self.begin_step(response, messages, turn))
+
+    def begin_reset(self) -> Future:
+        """``reset``, its wait left to the caller: a future of the first observation."""
+        self.deadline = time.monotonic() + self.programs.deadline_s
+        future = self._expect(self._first)
+        self.programs.start(self)
+        return future
+
+    def begin_step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
+        """``step``, its wait left to the caller: the call answered now, a future of the ``Step``."""
         call = self.call
         try:
             tool_calls, errors = self._answer(call, response, turn)
@@ -307,12 +340,19 @@ class AgentEnvironment:
             raise
         finally:
             self.call = None
-        kind, value = self._next()
+        return self._expect(functools.partial(self._after, len(tool_calls) + len(errors), errors))
+
+    def _first(self, kind: str, value: Any) -> list[dict] | TokenIds | Restart:
+        if kind == "return":
+            raise BadStep("the agent program returned before it called the model")
+        self.tools = _tools_of(value.request)
+        return self._take(value)
+
+    def _after(self, tool_calls: int, errors: list[ToolError], kind: str, value: Any) -> Step:
         if kind == "call":
-            return Step(self._take(value), tool_calls=len(tool_calls) + len(errors), tool_errors=errors)
+            return Step(self._take(value), tool_calls=tool_calls, tool_errors=errors)
         reward, metrics = _reward(value, self.programs.others_score)
-        return Step(None, reward, done=True, tool_calls=len(tool_calls) + len(errors), tool_errors=errors,
-                    metrics=metrics)
+        return Step(None, reward, done=True, tool_calls=tool_calls, tool_errors=errors, metrics=metrics)
 
     def _answer(self, call: Call, response: str, turn: Turn | None) -> tuple[list, list[ToolError]]:
         """``call`` answered with the policy's turn; the turn's tool calls and its malformed one."""
@@ -341,28 +381,26 @@ class AgentEnvironment:
             _kill(self.process)
         if self.call is not None:
             self.call.answer(HTTPError(404, "this episode has ended"))
-        while True:  # calls taken before the end, that no turn will answer
-            try:
-                kind, value = self.events.get_nowait()
-            except queue.Empty:
-                break
+        with self.lock:
+            events, self.events = self.events, collections.deque()
+            expecting, self.expecting = self.expecting, None
+        for kind, value in events:  # calls taken before the end, that no turn will answer
             if kind == "call":
                 value.answer(HTTPError(404, "this episode has ended"))
+        if expecting is not None:
+            expecting[0].set_exception(BadStep("the episode ended"))
 
-    def _next(self) -> tuple[str, Any]:
-        """The program's next call or its end; its error raised here. The wait is bounded by what is
-        left of the episode's ``agent_deadline_s`` (the rollout ends a wait past
-        ``env_step_deadline_s`` itself: env_deadline; this thread is then left to the program)."""
-        left = min(self.deadline - time.monotonic(), self.programs.step_deadline_s + 1.0)
+    def _wait(self, future: Future) -> Any:
+        """``future``'s result, within what is left of the episode's ``agent_deadline_s`` and
+        ``env_step_deadline_s`` (the rollout's loop waits on the future itself, to the same ends)."""
         try:
-            kind, value = self.events.get(timeout=max(0.0, left))
-        except queue.Empty:
+            return future.result(timeout=max(0.0, min(self.deadline - time.monotonic(), self.programs.step_deadline_s)))
+        except TimeoutError:
+            if future.done():  # the program's own
+                raise
             raise TimeoutError(f"the agent program made no call and did not return in time (rollout.agent_deadline_s "
                                f"{self.programs.deadline_s:g}, rollout.env_step_deadline_s "
                                f"{self.programs.step_deadline_s:g})") from None
-        if kind == "raise":
-            raise value
-        return kind, value
 
     def _take(self, call: Call) -> list[dict] | TokenIds | Restart:
         """What ``call`` adds to the episode: what it sends past what the program sent before and
@@ -429,9 +467,22 @@ def _deliver(episode: AgentEnvironment, run) -> None:
     """``run()``'s return or error to ``episode``'s events: a program's own failure ends its episode
     (env_error), it never reaches the rollout's loop."""
     try:
-        episode.events.put(("return", run()))
+        value = run()
     except BaseException as error:
-        episode.events.put(("raise", error))
+        episode.event("raise", error)
+    else:
+        episode.event("return", value)
+
+
+def _settle(future: Future, read: Callable[[str, Any], Any], kind: str, value: Any) -> None:
+    """``future`` given what ``read`` makes of the program's event (``kind``, ``value``): the
+    program's error, or ``read``'s, is the future's."""
+    try:
+        if kind == "raise":
+            raise value
+        future.set_result(read(kind, value))
+    except BaseException as error:
+        future.set_exception(error)
 
 
 # what would make a call's turn come from another distribution than the run's, or be cut otherwise

@@ -230,6 +230,9 @@ class Environments:
         self.factory, self.tools, self.server = factory, tools, server
         self.parser: ToolCallParser | None = None  # read_calls_with's, once the tokenizer is there
         self.shows_images = False  # showing_images's
+        # its environments answer by futures (``begin_reset``, ``begin_step``: an agent program's, whose
+        # own thread gives the answer), made and called in the rollout's loop with no thread of their own
+        self.answers_later = False
 
     def showing_images(self, images: list[list[bytes]]) -> "Environments":
         """For a policy that sees, whose prompts show ``images``: tools' images are shown to it. An
@@ -249,7 +252,9 @@ class Environments:
         ``openenv:<url>``: an OpenEnv server's episodes, each message's answer awaited at most
         ``step_deadline_s`` (``rollout.env_step_deadline_s``: past it the rollout ends the episode)."""
         if agent is not None:
-            return Environments(agent.make, {})
+            environments = Environments(agent.make, {})
+            environments.answers_later = True
+            return environments
         if environment is None and not tools:
             return None
         if environment and environment.startswith(openenv.PREFIX):

@@ -284,6 +284,60 @@ def _close_once_made(reset: Future) -> None:
     _close(reset.result(timeout=CLOSE_DEADLINE_S)[0])
 
 
+def _close_made(reset: Future) -> Future:
+    """The environment of a reset under way closed, in a thread: at once where it was made before its
+    reset began (``_reset_later``), else once its reset makes it."""
+    made = getattr(reset, "environment", None)
+    if made is not None:
+        return in_thread(_close, made)
+    closing: Future = Future()
+    reset.add_done_callback(lambda _: _chain(in_thread(_close_once_made, reset), closing))
+    return closing
+
+
+def _chain(source: Future, target: Future) -> None:
+    source.add_done_callback(lambda done: target.set_exception(done.exception()) if done.exception()
+                             else target.set_result(done.result()))
+
+
+def _reset_later(environments: Environments, row: dict) -> Future:
+    """``_reset`` of an environment that answers later (an agent program's: its program's thread
+    gives the first observation), made in the caller's thread and waited on with no thread of its
+    own; the future carries the environment (``environment``) from the start."""
+    reset: Future = Future()
+    try:
+        environment = environments.make(row)
+    except BaseException as error:
+        reset.set_exception(error)
+        return reset
+    reset.environment = environment
+    try:
+        first = environment.begin_reset()
+    except BaseException as error:
+        _close(environment)
+        reset.set_exception(error)
+        return reset
+
+    def made(first: Future) -> None:
+        try:
+            reset.set_result((environment, check_observation(first.result())))
+        except BaseException as error:
+            _close(environment)  # as _reset's: nothing else would end it
+            reset.set_exception(error)
+    first.add_done_callback(made)
+    return reset
+
+
+def _begun(begin: Callable[..., Future], *arguments: Any) -> Future:
+    """``begin(*arguments)``'s future, or one of its error."""
+    try:
+        return begin(*arguments)
+    except BaseException as error:
+        failed: Future = Future()
+        failed.set_exception(error)
+        return failed
+
+
 class FailureLog:
     """Each distinct failure (its kind, error type and where it was raised) logged once, whole, with
     its traceback and data row; its repeats counted and said at 10, 100, 1000... times, so an
@@ -356,6 +410,10 @@ class Episodes:
                 self._show(episode, self.images[row])
             group.episodes.append(episode)
             delay = self.backoff_s()
+            if self.environments.answers_later and not delay:
+                reset = _reset_later(self.environments, data_row)
+                self._wait_on(episode, reset, getattr(reset, "environment", None))
+                continue
             self._call(episode, _reset, self.environments, data_row, delay)
             episode.deadline += delay
 
@@ -422,7 +480,11 @@ class Episodes:
         else:
             turn = Turn(len(episode.prompt_tokens) + len(episode.tokens) - len(tokens), tokens,
                         episode.logprobs[-len(tokens):], completion.finish_reason or "stop")
-            self._call(episode, _step, episode.environment, response, episode.messages, turn)
+            if self.environments.answers_later:
+                self._wait_on(episode, _begun(episode.environment.begin_step, response, episode.messages, turn),
+                              episode.environment)
+            else:
+                self._call(episode, _step, episode.environment, response, episode.messages, turn)
 
     def advance(self, now: float, timeout: float = 0.0) -> None:
         """Take in what environments answered, waiting up to ``timeout`` for a first answer (the loop
@@ -439,11 +501,14 @@ class Episodes:
                 self._answered(episode, future)
             elif now >= episode.deadline:
                 if episode.environment is None:  # its reset, late: what it makes is closed once made
-                    episode.pending.add_done_callback(lambda reset: in_thread(_close_once_made, reset))
+                    _close_made(episode.pending)
                 episode.pending = None
+                rollout = self.config.rollout
                 self.failures.report("env_deadline", None, f"the environment did not answer within "
-                                     f"{self.config.rollout.env_step_deadline_s:.1f}s (rollout.env_step_deadline_s); "
-                                     "the episode ends", self._row_text(episode),
+                                     f"{rollout.env_step_deadline_s:.1f}s (rollout.env_step_deadline_s"
+                                     + (f"; an agent program's episode has {rollout.agent_deadline_s:g}s in all, "
+                                        "rollout.agent_deadline_s" if self.environments.answers_later else "")
+                                     + "); the episode ends", self._row_text(episode),
                                      ("reset" if episode.environment is None else "step",))
                 self._end(episode, "env_deadline")
             else:
@@ -481,8 +546,15 @@ class Episodes:
         return parts
 
     def _call(self, episode: Episode, function: Callable[..., Any], *arguments: Any) -> None:
-        episode.pending = in_thread(function, *arguments)
-        episode.deadline = time.monotonic() + self.config.rollout.env_step_deadline_s
+        self._wait_on(episode, in_thread(function, *arguments))
+
+    def _wait_on(self, episode: Episode, pending: Future, answering: Any = None) -> None:
+        """``episode`` waits on its environment's answer ``pending``, for ``env_step_deadline_s`` at
+        most (``answering``: an agent program's environment, whose whole episode has its
+        ``agent_deadline_s`` too)."""
+        episode.pending = pending
+        episode.deadline = min(time.monotonic() + self.config.rollout.env_step_deadline_s,
+                               answering.deadline if answering is not None else math.inf)
         self.waiting.append(episode)
 
     def _answered(self, episode: Episode, future: Future) -> None:
@@ -685,7 +757,7 @@ class Episodes:
         under_way = [episode for group in self.groups for episode in group.episodes if episode.ended is None]
         closing = [in_thread(close) for episode in under_way
                    if (close := getattr(episode.environment, "close", None)) is not None]
-        closing += [in_thread(_close_once_made, episode.pending) for episode in under_way
+        closing += [_close_made(episode.pending) for episode in under_way
                     if episode.environment is None and episode.pending is not None]  # its reset under way
         wait(closing, timeout=CLOSE_DEADLINE_S)
 

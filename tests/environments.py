@@ -375,3 +375,15 @@ async def looks_at_squares(client, row: dict) -> float:
                                               {"type": "text", "text": "and this?"}]}]
     await client.chat.completions.create(model="policy", messages=messages)
     return 1.0
+
+
+async def does_as_its_row_says(client, row: dict) -> float:
+    """Makes no call for 30 s (``do: hang``), or one call and then raises (``raise``) or returns 1.0."""
+    import asyncio
+
+    if row["do"] == "hang":
+        await asyncio.sleep(30)
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    if row["do"] == "raise":
+        raise ValueError(f"no luck with {row['prompt']}")
+    return 1.0

@@ -7,6 +7,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 import openai
 import pytest
@@ -249,9 +250,10 @@ def test_the_endpoint_refuses_keys_it_did_not_give_and_episodes_that_ended(progr
         except openai.APIStatusError as error:
             errors.append(error)
 
+    taken = waiting._expect(lambda kind, call: call)  # as the rollout's loop waits for a program's call
     caller = threading.Thread(target=call)
     caller.start()
-    kind, pending = waiting.events.get(timeout=10)  # the call, waiting for the policy's turn
+    pending = taken.result(timeout=10)  # the call, waiting for the policy's turn
     waiting.call = pending
     waiting.close()  # the episode ended (max_turns, a turn cut at max_new_tokens)
     caller.join(timeout=10)
@@ -293,9 +295,10 @@ def test_a_call_that_asks_for_another_distribution_or_several_completions_is_ref
         except openai.NotFoundError as error:
             ended.append(error.status_code)
 
+    taken = episode._expect(lambda kind, call: (kind, call))
     caller = threading.Thread(target=call, daemon=True)
     caller.start()
-    kind, episode.call = episode.events.get(timeout=10)
+    kind, episode.call = taken.result(timeout=10)
     assert kind == "call"
     episode.close()  # the call was taken: the episode's end answers it
     caller.join(timeout=10)
@@ -383,3 +386,57 @@ def test_a_turn_cut_at_its_calls_max_tokens_answers_the_call_with_length(program
     ids = agent.parser.tokenizer("17 plus", add_special_tokens=False)["input_ids"]
     episode.step("17 plus", [], Turn(11, ids, [-0.1] * len(ids), "length"))
     assert SEEN["cut"]["finish_reason"] == "length"
+
+
+def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_hangs(tmp_path):
+    """The rollout's loop (``rollout.episodes``) takes a program's calls with no thread of its own
+    between them: one that returns ends "done" with its reward, one that raises ends env_error, one
+    that makes no call within ``rollout.agent_deadline_s`` ends env_deadline then, long before
+    ``env_step_deadline_s``; the run's end closes a reset under way at once, its key refused after."""
+    import logging
+
+    from common.config import load_config
+    from common.prompts import prompt_token_ids
+    from rollout.agents import agent_programs
+    from rollout.environments import Environments
+    from rollout.episodes import CLOSE_DEADLINE_S, Episodes, Renderer
+    from tests.helpers import base_config
+    from tests.test_episodes import fake_output, settle
+
+    tokenizer = chatml_tokenizer(str(tmp_path))
+    config = load_config(None, ["rollout.agent=tests.environments:does_as_its_row_says", "rollout.agent_deadline_s=1",
+                                "rollout.env_step_deadline_s=20", "rollout.max_new_tokens=8",
+                                "rollout.max_model_len=64"],
+                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
+    rows = [{"prompt": "a", "do": "answer"}, {"prompt": "b", "do": "raise"}, {"prompt": "c", "do": "hang"},
+            {"prompt": "d", "do": "hang"}]
+    programs = agent_programs(config, tokenizer)
+    try:
+        episodes = Episodes(config, Environments.load(None, {}, programs), Renderer(tokenizer, None), tokenizer, rows,
+                            [prompt_token_ids(row, tokenizer, None, None) for row in rows], list(range(len(rows))),
+                            lambda _, max_tokens: max_tokens, logging.getLogger("test"))
+        for index in range(2):
+            episodes.start(index, index)
+        settle(episodes)
+        turns = episodes.take_ready(0)
+        assert [episode.group.prompt_index for episode, _, _ in turns] == [0, 1]
+        answer = tokenizer("42", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        for episode, _, _ in turns:
+            episodes.turn_finished(episode, fake_output(answer), 0)
+        settle(episodes)
+        samples, dropped = episodes.finished()
+        assert [(s.prompt_index, s.finish_reason, float(s.turn_rewards.sum())) for s in samples] == [
+            (0, "done", 1.0), (1, "env_error", 0.0)] and dropped == []
+        started = time.monotonic()
+        episodes.start(2, 2)
+        settle(episodes, seconds=10.0)
+        assert 1.0 <= time.monotonic() - started < 5.0  # ended at its program's deadline
+        assert episodes.finished() == ([], [(2, "env_deadline")])
+        episodes.start(3, 3)
+        (waiting,) = episodes.waiting
+        key = waiting.pending.environment.key
+        closing = time.monotonic()
+        episodes.close()
+        assert time.monotonic() - closing < CLOSE_DEADLINE_S / 2 and programs.lookup(key) is None
+    finally:
+        programs.close()
