@@ -10,7 +10,9 @@ environment's a mask of 0 and no logprob; a turn's reward sits on its last polic
 ``samples_per_prompt`` episodes of one prompt), take the turns ``ready`` to generate, hand each
 finished turn to ``turn_finished``, ``advance`` the environment calls between engine steps, and
 send the groups ``finished`` returns. Environment calls run in threads of their own, each with a
-deadline (``rollout.env_step_deadline_s``), so the engine never waits on one.
+deadline (``rollout.env_step_deadline_s``), so the engine never waits on one; an agent program's
+episode, whose answers come from its program's own thread, is called in the loop and waited on
+as a future (``Environments.answers_later``).
 """
 
 from __future__ import annotations
@@ -398,7 +400,7 @@ class Episodes:
 
     def start(self, prompt_index: int, row: int) -> None:
         """The episodes of the prompt at ``row`` of the kept prompts: each makes its environment
-        and resets it in a thread of its own."""
+        and resets it in a thread of its own (an agent program's: here, its program answering)."""
         group = Group(prompt_index, self.data_rows[row])
         self.groups.append(group)
         data_row = self.rows[group.data_row]
