@@ -12,8 +12,10 @@ they did. The figure compared with is k = 0's: asynchrony should not lose to it.
 ``--openai``: instead, at the config's k, the native episodes against the same task written as an
 agent program against the OpenAI API (``demos.agent.openai_agent`` through the rollout's endpoint;
 limit: >= 0.8x the native trained tokens/s), the same program in a process of its own on the
-learner's core (``rollout.agent_processes``), and the endpoint's own cost per call both ways: one
-episode's calls answered at once, one after another, with no engine (after 20 that warm it up).
+learner's core (``rollout.agent_processes``), the same program with OpenAI's SDK left out
+(``sdk_free_agent``: what the endpoint costs in a run without what the SDK costs), and the
+endpoint's own cost per call both ways: one episode's calls answered at once, one after another,
+with no engine (after 20 that warm it up).
 
 ``--openenv``: the native episodes against the same calculator served as an OpenEnv server's MCP
 tool (``demos.agent.openenv_app``, in this process), each episode a session of its own.
@@ -124,6 +126,35 @@ async def asks_twice(client, row: dict) -> float:
     return 0.0
 
 
+async def sdk_free_agent(client, row: dict) -> float:
+    """``demos.agent.openai_agent`` with OpenAI's SDK left out (the variant ``openai-sdk-free``): the
+    same requests posted as JSON through the client's own httpx client (to the endpoint in this
+    process), the replies read as JSON. The endpoint's cost in a run, without the SDK's."""
+    import asyncio
+    import json
+
+    from demos.agent import CALCULATOR, calculator, exact_answer
+
+    http, url = client._client, f"{client.base_url}chat/completions"  # the SDK's httpx client: its transport
+    headers = {"authorization": f"Bearer {client.api_key}"}
+    messages = [{"role": "user", "content": row["prompt"]}]
+    for _ in range(4):
+        response = await http.post(url, headers=headers, json={"model": "policy", "messages": messages,
+                                                               "tools": [CALCULATOR], "max_tokens": 20})
+        response.raise_for_status()
+        reply = response.json()["choices"][0]["message"]
+        messages.append(reply)
+        for call in reply.get("tool_calls") or []:
+            try:
+                content = await asyncio.to_thread(calculator, **json.loads(call["function"]["arguments"]))
+            except Exception as error:
+                content = f"error: {call['function']['name']} raised {type(error).__name__}: {error}"
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": content})
+        if not reply.get("tool_calls"):
+            break
+    return exact_answer([{"role": m["role"], "content": m.get("content") or ""} for m in messages], "", row)
+
+
 def main() -> None:
     from common.config import load_config
     from demos.agent import build_assets
@@ -154,7 +185,8 @@ def main() -> None:
 
         openai = [o for o in OPENAI_AGENT if not o.startswith("run_dir=")]
         variants = [("native", []), ("openai", openai),
-                    ("openai-processes", [*openai, "rollout.agent_processes=1", "placement.cores.agent=[0,1]"])]
+                    ("openai-processes", [*openai, "rollout.agent_processes=1", "placement.cores.agent=[0,1]"]),
+                    ("openai-sdk-free", [*openai, "rollout.agent=bench.agent:sdk_free_agent"])]
     server = None
     if args.openenv:
         from demos.agent import openenv_overrides, serve_openenv
@@ -193,6 +225,10 @@ def main() -> None:
             apart = median(results, "openai-processes", "tokens_per_s") / median(results, "native", "tokens_per_s")
             print(f"  the programs in a process of their own on either core (rollout.agent_processes 1): "
                   f"{apart:.2f}x")
+        if results.get("openai-sdk-free"):
+            free = median(results, "openai-sdk-free", "tokens_per_s") / median(results, "native", "tokens_per_s")
+            print(f"  the same program with OpenAI's SDK left out (JSON posted through the same transport): "
+                  f"{free:.2f}x")
         for processes in (0, 1):
             wall, cpu = endpoint_ms_per_call(processes)
             print(f"the endpoint's own cost, rollout.agent_processes {processes}: {wall:.2f} ms per call, of which "
