@@ -3,16 +3,20 @@
 A program run in the rollout's process shares its interpreter with the engine's loop: the openai
 client's work inside a program (building each request, parsing each reply) costs the rollout's
 core about as much as the endpoint does. Here each process serves many episodes at once, as
-tasks of one event loop (a plain function's episodes in threads of a pool), their calls reaching
-the endpoint through 127.0.0.1 with each episode's key, on the cores ``placement.cores.agent``
-names. A program that blocks its process's loop (a tool called without await) holds up every
+tasks of one event loop (a plain function's episodes in threads of a pool), on the cores
+``placement.cores.agent`` names. An async program's calls come over the process's connection to
+the rollout (``OverConnection``), answered by the endpoint's ``respond`` with no HTTP on either
+side; a plain function's reach the endpoint through 127.0.0.1. Each call carries its episode's
+key. A program that blocks its process's loop (a tool called without await) holds up every
 episode of that process, not its own alone, as it would in the threads of the rollout's.
 
 The messages are JSON, one a frame, checked on receipt (``_checked``): to a process
-``{"kind": "run", "key", "row"}`` and ``{"kind": "cancel", "key"}`` (the episode ended first);
-from it ``{"kind": "return", "key", "value"}`` or ``{"kind": "raise", "key", "error": {"type",
-"message", "traceback", "where"}}``. A process that dies, or sends what is not such a message,
-fails the episodes it held (env_error) and a new one takes the next.
+``{"kind": "run", "key", "row"}``, ``{"kind": "cancel", "key"}`` (the episode ended first) and
+``{"kind": "answer", "key", "id", "status", "answer", "streamed"}``; from it ``{"kind": "return",
+"key", "value"}``, ``{"kind": "raise", "key", "error": {"type", "message", "traceback", "where"}}``
+and ``{"kind": "call", "key", "id", "path", "body"}`` (the key: the call's ``Authorization``). A
+process that dies, or sends what is not such a message, fails the episodes it held (env_error)
+and a new one takes the next.
 """
 
 from __future__ import annotations
@@ -31,7 +35,10 @@ from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-KINDS = {"run": ("row",), "cancel": (), "return": ("value",), "raise": ("error",)}
+import httpx
+
+KINDS = {"run": ("row",), "cancel": (), "return": ("value",), "raise": ("error",), "call": ("id", "path", "body"),
+         "answer": ("id", "status", "answer", "streamed")}
 
 
 class RemoteTraceback(Exception):
@@ -57,9 +64,11 @@ class ProgramProcess:
     reads its answers (a process whose loop is stuck stops reading: only the writer waits on it)."""
 
     def __init__(self, program: str, base_url: str, deadline_s: float, cores: list[int] | None,
-                 deliver: Callable[[str, str, Any], None]) -> None:
+                 deliver: Callable[[str, str, Any], None], answer: Callable[[dict, Callable[[dict], None]], None]
+                 ) -> None:
         """``deliver(key, kind, value)``: an episode's return ("return", its value) or failure
-        ("raise", the error)."""
+        ("raise", the error); ``answer(call, send)``: a program's call message answered, the
+        answer message given to ``send`` once the turn is generated."""
         # a new interpreter, not a fork (the rollout's engine holds threads a fork would copy) nor
         # multiprocessing's spawn (which imports the rollout's __main__ again); it sees the modules
         # the rollout sees (its sys.path), and ends with it (its parent's death closes the socket)
@@ -71,7 +80,7 @@ class ProgramProcess:
                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=environment)
         theirs.close()
         self.connection = Connection(ours.detach())
-        self.deliver = deliver
+        self.deliver, self.answer = deliver, answer
         self.running: set[str] = set()  # keys of its episodes under way
         self.lock = threading.Lock()  # running and alive, from the episodes' threads and the reader
         self.alive = True
@@ -106,12 +115,15 @@ class ProgramProcess:
         why = None
         while True:
             try:
-                message = _checked(json.loads(self.connection.recv_bytes()), ("return", "raise"))
+                message = _checked(json.loads(self.connection.recv_bytes()), ("return", "raise", "call"))
             except (EOFError, OSError):
                 break
             except (ValueError, TypeError, KeyError) as error:  # not a message of this protocol: it cannot be trusted
                 why = f"it sent what is not an answer ({error})"
                 break
+            if message["kind"] == "call":
+                self.answer(message, self.outbox.put)
+                continue
             with self.lock:
                 if message["key"] not in self.running:
                     continue  # cancelled: its episode ended first
@@ -151,8 +163,13 @@ class ProgramProcesses:
     under way."""
 
     def __init__(self, count: int, program: str, base_url: str, deadline_s: float, cores: list[int] | None,
-                 deliver: Callable[[str, str, Any], None]) -> None:
-        self.make = lambda: ProgramProcess(program, base_url, deadline_s, cores, deliver)
+                 deliver: Callable[[str, str, Any], None], respond) -> None:
+        """``respond``: the endpoint's (``Endpoint.respond``), which answers the programs' calls in an
+        event loop of this object's own thread."""
+        self.respond = respond
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, name="agent-process-calls", daemon=True).start()
+        self.make = lambda: ProgramProcess(program, base_url, deadline_s, cores, deliver, self.answer)
         self.deliver = deliver
         self.lock = threading.Lock()
         self.processes = [self.make() for _ in range(count)]
@@ -178,11 +195,34 @@ class ProgramProcesses:
         if process is not None:
             process.cancel(key)
 
+    def answer(self, call: dict, send: Callable[[dict], None]) -> None:
+        """A program's ``call`` message answered by the endpoint, its answer message to ``send``."""
+        from rollout.endpoint import InProcess
+
+        completion = InProcess.ROUTES.get(call["path"])
+        if completion is None or not isinstance(call["body"], str):
+            return send({"kind": "answer", "key": call["key"], "id": call["id"], "status": 404,
+                         "answer": {"detail": "Not Found"}, "streamed": False})
+        done = asyncio.run_coroutine_threadsafe(self.respond(f"Bearer {call['key']}", call["body"].encode(),
+                                                             completion), self.loop)
+
+        def answered(done) -> None:
+            try:
+                status, answer, streamed = done.result()
+            except BaseException as error:  # the program must not wait on: its call fails as the server's would
+                status, streamed = 500, False
+                answer = {"error": {"message": f"the rollout could not answer this call ({type(error).__name__}: "
+                                               f"{error})", "type": "internal_error", "code": 500}}
+            send({"kind": "answer", "key": call["key"], "id": call["id"], "status": status, "answer": answer,
+                  "streamed": streamed})
+        done.add_done_callback(answered)
+
     def close(self) -> None:
         with self.lock:
             self.closed, processes = True, list(self.processes)
         for process in processes:
             process.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
 
 
 def _checked(message: Any, kinds: tuple[str, ...]) -> dict:
@@ -216,8 +256,10 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
 
     loop = asyncio.get_running_loop()
     asynchronous = inspect.iscoroutinefunction(function)
-    client = (AsyncOpenAI if asynchronous else OpenAI)(base_url=base_url, api_key="-", max_retries=0,
-                                                       timeout=deadline_s)
+    calls = OverConnection(connection)
+    client = (AsyncOpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=deadline_s,
+                          http_client=httpx.AsyncClient(transport=calls, timeout=deadline_s)) if asynchronous
+              else OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=deadline_s))
     # a plain program that hangs keeps its thread past its deadline: a pool that grows with them
     threads = None if asynchronous else ThreadPoolExecutor(max_workers=1024, thread_name_prefix="agent-program")
     tasks: dict[str, asyncio.Task] = {}
@@ -240,8 +282,10 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
     def readable() -> None:
         try:
             while connection.poll():
-                message = _checked(json.loads(connection.recv_bytes()), ("run", "cancel"))
-                if message["kind"] == "run":
+                message = _checked(json.loads(connection.recv_bytes()), ("run", "cancel", "answer"))
+                if message["kind"] == "answer":
+                    calls.answered(message)
+                elif message["kind"] == "run":
                     tasks[message["key"]] = loop.create_task(episode(message["key"], message["row"]))
                 elif message["key"] in tasks:
                     tasks[message["key"]].cancel()
@@ -255,6 +299,37 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
         task.cancel()
     if threads is not None:
         threads.shutdown(wait=False, cancel_futures=True)
+
+
+class OverConnection(httpx.AsyncBaseTransport):
+    """An async program's calls sent to the rollout over the process's connection and answered
+    there by the endpoint (``ProgramProcesses.answer``): no HTTP server on the rollout's side,
+    no connection pool on this one."""
+
+    def __init__(self, connection) -> None:
+        self.connection = connection
+        self.waiting: dict[int, asyncio.Future] = {}  # by the call's id
+        self.ids = iter(range(1 << 62))
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        number = next(self.ids)
+        self.waiting[number] = answer = asyncio.get_running_loop().create_future()
+        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        try:
+            _send(self.connection, {"kind": "call", "key": key, "id": number, "path": request.url.path,
+                                    "body": (await request.aread()).decode()})
+            message = await answer
+        finally:
+            self.waiting.pop(number, None)
+        if message["streamed"]:
+            return httpx.Response(message["status"], headers={"content-type": "text/event-stream"},
+                                  content="".join(message["answer"]).encode(), request=request)
+        return httpx.Response(message["status"], json=message["answer"], request=request)
+
+    def answered(self, message: dict) -> None:
+        waiting = self.waiting.get(message["id"])
+        if waiting is not None and not waiting.done():
+            waiting.set_result(message)
 
 
 def _send(connection, message: dict) -> None:

@@ -275,13 +275,21 @@ def reports(row: dict) -> Reports:
 
 
 async def in_its_process(client, row: dict) -> dict:
-    """One call; then the process it ran in and the cores it had, or the error the row asks for."""
+    """One call (with what the row's ``ask`` adds; streamed where it says ``stream``); then the
+    process it ran in, the cores it had and the stream's chunks, or the error the row asks for."""
     import os
 
-    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    messages = [{"role": "user", "content": row["prompt"]}]
+    chunks = 0
+    if row.get("stream"):
+        async for _ in await client.chat.completions.create(model="policy", messages=messages, stream=True):
+            chunks += 1
+    else:
+        await client.chat.completions.create(model="policy", messages=messages, **row.get("ask", {}))
     if row.get("fail"):
         raise ValueError(f"no luck with {row['prompt']}")
-    return {"reward": 1.0, "pid": os.getpid(), "cores": sum(1 << core for core in os.sched_getaffinity(0))}
+    return {"reward": 1.0, "pid": os.getpid(), "cores": sum(1 << core for core in os.sched_getaffinity(0)),
+            "chunks": chunks}
 
 
 def in_its_process_plain(client, row: dict) -> dict:

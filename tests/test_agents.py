@@ -142,7 +142,8 @@ def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
 
 def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_process_fails_its_episodes(programs):
     """rollout.agent_processes: the same episodes, their programs in another process on the cores
-    asked for; a program's error comes back with its type, message, traceback and where it was
+    asked for, their calls answered over its connection as the endpoint answers (a stream, a
+    refusal); a program's error comes back with its type, message, traceback and where it was
     raised; a process killed under an episode fails that episode, and the next one gets a new
     process; an ended episode's program is cancelled."""
     import signal
@@ -179,6 +180,12 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
     again.reset()
     step = again.step("fine", [])
     assert step.reward == 1.0 and step.metrics["pid"] not in (pid, os.getpid())
+    streamed = agent.make({"prompt": "six", "stream": True})  # the calls come over the process's connection
+    streamed.reset()
+    assert streamed.step("fine", []).metrics["chunks"] == 2  # the turn, then its finish reason
+    refused = agent.make({"prompt": "seven", "ask": {"n": 2}})
+    with pytest.raises(ProgramError, match="BadRequestError: .*n is 2: an episode's call asks for one completion"):
+        refused.reset()
     plain = programs("tests.environments:in_its_process_plain", processes=1).make({"prompt": "six"})
     plain.reset()
     step = plain.step("fine", [])
