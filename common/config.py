@@ -144,9 +144,10 @@ class RolloutConfig(_Strict):
                                      "it prints its reward last on stdout (a number or {\"reward\": ...}); instead "
                                      "of rollout.agent")
     agent_processes: int = Field(0, ge=0, description="rollout.agent: run the programs in this many processes of "
-                                 "their own, each serving many episodes at once, their calls reaching the endpoint "
-                                 "through 127.0.0.1, on placement.cores.agent (the openai client's work off the "
-                                 "engine's core); 0: in threads of the rollout's process")
+                                 "their own, each serving many episodes at once (an async program's calls come over "
+                                 "the process's connection, a plain function's through 127.0.0.1), on "
+                                 "placement.cores.agent (the openai client's work off the engine's core); 0: in "
+                                 "threads of the rollout's process")
     agent_deadline_s: float = Field(600.0, gt=0, description="rollout.agent: an episode's program that has not "
                                     "returned this long after it started ends (env_deadline); each wait for its "
                                     "next call is also bounded by env_step_deadline_s")
