@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import logging
 import os
 import queue
 import socket
@@ -37,8 +38,10 @@ from typing import Any, Callable
 
 import httpx
 
+LOG = logging.getLogger(__name__)  # the rollout's log: its root handler
 KINDS = {"run": ("row",), "cancel": (), "return": ("value",), "raise": ("error",), "call": ("id", "path", "body"),
          "answer": ("id", "status", "answer", "streamed")}
+TYPES = {"call": {"id": int, "path": str, "body": str}, "answer": {"id": int, "status": int, "streamed": bool}}
 
 
 class RemoteTraceback(Exception):
@@ -61,7 +64,8 @@ class ProgramError(RuntimeError):
 
 class ProgramProcess:
     """One process of programs, the thread of the rollout's that writes to it and the one that
-    reads its answers (a process whose loop is stuck stops reading: only the writer waits on it)."""
+    reads its answers and its programs' calls (a process whose loop is stuck stops reading: only
+    the writer waits on it)."""
 
     def __init__(self, program: str, base_url: str, deadline_s: float, cores: list[int] | None,
                  deliver: Callable[[str, str, Any], None], answer: Callable[[dict, Callable[[dict], None]], None]
@@ -122,7 +126,7 @@ class ProgramProcess:
                 why = f"it sent what is not an answer ({error})"
                 break
             if message["kind"] == "call":
-                self.answer(message, self.outbox.put)
+                self.answer(message, self.outbox.put)  # never raises: a checked call is answered
                 continue
             with self.lock:
                 if message["key"] not in self.running:
@@ -168,13 +172,17 @@ class ProgramProcesses:
         event loop of this object's own thread."""
         self.respond = respond
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="agent-process-calls", daemon=True).start()
+        threading.Thread(target=_run_until_stopped, args=(self.loop,), name="agent-process-calls", daemon=True).start()
         self.make = lambda: ProgramProcess(program, base_url, deadline_s, cores, deliver, self.answer)
         self.deliver = deliver
         self.lock = threading.Lock()
-        self.processes = [self.make() for _ in range(count)]
         self.where: dict[str, ProgramProcess] = {}
         self.closed = False
+        try:
+            self.processes = [self.make() for _ in range(count)]
+        except BaseException:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            raise
 
     def start(self, key: str, row: dict) -> None:
         with self.lock:
@@ -199,22 +207,26 @@ class ProgramProcesses:
         """A program's ``call`` message answered by the endpoint, its answer message to ``send``."""
         from rollout.endpoint import InProcess
 
+        def reply(status: int, answer: Any, streamed: bool = False) -> None:
+            send({"kind": "answer", "key": call["key"], "id": call["id"], "status": status, "answer": answer,
+                  "streamed": streamed})
+
         completion = InProcess.ROUTES.get(call["path"])
-        if completion is None or not isinstance(call["body"], str):
-            return send({"kind": "answer", "key": call["key"], "id": call["id"], "status": 404,
-                         "answer": {"detail": "Not Found"}, "streamed": False})
-        done = asyncio.run_coroutine_threadsafe(self.respond(f"Bearer {call['key']}", call["body"].encode(),
-                                                             completion), self.loop)
+        if completion is None:
+            return reply(404, {"detail": "Not Found"})
+        try:
+            done = asyncio.run_coroutine_threadsafe(self.respond(f"Bearer {call['key']}", call["body"].encode(),
+                                                                 completion), self.loop)
+        except RuntimeError:  # the loop is closed: the run is over
+            return reply(404, {"error": {"message": "this episode has ended", "code": 404}})
 
         def answered(done) -> None:
             try:
-                status, answer, streamed = done.result()
+                reply(*done.result())
             except BaseException as error:  # the program must not wait on: its call fails as the server's would
-                status, streamed = 500, False
-                answer = {"error": {"message": f"the rollout could not answer this call ({type(error).__name__}: "
-                                               f"{error})", "type": "internal_error", "code": 500}}
-            send({"kind": "answer", "key": call["key"], "id": call["id"], "status": status, "answer": answer,
-                  "streamed": streamed})
+                LOG.error("the endpoint could not answer a program process's call", exc_info=error)
+                reply(500, {"error": {"message": f"the rollout could not answer this call ({type(error).__name__}: "
+                                                 f"{error})", "type": "internal_error", "code": 500}})
         done.add_done_callback(answered)
 
     def close(self) -> None:
@@ -225,6 +237,18 @@ class ProgramProcesses:
         self.loop.call_soon_threadsafe(self.loop.stop)
 
 
+def _run_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
+    """``loop`` run in this thread until it is stopped, then closed with the calls it still held."""
+    try:
+        loop.run_forever()
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.close()
+
+
 def _checked(message: Any, kinds: tuple[str, ...]) -> dict:
     """``message`` if it is one of ``kinds`` with its fields (``KINDS``), else ``ValueError``."""
     if not isinstance(message, dict) or message.get("kind") not in kinds or not isinstance(message.get("key"), str):
@@ -232,6 +256,11 @@ def _checked(message: Any, kinds: tuple[str, ...]) -> dict:
     missing = [name for name in KINDS[message["kind"]] if name not in message]
     if missing or (message["kind"] == "raise" and not isinstance(message["error"], dict)):
         raise ValueError(f"a {message['kind']} message without {', '.join(missing) or 'its error'}")
+    types = TYPES.get(message["kind"], {})
+    wrong = [name for name, kind in types.items() if type(message[name]) is not kind]
+    if wrong:
+        raise ValueError(f"a {message['kind']} message whose {', '.join(wrong)} "
+                         f"{'is not' if len(wrong) == 1 else 'are not'} {', '.join(types[n].__name__ for n in wrong)}")
     return message
 
 

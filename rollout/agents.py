@@ -2,8 +2,8 @@
 
 A program is ``run(client, row) -> reward``: ``client`` an ``openai.AsyncOpenAI`` (an ``openai.
 OpenAI`` for a plain function) with its episode's key, pointed at the rollout's endpoint
-(``rollout.endpoint``: an async client reaches its app in this process, a plain one through
-127.0.0.1), ``row`` the prompt's data row; it returns the episode's reward, a number (or a dict
+(``rollout.endpoint``: an async client reaches it in this process without HTTP, a plain one
+through 127.0.0.1), ``row`` the prompt's data row; it returns the episode's reward, a number (or a dict
 with ``reward``). Each episode's program runs in a thread of its own, within
 ``rollout.agent_deadline_s``; the threads, their event loops and clients serve one episode after
 another (made anew for each, they cost the rollout's core more than the calls did).
@@ -39,11 +39,12 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout  # the builtin one from Python 3.11
 from typing import Any, Callable
 
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
-from rollout.environments import BadStep, Restart, Step, TokenIds, Turn
+from rollout.environments import BadStep, Restart, Step, TokenIds, Turn, as_step
 from rollout.tools import ToolCallParser, ToolError
 
 
@@ -149,8 +150,8 @@ class AgentPrograms:
 
 class ProgramThread:
     """A thread that runs episodes' programs one after another, with what each would otherwise
-    make anew: an event loop and a client (an ``AsyncOpenAI`` reaching the endpoint's app in this
-    process, not through a socket; an ``OpenAI`` for a plain function, through 127.0.0.1). An
+    make anew: an event loop and a client (an ``AsyncOpenAI`` reaching the endpoint in this process
+    through ``Endpoint.transport``, not HTTP; an ``OpenAI`` for a plain function, through 127.0.0.1). An
     episode's client is a copy of it with the episode's key."""
 
     def __init__(self, programs: AgentPrograms) -> None:
@@ -293,7 +294,7 @@ class AgentEnvironment:
                 self.events.append((kind, value))
                 return True
             (future, read), self.expecting = self.expecting, None
-        _settle(future, read, kind, value)
+        self._settle(future, read, kind, value)
         return True
 
     def _expect(self, read: Callable[[str, Any], Any]) -> Future:
@@ -305,8 +306,15 @@ class AgentEnvironment:
                 self.expecting = (future, read)
                 return future
             kind, value = self.events.popleft()
-        _settle(future, read, kind, value)
+        self._settle(future, read, kind, value)
         return future
+
+    def _settle(self, future: Future, read: Callable[[str, Any], Any], kind: str, value: Any) -> None:
+        _settle(future, read, kind, value)
+        with self.lock:
+            ended, call = self.ended, self.call
+        if ended and call is not None:  # it ended as this call was taken: close() may have looked before
+            call.answer(HTTPError(404, "this episode has ended"))
 
     @property
     def turn_max_tokens(self) -> int | None:
@@ -349,8 +357,8 @@ class AgentEnvironment:
         return self._take(value)
 
     def _after(self, tool_calls: int, errors: list[ToolError], kind: str, value: Any) -> Step:
-        if kind == "call":
-            return Step(self._take(value), tool_calls=tool_calls, tool_errors=errors)
+        if kind == "call":  # its messages checked as any environment's observation is
+            return as_step(Step(self._take(value), tool_calls=tool_calls, tool_errors=errors))
         reward, metrics = _reward(value, self.programs.others_score)
         return Step(None, reward, done=True, tool_calls=tool_calls, tool_errors=errors, metrics=metrics)
 
@@ -391,11 +399,13 @@ class AgentEnvironment:
             expecting[0].set_exception(BadStep("the episode ended"))
 
     def _wait(self, future: Future) -> Any:
-        """``future``'s result, within what is left of the episode's ``agent_deadline_s`` and
-        ``env_step_deadline_s`` (the rollout's loop waits on the future itself, to the same ends)."""
+        """``future``'s result, within what is left of the episode's ``agent_deadline_s`` (a wait
+        past ``env_step_deadline_s`` the rollout ends itself: env_deadline; the rollout's loop waits
+        on the future itself, to the same ends, except a reset after a back-off, in a thread)."""
+        left = min(self.deadline - time.monotonic(), self.programs.step_deadline_s + 1.0)
         try:
-            return future.result(timeout=max(0.0, min(self.deadline - time.monotonic(), self.programs.step_deadline_s)))
-        except TimeoutError:
+            return future.result(timeout=max(0.0, left))
+        except FutureTimeout:
             if future.done():  # the program's own
                 raise
             raise TimeoutError(f"the agent program made no call and did not return in time (rollout.agent_deadline_s "

@@ -232,6 +232,7 @@ class Environments:
         self.shows_images = False  # showing_images's
         # its environments answer by futures (``begin_reset``, ``begin_step``: an agent program's, whose
         # own thread gives the answer), made and called in the rollout's loop with no thread of their own
+        # (but for a reset after a back-off)
         self.answers_later = False
 
     def showing_images(self, images: list[list[bytes]]) -> "Environments":

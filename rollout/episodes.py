@@ -400,7 +400,8 @@ class Episodes:
 
     def start(self, prompt_index: int, row: int) -> None:
         """The episodes of the prompt at ``row`` of the kept prompts: each makes its environment
-        and resets it in a thread of its own (an agent program's: here, its program answering)."""
+        and resets it in a thread of its own (an agent program's: here, its program answering, unless
+        it first backs off from failures)."""
         group = Group(prompt_index, self.data_rows[row])
         self.groups.append(group)
         data_row = self.rows[group.data_row]

@@ -447,3 +447,33 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
         assert time.monotonic() - closing < CLOSE_DEADLINE_S / 2 and programs.lookup(key) is None
     finally:
         programs.close()
+
+
+def test_a_call_taken_as_its_episode_ends_is_answered_and_a_call_message_of_the_wrong_types_refused(programs):
+    """The episode's end may come between a call's arrival and its taking (close() looks for a
+    call to refuse before the call is the episode's): the call is refused all the same, never left
+    waiting. A program process's call message whose fields are not of their types is not a
+    message of the protocol."""
+    import asyncio
+
+    from rollout.agent_processes import _checked
+    from rollout.endpoint import Call, HTTPError
+
+    episode = programs("tests.environments:asks_twice").make({"prompt": "hi"})
+    loop = asyncio.new_event_loop()
+    call = Call(None, loop.create_future(), loop)
+
+    def taken_after_the_end(kind: str, value: Call) -> None:
+        episode.close()  # the loop ended the episode (its deadline) as the call came in
+        episode.call = value  # what _take does with it next
+
+    episode._expect(taken_after_the_end)
+    assert episode.event("call", call)
+    answer = loop.run_until_complete(asyncio.wait_for(call.future, 5.0))
+    loop.close()
+    assert answer == HTTPError(404, "this episode has ended")
+    message = {"kind": "call", "key": "k", "id": 1, "path": "/v1/chat/completions", "body": "{}"}
+    assert _checked(message, ("call",)) == message
+    for field, wrong in [("path", []), ("id", "1"), ("body", {"messages": []})]:
+        with pytest.raises(ValueError, match=f"whose {field} is not"):
+            _checked({**message, field: wrong}, ("call",))
