@@ -182,7 +182,7 @@ class ProgramThread:
             return _run_command(programs.command, programs.endpoint.base_url, episode, programs.deadline_s)
         own = client.with_options(api_key=episode.key)
         if programs.asynchronous:
-            return loop.run_until_complete(_whole(programs.program(own, episode.row)))
+            return loop.run_until_complete(_whole(programs.program(own, episode.row), programs.deadline_s))
         return programs.program(own, episode.row)
 
 
@@ -240,11 +240,14 @@ def _client(endpoint: Endpoint, timeout_s: float, asynchronous: bool):
     return AsyncOpenAI(base_url=endpoint.base_url, api_key="-", max_retries=0, timeout=timeout_s, http_client=http)
 
 
-async def _whole(program) -> Any:
-    """An async program's result; the tasks it started and left running are cancelled with its end,
-    so none runs on into the next episode of its thread."""
+async def _whole(program, deadline_s: float) -> Any:
+    """An async program's result, or TimeoutError past ``deadline_s`` (it is cancelled then, so
+    that one awaiting forever frees its thread); the tasks it started and left running are
+    cancelled with its end, so none runs on into the next episode of its thread."""
     try:
-        return await program
+        return await asyncio.wait_for(program, deadline_s)
+    except asyncio.TimeoutError:
+        raise TimeoutError(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}") from None
     finally:
         current = asyncio.current_task()
         left = [task for task in asyncio.all_tasks() if task is not current]

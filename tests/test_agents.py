@@ -439,6 +439,9 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
         settle(episodes, seconds=10.0)
         assert 1.0 <= time.monotonic() - started < 5.0  # ended at its program's deadline
         assert episodes.finished() == ([], [(2, "env_deadline")])
+        while len(programs.idle) < 2 and time.monotonic() - started < 5.0:  # cancelled there, its thread freed
+            time.sleep(0.05)
+        assert len(programs.idle) == 2
         episodes.start(3, 3)
         (waiting,) = episodes.waiting
         key = waiting.pending.environment.key
