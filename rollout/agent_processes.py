@@ -5,7 +5,7 @@ client's work inside a program (building each request, parsing each reply) costs
 core about as much as the endpoint does. Here each process serves many episodes at once, as
 tasks of one event loop (a plain function's episodes in threads of a pool), on the cores
 ``placement.cores.agent`` names. An async program's calls come over the process's connection to
-the rollout (``OverConnection``), answered by the endpoint's ``respond`` with no HTTP on either
+the rollout (``OverConnection``), answered by the endpoint (``Endpoint.take``) with no HTTP on either
 side; a plain function's reach the endpoint through 127.0.0.1. Each call carries its episode's
 key. A program that blocks its process's loop (a tool called without await) holds up every
 episode of that process, not its own alone, as it would in the threads of the rollout's.
@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
-import logging
 import os
 import queue
 import socket
@@ -38,7 +37,6 @@ from typing import Any, Callable
 
 import httpx
 
-LOG = logging.getLogger(__name__)  # the rollout's log: its root handler
 KINDS = {"run": ("row",), "cancel": (), "return": ("value",), "raise": ("error",), "call": ("id", "path", "body"),
          "answer": ("id", "status", "answer", "streamed")}
 TYPES = {"call": {"id": int, "path": str, "body": str}, "answer": {"id": int, "status": int, "streamed": bool}}
@@ -167,22 +165,15 @@ class ProgramProcesses:
     under way."""
 
     def __init__(self, count: int, program: str, base_url: str, deadline_s: float, cores: list[int] | None,
-                 deliver: Callable[[str, str, Any], None], respond) -> None:
-        """``respond``: the endpoint's (``Endpoint.respond``), which answers the programs' calls in an
-        event loop of this object's own thread."""
-        self.respond = respond
-        self.loop = asyncio.new_event_loop()
-        threading.Thread(target=_run_until_stopped, args=(self.loop,), name="agent-process-calls", daemon=True).start()
+                 deliver: Callable[[str, str, Any], None], take) -> None:
+        """``take``: the endpoint's (``Endpoint.take``), which answers the programs' calls."""
+        self.take = take
         self.make = lambda: ProgramProcess(program, base_url, deadline_s, cores, deliver, self.answer)
         self.deliver = deliver
         self.lock = threading.Lock()
+        self.processes = [self.make() for _ in range(count)]
         self.where: dict[str, ProgramProcess] = {}
         self.closed = False
-        try:
-            self.processes = [self.make() for _ in range(count)]
-        except BaseException:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            raise
 
     def start(self, key: str, row: dict) -> None:
         with self.lock:
@@ -214,39 +205,13 @@ class ProgramProcesses:
         completion = InProcess.ROUTES.get(call["path"])
         if completion is None:
             return reply(404, {"detail": "Not Found"})
-        try:
-            done = asyncio.run_coroutine_threadsafe(self.respond(f"Bearer {call['key']}", call["body"].encode(),
-                                                                 completion), self.loop)
-        except RuntimeError:  # the loop is closed: the run is over
-            return reply(404, {"error": {"message": "this episode has ended", "code": 404}})
-
-        def answered(done) -> None:
-            try:
-                reply(*done.result())
-            except BaseException as error:  # the program must not wait on: its call fails as the server's would
-                LOG.error("the endpoint could not answer a program process's call", exc_info=error)
-                reply(500, {"error": {"message": f"the rollout could not answer this call ({type(error).__name__}: "
-                                                 f"{error})", "type": "internal_error", "code": 500}})
-        done.add_done_callback(answered)
+        self.take(f"Bearer {call['key']}", call["body"].encode(), completion, reply)
 
     def close(self) -> None:
         with self.lock:
             self.closed, processes = True, list(self.processes)
         for process in processes:
             process.close()
-        self.loop.call_soon_threadsafe(self.loop.stop)
-
-
-def _run_until_stopped(loop: asyncio.AbstractEventLoop) -> None:
-    """``loop`` run in this thread until it is stopped, then closed with the calls it still held."""
-    try:
-        loop.run_forever()
-    finally:
-        left = asyncio.all_tasks(loop)
-        for task in left:
-            task.cancel()
-        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
-        loop.close()
 
 
 def _checked(message: Any, kinds: tuple[str, ...]) -> dict:

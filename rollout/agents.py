@@ -91,7 +91,7 @@ class AgentPrograms:
             from rollout.agent_processes import ProgramProcesses
 
             self.processes = ProgramProcesses(processes, program, self.endpoint.base_url, deadline_s, cores,
-                                              self._delivered, self.endpoint.respond)
+                                              self._delivered, self.endpoint.take)
 
     def lookup(self, key: str) -> "AgentEnvironment | None":
         with self.lock:

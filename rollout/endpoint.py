@@ -13,28 +13,41 @@ once the engine has generated the turn, batched with every other request.
 # no `from __future__ import annotations`: FastAPI reads the route's annotations at runtime
 import asyncio
 import json
+import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import httpx
 
+LOG = logging.getLogger(__name__)  # the rollout's log: its root handler
 START_DEADLINE_S = 30.0
 KEEP_ALIVE_S = 75.0
 
 
 @dataclass
 class Call:
-    """One chat-completions call waiting for its turn: the request, and where its answer goes."""
+    """One chat-completions call waiting for its turn: the request, and where its answer goes: the
+    future of an event loop's handler (``Endpoint.respond``), or ``reply`` (``Endpoint.take``)."""
     request: Any  # vllm's ChatCompletionRequest, or its CompletionRequest
-    future: asyncio.Future
-    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future | None
+    loop: asyncio.AbstractEventLoop | None
     completion: bool = False  # a completions call: a prompt of text or ids, not messages
+    reply: Callable[[Any], None] | None = None
+    answered: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def answer(self, response: Any) -> None:
-        """From any thread: the call's answer (a ``ChatCompletionResponse`` or its JSON, or an ``HTTPError``)."""
-        self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(response))
+        """From any thread: the call's answer (a ``ChatCompletionResponse`` or its JSON, or an
+        ``HTTPError``); the first one counts."""
+        if self.reply is None:
+            self.loop.call_soon_threadsafe(lambda: self.future.done() or self.future.set_result(response))
+            return
+        with self.lock:
+            first, self.answered = not self.answered, True
+        if first:
+            self.reply(response)
 
 
 def stream_chunks(answer: dict, completion: bool, usage: bool) -> list[dict]:
@@ -122,35 +135,52 @@ class Endpoint:
     async def respond(self, authorization: str, body: bytes, completion: bool) -> tuple[int, Any, bool]:
         """One call: its episode's by its key, validated as vLLM's server validates it, answered once
         the policy's turn is generated. (status, the answer's JSON or its stream's events, streamed)."""
+        loop = asyncio.get_running_loop()
+        call, refused = self._admit(authorization, body, completion,
+                                    lambda request: Call(request, loop.create_future(), loop, completion))
+        if refused is not None:
+            return refused
+        return _finished(call.request, completion, await call.future)
+
+    def take(self, authorization: str, body: bytes, completion: bool,
+             reply: Callable[[int, Any, bool], None]) -> None:
+        """``respond`` for a caller with no event loop (a program process's call, read by the thread
+        that reads its connection): ``reply(status, answer, streamed)`` once, from the thread that
+        answers the call (this one where it is refused)."""
+        def answered(request, answer: Any) -> None:
+            try:
+                reply(*_finished(request, completion, answer))
+            except Exception as error:  # the program must not wait on: its call fails as the server's would
+                LOG.error("the endpoint could not answer a call", exc_info=error)
+                reply(*_error(500, f"the rollout could not answer this call ({type(error).__name__}: {error})"))
+
+        def made(request) -> Call:
+            return Call(request, None, None, completion, reply=lambda answer: answered(request, answer))
+
+        _, refused = self._admit(authorization, body, completion, made)
+        if refused is not None:
+            reply(*refused)
+
+    def _admit(self, authorization: str, body: bytes, completion: bool, make: Callable[[Any], Call]
+               ) -> tuple[Call | None, tuple[int, dict, bool] | None]:
+        """The call of ``body``, made by ``make`` from vLLM's request and given to its episode; or
+        why it is refused, as an answer."""
         from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.exceptions import VLLMValidationError
 
-        def error(status: int, message: str) -> tuple[int, dict, bool]:
-            return status, {"error": {"message": message, "type": "invalid_request_error", "code": status}}, False
-
         episode = self.lookup(authorization.removeprefix("Bearer ").strip())
         if episode is None:
-            return error(401, "unknown key: each episode calls with the key its program was given")
+            return None, _error(401, "unknown key: each episode calls with the key its program was given")
         try:
             request = (CompletionRequest if completion else ChatCompletionRequest).model_validate_json(body)
         except (ValidationError, ValueError, VLLMValidationError) as invalid:
-            return error(400, f"not a {'completions' if completion else 'chat-completions'} request: {invalid}")
-        loop = asyncio.get_running_loop()
-        call = Call(request, loop.create_future(), loop, completion)
+            return None, _error(400, f"not a {'completions' if completion else 'chat-completions'} request: "
+                                     f"{invalid}")
+        call = make(request)
         refused = episode.offer(call)
-        if refused is not None:
-            return error(refused.status, refused.message)
-        answer = await call.future
-        if isinstance(answer, HTTPError):
-            return error(answer.status, answer.message)
-        whole = answer if isinstance(answer, dict) else answer.model_dump(mode="json", exclude_none=True)
-        if not request.stream:
-            return 200, whole, False
-        usage = bool(request.stream_options and request.stream_options.include_usage)
-        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(whole, completion, usage)]
-        return 200, [*events, "data: [DONE]\n\n"], True
+        return (None, _error(refused.status, refused.message)) if refused is not None else (call, None)
 
     def transport(self) -> "InProcess":
         """A client transport that reaches this endpoint from this process without HTTP."""
@@ -159,6 +189,24 @@ class Endpoint:
     def close(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=5.0)
+
+
+def _error(status: int, message: str) -> tuple[int, dict, bool]:
+    """A refusal as ``respond`` answers it."""
+    return status, {"error": {"message": message, "type": "invalid_request_error", "code": status}}, False
+
+
+def _finished(request, completion: bool, answer: Any) -> tuple[int, Any, bool]:
+    """A call's ``answer`` (vLLM's response, its JSON, or an ``HTTPError``) as ``respond`` gives it:
+    (status, the JSON or the stream's events, streamed)."""
+    if isinstance(answer, HTTPError):
+        return _error(answer.status, answer.message)
+    whole = answer if isinstance(answer, dict) else answer.model_dump(mode="json", exclude_none=True)
+    if not request.stream:
+        return 200, whole, False
+    usage = bool(request.stream_options and request.stream_options.include_usage)
+    events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(whole, completion, usage)]
+    return 200, [*events, "data: [DONE]\n\n"], True
 
 
 class InProcess(httpx.AsyncBaseTransport):
