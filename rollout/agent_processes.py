@@ -315,10 +315,9 @@ class OverConnection(httpx.AsyncBaseTransport):
             message = await answer
         finally:
             self.waiting.pop(number, None)
-        if message["streamed"]:
-            return httpx.Response(message["status"], headers={"content-type": "text/event-stream"},
-                                  content="".join(message["answer"]).encode(), request=request)
-        return httpx.Response(message["status"], json=message["answer"], request=request)
+        from rollout.endpoint import http_response
+
+        return http_response(request, message["status"], message["answer"], message["streamed"])
 
     def answered(self, message: dict) -> None:
         waiting = self.waiting.get(message["id"])

@@ -297,7 +297,7 @@ class AgentEnvironment:
                 self.events.append((kind, value))
                 return True
             (future, read), self.expecting = self.expecting, None
-        self._settle(future, read, kind, value)
+        self._take_event(future, read, kind, value)
         return True
 
     def _expect(self, read: Callable[[str, Any], Any]) -> Future:
@@ -309,10 +309,10 @@ class AgentEnvironment:
                 self.expecting = (future, read)
                 return future
             kind, value = self.events.popleft()
-        self._settle(future, read, kind, value)
+        self._take_event(future, read, kind, value)
         return future
 
-    def _settle(self, future: Future, read: Callable[[str, Any], Any], kind: str, value: Any) -> None:
+    def _take_event(self, future: Future, read: Callable[[str, Any], Any], kind: str, value: Any) -> None:
         _settle(future, read, kind, value)
         with self.lock:
             ended, call = self.ended, self.call

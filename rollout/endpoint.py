@@ -223,9 +223,13 @@ class InProcess(httpx.AsyncBaseTransport):
         completion = self.ROUTES.get(request.url.path)
         if completion is None or request.method != "POST":
             return httpx.Response(404, json={"detail": "Not Found"}, request=request)
-        status, answer, streamed = await self.endpoint.respond(request.headers.get("authorization", ""),
-                                                               await request.aread(), completion)
-        if streamed:
-            return httpx.Response(status, headers={"content-type": "text/event-stream"},
-                                  content="".join(answer).encode(), request=request)
-        return httpx.Response(status, json=answer, request=request)
+        return http_response(request, *await self.endpoint.respond(request.headers.get("authorization", ""),
+                                                                   await request.aread(), completion))
+
+
+def http_response(request: httpx.Request, status: int, answer: Any, streamed: bool) -> httpx.Response:
+    """``respond``'s answer as the response to a client transport's ``request``."""
+    if streamed:
+        return httpx.Response(status, headers={"content-type": "text/event-stream"},
+                              content="".join(answer).encode(), request=request)
+    return httpx.Response(status, json=answer, request=request)

@@ -282,24 +282,10 @@ def _close(environment: Any) -> None:
 
 
 def _close_once_made(reset: Future) -> None:
-    """The environment a reset under way makes, closed as soon as it is made (the run is over)."""
-    _close(reset.result(timeout=CLOSE_DEADLINE_S)[0])
-
-
-def _close_made(reset: Future) -> Future:
-    """The environment of a reset under way closed, in a thread: at once where it was made before its
-    reset began (``_reset_later``), else once its reset makes it."""
+    """The environment a reset under way makes, closed as soon as it is made (the run is over); at
+    once where it was made before its reset began (``_reset_later``'s ``environment``)."""
     made = getattr(reset, "environment", None)
-    if made is not None:
-        return in_thread(_close, made)
-    closing: Future = Future()
-    reset.add_done_callback(lambda _: _chain(in_thread(_close_once_made, reset), closing))
-    return closing
-
-
-def _chain(source: Future, target: Future) -> None:
-    source.add_done_callback(lambda done: target.set_exception(done.exception()) if done.exception()
-                             else target.set_result(done.result()))
+    _close(made if made is not None else reset.result(timeout=CLOSE_DEADLINE_S)[0])
 
 
 def _reset_later(environments: Environments, row: dict) -> Future:
@@ -504,7 +490,10 @@ class Episodes:
                 self._answered(episode, future)
             elif now >= episode.deadline:
                 if episode.environment is None:  # its reset, late: what it makes is closed once made
-                    _close_made(episode.pending)
+                    if hasattr(episode.pending, "environment"):  # made already (an agent program's)
+                        in_thread(_close_once_made, episode.pending)
+                    else:
+                        episode.pending.add_done_callback(lambda reset: in_thread(_close_once_made, reset))
                 episode.pending = None
                 rollout = self.config.rollout
                 self.failures.report("env_deadline", None, f"the environment did not answer within "
@@ -760,7 +749,7 @@ class Episodes:
         under_way = [episode for group in self.groups for episode in group.episodes if episode.ended is None]
         closing = [in_thread(close) for episode in under_way
                    if (close := getattr(episode.environment, "close", None)) is not None]
-        closing += [_close_made(episode.pending) for episode in under_way
+        closing += [in_thread(_close_once_made, episode.pending) for episode in under_way
                     if episode.environment is None and episode.pending is not None]  # its reset under way
         wait(closing, timeout=CLOSE_DEADLINE_S)
 
