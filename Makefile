@@ -13,11 +13,14 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,dev,ray,trackers]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,dev,ray,trackers,verifiers]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# the tests' OpenEnv servers: openenv-core's server API alone (its declared dependencies
 	# bring gradio and the web UI; fastmcp and the rest come with the dev extra)
 	$(PY) -m pip install -q --disable-pip-version-check --no-deps openenv-core==0.3.0
+	# verifiers 0.3 (rollout.environment verifiers:<id>): its mcp<2, for its experimental MCPEnv
+	# alone, conflicts with vLLM's mcp>=2; what else it needs comes with the verifiers extra
+	$(PY) -m pip install -q --disable-pip-version-check --no-deps verifiers==0.3.1
 	touch $@
 
 demo: $(STAMP)

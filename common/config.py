@@ -83,7 +83,8 @@ class DataConfig(_Strict):
     """The prompts generated from, and PPO-ptx text."""
     prompts: str = Field(description='JSON-lines (.jsonl, .json) or Parquet (.parquet) file; each row has "prompt" '
                                      '(text, tokenized as is) or "messages" (a chat, rendered by the policy '
-                                     "tokenizer's chat template with the generation prompt)")
+                                     "tokenizer's chat template with the generation prompt); or \"verifiers:<id>\": "
+                                     "a verifiers environment's dataset (common/verifiers_envs.py)")
     system_prompt: str | None = Field(None, description="system message put first in every chat that has none")
     ptx: str | None = Field(None, description='PPO-ptx text (learner.ptx_coef): JSON lines or Parquet of {"text": ...}')
 
@@ -129,8 +130,12 @@ class RolloutConfig(_Strict):
     environment: str | None = Field(None, description='"module:function" called with a prompt\'s data row, '
                                     "returning its episode's environment (reset() -> first messages, step(response, "
                                     "messages) -> Step(observation, reward, done)); or \"openenv:<url>\": an OpenEnv "
-                                    "server's episodes, a session each (rollout/openenv.py); None: single responses, "
-                                    "or episodes of tool calls alone when rollout.tools is set")
+                                    "server's episodes, a session each (rollout/openenv.py); or \"verifiers:<id>\": "
+                                    "a verifiers environment's rollouts and rubric through the rollout's endpoint "
+                                    "(common/verifiers_envs.py); None: single responses, or episodes of tool calls "
+                                    "alone when rollout.tools is set")
+    environment_args: dict[str, Any] = Field(default_factory=dict, description="rollout.environment verifiers:<id>: "
+                                             "its load_environment's keywords")
     tools: list[str] = Field(default_factory=list, description='"module:function" tools: their JSON schemas go to '
                              "the chat template, a call in a turn (read by rollout.tool_parser) calls them, each "
                              "result is a tool message")
@@ -177,6 +182,13 @@ class RolloutConfig(_Strict):
         if self.agent_processes and not self.agent:
             raise ValueError("rollout.agent_processes runs rollout.agent's programs (an agent_command is a process "
                              "of its own already): set rollout.agent with it, or leave it 0")
+        verifiers = bool(self.environment and self.environment.startswith("verifiers:"))
+        if self.environment_args and not verifiers:
+            raise ValueError("rollout.environment_args are a verifiers environment's load_environment keywords: set "
+                             "rollout.environment verifiers:<id> with them, or leave them unset")
+        if verifiers and self.tools:
+            raise ValueError("rollout.tools: a verifiers environment brings its own tools; leave rollout.tools unset "
+                             "with rollout.environment verifiers:<id>")
         if (self.agent or self.agent_command) and (self.environment or self.tools):
             key = "rollout.agent" if self.agent else "rollout.agent_command"
             raise ValueError(f"{key} runs its own tools and conversation: leave rollout.environment and "

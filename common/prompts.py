@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from common import verifiers_envs
 from common.config import ConfigError
 
 
@@ -39,11 +40,22 @@ def dataset_row(seed: int, size: int, prompt_index: int) -> int:
     return int(_epoch_order(seed, size, epoch)[offset])
 
 
-def read_rows(path: str, key: str = "data.prompts") -> list[dict[str, Any]]:
+def read_rows(path: str, key: str = "data.prompts", environment_args: dict[str, Any] | None = None
+              ) -> list[dict[str, Any]]:
     """Every row of a prompt file (config key ``key``), checked: each has a text ``prompt`` or a
-    ``messages`` chat. The error names the key, the file, the line or row, and what is wrong."""
-    return read_records(path, key, prompt_problem,
-                        '{"prompt": text} or {"messages": [{"role": ..., "content": ...}, ...]}')
+    ``messages`` chat. The error names the key, the file, the line or row, and what is wrong.
+    ``verifiers:<id>`` (``verifiers:<id>#eval``): that verifiers environment's dataset (its eval
+    dataset), the environment made with ``environment_args`` (``rollout.environment_args``;
+    ``common.verifiers_envs``)."""
+    expected = '{"prompt": text} or {"messages": [{"role": ..., "content": ...}, ...]}'
+    if verifiers_envs.environment_id(path) is None:
+        return read_records(path, key, prompt_problem, expected)
+    rows = verifiers_envs.dataset_rows(path, environment_args, key)
+    for number, row in enumerate(rows, 1):
+        problem = prompt_problem(row)
+        if problem:
+            raise ConfigError(f"{key}: {path} row {number} {problem}; a row is {expected}")
+    return rows
 
 
 def read_texts(path: str) -> list[dict[str, Any]]:

@@ -54,7 +54,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     if environments is not None:
         environments.read_calls_with(config.rollout.tool_parser, tokenizer, config.rollout.reasoning_parser)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
-    rows = read_rows(config.data.prompts)[:config.eval.max_prompts]
+    rows = read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
+    rows = rows[:config.eval.max_prompts]
     processor = load_processor(checkpoint)  # a policy that sees: the rows' images too
     config = banning_placeholder(config, processor)
     bad_words = banned_words(config, tokenizer)

@@ -18,20 +18,25 @@ from common.config import ConfigError, TetherConfig
 def check_run_data(config: TetherConfig) -> None:
     """The files and functions PPO reads: data.prompts, eval.prompts, data.ptx, scorer.reward_functions,
     rollout.tools, rollout.environment and the agent program. Raises ``ConfigError`` at the first problem."""
+    from common import verifiers_envs
     from common.functions import load_function
     from common.prompts import read_rows, read_texts
     from rollout.environments import Environments
     from rollout.tools import load_tools
     from scorer.rewards import RewardFunction
 
-    read_rows(config.data.prompts)
+    read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
     if config.eval.prompts:
-        read_rows(config.eval.prompts, "eval.prompts")
+        read_rows(config.eval.prompts, "eval.prompts", config.rollout.environment_args)
     if config.data.ptx:
         read_texts(config.data.ptx)
     for i, function in enumerate(config.scorer.reward_functions):
         RewardFunction.load(function.function, function.weight, f"scorer.reward_functions[{i}].function")
-    Environments.load(config.rollout.environment, load_tools(config.rollout.tools, schemas=False))
+    env_id = verifiers_envs.environment_id(config.rollout.environment)
+    if env_id is not None:
+        verifiers_envs.load(env_id, config.rollout.environment_args)
+    else:
+        Environments.load(config.rollout.environment, load_tools(config.rollout.tools, schemas=False))
     if config.rollout.agent:
         load_function(config.rollout.agent, "rollout.agent")
     if config.rollout.agent_command and shutil.which(config.rollout.agent_command[0]) is None:

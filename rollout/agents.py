@@ -42,6 +42,7 @@ from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout  # the builtin one from Python 3.11
 from typing import Any, Callable
 
+from common import verifiers_envs
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
 from rollout.environments import BadStep, Restart, Step, TokenIds, Turn, as_step
@@ -49,14 +50,16 @@ from rollout.tools import ToolCallParser, ToolError
 
 
 def agent_programs(config, tokenizer) -> "AgentPrograms | None":
-    """``rollout.agent``'s (or ``rollout.agent_command``'s) programs and their endpoint, or None
-    without one; its calls' tool calls read by vLLM's parser ``rollout.tool_parser`` for the
-    policy's ``tokenizer``."""
+    """``rollout.agent``'s (or ``rollout.agent_command``'s, or a verifiers environment's:
+    ``common.verifiers_envs``) programs and their endpoint, or None without one; its calls' tool
+    calls read by vLLM's parser ``rollout.tool_parser`` for the policy's ``tokenizer``."""
     rollout = config.rollout
-    if not (rollout.agent or rollout.agent_command):
+    env_id = verifiers_envs.environment_id(rollout.environment)
+    if not (rollout.agent or rollout.agent_command or env_id):
         return None
     parser = ToolCallParser(rollout.tool_parser, tokenizer, None, rollout.reasoning_parser)
-    return AgentPrograms(rollout.agent or rollout.agent_command, parser,
+    program = verifiers_envs.program(env_id, rollout.environment_args) if env_id else None
+    return AgentPrograms(program or rollout.agent or rollout.agent_command, parser,
                          rollout.agent_deadline_s, rollout.env_step_deadline_s, config.sampling,
                          bool(config.models.reward or config.scorer.reward_functions),
                          rollout.agent_processes, config.placement.cores.get("agent"))
@@ -65,18 +68,18 @@ def agent_programs(config, tokenizer) -> "AgentPrograms | None":
 class AgentPrograms:
     """The run's agent program, its endpoint and the episodes calling it (each by its key)."""
 
-    def __init__(self, program: str | list[str], parser, deadline_s: float, step_deadline_s: float,
+    def __init__(self, program: str | list[str] | Callable, parser, deadline_s: float, step_deadline_s: float,
                  sampling=None, others_score: bool = False, processes: int = 0, cores: list[int] | None = None
                  ) -> None:
-        """``program``: "module:function", or a command's arguments (``rollout.agent_command``);
+        """``program``: "module:function" (or the function), or a command's arguments (``rollout.agent_command``);
         ``sampling``: the run's ``SamplingConfig``, which calls may not ask to change (None: unchecked);
         ``others_score``: a reward model or reward functions score the episodes too (a program may
         then return None); ``processes``: a function's programs run in this many processes of their
         own, on ``cores`` (``rollout.agent_processes``), else in threads of this one."""
         self.sampling, self.others_score = sampling, others_score
         self.command = program if isinstance(program, list) else None
-        self.program = None if self.command else load_function(program, "rollout.agent",
-                                                               check=lambda function: inspect.signature(function))
+        self.program = program if callable(program) else None if self.command else load_function(
+            program, "rollout.agent", check=lambda function: inspect.signature(function))
         self.parser = parser  # rollout.tools.ToolCallParser
         # an episode's program, start to return (its calls wait on a busy engine too); one wait for its next call
         self.deadline_s, self.step_deadline_s = deadline_s, step_deadline_s

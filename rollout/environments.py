@@ -25,6 +25,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from common import verifiers_envs
 from common.config import ConfigError
 from common.functions import load_function
 from common.prompts import chat_of, text_chat
@@ -258,6 +259,9 @@ class Environments:
             return environments
         if environment is None and not tools:
             return None
+        if verifiers_envs.environment_id(environment) is not None:
+            raise ConfigError("rollout.environment: a verifiers environment's episodes are an agent program's "
+                              "(rollout.agents.agent_programs); give Environments.load its programs")
         if environment and environment.startswith(openenv.PREFIX):
             if tools:
                 raise ConfigError("rollout.tools: an OpenEnv server's tools are its own (MCP); leave rollout.tools "

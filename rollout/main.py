@@ -34,7 +34,8 @@ def prompts_that_fit(config: TetherConfig, tokenizer, log, rows: list[dict] | No
     (vLLM would refuse them); every engine skips the same ones, so the prompt stream means the same
     to all. A chat is rendered with the ``tools`` schemas."""
     started = time.monotonic()
-    rows = rows if rows is not None else read_rows(config.data.prompts)
+    if rows is None:
+        rows = read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens
     token_ids, kept, images = prompts_with_images(rows, tokenizer, processor, limit, config.data.system_prompt,
                                                   "data.prompts", config.data.prompts, tools)
@@ -91,7 +92,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     tools = environments.tool_schemas if environments is not None else None
     if environments is not None:
         environments.read_calls_with(rollout_cfg.tool_parser, tokenizer, rollout_cfg.reasoning_parser)
-    rows = read_rows(config.data.prompts)
+    rows = read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
     processor = load_processor(config.models.policy)  # a policy that sees images: its processor
     config = banning_placeholder(config, processor)
     prompts, data_rows, skipped, images = prompts_that_fit(config, tokenizer, log, rows, tools, processor)

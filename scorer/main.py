@@ -85,7 +85,8 @@ class Scorer:
         self.overlong = ((config.overlong_max_length, scorer.overlong_buffer, scorer.overlong_penalty)
                          if scorer.overlong_buffer is not None else None)
         self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer)
-        self.rows = read_rows(config.data.prompts) if self.needs_text else []
+        self.rows = (read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
+                     if self.needs_text else [])
         self.system_prompt = config.data.system_prompt
 
     def describe(self) -> str:

@@ -109,8 +109,98 @@ def test_tether_eval_runs_episodes_and_gives_the_same_figures_twice(tmp_path, ag
     assert "  - user: `add " in worst and "  - ended: " in worst
 
 
+class SeededEpisodes:
+    """One vLLM engine on the agent demo's policy, whose episodes' turns are each seeded by prompt
+    and turn, so that two ways of running the same task give the same token streams; the native
+    episodes with the calculator tool, run once for every test that compares with them."""
+
+    def __init__(self, tmp_path, assets) -> None:
+        from transformers import AutoTokenizer
+
+        from common.config import load_config
+        from common.prompts import read_rows
+        from rollout.engine import make_vllm_engine
+        from rollout.environments import Environments
+        from rollout.tools import load_tools
+
+        self.tmp_path, self.assets = tmp_path, assets
+        self.tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
+        self.rows = read_rows(assets["prompts"])[:24]
+        native_config = load_config(None, base=agent_config(tmp_path, assets))
+        self.engine = make_vllm_engine(native_config, enable_chunked_prefill=False)  # seeded requests: prefills whole
+        self.native, dropped = self.run(native_config, Environments.load(None, load_tools(
+            ["demos.agent:calculator"])).read_calls_with("hermes", self.tokenizer))
+        assert dropped == 0 and len(self.native) == len(self.rows)
+
+    def config(self, *overrides: str):
+        from common.config import load_config
+
+        return load_config(None, ["rollout.tools=[]", *overrides], base=agent_config(self.tmp_path, self.assets))
+
+    def run(self, config, environments):
+        """Every row's episode on the engine: its samples and how many were dropped."""
+        import logging
+
+        from vllm.sampling_params import RequestOutputKind
+
+        from common.prompts import prompt_token_ids
+        from rollout.engine import sampling_params
+        from rollout.episodes import Episodes, Renderer
+        from rollout.generators import generate_to_end
+
+        prompts = [prompt_token_ids(row, self.tokenizer, None, environments.tool_schemas) for row in self.rows]
+        source = Episodes(config, environments, Renderer(self.tokenizer, environments.tool_schemas), self.tokenizer,
+                          self.rows, prompts, list(range(len(self.rows))), lambda episode, max_tokens: sampling_params(
+                              config, n=1, max_tokens=max_tokens, seed=100 * episode.group.prompt_index + episode.turns,
+                              output_kind=RequestOutputKind.FINAL_ONLY), logging.getLogger("test"))
+        return generate_to_end(self.engine, source, list(range(len(self.rows))))
+
+    def run_programs(self, config, parse_calls: bool = True):
+        """The episodes of ``config``'s agent programs (rollout.agent, a verifiers environment)."""
+        from rollout.agents import agent_programs
+        from rollout.environments import Environments
+
+        programs = agent_programs(config, self.tokenizer)
+        try:
+            environments = Environments.load(None, {}, programs)
+            return self.run(config, environments.read_calls_with("hermes", self.tokenizer) if parse_calls
+                            else environments)
+        finally:
+            programs.close()
+
+    def same_streams(self, theirs, skip: str) -> int:
+        """How many of ``theirs`` were compared with the native episode of their row, and found
+        the same prompt, token stream, mask and logprobs; a native episode whose messages hold
+        ``skip`` is left out (a call the policy wrote wrong, answered differently by each way)."""
+        import numpy as np
+
+        assert len(theirs) == len(self.native)
+        compared = multi_turn = 0
+        for ours, other in zip(self.native, theirs):
+            if skip in ours.messages:
+                continue
+            compared += 1
+            multi_turn += int(ours.loss_mask.min() == 0)
+            assert ours.prompt_tokens.tolist() == other.prompt_tokens.tolist()
+            assert ours.response_tokens.tolist() == other.response_tokens.tolist(), (ours.messages, other.messages)
+            assert ours.loss_mask.tolist() == other.loss_mask.tolist()
+            assert np.abs(ours.behavior_logprobs - other.behavior_logprobs).max() < LOGPROB_TOLERANCE
+        assert compared >= 16 and multi_turn >= 3, (compared, multi_turn)
+        return compared
+
+    def close(self) -> None:
+        self.engine.llm_engine.engine_core.shutdown()
+
+
+@pytest.fixture(scope="module")
+def seeded(agent_assets, tmp_path_factory):
+    episodes = SeededEpisodes(tmp_path_factory.mktemp("seeded"), agent_assets)
+    yield episodes
+    episodes.close()
+
+
 @pytest.mark.slow
-def test_an_openai_client_program_gives_the_native_episodes_tokens(tmp_path, agent_assets):
+def test_an_openai_client_program_gives_the_native_episodes_tokens(seeded):
     """The task as a program written against the OpenAI API (demos.agent.openai_agent, through the
     rollout's endpoint) and as native episodes with the calculator tool, on one vLLM engine with
     each turn seeded alike: every episode is the same prompt, token stream, mask and logprobs, the
@@ -118,75 +208,44 @@ def test_an_openai_client_program_gives_the_native_episodes_tokens(tmp_path, age
     the parser cannot read are left out: the native path answers it with an error, a program
     reads it as text. The same task against the completions API (demos.agent.completions_agent,
     its own transcript as text) gives the same token streams too."""
-    import logging
-
-    import numpy as np
-    from transformers import AutoTokenizer
-    from vllm.sampling_params import RequestOutputKind
-
-    from common.config import load_config
-    from common.prompts import prompt_token_ids, read_rows
     from demos.agent import exact_answer
-    from rollout.agents import agent_programs
-    from rollout.engine import make_vllm_engine, sampling_params
-    from rollout.environments import Environments
-    from rollout.episodes import Episodes, Renderer
-    from rollout.generators import generate_to_end
-    from rollout.tools import load_tools
 
-    native_config = load_config(None, base=agent_config(tmp_path, agent_assets))
-    agent_config_ = load_config(None, ["rollout.tools=[]", "rollout.agent=demos.agent:openai_agent"],
-                                base=agent_config(tmp_path, agent_assets))
-    tokenizer = AutoTokenizer.from_pretrained(agent_assets["policy"])
-    rows = read_rows(agent_assets["prompts"])[:24]
-    engine = make_vllm_engine(native_config, enable_chunked_prefill=False)  # seeded requests: prefills whole
-
-    def episodes(config, environments):
-        prompts = [prompt_token_ids(row, tokenizer, None, environments.tool_schemas) for row in rows]
-        source = Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows,
-                          prompts, list(range(len(rows))), lambda episode, max_tokens: sampling_params(
-                              config, n=1, max_tokens=max_tokens, seed=100 * episode.group.prompt_index + episode.turns,
-                              output_kind=RequestOutputKind.FINAL_ONLY), logging.getLogger("test"))
-        return generate_to_end(engine, source, list(range(len(rows))))
-
-    completions_config = load_config(None, ["rollout.tools=[]", "rollout.agent=demos.agent:completions_agent"],
-                                     base=agent_config(tmp_path, agent_assets))
-    programs = agent_programs(agent_config_, tokenizer)
-    completing = agent_programs(completions_config, tokenizer)
-    try:
-        native, native_dropped = episodes(native_config, Environments.load(None, load_tools(
-            ["demos.agent:calculator"])).read_calls_with("hermes", tokenizer))
-        agent, agent_dropped = episodes(agent_config_, Environments.load(None, {}, programs).read_calls_with(
-            "hermes", tokenizer))
-        completed, completed_dropped = episodes(completions_config, Environments.load(None, {}, completing))
-    finally:
-        programs.close()
-        completing.close()
-        engine.llm_engine.engine_core.shutdown()
+    agent, agent_dropped = seeded.run_programs(seeded.config("rollout.agent=demos.agent:openai_agent"))
     # the completions API: the program's text, each piece tokenized alone past the engine's ids
-    assert completed_dropped == 0 and len(completed) == len(rows)
-    compared = multi_turn = 0
-    for ours, theirs in zip(native, completed):
-        if "error: " in ours.messages:  # a call the policy wrote wrong: the native path's own message
-            continue
-        compared += 1
-        multi_turn += int(ours.loss_mask.min() == 0)
-        assert ours.prompt_tokens.tolist() == theirs.prompt_tokens.tolist()
-        assert ours.response_tokens.tolist() == theirs.response_tokens.tolist()
-        assert ours.loss_mask.tolist() == theirs.loss_mask.tolist()
-        assert np.abs(ours.behavior_logprobs - theirs.behavior_logprobs).max() < LOGPROB_TOLERANCE
-    assert compared >= 16 and multi_turn >= 3, (compared, multi_turn)
-    assert native_dropped == agent_dropped == 0 and len(native) == len(agent) == len(rows)
-    compared = multi_turn = 0
-    for ours, theirs in zip(native, agent):
-        if "malformed tool call" in ours.messages:
-            continue
-        compared += 1
-        multi_turn += int(ours.loss_mask.min() == 0)
-        assert ours.prompt_tokens.tolist() == theirs.prompt_tokens.tolist()
-        assert ours.response_tokens.tolist() == theirs.response_tokens.tolist(), (ours.messages, theirs.messages)
-        assert ours.loss_mask.tolist() == theirs.loss_mask.tolist()
-        assert np.abs(ours.behavior_logprobs - theirs.behavior_logprobs).max() < LOGPROB_TOLERANCE
-        row = rows[ours.data_row]
-        assert float(theirs.turn_rewards.sum()) == exact_answer(json.loads(ours.messages), "", row)
-    assert compared >= 16 and multi_turn >= 3, (compared, multi_turn)
+    completed, completed_dropped = seeded.run_programs(seeded.config("rollout.agent=demos.agent:completions_agent"),
+                                                       parse_calls=False)
+    assert agent_dropped == completed_dropped == 0
+    seeded.same_streams(completed, "error: ")
+    seeded.same_streams(agent, "malformed tool call")
+    for ours, theirs in zip(seeded.native, agent):
+        if "malformed tool call" not in ours.messages:
+            row = seeded.rows[ours.data_row]
+            assert float(theirs.turn_rewards.sum()) == exact_answer(json.loads(ours.messages), "", row)
+
+
+@pytest.mark.slow
+def test_a_verifiers_environment_gives_the_native_episodes_tokens_and_its_rubrics_reward(seeded):
+    """The task as verifiers environments written with verifiers' own classes
+    (demos/agent_verifiers.py), run by verifiers through the rollout's endpoint: its ToolEnv with
+    the calculator gives the native episodes' token streams, its rubric's exact answer the
+    reward; its SingleTurnEnv gives each episode one turn, the native episode's first, and the
+    rubric's score of that turn."""
+    from demos.agent import exact_answer
+
+    tools, tools_dropped = seeded.run_programs(seeded.config("rollout.environment=verifiers:demos.agent_verifiers"))
+    single, single_dropped = seeded.run_programs(seeded.config("rollout.environment=verifiers:demos.agent_verifiers",
+                                                               'rollout.environment_args={"tools": false}'))
+    assert tools_dropped == single_dropped == 0
+    seeded.same_streams(tools, "malformed tool call")
+    rewarded = 0
+    for ours, theirs, one in zip(seeded.native, tools, single):
+        row = seeded.rows[ours.data_row]
+        if "malformed tool call" not in ours.messages:
+            assert float(theirs.turn_rewards.sum()) == exact_answer(json.loads(ours.messages), "", row)
+            rewarded += int(theirs.turn_rewards.sum() == 1.0)
+        first_turn = ours.loss_mask.tolist().index(0) if ours.loss_mask.min() == 0 else len(ours.loss_mask)
+        assert one.prompt_tokens.tolist() == ours.prompt_tokens.tolist()
+        assert one.response_tokens.tolist() == ours.response_tokens[:first_turn].tolist() and one.loss_mask.min() == 1
+        reward = exact_answer(None, seeded.tokenizer.decode(one.response_tokens, skip_special_tokens=True), row)
+        assert float(one.turn_rewards.sum()) == reward
+    assert rewarded >= 1  # the policy gets some sums right with the tool, and the rubric sees it

@@ -138,6 +138,41 @@ def test_the_readme_openenv_server_is_played_through_tether(tmp_path):
         server.wait(timeout=10)
 
 
+def test_the_readme_verifiers_environment_is_played_through_the_endpoint(tmp_path, monkeypatch):
+    """The README's my_verifiers_env.py and my_verifiers.yaml as the rollout runs them, the
+    policy's turns given by hand: the environment's dataset is the run's prompts, its system
+    prompt and question the first observation, its answers the next, its rubric's score the
+    reward, its metrics the episode's."""
+    from common.config import load_config
+    from common.prompts import read_rows
+    from rollout.agents import agent_programs
+    from tests.helpers import chatml_tokenizer
+
+    files = readme_files()
+    for name in ("my_verifiers_env.py", "my_verifiers.yaml"):
+        (tmp_path / name).write_text(files[name])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    config = load_config(tmp_path / "my_verifiers.yaml")
+    rows = read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
+    assert len(rows) == 100 and rows[7]["answer"] == "7"
+    programs = agent_programs(config, chatml_tokenizer(str(tmp_path / "tokenizer")))
+    try:
+        episode = programs.make(rows[7])
+        assert episode.reset() == [{"role": "system", "content": "Answer with one digit."},
+                                   {"role": "user", "content": "Guess my number, 0 to 9."}]
+        assert [(m["role"], m["content"]) for m in episode.step("5", []).observation] == [("user", "higher")]
+        step = episode.step("7", [])
+        assert (step.observation, step.reward, step.done) == (None, 1.0, True)
+        assert step.metrics == {"right": 1.0, "num_turns": 2.0}
+        missed = programs.make({"prompt": "Guess my number, 0 to 9.", "answer": "3"})  # a row of a file
+        assert missed.reset()[0] == {"role": "system", "content": "Answer with one digit."}
+        for guess in "0000":
+            step = missed.step(guess, [])
+        assert (step.observation, step.reward, step.done) == (None, 0.0, True)
+    finally:
+        programs.close()
+
+
 def tether_from(directory, *args) -> subprocess.CompletedProcess:
     """The installed `tether` command (its own script, not ``python -m``: the script's path holds
     only its bin directory), in ``directory``, with no PYTHONPATH of the caller's."""
