@@ -20,7 +20,11 @@ with no engine (after 20 that warm it up).
 ``--openenv``: the native episodes against the same calculator served as an OpenEnv server's MCP
 tool (``demos.agent.openenv_app``, in this process), each episode a session of its own.
 
-    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai | --openenv] [--variants A,B]
+``--verifiers``: the native episodes against the same task as a verifiers ``ToolEnv``
+(``demos.agent_verifiers``: verifiers' own rollout and rubric through the rollout's endpoint), and
+what an episode costs each way with no engine.
+
+    python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai | --openenv | --verifiers] [--variants A,B]
                           [-o KEY=VALUE ...]
 """
 
@@ -117,6 +121,38 @@ def episode_ms(url: str | None, episodes: int = 100) -> tuple[float, float]:
         demo.MAX_LATENCY_S = latency
 
 
+def program_episode_ms(program: str, episodes: int = 100) -> tuple[float, float]:
+    """Milliseconds per episode of one calculator call, the tool's latency set to 0, no engine,
+    of an agent program through the endpoint (the programs' thread, as the rollout runs them):
+    ``program`` "module:function", or ``verifiers:<id>``, whose program is verifiers' rollout and
+    rubric. The episode made, its first call taken (reset), the policy's call answered and the
+    tool's result taken (a step), the answer given and the return taken (a step); in all, and this
+    process's CPU time (the program's included)."""
+    import demos.agent as demo
+    from common import verifiers_envs
+    from rollout.agents import AgentPrograms
+    from rollout.tools import ToolCallParser
+
+    latency, demo.MAX_LATENCY_S = demo.MAX_LATENCY_S, 0.0
+    tokenizer = demo.build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
+    env_id = verifiers_envs.environment_id(program)
+    programs = AgentPrograms(verifiers_envs.program(env_id, {}) if env_id else program,
+                             ToolCallParser("hermes", tokenizer, None), 60.0, 60.0)
+    turn = '<tool_call> {"name": "calculator", "arguments": {"expression": "374 + 589"}} </tool_call>'
+
+    def one_episode() -> None:
+        episode = programs.make({"prompt": "add 3 7 4 + 5 8 9 :", "answer": "963"})
+        episode.reset()
+        assert episode.step(turn, []).observation[-1]["role"] == "tool"
+        assert episode.step("9 6 3", []).done
+
+    try:
+        return ms_each(one_episode, episodes, warm_up=10)
+    finally:
+        programs.close()
+        demo.MAX_LATENCY_S = latency
+
+
 async def asks_twice(client, row: dict) -> float:
     """A call, a user's "again", a second call."""
     messages = [{"role": "user", "content": row["prompt"]}]
@@ -167,6 +203,8 @@ def main() -> None:
     parser.add_argument("--openai", action="store_true", help="native episodes against the OpenAI-client program")
     parser.add_argument("--openenv", action="store_true", help="native episodes against the same calculator as "
                                                                "an OpenEnv server's MCP tool")
+    parser.add_argument("--verifiers", action="store_true", help="native episodes against the same task as a "
+                                                                 "verifiers ToolEnv (demos.agent_verifiers)")
     parser.add_argument("--variants", help="a comma-separated subset of the variants to run (default: all)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant, as `tether run -o`")
@@ -193,6 +231,9 @@ def main() -> None:
 
         url, server = serve_openenv()
         variants = [("native", []), ("openenv", [o for o in openenv_overrides(url) if not o.startswith("run_dir=")])]
+    if args.verifiers:
+        variants = [("native", []),
+                    ("verifiers", ["rollout.tools=[]", "rollout.environment=verifiers:demos.agent_verifiers"])]
     if args.variants:
         variants = [(name, variant) for name, variant in variants if name in args.variants.split(",")]
     results: dict[str, list[dict]] = {name: [] for name, _ in variants}
@@ -217,6 +258,16 @@ def main() -> None:
             wall, cpu = episode_ms(where)
             print(f"an episode of one call, {name}: {wall:.2f} ms ({cpu:.2f} ms of CPU; no engine)")
         server.should_exit = True
+        return
+    if args.verifiers:
+        factor = median(results, "verifiers", "tokens_per_s") / median(results, "native", "tokens_per_s")
+        print(f"trained tokens/s, the verifiers ToolEnv / tether's own tool: {factor:.2f}x")
+        wall, cpu = episode_ms(None)
+        print(f"an episode of one call, tether's own tool: {wall:.2f} ms ({cpu:.2f} ms of CPU; no engine)")
+        for name, program in (("the OpenAI-client program", "demos.agent:openai_agent"),
+                              ("the verifiers ToolEnv", "verifiers:demos.agent_verifiers")):
+            wall, cpu = program_episode_ms(program)
+            print(f"an episode of one call, {name}: {wall:.2f} ms ({cpu:.2f} ms of CPU; no engine)")
         return
     if args.openai:
         factor = median(results, "openai", "tokens_per_s") / median(results, "native", "tokens_per_s")
