@@ -15,6 +15,16 @@ metrics the episode's ``agent_<name>`` figures. An error the rollout recorded en
   one: ``messages`` as they are (the environment's system prompt first where they have none), a
   text ``prompt`` as the user's question after the system prompt and few-shot messages.
 - ``rollout.environment_args`` are ``load_environment``'s keywords.
+- Every verifiers episode of a process runs in one event loop of its own, as verifiers' own
+  ``generate()`` runs them, so what the environment made once (a judge's client) serves them all;
+  a tool that blocks (a plain function that sleeps) holds up the others there too: write it async.
+- Each process that reads the rows (the rollout, the scorer for reward functions, ``tether eval``)
+  loads the environment itself and matches rows by position: its dataset must come out the same
+  in each (a seeded shuffle, as verifiers' own are).
+- The environment's sampling arguments go with its calls as its ``generate()`` sends them; the
+  endpoint refuses (the episode's ``env_error`` says why) any that would change the run's
+  distribution. A rubric that scores groups of rollouts, or has no reward function, is refused at
+  load: an episode is scored alone, as it ends.
 - Environments of verifiers 0.3 (the last release with this API; 0.4 runs environments of another
   shape in processes of their own). verifiers 0.3 pins ``mcp<2`` for its experimental MCPEnv
   alone, which vLLM's ``mcp>=2`` rules out: the ``verifiers`` extra names what else it needs, and
@@ -23,8 +33,13 @@ metrics the episode's ``agent_<name>`` figures. An error the rollout recorded en
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import functools
+import importlib.util
 import json
+import signal
+import threading
 from typing import Any
 
 from common.config import ConfigError
@@ -45,19 +60,14 @@ def load(env_id: str, args: dict[str, Any] | None = None, key: str = "rollout.en
     """The environment ``env_id`` (a module's name, ``-`` read as ``_``, or an Environments Hub
     id ``owner/name``) made by its ``load_environment(**args)``, once per process; any failure a
     ConfigError naming ``key``."""
-    try:
-        import verifiers
-    except ImportError as error:
-        raise ConfigError(f"{key}: verifiers:{env_id} needs the verifiers package ({error}): make installs it, or "
-                          "pip install 'tether[verifiers]' and then pip install --no-deps verifiers==0.3.1") from None
+    if importlib.util.find_spec("verifiers") is None:  # its absence said plainly, before the environment is looked for
+        raise ConfigError(f"{key}: verifiers:{env_id} needs the verifiers package: make installs it, or "
+                          "pip install 'tether[verifiers]' and then pip install --no-deps verifiers==0.3.1")
     try:
         environment = _load(env_id, json.dumps(args or {}, sort_keys=True))
     except Exception as error:  # not importable, no load_environment, its own error
         raise ConfigError(f"{key}: verifiers could not load the environment {env_id!r}: {type(error).__name__}: "
                           f"{error}") from None
-    if not isinstance(environment, verifiers.Environment):
-        raise ConfigError(f"{key}: {env_id}'s load_environment returned a {type(environment).__name__}, not a "
-                          "verifiers Environment")
     return environment
 
 
@@ -67,7 +77,36 @@ def _load(env_id: str, args: str):
     import verifiers
 
     datasets.disable_progress_bar()  # its dataset's formatting would draw bars on the rollout's log
-    return verifiers.load_environment(env_id, **json.loads(args))
+    # an Environment sets SIGINT and SIGTERM handlers of its own as it is made (SIGTERM: exit 143):
+    # the process's own (a role's orderly stop) stay
+    handlers = {number: signal.getsignal(number) for number in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        environment = verifiers.load_environment(env_id, **json.loads(args))
+    finally:
+        for number, handler in handlers.items():
+            signal.signal(number, handler)
+    if not isinstance(environment, verifiers.Environment):
+        raise TypeError(f"its load_environment returned a {type(environment).__name__}, not a verifiers Environment")
+    _check_rubric(environment)
+    return environment
+
+
+def _check_rubric(environment) -> None:
+    """An episode is scored alone, as it ends (``Rubric.score_rollout``, which asserts both): a
+    rubric that scores groups of rollouts, or one with no reward function, is refused at load."""
+    rubrics, leaves = [environment.rubric], []
+    while rubrics:
+        rubric = rubrics.pop()
+        if getattr(rubric, "rubrics", None) is not None:  # a RubricGroup: what it sums
+            rubrics.extend(rubric.rubrics)
+        else:
+            leaves.append(rubric)
+    for rubric in leaves:
+        if rubric.has_group_rewards:
+            raise ValueError(f"its {type(rubric).__name__} scores groups of rollouts (a function of completions, "
+                             "states, ...): tether scores each episode as it ends")
+        if not rubric.funcs:
+            raise ValueError(f"its {type(rubric).__name__} has no reward function: give its rubric one")
 
 
 def dataset_rows(spec: str, args: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
@@ -118,11 +157,37 @@ def rollout_input(environment, row: dict[str, Any]) -> dict[str, Any]:
 
 async def play(environment, client, row: dict[str, Any]) -> dict[str, float]:
     """One episode: the environment's rollout and rubric on ``row`` through ``client`` (an
-    ``openai.AsyncOpenAI`` of the episode's key); its reward and metrics, the agent program's return."""
+    ``openai.AsyncOpenAI`` of the episode's key); its reward and metrics, the agent program's return.
+    Run in the process's one loop for verifiers' episodes (``_episodes_loop``), as verifiers runs
+    its own: what the environment made once (a judge's client, a semaphore) belongs to that loop,
+    not to the program thread's that awaits it. Cancelled with its program (its deadline)."""
+    episode = asyncio.run_coroutine_threadsafe(_rollout(environment, client, row), _episodes_loop())
+    try:
+        return await asyncio.wrap_future(episode)
+    except asyncio.CancelledError:
+        episode.cancel()
+        raise
+
+
+_LOOP: list[asyncio.AbstractEventLoop] = []  # the process's loop of verifiers' episodes, once made
+_LOOP_LOCK = threading.Lock()  # program threads ask for it at once
+
+
+def _episodes_loop() -> asyncio.AbstractEventLoop:
+    with _LOOP_LOCK:
+        if not _LOOP:
+            _LOOP.append(asyncio.new_event_loop())
+            threading.Thread(target=_LOOP[0].run_forever, name="verifiers-episodes", daemon=True).start()
+        return _LOOP[0]
+
+
+async def _rollout(environment, client, row: dict[str, Any]) -> dict[str, float]:
     import verifiers
 
-    output = await environment.run_rollout(rollout_input(environment, row),
-                                           verifiers.OpenAIChatCompletionsClient(client), MODEL, {})
+    # the environment's sampling arguments, as its own generate() sends them (a call may cap its
+    # turn; the endpoint refuses, saying why, what would change the run's distribution)
+    output = await environment.run_rollout(rollout_input(environment, row), verifiers.OpenAIChatCompletionsClient(
+        client), MODEL, copy.deepcopy(environment.sampling_args))
     if output.get("error"):
         raise RuntimeError(f"the verifiers rollout failed: {output['error']}")
     metrics = {name: float(value) for name, value in (output.get("metrics") or {}).items()

@@ -4,10 +4,23 @@ verifiers:demos.agent_verifiers``), written with verifiers' own classes as its u
 ``SingleTurnEnv``; a ``Rubric`` of the exact answer either way. tests/test_agent_demo.py checks
 both against the native episodes, token for token; bench/agent.py measures what an episode costs."""
 
+import asyncio
+
 import verifiers as vf
 from datasets import Dataset
 
-from demos.agent import calculator, exact_answer
+from demos import agent
+from demos.agent import exact_answer
+
+
+async def calculator(expression: str) -> str:
+    """Add two whole numbers.
+
+    Args:
+        expression: two numbers and a plus sign between them, such as "374 + 589"
+    """
+    # the demo's tool, its latency awaited: verifiers runs its episodes in one event loop
+    return await asyncio.to_thread(agent.calculator, expression)
 
 
 def load_environment(tools: bool = True) -> vf.Environment:

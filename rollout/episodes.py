@@ -699,7 +699,8 @@ class Episodes:
 
     def _row_text(self, episode: Episode) -> str:
         row = self.rows[episode.group.data_row]
-        return f"prompt {episode.group.prompt_index}, data row {episode.group.data_row}: {json.dumps(row)[:2000]}"
+        shown = json.dumps(row, default=repr)[:2000]  # a dataset's row may hold what JSON does not (dates, bytes)
+        return f"prompt {episode.group.prompt_index}, data row {episode.group.data_row}: {shown}"
 
     def _end(self, episode: Episode, reason: str) -> None:
         episode.ended = reason
