@@ -286,7 +286,9 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     from learner.checkpoints import newest_state
 
     newest = newest_state(run_dir)
-    assert newest is not None and newest.endswith(("state-000002", "state-000004"))
+    # state-2 or state-4 where the kill comes at once; on a loaded machine the learner may train on
+    # before it lands (state-6 seen in CI)
+    assert newest is not None and re.search(r"state-0000(0[2468]|[1-9][02468])$", newest), newest
     os.makedirs(os.path.join(run_dir, "checkpoints", "state-000099.tmp"))  # a half-written one is never picked
 
     steps = int(newest[-6:]) + 4  # more than the buffer held at the checkpoint (k + 1 batches): the rollout generates
