@@ -51,11 +51,8 @@ def read_rows(path: str, key: str = "data.prompts", environment_args: dict[str, 
     if verifiers_envs.environment_id(path) is None:
         return read_records(path, key, prompt_problem, expected)
     rows = verifiers_envs.dataset_rows(path, environment_args, key)
-    for number, row in enumerate(rows, 1):
-        problem = prompt_problem(row)
-        if problem:
-            raise ConfigError(f"{key}: {path} row {number} {problem}; a row is {expected}")
-    return rows
+    numbered = [(f"row {number}", row) for number, row in enumerate(rows, 1)]
+    return [row for _, row in checked_records(numbered, path, key, prompt_problem, expected)]
 
 
 def read_texts(path: str) -> list[dict[str, Any]]:
@@ -101,6 +98,12 @@ def numbered_records(path: str, key: str, problem_of, expected: str) -> list[tup
                         numbered.append((f"line {number}", json.loads(line)))
                     except json.JSONDecodeError as error:
                         raise ConfigError(f"{key}: {path} line {number} is not JSON: {error}") from None
+    return checked_records(numbered, path, key, problem_of, expected)
+
+
+def checked_records(numbered: list[tuple[str, Any]], path: str, key: str, problem_of, expected: str
+                    ) -> list[tuple[str, dict[str, Any]]]:
+    """``numbered`` rows (where each is, the row), each checked by ``problem_of``, and at least one."""
     for where, row in numbered:
         problem = problem_of(row)
         if problem:

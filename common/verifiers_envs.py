@@ -46,8 +46,6 @@ from common.config import ConfigError
 
 PREFIX = "verifiers:"
 MODEL = "policy"  # the model name the environment's calls carry: the endpoint serves the run's policy whatever it is
-
-
 EVAL = "#eval"  # data.prompts or eval.prompts verifiers:<id>#eval: the environment's eval dataset
 
 
@@ -112,7 +110,7 @@ def _check_rubric(environment) -> None:
 def dataset_rows(spec: str, args: dict[str, Any] | None, key: str) -> list[dict[str, Any]]:
     """The dataset of ``spec`` (``verifiers:<id>``, or ``verifiers:<id>#eval`` for its eval
     dataset) as tether's prompt rows: each row's fields, its chat prompt as ``messages`` (a text
-    prompt stays ``prompt``)."""
+    prompt stays ``prompt``); ``common.prompts.read_rows`` checks them."""
     env_id = environment_id(spec)
     environment = load(env_id, args, key)
     try:
@@ -133,8 +131,6 @@ def dataset_rows(spec: str, args: dict[str, Any] | None, key: str) -> list[dict[
         if isinstance(row.get("prompt"), list):
             row["messages"] = row.pop("prompt")
         rows.append(row)
-    if not rows:
-        raise ConfigError(f"{key}: verifiers:{env_id}'s dataset holds no row")
     return rows
 
 
