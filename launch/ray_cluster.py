@@ -86,12 +86,16 @@ class ProcessHost:
         return free_port()
 
     def write(self, files: dict[str, bytes]) -> None:
-        """Files under this node's run_dir (the config, the process's keys); private to its user."""
+        """Files under this node's run_dir (the config, the process's keys); private to its user.
+        Each lands whole (written aside, then renamed): where nodes share run_dir, a process already
+        started reads the same key file another process's host is writing again."""
         for relative, content in files.items():
             path = os.path.join(self.run_dir, relative)
             os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
+            aside = f"{path}.{os.getpid()}.part"
+            with open(os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as file:
                 file.write(content)
+            os.replace(aside, path)
 
     def start(self, command: list[str], environment: dict[str, str], cwd: str) -> int:
         env = {key: value for key, value in os.environ.items() if key not in DIST_ENV_KEYS}

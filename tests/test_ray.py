@@ -291,3 +291,30 @@ def test_a_learner_of_two_nodes_finds_its_rendezvous(tmp_path, tiny_assets, clus
     nodes = {record["role"]: record["node"] for record in records if record["role"].startswith("learner")}
     assert set(nodes) == {"learner", "learner1"} and set(nodes.values()) == set(ids.values()), nodes
     assert [record["step"] for record in read_metrics(str(tmp_path / "run"), "learner")] == [1, 2, 3]
+
+
+def test_a_hosts_files_land_whole_while_another_process_reads_them(tmp_path):
+    """Nodes that share run_dir share its keys/: each process's host writes the server's key again
+    while processes already started read it (a buffer once read an empty key). A reader never sees
+    a file part written."""
+    import threading
+
+    from launch.ray_cluster import ProcessHost
+
+    host = ProcessHost(str(tmp_path), "run", "yes", "learner")
+    key = b"public-key = \"" + b"k" * 40 + b"\"\n" * 20
+    host.write({"keys/server.key_secret": key})
+    seen, done = set(), threading.Event()
+
+    def read() -> None:
+        while not done.is_set():
+            with open(tmp_path / "keys" / "server.key_secret", "rb") as file:
+                seen.add(file.read())
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    for _ in range(3000):
+        host.write({"keys/server.key_secret": key})
+    done.set()
+    reader.join(timeout=10)
+    assert seen == {key} and sorted(os.listdir(tmp_path / "keys")) == ["server.key_secret"]
