@@ -441,7 +441,10 @@ def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: Start
                     continue
                 print(f"tether run: {role.name} exited with {describe(code)}; last lines of {role.log_path}:\n"
                       f"{_tail(role.log_path)}", file=sys.stderr, flush=True)
-                _stop(roles)
+                if role.role == "buffer":
+                    _stop(roles)
+                else:  # the learner checkpoints through the buffer while it is still there, as on Ctrl-C
+                    _stop_learner_first(roles, config.launch.checkpoint_grace_s)
                 evaluations.stop()
                 _remove_shared_memory(config)
                 return ExitCode.FAILED

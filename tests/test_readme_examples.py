@@ -188,7 +188,7 @@ def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_e
     """The README's my.yaml, my_env.py, my_tools.py and my_rewards.py, run as they are from their
     directory (no reward model: the environment's turn rewards and the reward function), train;
     then the same run with an environment whose every reset raises ends with the reason, exit
-    code 4 from the rollout, not restarted, and a short log."""
+    code 4 from the rollout, not restarted, a short log and the learner's checkpoint."""
     mine = tmp_path / "mine"
     mine.mkdir()
     for name, content in readme_files().items():
@@ -225,6 +225,9 @@ def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_e
     assert broken.returncode == ExitCode.FAILED, broken.stdout[-3000:] + broken.stderr[-3000:]
     assert "rollout0 exited with code 4: the environment failed every episode" in broken.stderr, broken.stderr[-3000:]
     assert "restarting" not in broken.stderr
+    # the learner, asked first, checkpointed through the buffer still there: the fixed environment resumes
+    assert "asking learner to checkpoint and stop" in broken.stderr
+    assert os.listdir(mine / "runs" / "broken" / "checkpoints") == ["state-000000"]
     log = (mine / "runs" / "broken" / "logs" / "rollout0.log").read_text()
     assert "20 episodes in a row ended by their environment" in log
     assert log.count("(logged once") == 1 and log.count("Traceback") == 1, log[-3000:]
