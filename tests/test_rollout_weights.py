@@ -133,7 +133,7 @@ def check_weight_updates(engine, tmp_path, tiny_assets):
     assert any("partial" in r for r in results), results  # at TP 2 one worker may load it, the other not
 
 
-def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path, tiny_assets, capfd):
+def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path, tiny_assets, capfd, monkeypatch):
     """The rollout's loop against the real buffer, with a stand-in engine whose every load finds its
     buckets unreadable (the real engine's answers to that are tested above): it generates nothing
     with no whole version, the buffer names it among the stalled with the loader's reason, and after
@@ -146,6 +146,10 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
     from rollout.engine import WeightsNotLoading
     from tests.helpers import start_buffer
 
+    import buffer.main
+
+    # the rollout stopped without hearing "stop": the buffer's wait for it at the end is not what is tested here
+    monkeypatch.setattr(buffer.main, "STOP_GRACE_S", 1.0)
     config, result, thread = start_buffer(
         tmp_path, f"models.policy={tiny_assets['policy']}", f"data.prompts={tiny_assets['prompts']}",
         "rollout.max_weight_load_failures=3", "buffer.max_staleness=1", "rollout.prompts_per_generate=2")
