@@ -45,6 +45,7 @@ from launch.processes import DIST_ENV_KEYS, RoleProcess, Stopped, role_command, 
 POLL_DEADLINE_S = 30.0  # a host that answers no poll this long is lost with its node
 PLACEMENT_DEADLINE_S = 300.0  # the cluster has this long to find room for every process
 PLACEMENT_PROGRESS_S = 15  # a line while waiting for room, this often
+PLACEMENT_FIRST_NOTE_S = 5  # the first of them: placing takes a second or two where there is room
 MARKER = ".tether-run"  # the driver writes the run's id here: a node that reads it back shares run_dir
 SHIPPED = ("metrics", "logs")  # what a process on a node without run_dir sends back
 
@@ -381,11 +382,12 @@ class RayPlacement:
 
     def _locate(self, names: list[str]) -> dict[str, list[dict]]:
         """Where each host landed, once Ray found room for all of them: waited for a second at a
-        time (a signal stops the wait), with a line of progress every ``PLACEMENT_PROGRESS_S``."""
+        time (a signal stops the wait), with a line of progress after ``PLACEMENT_FIRST_NOTE_S``, then
+        every ``PLACEMENT_PROGRESS_S``."""
         calls = {name: [host.where.remote() for host in self.hosts[name]] for name in names}
         refs = [ref for name_refs in calls.values() for ref in name_refs]
         started = time.monotonic()
-        note_at = started + PLACEMENT_PROGRESS_S
+        note_at = started + PLACEMENT_FIRST_NOTE_S
         while True:
             _, pending = self.ray.wait(refs, num_returns=len(refs), timeout=1.0)
             if self.stop() is not None:

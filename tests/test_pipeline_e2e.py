@@ -143,8 +143,9 @@ def test_a_role_that_dies_stops_the_run_with_its_last_lines(tmp_path, tiny_asset
 
 
 def test_a_role_without_its_buffer_exits_non_zero_with_a_clear_message(tmp_path, tiny_assets):
+    """The scorer: of the roles it is the quickest to reach its buffer (a rollout builds its engine first)."""
     path, _ = write_config(tmp_path, tiny_assets, transport={"connect_retries": 2, "connect_interval_s": 0.2})
-    result = tether("launch", "rollout", "--config", str(path), timeout=120)
+    result = tether("launch", "scorer", "--config", str(path), timeout=120)
     assert result.returncode == ExitCode.FAILED
     assert "did not answer after 2 tries" in result.stderr and "tether launch buffer" in result.stderr
 
