@@ -144,10 +144,12 @@ def _stop_learner_first(roles: list[RoleProcess], grace_s: float) -> None:
     _stop(roles)
 
 
-def _stop(roles: list[RoleProcess]) -> None:
+def _stop(roles: list[RoleProcess], at_once: tuple[str, ...] = ()) -> None:
+    """SIGTERM to every role (SIGKILL to those of the roles ``at_once``), SIGKILL to what is left
+    after ``TERMINATE_GRACE_S``."""
     for role in roles:
         if role.process.poll() is None or role.process.group_alive():
-            role.process.signal(signal.SIGTERM)
+            role.process.signal(signal.SIGKILL if role.role in at_once else signal.SIGTERM)
     deadline = time.monotonic() + TERMINATE_GRACE_S
     for role in roles:
         try:
@@ -441,8 +443,10 @@ def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: Start
                     continue
                 print(f"tether run: {role.name} exited with {describe(code)}; last lines of {role.log_path}:\n"
                       f"{_tail(role.log_path)}", file=sys.stderr, flush=True)
-                if role.role == "buffer":
-                    _stop(roles)
+                if role.role == "buffer":  # a checkpoint holds the buffer's state: the learner cannot write one
+                    print("tether run: without the buffer the learner cannot checkpoint; `tether run --resume` goes "
+                          "on from its newest checkpoint", file=sys.stderr, flush=True)
+                    _stop(roles, at_once=("learner",))
                 else:  # the learner checkpoints through the buffer while it is still there, as on Ctrl-C
                     _stop_learner_first(roles, config.launch.checkpoint_grace_s)
                 evaluations.stop()

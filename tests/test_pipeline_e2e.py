@@ -284,6 +284,8 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
         os.killpg(json.load(file)[victim], signal.SIGKILL)
     _, stderr = run.communicate(timeout=120)
     assert run.returncode == ExitCode.FAILED and f"{victim} exited with code -9" in stderr
+    if victim == "buffer":  # no checkpoint can be written without it: the learner is not left to try
+        assert "without the buffer the learner cannot checkpoint" in stderr
     from learner.checkpoints import newest_state
 
     newest = newest_state(run_dir)
