@@ -226,7 +226,8 @@ def test_a_killed_rollout_and_a_lost_node_are_replaced_and_ctrl_c_leaves_nothing
     config = ray_config(tmp_path, tiny_assets, steps=4000)  # ended by Ctrl-C, never by running out (in CI 400 did)
     run_dir = str(tmp_path / "run")
     driver = subprocess.Popen([sys.executable, "-m", "launch.cli", "run", "-c", config, "--ray-address",
-                               cluster.address, "-o", "launch.restart_backoff_s=0.5"], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               cluster.address, "-o", "launch.restart_backoff_s=0.5"], cwd=REPO,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               env={**os.environ, **LOOPBACK_ONLY})
 
     def wait_for_step(step: int, deadline_s: float = 180) -> None:
