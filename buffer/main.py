@@ -177,6 +177,19 @@ class Buffer:
         unused credits and the prompts it generated nothing of. Returns (samples, credits)."""
         return self.state.redispatch(scorer=worker), self.state.rollout_gone(worker)
 
+    def on_goodbye(self, identity: bytes, message: Message) -> None:
+        """A rollout or scorer stopping on an error: what it held goes back to the pool now (not after
+        its deadline), and the run's end does not wait for it to hear "stop". Not answered: it is gone."""
+        worker = self.workers.pop(identity)
+        self.weight_failures.pop(worker, None)  # no longer stalled: gone
+        redispatched, reclaimed = self._return_held(worker)
+        if self.turns is not None:
+            self.turns.forget(worker)
+        for waits in (self.credit_waits, self.score_waits, self.batch_waits):
+            waits[:] = [wait for wait in waits if wait.identity != identity]
+        self.log.warning("%s stopped: %s; %d samples it held go to the pool again, %d credits it never used come "
+                         "back", worker, message.fields["reason"], redispatched, reclaimed)
+
     def on_ping(self, identity: bytes, message: Message) -> None:
         self.server.reply(identity, message.id, "pong", {"run_id": self.run_id, "incarnation": self.incarnation})
 

@@ -12,9 +12,10 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-# 11: turn_release (placement.mode colocate); 10: samples carry their images (image_bytes); 9: an
+# 12: goodbye (a rollout or scorer stopping on an error); 11: turn_release (placement.mode
+# colocate); 10: samples carry their images (image_bytes); 9: an
 # episode's parts (part_indices, ...)
-SCHEMA_VERSION = 11
+SCHEMA_VERSION = 12
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
 FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
@@ -82,6 +83,9 @@ MESSAGES: dict[str, MessageSchema] = {
     "weights_fetch": MessageSchema(fields={"policy_version": "int", "bucket": "int"}),
     "weights_bucket": MessageSchema(fields={"policy_version": "int", "bucket": "int", "checksum": "str"},
                                     tensors={"payload": "uint8"}),
+    # rollout or scorer -> buffer, its last words when it stops on an error (the buffer never told it
+    # to): what it holds goes back to the pool now, and the run's end does not wait for it. No reply
+    "goodbye": MessageSchema(fields={"reason": "str"}),
     "ack": MessageSchema(fields={"accepted": "int"}),
     "error": MessageSchema(fields={"reason": "str"}),
 }
@@ -97,6 +101,7 @@ SENDERS: dict[str, tuple[str, ...]] = {
     "samples": ("rollout",),
     "episodes_dropped": ("rollout",),
     "turn_release": ("rollout",),
+    "goodbye": ("rollout", "scorer"),
     "score_request": ("scorer",),
     "scored": ("scorer",),
     "batch_request": ("learner",),

@@ -267,6 +267,13 @@ class BufferClient:
             self._pending[pending_id] = (msg_type, fields, tensors, time.monotonic())
             self._send(pending_id, msg_type, fields, tensors)
 
+    def goodbye(self, error: BaseException) -> None:
+        """The last words of a rollout or scorer that stops on ``error``: the buffer takes back what it
+        gave this process. Sent, not waited on (the buffer may be what failed); the socket closes
+        lingering, so they still go out."""
+        self.send("goodbye", {"reason": f"{type(error).__name__}: {error}"[:2000]})
+        self.close()
+
     def close(self) -> None:
         self.socket.close()
 

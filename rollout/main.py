@@ -123,54 +123,58 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     in_flight = InFlight(engine)
     queued: list[int] = []  # prompt indices granted and not yet started (waiting for a whole version)
     period = RolloutPeriod(time.monotonic())
-    while True:
-        # 1. credits: asked for while the engine has room, waited for only when it has nothing to do
-        busy = bool(in_flight) or source.active > 0  # generating, or episodes waiting on their environment
-        if not busy and not queued:
-            turn.release(version)  # colocated: all it was granted is sent, the devices go to the next role
-        grant = take_grant(credits, version, rollout_cfg.prompts_per_generate - source.active - len(queued), busy,
-                           weights.retry_at, period)
-        if grant is not None:
-            if grant.fields["stop"]:
-                break
-            # positions in the run's prompt stream, each handed out once; a newer version may generate them
-            queued += grant.fields["prompt_indices"]
-            turn.granted(grant)
-            if version is None or grant.fields["policy_version"] > version:
-                sync_started = time.monotonic()
-                version = weights.load(grant, client)
-                period.weight_sync_s += time.monotonic() - sync_started
-        # 2. granted prompts start, and what is ready joins the engine, with the version it holds
-        if version is not None:
-            adding_started = time.monotonic()  # the engine takes each request in: generation work
-            for index in queued:
-                source.start(index, dataset_row(config.seed, len(prompts), index))
-            queued = []
-            in_flight.add(source, version, weights.lora_request)
-            period.busy_s += time.monotonic() - adding_started
-        # 3. one engine step; environments answer beside it (waited on when the engine is empty)
-        if in_flight:
-            step_started = time.monotonic()
-            period.engine_steps += 1
-            period.requests_stepped += len(in_flight)
-            in_flight.step(source, version)
-            period.busy_s += time.monotonic() - step_started
-        waited = time.monotonic()
-        source.advance(waited, timeout=0.0 if in_flight else ENVIRONMENT_POLL_S)
-        period.waiting_s += time.monotonic() - waited
-        # 4. what finished is sent at once (acks are read as they come)
-        send_started = time.monotonic()
-        samples, dropped = source.finished()
-        if samples and not outbox.sent:
-            timeline.phase("first samples")  # credits, weights and the first groups generated
-        outbox.send(samples, dropped)
-        period.add(samples)
-        period.send_s += time.monotonic() - send_started
-        # 5. a record a second, and whenever the engine runs dry
-        now = time.monotonic()
-        if now - period.started >= METRICS_EVERY_S or (not in_flight and period.samples):
-            metrics.write(period_record(period, now, version, outbox, in_flight, skipped, source, client))
-            period = RolloutPeriod(now)
+    try:
+        while True:
+            # 1. credits: asked for while the engine has room, waited for only when it has nothing to do
+            busy = bool(in_flight) or source.active > 0  # generating, or episodes waiting on their environment
+            if not busy and not queued:
+                turn.release(version)  # colocated: all it was granted is sent, the devices go to the next role
+            grant = take_grant(credits, version, rollout_cfg.prompts_per_generate - source.active - len(queued), busy,
+                               weights.retry_at, period)
+            if grant is not None:
+                if grant.fields["stop"]:
+                    break
+                # positions in the run's prompt stream, each handed out once; a newer version may generate them
+                queued += grant.fields["prompt_indices"]
+                turn.granted(grant)
+                if version is None or grant.fields["policy_version"] > version:
+                    sync_started = time.monotonic()
+                    version = weights.load(grant, client)
+                    period.weight_sync_s += time.monotonic() - sync_started
+            # 2. granted prompts start, and what is ready joins the engine, with the version it holds
+            if version is not None:
+                adding_started = time.monotonic()  # the engine takes each request in: generation work
+                for index in queued:
+                    source.start(index, dataset_row(config.seed, len(prompts), index))
+                queued = []
+                in_flight.add(source, version, weights.lora_request)
+                period.busy_s += time.monotonic() - adding_started
+            # 3. one engine step; environments answer beside it (waited on when the engine is empty)
+            if in_flight:
+                step_started = time.monotonic()
+                period.engine_steps += 1
+                period.requests_stepped += len(in_flight)
+                in_flight.step(source, version)
+                period.busy_s += time.monotonic() - step_started
+            waited = time.monotonic()
+            source.advance(waited, timeout=0.0 if in_flight else ENVIRONMENT_POLL_S)
+            period.waiting_s += time.monotonic() - waited
+            # 4. what finished is sent at once (acks are read as they come)
+            send_started = time.monotonic()
+            samples, dropped = source.finished()
+            if samples and not outbox.sent:
+                timeline.phase("first samples")  # credits, weights and the first groups generated
+            outbox.send(samples, dropped)
+            period.add(samples)
+            period.send_s += time.monotonic() - send_started
+            # 5. a record a second, and whenever the engine runs dry
+            now = time.monotonic()
+            if now - period.started >= METRICS_EVERY_S or (not in_flight and period.samples):
+                metrics.write(period_record(period, now, version, outbox, in_flight, skipped, source, client))
+                period = RolloutPeriod(now)
+    except Exception as error:  # the buffer takes back its credits now, not after rollout.deadline_s
+        client.goodbye(error)
+        raise
     in_flight.abort()  # the run is over: what is still generating is of no use
     source.close()
     # what was sent is acknowledged, and the last period's record written: the totals in the

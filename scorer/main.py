@@ -184,23 +184,27 @@ def run(config: TetherConfig, worker_index: int = 0) -> None:
 
     scored_total = 0
     period_started = time.monotonic()  # a period: from one record to the next, so the periods tile the run
-    while True:
-        work = client.request("score_request", {"max_samples": config.scorer.max_samples_per_request},
-                              waiting_for="samples to score")
-        if work.fields["stop"]:
-            break
-        samples = unpack_samples(work)
-        busy_started = time.monotonic()
-        parts = scorer.score(samples)
-        busy_s = time.monotonic() - busy_started
-        client.request("scored", *pack_samples(samples, scored=True))
-        scored_total += len(samples)
-        tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-        now = time.monotonic()
-        metrics.write({**client.counters, "scored": len(samples), "scored_total": scored_total, "busy_s": busy_s,
-                       "waiting_s": busy_started - period_started, "tokens_per_s": tokens / max(busy_s, 1e-9),
-                       "send_s": now - busy_started - busy_s, "iteration_s": now - period_started, **parts})
-        period_started = now
+    try:
+        while True:
+            work = client.request("score_request", {"max_samples": config.scorer.max_samples_per_request},
+                                  waiting_for="samples to score")
+            if work.fields["stop"]:
+                break
+            samples = unpack_samples(work)
+            busy_started = time.monotonic()
+            parts = scorer.score(samples)
+            busy_s = time.monotonic() - busy_started
+            client.request("scored", *pack_samples(samples, scored=True))
+            scored_total += len(samples)
+            tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
+            now = time.monotonic()
+            metrics.write({**client.counters, "scored": len(samples), "scored_total": scored_total, "busy_s": busy_s,
+                           "waiting_s": busy_started - period_started, "tokens_per_s": tokens / max(busy_s, 1e-9),
+                           "send_s": now - busy_started - busy_s, "iteration_s": now - period_started, **parts})
+            period_started = now
+    except Exception as error:  # the samples it holds are scored by another now, not after scorer.deadline_s
+        client.goodbye(error)
+        raise
     log.info("stopping after %d scored samples", scored_total)
     metrics.close()
     client.close()

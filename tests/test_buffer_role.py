@@ -277,6 +277,44 @@ def test_an_engine_silent_past_its_deadline_loses_its_prompts_to_the_pool(tmp_pa
     assert result["dropped"] == {"not_granted": 1} and result["identity_holds"]
 
 
+def test_a_rollout_or_scorer_that_says_goodbye_gives_back_what_it_held_at_once(tmp_path):
+    """Roles started by hand that stop on an error say goodbye: the engine's credits and prompts go
+    to the other engine at once (not after rollout.deadline_s, 60 s here), the scorer's samples to
+    the other scorer, and the buffer ends without waiting for either to hear "stop"."""
+    config, result, thread = start_buffer(tmp_path, "buffer.max_staleness=0", "rollout.deadline_s=60",
+                                          "learner.batch_size=2")
+    leaving, staying = client(config, "rollout"), BufferClient(config.buffer_address, "rollout", "1")
+    staying.connect(retries=20, interval_s=0.5)
+    scorers = [BufferClient(config.buffer_address, "scorer", str(i)) for i in (0, 1)]
+    for scorer in scorers:
+        scorer.connect(retries=20, interval_s=0.5)
+    learner = client(config, "learner")
+    assert leaving.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [0]
+    assert staying.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [1]
+    leaving.goodbye(RuntimeError("the engine died"))
+    asked = time.monotonic()
+    grant = staying.request("credit_request", {"policy_version": 0, "wanted": 2}, timeout_s=10)
+    assert grant.fields["prompt_indices"] == [0] and time.monotonic() - asked < 5  # at once, not after 60 s
+    samples = [random_sample(0), random_sample(1)]
+    for s in samples:
+        s.behavior_version = s.last_behavior_version = 0
+    assert staying.request("samples", *pack_samples(samples)).fields["accepted"] == 2
+    work = scorers[0].request("score_request", {"max_samples": 2})
+    assert len(unpack_samples(work)) == 2
+    scorers[0].goodbye(ValueError("a reward function raised"))
+    again = scorers[1].request("score_request", {"max_samples": 2}, timeout_s=10)  # not after scorer.deadline_s (120 s)
+    assert sorted(s.sample_id for s in unpack_samples(again)) == sorted(s.sample_id for s in samples)
+    learner.request("finish", {"policy_version": 0})
+    for c in (staying, scorers[1]):
+        stop = c.request("credit_request" if c is staying else "score_request",
+                         {"policy_version": 0, "wanted": 1} if c is staying else {"max_samples": 1})
+        assert stop.fields["stop"]
+    finished = time.monotonic()
+    thread.join(timeout=40)
+    assert not thread.is_alive() and time.monotonic() - finished < 10  # no wait for the two that left
+    assert result["identity_holds"]
+
+
 def test_roles_hear_a_dead_or_restarted_buffer_through_heartbeats(tmp_path):
     """`tether launch buffer` killed under roles started by hand: a waiting role says the buffer is
     lost within its deadline instead of waiting forever; a buffer started again for the same run is

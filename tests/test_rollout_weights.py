@@ -146,10 +146,6 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
     from rollout.engine import WeightsNotLoading
     from tests.helpers import start_buffer
 
-    import buffer.main
-
-    # the rollout stopped without hearing "stop": the buffer's wait for it at the end is not what is tested here
-    monkeypatch.setattr(buffer.main, "STOP_GRACE_S", 1.0)
     config, result, thread = start_buffer(
         tmp_path, f"models.policy={tiny_assets['policy']}", f"data.prompts={tiny_assets['prompts']}",
         "rollout.max_weight_load_failures=3", "buffer.max_staleness=1", "rollout.prompts_per_generate=2")
@@ -169,19 +165,25 @@ def test_a_rollout_whose_weights_never_load_is_named_then_stops_the_run(tmp_path
         def generate(self, *args, **kwargs):
             raise AssertionError("an engine without a whole version generated")
 
-    rollout.engine.REFUSED_WEIGHTS_BACKOFF_S = 0.05
+    # the loads 1.2 s and 2.4 s apart: a metrics record of the buffer's (every 2 s) falls while they fail
+    monkeypatch.setattr(rollout.engine, "REFUSED_WEIGHTS_BACKOFF_S", 1.2)
     with pytest.raises(WeightsNotLoading, match="3 loads of the learner's weights in a row failed .*bucket 0 missing"):
         rollout.main.run(config, engine=Unreadable())
     assert loads == [1, 1, 1]
-    time.sleep(2.5)  # a metrics record of the buffer's (every 2 s)
     learner.request("finish", {"policy_version": 1})
+    finished = time.monotonic()
     thread.join(timeout=40)
     writer.close(remove=True)
-    assert "rollout:0 could not load policy version 1 (3 time(s) in a row): WeightStreamError" in capfd.readouterr().err
+    # the rollout said goodbye as it stopped: the buffer waits for no "stop" to reach it (30 s)
+    assert not thread.is_alive() and time.monotonic() - finished < 10
+    err = capfd.readouterr().err
+    assert "rollout:0 could not load policy version 1 (3 time(s) in a row): WeightStreamError" in err
+    assert "rollout:0 stopped: WeightsNotLoading: 3 loads of the learner's weights in a row failed" in err
     metrics = [json.loads(line) for line in open(tmp_path / "run" / "metrics" / "buffer.jsonl")]
     assert any("rollout:0" in record["stalled"] for record in metrics)
-    # the one grant that came with version 1 (2 prompts), kept for after a load: none since, none used
-    assert result["granted"] == 2 and result["generated"] == 0
+    # the one grant that came with version 1 (2 prompts), kept for after a load: none since, none
+    # used, and back at the buffer with the goodbye
+    assert result["granted"] == 0 and result["credits_returned"] == 2 and result["generated"] == 0
 
 
 @pytest.mark.slow
