@@ -82,6 +82,9 @@ class Buffer:
         self.last_seen: dict[bytes, tuple[float, str]] = {}  # identity -> (when, what) it last sent
         self.warned_at: dict[bytes, float] = {}
         self.stopped: set[bytes] = set()  # identities told to stop
+        # colocated: workers that said goodbye holding a turn; its devices are free once their process is
+        # gone, which its restart's hello says (or the turn's deadline ends the wait)
+        self.departed: set[str] = set()
         self.finished_at: float | None = None
         # time from a message's arrival to every reply it makes possible: what the buffer adds to
         # the latency of whatever flows through it
@@ -154,6 +157,9 @@ class Buffer:
             raise ValueError("a learner of several ranks talks to the buffer through rank 0 alone")
         if worker in self.workers.values() and self.workers.get(identity) != worker:
             self._forget_old_process(worker)
+        if worker in self.departed:
+            self.departed.discard(worker)
+            self.turns.forget(worker)
         self.workers[identity] = worker
         self.log.info("%s connected", worker)
         self.server.reply(identity, message.id, "welcome", {
@@ -183,8 +189,8 @@ class Buffer:
         worker = self.workers.pop(identity)
         self.weight_failures.pop(worker, None)  # no longer stalled: gone
         redispatched, reclaimed = self._return_held(worker)
-        if self.turns is not None:
-            self.turns.forget(worker)
+        if self.turns is not None:  # an engine still awake on the devices: the next turn waits for its exit
+            self.departed.add(worker)
         for waits in (self.credit_waits, self.score_waits, self.batch_waits):
             waits[:] = [wait for wait in waits if wait.identity != identity]
         self.log.warning("%s stopped: %s; %d samples it held go to the pool again, %d credits it never used come "

@@ -269,9 +269,13 @@ class BufferClient:
 
     def goodbye(self, error: BaseException) -> None:
         """The last words of a rollout or scorer that stops on ``error``: the buffer takes back what it
-        gave this process. Sent, not waited on (the buffer may be what failed); the socket closes
-        lingering, so they still go out."""
-        self.send("goodbye", {"reason": f"{type(error).__name__}: {error}"[:2000]})
+        gave this process. Sent, never waited on (the buffer may be what failed, and ``error`` must
+        stay the one raised); the socket closes lingering, so they still go out."""
+        self.socket.setsockopt(zmq.SNDTIMEO, 0)  # a queue full towards a dead buffer: no wait, no new error
+        try:
+            self.send("goodbye", {"reason": f"{type(error).__name__}: {error}"[:2000]})
+        except zmq.ZMQError:
+            pass
         self.close()
 
     def close(self) -> None:

@@ -156,6 +156,29 @@ def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buff
     assert read_metrics(config.run_dir, "buffer")[-1]["turns_generate"] == 3
 
 
+@pytest.mark.buffer_overrides("buffer.max_staleness=1", "placement.mode=colocate", "placement.turn_deadline_s=60")
+def test_a_colocated_engine_that_says_goodbye_holds_its_turn_until_its_restart_says_hello(buffer_role):
+    """Colocated, an engine that stops on an error says goodbye with its engine still on the devices:
+    the scorer's turn waits for the restart's hello (its old process is gone by then), not for
+    placement.turn_deadline_s."""
+    config, result, thread = buffer_role
+    rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
+    held_work = scorer.send("score_request", {"max_samples": 8})
+    assert rollout.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [0, 1]
+    assert rollout.request("samples", *pack_samples(_generated(0, 1))).fields["accepted"] == 2
+    rollout.goodbye(RuntimeError("the engine died"))
+    assert scorer.reply_to(held_work, "score_request", 1.0) is None  # the devices are not free yet
+    restarted = BufferClient(config.buffer_address, "rollout", "0")
+    restarted.connect(retries=5, interval_s=0.5)
+    work = scorer.reply_to(held_work, "score_request", 5.0)
+    assert work is not None and [sample.sample_id for sample in unpack_samples(work)] == ["s0", "s1"]
+    learner.request("finish", {"policy_version": 0})
+    assert restarted.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["stop"] is True
+    assert scorer.request("score_request", {"max_samples": 8}).fields["stop"] is True
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result["identity_holds"]
+
+
 def test_bad_messages_are_refused_and_the_buffer_keeps_serving(buffer_role):
     config, result, thread = buffer_role
     raw = zmq.Context.instance().socket(zmq.DEALER)
