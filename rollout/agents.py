@@ -45,7 +45,7 @@ from typing import Any, Callable
 from common import verifiers_envs
 from common.functions import load_function
 from rollout.endpoint import Call, Endpoint, HTTPError
-from rollout.environments import BadStep, Restart, Step, TokenIds, Turn, as_step
+from rollout.environments import BadStep, PastDeadline, Restart, Step, TokenIds, Turn, as_step
 from rollout.tools import ToolCallParser, ToolError
 
 
@@ -208,7 +208,7 @@ def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment",
             process.communicate(timeout=5.0)
         except subprocess.TimeoutExpired:  # something outside its group holds the pipes: left to the OS
             pass
-        raise TimeoutError(f"the agent command {command[0]} ran past rollout.agent_deadline_s {deadline_s:g}") from None
+        raise PastDeadline(f"the agent command {command[0]} ran past rollout.agent_deadline_s {deadline_s:g}") from None
     tail = "\n".join(err.strip().splitlines()[-20:])
     if process.returncode != 0:
         raise RuntimeError(f"the agent command {command[0]} exited with {process.returncode}; its stderr ends:\n{tail}")
@@ -250,7 +250,7 @@ async def _whole(program, deadline_s: float) -> Any:
     try:
         return await asyncio.wait_for(program, deadline_s)
     except asyncio.TimeoutError:
-        raise TimeoutError(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}") from None
+        raise PastDeadline(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}") from None
     finally:
         current = asyncio.current_task()
         left = [task for task in asyncio.all_tasks() if task is not current]
@@ -414,7 +414,7 @@ class AgentEnvironment:
         except FutureTimeout:
             if future.done():  # the program's own
                 raise
-            raise TimeoutError(f"the agent program made no call and did not return in time (rollout.agent_deadline_s "
+            raise PastDeadline(f"the agent program made no call and did not return in time (rollout.agent_deadline_s "
                                f"{self.programs.deadline_s:g}, rollout.env_step_deadline_s "
                                f"{self.programs.step_deadline_s:g})") from None
 

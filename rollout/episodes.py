@@ -38,8 +38,8 @@ from common.prompts import chat_of, content_text, text_chat
 from common.vision import (expand_placeholders, expanded_ids, images_shown, observation_images, pack_images,
                            template_chat)
 from protocol.samples import Sample
-from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Restart, Step, TokenIds,
-                                  Turn, as_step, check_observation)
+from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, PastDeadline, Restart,
+                                  Step, TokenIds, Turn, as_step, check_observation)
 
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
 # the reply is text no template writes itself, so where the assistant's turn ends can be found after it
@@ -551,7 +551,11 @@ class Episodes:
 
     def _answered(self, episode: Episode, future: Future) -> None:
         error = future.exception()
-        if error is not None:
+        if isinstance(error, PastDeadline):  # the program's own deadline, seen before the loop's
+            self.failures.report("env_deadline", None, f"{error}; the episode ends", self._row_text(episode),
+                                 ("reset" if episode.environment is None else "step",))
+            self._end(episode, "env_deadline")
+        elif error is not None:
             call = "reset" if episode.environment is None else "step"
             self.failures.report("env_error", error, f"the environment's {call} failed ({type(error).__name__}: "
                                  f"{error}); the episode ends",
