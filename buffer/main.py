@@ -173,10 +173,14 @@ class Buffer:
         if self.turns is not None:
             self.turns.forget(worker)
         for old in [identity for identity, name in self.workers.items() if name == worker]:
-            del self.workers[old]
-            # its held requests can never be answered: the old socket is gone
-            for waits in (self.credit_waits, self.score_waits, self.batch_waits):
-                waits[:] = [wait for wait in waits if wait.identity != old]
+            self._forget_identity(old)
+
+    def _forget_identity(self, identity: bytes) -> str:
+        """The process behind ``identity`` is gone: its worker name (returned) and its held requests,
+        which can never be answered, go."""
+        for waits in (self.credit_waits, self.score_waits, self.batch_waits):
+            waits[:] = [wait for wait in waits if wait.identity != identity]
+        return self.workers.pop(identity)
 
     def _return_held(self, worker: str) -> tuple[int, int]:
         """What ``worker`` held goes back to the pool: a scorer's samples to score again, an engine's
@@ -186,13 +190,11 @@ class Buffer:
     def on_goodbye(self, identity: bytes, message: Message) -> None:
         """A rollout or scorer stopping on an error: what it held goes back to the pool now (not after
         its deadline), and the run's end does not wait for it to hear "stop". Not answered: it is gone."""
-        worker = self.workers.pop(identity)
+        worker = self._forget_identity(identity)
         self.weight_failures.pop(worker, None)  # no longer stalled: gone
         redispatched, reclaimed = self._return_held(worker)
         if self.turns is not None:  # an engine still awake on the devices: the next turn waits for its exit
             self.departed.add(worker)
-        for waits in (self.credit_waits, self.score_waits, self.batch_waits):
-            waits[:] = [wait for wait in waits if wait.identity != identity]
         self.log.warning("%s stopped: %s; %d samples it held go to the pool again, %d credits it never used come "
                          "back", worker, message.fields["reason"], redispatched, reclaimed)
 

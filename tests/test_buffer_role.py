@@ -325,7 +325,7 @@ def test_a_rollout_or_scorer_that_says_goodbye_gives_back_what_it_held_at_once(t
     work = scorers[0].request("score_request", {"max_samples": 2})
     assert len(unpack_samples(work)) == 2
     scorers[0].goodbye(ValueError("a reward function raised"))
-    again = scorers[1].request("score_request", {"max_samples": 2}, timeout_s=10)  # not after scorer.deadline_s (120 s)
+    again = scorers[1].request("score_request", {"max_samples": 2}, timeout_s=10)  # not after scorer.deadline_s
     assert sorted(s.sample_id for s in unpack_samples(again)) == sorted(s.sample_id for s in samples)
     learner.request("finish", {"policy_version": 0})
     for c in (staying, scorers[1]):
