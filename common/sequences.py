@@ -10,6 +10,7 @@ length ``P`` is scored by the logits (and valued by the critic) at position ``P 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, fields
 
 import torch
@@ -31,11 +32,15 @@ class SequenceBatch:
     # [B] bool: the rows that have images (the others' image inputs are the family's padding, which a
     # forward of such rows alone refuses: Idefics3 finds no real image and fails)
     seen: torch.Tensor | None = None
+    # a family whose image inputs are one entry per image (``common.vision.image_layout``: LLaVA's
+    # pixel_values [images, 3, H, W]), the rows' images one after another: how many each row has
+    image_counts: list[int] | None = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self)
-                               if f.name not in ("images", "seen")),
-                             images=_each(self.images, lambda tensor: tensor.to(device)), seen=self.seen)
+                               if f.name not in ("images", "seen", "image_counts")),
+                             images=_each(self.images, lambda tensor: tensor.to(device)), seen=self.seen,
+                             image_counts=self.image_counts)
 
     @property
     def model_inputs(self) -> dict[str, torch.Tensor]:
@@ -56,11 +61,19 @@ class SequenceBatch:
                              self.response_mask[rows, :response_width], self.last_positions[rows],
                              *self._images_of(rows))
 
-    def _images_of(self, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None]:
-        """(images, seen) of ``rows``: none where no row of them has an image."""
+    def _images_of(self, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None,
+                                                      list[int] | None]:
+        """(images, seen, image_counts) of ``rows``: none where no row of them has an image."""
         if self.images is None or not bool(self.seen[rows.cpu()].any()):
-            return None, None
-        return _each(self.images, lambda tensor: tensor[rows]), self.seen[rows.cpu()]
+            return None, None, None
+        if self.image_counts is None:  # an entry a row
+            return _each(self.images, lambda tensor: tensor[rows]), self.seen[rows.cpu()], None
+        # an entry an image: the rows' images, in the rows' order
+        chosen = rows.cpu().tolist()
+        starts = [0, *itertools.accumulate(self.image_counts)]
+        index = torch.tensor([i for row in chosen for i in range(starts[row], starts[row + 1])], dtype=torch.long)
+        return (_each(self.images, lambda tensor: tensor[index.to(tensor.device)]), self.seen[rows.cpu()],
+                [self.image_counts[row] for row in chosen])
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -97,15 +110,16 @@ def collate(samples: list[Sample], pad_token_id: int, processor=None) -> Sequenc
         response_mask[i, :resp_len] = 1.0 if sample.loss_mask is None else torch.as_tensor(sample.loss_mask,
                                                                                             dtype=torch.float32)
     last_positions = attention_mask.sum(dim=1) - 1
-    images = seen = None
+    images = seen = counts = None
     if processor is not None and any(sample.images is not None for sample in samples):
-        from common.vision import decoded, pixel_inputs, unpack_images
+        from common.vision import decoded, image_layout, pixel_inputs, unpack_images
 
-        images = pixel_inputs(processor, [decoded(unpack_images(s.images)) if s.images is not None else []
-                                          for s in samples])
-        seen = torch.tensor([sample.images is not None for sample in samples])
+        rows = [decoded(unpack_images(s.images)) if s.images is not None else [] for s in samples]
+        images = pixel_inputs(processor, rows)
+        seen = torch.tensor([bool(row) for row in rows])
+        counts = [len(row) for row in rows] if image_layout(processor) == "images" else None
     return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions,
-                         images, seen)
+                         images, seen, counts)
 
 
 def pad_rows(rows: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""Images in prompts (issue 36, in progress): read from a data row, carried as their encoded bytes,
+"""Images in prompts (issue 36): read from a data row, carried as their encoded bytes,
 and turned into the model's inputs by the model's own processor: the same way in the rollout
 (vLLM runs that processor on the images it is given) and in the roles that recompute logprobs.
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 import io
 import os
 import struct
+import weakref
 from typing import Any
 
 import numpy as np
@@ -224,6 +225,7 @@ def load_processor(model: str):
     if getattr(processor, "image_processor", None) is None:
         raise ConfigError(f"{model} is a vision-language model (its config has a vision tower) but it has no "
                           "image processor (processor_config.json / preprocessor_config.json)")
+    image_layout(processor)  # a family tether cannot batch is refused here, before anything trains
     return processor
 
 
@@ -297,15 +299,48 @@ def vision_prompt_ids(text: str, row: dict[str, Any], processor) -> list[int]:
 def pixel_inputs(processor, images: list[list]) -> dict[str, Any]:
     """The model's image inputs for a batch of rows, ``images`` [B] lists of PIL images (a row may
     have none): the processor's output without its text (``pixel_values`` and what else the family
-    takes, e.g. ``pixel_attention_mask``), rows in order."""
+    takes, e.g. ``pixel_attention_mask``, ``image_sizes``), laid out as the family lays a batch out
+    (``image_layout``): a row each, or the rows' images one after another."""
+    if image_layout(processor) == "images":
+        images = [image for row in images for image in row]
+        if not images:
+            return {}
     output = processor.image_processor(images, return_tensors="pt")
-    inputs = {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
-    by_row = {name: tuple(value.shape[:1]) == (len(images),) for name, value in inputs.items()}
-    if not all(by_row.values()):  # Qwen-VL's patches of every image in one tensor, LLaVA's images stacked
-        raise ConfigError(f"{type(processor).__name__}'s image inputs are not one row per prompt "
-                          f"({', '.join(n for n, ok in by_row.items() if not ok)}): tether batches them by row, "
-                          "which this family does not do yet (issue 36; Idefics3's do)")
-    return inputs
+    return {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
+
+
+# a processor's layout, found once (``image_layout``): a weak key, so a processor let go is not kept
+_LAYOUTS: "weakref.WeakKeyDictionary[Any, str]" = weakref.WeakKeyDictionary()
+
+
+def image_layout(processor) -> str:
+    """How the family's image processor lays out a batch's images: "rows", every tensor one entry
+    per prompt, its images padded within (Idefics3's ``pixel_values`` [B, images, 3, H, W]); or
+    "images", every tensor one entry per image, the prompts' images one after another (LLaVA's
+    ``pixel_values`` [images, 3, H, W], which its forward hands to the placeholders in order).
+    Read from the processor's answer to two rows of two and one probe images: a batch alone cannot
+    tell (rows of 1, 0 and 2 images are three entries either way). Any other layout (Qwen-VL's
+    patches of every image in one tensor, read by ``image_grid_thw``) is a ConfigError."""
+    layout = _LAYOUTS.get(processor)
+    if layout is not None:
+        return layout
+    from PIL import Image
+
+    probe = Image.new("RGB", (56, 56), (128, 128, 128))
+    try:
+        output = processor.image_processor([[probe, probe], [probe]], return_tensors="pt")
+    except Exception as error:  # the processor's own refusal, whatever its type
+        raise ConfigError(f"{type(processor).__name__} could not process two prompts of 56-pixel probe images "
+                          f"({type(error).__name__}: {error}), so tether cannot tell how it batches images") from None
+    entries = {name: int(value.shape[0]) for name, value in output.items()
+               if name not in ("input_ids", "attention_mask") and hasattr(value, "shape")}
+    layout = "rows" if set(entries.values()) == {2} else "images" if set(entries.values()) == {3} else None
+    if layout is None:
+        raise ConfigError(f"{type(processor).__name__}'s image inputs are neither one entry per prompt nor one per "
+                          f"image (entries for 2 prompts of 3 images: {entries}): tether batches rows by one of the "
+                          "two, and does not read this family's yet (issue 36: Idefics3's and LLaVA's it does)")
+    _LAYOUTS[processor] = layout
+    return layout
 
 
 def prompts_with_images(rows: list[dict[str, Any]], tokenizer, processor, limit: int, system_prompt: str | None,

@@ -345,6 +345,38 @@ def tiny_vision_policy(directory) -> str:
     return str(directory)
 
 
+def tiny_llava_policy(directory) -> str:
+    """``tiny_vision_policy``'s tokenizer and template on another family: LLaVA (a CLIP tower of 2
+    layers on 28-pixel images, 4 image tokens an image, a 2-layer Llama), float32, whose image inputs
+    are one entry per image, not per prompt. transformers runs it here; vLLM's LLaVA module imports
+    torchvision, which this machine's CPU torch cannot load, so the learner's and the scorer's side
+    alone are tested with it."""
+    import torch
+    from transformers import (CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration,
+                              LlavaProcessor, PreTrainedTokenizerFast)
+    from transformers.models.llava.image_processing_pil_llava import LlavaImageProcessorPil
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>"]
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=_trained_bpe(special), eos_token="<|im_end|>",
+                                        pad_token="<|endoftext|>", chat_template=VISION_TEMPLATE)
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                              image_size=28, patch_size=14, projection_dim=32)
+    text = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=512,
+                       tie_word_embeddings=False, pad_token_id=tokenizer.pad_token_id)
+    # "default": the tower's CLS feature dropped, the 4 patches' kept (the processor counts CLS, then drops it)
+    config = LlavaConfig(vision_config=vision.to_dict(), text_config=text.to_dict(),
+                         image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1,
+                         vision_feature_select_strategy="default", tie_word_embeddings=False,
+                         pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    LlavaForConditionalGeneration(config).save_pretrained(directory)
+    images = LlavaImageProcessorPil(size={"shortest_edge": 28}, crop_size={"height": 28, "width": 28})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1, chat_template=VISION_TEMPLATE).save_pretrained(directory)
+    return str(directory)
+
+
 def write_image(path, size: tuple[int, int], colour: tuple[int, int, int]) -> str:
     """A PNG of one colour."""
     from PIL import Image

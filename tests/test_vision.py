@@ -573,6 +573,74 @@ def vision_samples(tmp_path, processor) -> list:
     return samples
 
 
+@pytest.mark.parametrize("family, layout", [("idefics3", "rows"), ("llava", "images")])
+def test_either_image_layout_batches_each_row_with_its_own_images(tmp_path, family, layout):
+    """Idefics3 lays a batch's images out a row each (padded), LLaVA one entry per image, the rows'
+    images one after another. Either way the learner's batch, and every micro-batch of its rows in
+    any order (rows of 0, 1 and 2 images among them), gives each sample the logprobs that a plain
+    transformers forward of that sample alone gives, and so does the scorer's reference."""
+    import torch
+
+    from common.config import SamplingConfig
+    from common.distributions import logprobs_from_logits
+    from common.models import load_causal_lm
+    from common.sequences import collate
+    from common.vision import decoded, image_layout, load_processor, pixel_inputs, unpack_images
+    from learner.step import forward_logits
+    from scorer.scoring import reference_logprobs
+    from tests.helpers import tiny_llava_policy
+
+    policy = (tiny_vision_policy if family == "idefics3" else tiny_llava_policy)(tmp_path / "policy")
+    processor = load_processor(policy)
+    assert image_layout(processor) == layout
+    samples = vision_samples(tmp_path, processor)  # images a row: 1, 1, 1, 0, 2
+    model = load_causal_lm(policy).eval()
+    alone = []
+    for sample in samples:
+        ids = torch.tensor([sample.prompt_tokens.tolist() + sample.response_tokens.tolist()])
+        with torch.no_grad():
+            logits = model(input_ids=ids, **(pixel_inputs(processor, [decoded(unpack_images(sample.images))])
+                                             if sample.images is not None else {})).logits
+        alone.append(torch.log_softmax(logits[0, len(sample.prompt_tokens) - 1:-1], -1).gather(
+            1, torch.as_tensor(sample.response_tokens, dtype=torch.long)[:, None])[:, 0])
+    batch = collate(samples, processor.tokenizer.pad_token_id, processor)
+    # five entries either way (a row each; or 1 + 1 + 1 + 0 + 2 images): only the layout can tell them apart
+    assert batch.images["pixel_values"].shape[0] == 5
+    assert batch.image_counts == (None if layout == "rows" else [1, 1, 1, 0, 2])
+    for rows in ([0, 1, 2, 3, 4], [4, 0], [3, 4, 1], [2], [3]):
+        part = batch.select(torch.tensor(rows))
+        assert (part.images is None) == (rows == [3])  # a micro-batch of no image has no image inputs
+        with torch.no_grad():
+            got = logprobs_from_logits(forward_logits(model, part), part.response_tokens, SamplingConfig())
+        for i, row in enumerate(rows):
+            width = len(alone[row])
+            torch.testing.assert_close(got[i, :width], alone[row], atol=1e-5, rtol=0)
+    # with another row's images in its place a row reads otherwise: the images are what is read
+    swapped = collate([samples[1], samples[2]], processor.tokenizer.pad_token_id, processor)
+    swapped.images = {name: value.flip(0) for name, value in swapped.images.items()}
+    with torch.no_grad():
+        wrong = logprobs_from_logits(forward_logits(model, swapped), swapped.response_tokens, SamplingConfig())
+    assert float((wrong[0, :len(alone[1])] - alone[1]).abs().max()) > 1e-4
+    references = reference_logprobs(model, samples, processor.tokenizer.pad_token_id, SamplingConfig(), processor)
+    assert max(float((ref - expected).abs().max()) for ref, expected in zip(references, alone)) < 1e-5
+
+
+def test_a_family_whose_images_are_neither_a_row_nor_an_image_each_is_refused_naming_its_inputs():
+    """Qwen2-VL's image processor (transformers' own, its PIL backend) gives patches of every image in
+    one tensor, read by ``image_grid_thw``: refused when its processor loads, naming what it gave.
+    (Its full processor cannot load here: its video processor imports torchvision.)"""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from common.vision import image_layout
+
+    class Processor:  # the image processor is the real one; the processor around it holds it alone
+        image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
+
+    with pytest.raises(ConfigError, match=r"Processor's image inputs are neither.*'pixel_values': 48, "
+                                          r"'image_grid_thw': 3"):
+        image_layout(Processor())
+
+
 def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and_a_step_trains(
         tmp_path, restore_environment):
     """The learner's batch (padded, with each row's pixel inputs from the bytes it carries; a row
