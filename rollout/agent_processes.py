@@ -248,6 +248,8 @@ def serve(arguments: dict) -> None:
 async def _serve(connection, function, base_url: str, deadline_s: float) -> None:
     from openai import AsyncOpenAI, OpenAI
 
+    from rollout.clients import episode_client
+
     loop = asyncio.get_running_loop()
     asynchronous = inspect.iscoroutinefunction(function)
     calls = OverConnection(connection)
@@ -260,7 +262,7 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
     closed = loop.create_future()
 
     async def episode(key: str, row: dict) -> None:
-        own = client.with_options(api_key=key)
+        own = episode_client(client, key)
         try:
             run = function(own, row) if asynchronous else loop.run_in_executor(threads, function, own, row)
             _send(connection, {"kind": "return", "key": key, "value": await asyncio.wait_for(run, deadline_s)})

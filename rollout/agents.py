@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from common import verifiers_envs
 from common.functions import load_function
+from rollout.clients import episode_client
 from rollout.endpoint import Call, Endpoint, HTTPError
 from rollout.environments import BadStep, PastDeadline, Restart, Step, TokenIds, Turn, as_step
 from rollout.tools import ToolCallParser, ToolError
@@ -183,7 +184,7 @@ class ProgramThread:
         programs = self.programs
         if programs.command:
             return _run_command(programs.command, programs.endpoint.base_url, episode, programs.deadline_s)
-        own = client.with_options(api_key=episode.key)
+        own = episode_client(client, episode.key)
         if programs.asynchronous:
             return loop.run_until_complete(_whole(programs.program(own, episode.row), programs.deadline_s))
         return programs.program(own, episode.row)

@@ -223,6 +223,43 @@ def test_a_programs_return_is_a_reward_its_figures_or_none_where_others_score():
         _reward({"reward": 1.0, "calls": "three"}, False)
 
 
+def test_an_episodes_client_sends_what_the_sdks_own_copy_sends_without_a_thread_per_episode(monkeypatch):
+    """Each episode's client is a copy of one kept client with the episode's key. The SDK's own copy
+    looks the platform up again in a thread at its first call (``asyncify(get_platform)``); tether's
+    copy is given it: the same request, headers and all, and no thread."""
+    import asyncio
+
+    import httpx
+    import openai._base_client as base_client
+
+    from rollout.clients import episode_client
+
+    reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "policy", "choices": [
+        {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "4"}}]}
+    seen = []
+
+    def answer(request):
+        seen.append({name: value for name, value in request.headers.items()
+                     if name not in ("x-stainless-retry-count", "idempotency-key")})
+        return httpx.Response(200, json=reply)
+
+    threads = []
+    asyncify = base_client.asyncify
+    monkeypatch.setattr(base_client, "asyncify", lambda function: threads.append(function) or asyncify(function))
+
+    async def calls() -> None:
+        client = openai.AsyncOpenAI(base_url="http://tether/v1", api_key="-", max_retries=0,
+                                    http_client=httpx.AsyncClient(transport=httpx.MockTransport(answer)))
+        for own in (client.with_options(api_key="key-1"), episode_client(client, "key-2"),
+                    episode_client(client, "key-3")):
+            await own.chat.completions.create(model="policy", messages=[{"role": "user", "content": "2 + 2"}])
+
+    asyncio.run(calls())
+    assert len(threads) == 1  # the SDK's own copy alone
+    assert [headers.pop("authorization") for headers in seen] == ["Bearer key-1", "Bearer key-2", "Bearer key-3"]
+    assert seen[0] == seen[1] == seen[2] and "x-stainless-os" in seen[0]
+
+
 def test_a_rewritten_context_starts_over_and_a_reward_that_is_not_a_number_ends_the_episode(programs):
     from rollout.environments import Restart
 
