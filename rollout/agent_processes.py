@@ -130,7 +130,7 @@ class ProgramProcess:
                 if message["key"] not in self.running:
                     continue  # cancelled: its episode ended first
                 self.running.discard(message["key"])
-            value = message["value"] if message["kind"] == "return" else ProgramError(message["error"])
+            value = message["value"] if message["kind"] == "return" else _raised(message["error"])
             self.deliver(message["key"], message["kind"], value)
         with self.lock:
             self.alive, held, self.running = False, self.running, set()
@@ -268,9 +268,11 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
             _send(connection, {"kind": "return", "key": key, "value": await asyncio.wait_for(run, deadline_s)})
         except asyncio.CancelledError:
             pass  # its episode ended: the rollout expects nothing
+        except asyncio.TimeoutError:  # its own deadline: the episode ends env_deadline, as in a thread
+            _send(connection, {"kind": "raise", "key": key, "error": {
+                "type": "PastDeadline", "deadline": True,
+                "message": f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}"}})
         except BaseException as error:
-            if isinstance(error, asyncio.TimeoutError):
-                error = TimeoutError(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}")
             _send(connection, {"kind": "raise", "key": key, "error": _described(error)})
         finally:
             tasks.pop(key, None)
@@ -338,6 +340,17 @@ def _send(connection, message: dict) -> None:
         connection.send_bytes(data.encode())
     except (OSError, ValueError):  # the rollout is gone
         pass
+
+
+def _raised(error: dict) -> BaseException:
+    """A program's error as it came from its process: ``PastDeadline`` where it ran past its
+    deadline there (so its episode ends env_deadline whichever deadline is seen first), else a
+    ``ProgramError``."""
+    from rollout.environments import PastDeadline  # the rollout's side alone: the program's process has no need
+
+    if error.get("deadline") is True:
+        return PastDeadline(str(error.get("message", "the agent program ran past rollout.agent_deadline_s")))
+    return ProgramError(error)
 
 
 def _described(error: BaseException) -> dict:

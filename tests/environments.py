@@ -1,6 +1,7 @@
 """Environments and tools the episode tests name in their configs ("tests.environments:..."),
 written in the demo's vocabulary (digits, even, odd, ':') so its tiny policy can read them."""
 
+import asyncio
 import itertools
 import json
 import time
@@ -288,6 +289,8 @@ async def in_its_process(client, row: dict) -> dict:
         await client.chat.completions.create(model="policy", messages=messages, **row.get("ask", {}))
     if row.get("fail"):
         raise ValueError(f"no luck with {row['prompt']}")
+    if row.get("hang"):
+        await asyncio.sleep(3600)
     return {"reward": 1.0, "pid": os.getpid(), "cores": sum(1 << core for core in os.sched_getaffinity(0)),
             "chunks": chunks}
 

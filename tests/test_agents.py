@@ -186,6 +186,14 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
     refused = agent.make({"prompt": "seven", "ask": {"n": 2}})
     with pytest.raises(ProgramError, match="BadRequestError: .*n is 2: an episode's call asks for one completion"):
         refused.reset()
+    from rollout.environments import PastDeadline
+
+    # its process's own deadline ends it as the loop's would (env_deadline), not as the program's error;
+    # waited on without the loop's deadline, which would otherwise be seen first
+    hung = programs("tests.environments:in_its_process", deadline_s=1.0, processes=1).make({"prompt": "8", "hang": 1})
+    assert hung.begin_reset().result(timeout=60.0) == [{"role": "user", "content": "8"}]
+    with pytest.raises(PastDeadline, match="ran past rollout.agent_deadline_s 1$"):
+        hung.begin_step("fine", []).result(timeout=10.0)
     plain = programs("tests.environments:in_its_process_plain", processes=1).make({"prompt": "six"})
     plain.reset()
     step = plain.step("fine", [])
