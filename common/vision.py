@@ -211,8 +211,10 @@ def sees_images(model: str) -> bool:
         return False
 
 
-def load_processor(model: str):
-    """The model's processor where it sees images (its processor has an image processor), else None."""
+def load_processor(model: str, check_layout: bool = True):
+    """The model's processor where it sees images (its processor has an image processor), else None;
+    a family whose batches tether cannot lay out is refused (``image_layout``) unless
+    ``check_layout`` is False (a checkpoint's save, which only copies the processor's files)."""
     from transformers import AutoProcessor
 
     if not sees_images(model):
@@ -225,7 +227,8 @@ def load_processor(model: str):
     if getattr(processor, "image_processor", None) is None:
         raise ConfigError(f"{model} is a vision-language model (its config has a vision tower) but it has no "
                           "image processor (processor_config.json / preprocessor_config.json)")
-    image_layout(processor)  # a family tether cannot batch is refused here, before anything trains
+    if check_layout:
+        image_layout(processor)  # a family tether cannot batch is refused here, before anything trains
     return processor
 
 
@@ -332,8 +335,12 @@ def image_layout(processor) -> str:
     except Exception as error:  # the processor's own refusal, whatever its type
         raise ConfigError(f"{type(processor).__name__} could not process two prompts of 56-pixel probe images "
                           f"({type(error).__name__}: {error}), so tether cannot tell how it batches images") from None
-    entries = {name: int(value.shape[0]) for name, value in output.items()
-               if name not in ("input_ids", "attention_mask") and hasattr(value, "shape")}
+    inputs = {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
+    odd = [name for name, value in inputs.items() if not (hasattr(value, "shape") and len(value.shape) >= 1)]
+    if odd:  # tether moves and slices each input by its first dimension
+        raise ConfigError(f"{type(processor).__name__}'s image inputs {', '.join(odd)} are not tensors with an entry "
+                          "per prompt or per image: tether cannot batch this family's images (issue 36)")
+    entries = {name: int(value.shape[0]) for name, value in inputs.items()}
     layout = "rows" if set(entries.values()) == {2} else "images" if set(entries.values()) == {3} else None
     if layout is None:
         raise ConfigError(f"{type(processor).__name__}'s image inputs are neither one entry per prompt nor one per "

@@ -31,7 +31,8 @@ def save_tokenizer(source: str, directory: str) -> None:
     _tokenizer_of(source).save_pretrained(directory)
     from common.vision import load_processor
 
-    processor = load_processor(source)  # a policy that sees: its image processor too, or no role could read it
+    # a policy that sees: its image processor too, or no role could read it (its layout was checked at start)
+    processor = load_processor(source, check_layout=False)
     if processor is not None:
         processor.save_pretrained(directory)
     generation = os.path.join(source, "generation_config.json")

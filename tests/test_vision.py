@@ -607,6 +607,8 @@ def test_either_image_layout_batches_each_row_with_its_own_images(tmp_path, fami
     # five entries either way (a row each; or 1 + 1 + 1 + 0 + 2 images): only the layout can tell them apart
     assert batch.images["pixel_values"].shape[0] == 5
     assert batch.image_counts == (None if layout == "rows" else [1, 1, 1, 0, 2])
+    batch = batch.to("cpu")  # as the learner moves it: the counts go along
+    assert batch.image_counts == (None if layout == "rows" else [1, 1, 1, 0, 2])
     for rows in ([0, 1, 2, 3, 4], [4, 0], [3, 4, 1], [2], [3]):
         part = batch.select(torch.tensor(rows))
         assert (part.images is None) == (rows == [3])  # a micro-batch of no image has no image inputs
