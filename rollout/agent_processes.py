@@ -248,7 +248,7 @@ def serve(arguments: dict) -> None:
 async def _serve(connection, function, base_url: str, deadline_s: float) -> None:
     from openai import AsyncOpenAI, OpenAI
 
-    from rollout.clients import episode_client
+    from rollout.program_runs import DeadlinePassed, episode_client, within
 
     loop = asyncio.get_running_loop()
     asynchronous = inspect.iscoroutinefunction(function)
@@ -265,13 +265,12 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
         own = episode_client(client, key)
         try:
             run = function(own, row) if asynchronous else loop.run_in_executor(threads, function, own, row)
-            _send(connection, {"kind": "return", "key": key, "value": await asyncio.wait_for(run, deadline_s)})
+            _send(connection, {"kind": "return", "key": key, "value": await within(run, deadline_s)})
         except asyncio.CancelledError:
             pass  # its episode ended: the rollout expects nothing
-        except asyncio.TimeoutError:  # its own deadline: the episode ends env_deadline, as in a thread
-            _send(connection, {"kind": "raise", "key": key, "error": {
-                "type": "PastDeadline", "deadline": True,
-                "message": f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}"}})
+        except DeadlinePassed as passed:  # the episode ends env_deadline, as in a thread
+            _send(connection, {"kind": "raise", "key": key, "error": {"type": "PastDeadline", "deadline": True,
+                                                                      "message": str(passed)}})
         except BaseException as error:
             _send(connection, {"kind": "raise", "key": key, "error": _described(error)})
         finally:

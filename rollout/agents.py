@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 from common import verifiers_envs
 from common.functions import load_function
-from rollout.clients import episode_client
+from rollout.program_runs import DeadlinePassed, episode_client, within
 from rollout.endpoint import Call, Endpoint, HTTPError
 from rollout.environments import BadStep, PastDeadline, Restart, Step, TokenIds, Turn, as_step
 from rollout.tools import ToolCallParser, ToolError
@@ -245,13 +245,13 @@ def _client(endpoint: Endpoint, timeout_s: float, asynchronous: bool):
 
 
 async def _whole(program, deadline_s: float) -> Any:
-    """An async program's result, or TimeoutError past ``deadline_s`` (it is cancelled then, so
+    """An async program's result, or PastDeadline past ``deadline_s`` (it is cancelled then, so
     that one awaiting forever frees its thread); the tasks it started and left running are
     cancelled with its end, so none runs on into the next episode of its thread."""
     try:
-        return await asyncio.wait_for(program, deadline_s)
-    except asyncio.TimeoutError:
-        raise PastDeadline(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}") from None
+        return await within(program, deadline_s)
+    except DeadlinePassed as passed:
+        raise PastDeadline(str(passed)) from None
     finally:
         current = asyncio.current_task()
         left = [task for task in asyncio.all_tasks() if task is not current]

@@ -194,6 +194,12 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
     assert hung.begin_reset().result(timeout=60.0) == [{"role": "user", "content": "8"}]
     with pytest.raises(PastDeadline, match="ran past rollout.agent_deadline_s 1$"):
         hung.begin_step("fine", []).result(timeout=10.0)
+    for processes in (0, 1):  # a TimeoutError of the program's own is its error, in a thread or a process
+        own = programs("tests.environments:in_its_process", processes=processes).make({"prompt": "9", "own": 1})
+        assert own.begin_reset().result(timeout=60.0) == [{"role": "user", "content": "9"}]
+        with pytest.raises(ProgramError if processes else TimeoutError, match="mine, not the deadline") as raised:
+            own.begin_step("fine", []).result(timeout=10.0)
+        assert not isinstance(raised.value, PastDeadline)
     plain = programs("tests.environments:in_its_process_plain", processes=1).make({"prompt": "six"})
     plain.reset()
     step = plain.step("fine", [])
@@ -240,7 +246,7 @@ def test_an_episodes_client_sends_what_the_sdks_own_copy_sends_without_a_thread_
     import httpx
     import openai._base_client as base_client
 
-    from rollout.clients import episode_client
+    from rollout.program_runs import episode_client
 
     reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "policy", "choices": [
         {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "4"}}]}
