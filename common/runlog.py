@@ -94,11 +94,16 @@ def metrics_writer(config, name: str) -> MetricsWriter:
 
 
 def read_metrics(run_dir: str, name: str) -> list[dict[str, Any]]:
+    """The records of a role's ``metrics/<name>.jsonl``, whole lines only: a role may be appending
+    as this reads (`tether run` reads the learner's every half second), and a read can see part of
+    a line being written (seen: `tether run` failing on "Expecting ',' delimiter" mid-run); that
+    line is read the next time, whole."""
     path = os.path.join(run_dir, "metrics", f"{name}.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as file:
-        return [json.loads(line) for line in file if line.strip()]
+        text = file.read()
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def process_start_time(pid: int | None = None) -> float:

@@ -28,6 +28,25 @@ def test_the_episodes_and_dynamic_sampling_panels_are_drawn_only_for_a_run_with_
     assert plot_run(str(episodes))[1] == every
 
 
+def test_metrics_read_while_a_role_appends_are_its_whole_lines(tmp_path):
+    """`tether run` reads the learner's metrics while the learner appends them: a line caught half
+    written is left for the next read, which has it whole."""
+    from common.runlog import MetricsWriter, read_metrics
+
+    writer = MetricsWriter(str(tmp_path), "learner", tensorboard=False)
+    writer.write({"step": 1, "reward": 0.5})
+    whole = (tmp_path / "metrics" / "learner.jsonl").read_text()
+    line = json.dumps({"time": 1.0, "step": 2, "reward": 0.75}) + "\n"
+    with open(tmp_path / "metrics" / "learner.jsonl", "a") as file:
+        file.write(line[:20])  # a read now sees the first 20 characters of step 2
+        file.flush()
+        assert [record["step"] for record in read_metrics(str(tmp_path), "learner")] == [1]
+        file.write(line[20:])
+    assert [record["step"] for record in read_metrics(str(tmp_path), "learner")] == [1, 2]
+    assert whole.endswith("\n")
+    writer.close()
+
+
 def test_status_of_a_directory_that_is_not_a_run_is_an_error(tmp_path):
     result = CliRunner().invoke(app, ["status", str(tmp_path / "nowhere"), "--once"])
     assert result.exit_code == ExitCode.CONFIG_ERROR and "is not a tether run directory" in result.output, result.output
