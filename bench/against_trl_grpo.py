@@ -48,10 +48,14 @@ LIMITS = {"grpo": {2560: 1.0, 10240: 0.8}, "ppo": {2560: 1.0, 10240: 1.0}}
 PPO_MINIBATCH, PPO_EPOCHS, PPO_LR = 16, 2, 2e-4  # configs/demo.yaml's
 
 
-def run_tether(assets: str, samples: int, run_dir: str, mode: str, algorithm: str) -> dict:
+def run_tether(assets: str, samples: int, run_dir: str, side: str, algorithm: str) -> dict:
+    """``side``: the placement mode (split, colocate), and after an @ the staleness bound where it is
+    not the demo's k = 1 (``split@auto``: buffer.max_staleness auto; ``split@2``)."""
+    mode, _, staleness = side.partition("@")
     steps = samples // BATCH
     overrides = {"run_dir": run_dir, "models.policy": f"{assets}/sft", "models.reward": f"{assets}/rm",
-                 "data.prompts": f"{assets}/prompts.jsonl", "learner.total_steps": steps, "placement.mode": mode}
+                 "data.prompts": f"{assets}/prompts.jsonl", "learner.total_steps": steps, "placement.mode": mode,
+                 **({"buffer.max_staleness": staleness} if staleness else {})}
     if algorithm == "grpo":  # the gold rule alone, groups of four, the KL in the loss
         overrides.update({"models.reward": "null", "scorer.gold_reward": "null",
                           "scorer.reward_functions": '[{"function": "demos.parity:gold_reward", "weight": 1.0}]',
@@ -195,7 +199,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", default="2560,10240", help="sample budgets, comma-separated")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--sides", default="split,colocate,TRL", help="of split, colocate, TRL")
+    parser.add_argument("--sides", default="split,colocate,TRL",
+                        help="of split, colocate, TRL; a tether side with @K or @auto sets buffer.max_staleness "
+                             "(default: the demo's k = 1), e.g. split@auto")
     parser.add_argument("--trl-path", help="where TRL was installed with pip --target (else: importable)")
     parser.add_argument("--algorithm", choices=("grpo", "ppo"), default="grpo")
     parser.add_argument("--trl-run", help=argparse.SUPPRESS)
@@ -211,25 +217,25 @@ def main() -> None:
     build_assets(assets, log=lambda *_: None)  # cached after the first time
     work = tempfile.mkdtemp(prefix="tether-bench-grpo-")
     sides = args.sides.split(",")
-    print(f"{'samples':>8} {'side':<9}{'round':>6}{'wall s':>9}{'first step s':>14}{'steady samples/s':>18}"
+    print(f"{'samples':>8} {'side':<12}{'round':>6}{'wall s':>9}{'first step s':>14}{'steady samples/s':>18}"
           f"{'held-out gold':>15}", flush=True)
     for samples in (int(s) for s in args.samples.split(",")):
         results: dict[str, list[dict]] = {side: [] for side in sides}
         for round_index in range(args.rounds):
             for side in sides:
-                output = os.path.join(work, f"{side}-{samples}")
+                output = os.path.join(work, f"{side.replace('@', '-k')}-{samples}")
                 result = (run_trl(assets, samples, output, args.trl_path, args.algorithm) if side == "TRL"
                           else run_tether(assets, samples, output, side, args.algorithm))
                 result["gold"] = held_out_figures(result["output"], f"{assets}/sft", f"{assets}/rm",
                                                   f"{assets}/eval_prompts.jsonl", NEW_TOKENS)["gold_reward"]
                 results[side].append(result)
-                print(f"{samples:>8} {side:<9}{round_index + 1:>6}{result['wall_s']:>9.1f}"
+                print(f"{samples:>8} {side:<12}{round_index + 1:>6}{result['wall_s']:>9.1f}"
                       f"{result['first_step_s']:>14.1f}{result['steady_per_s']:>18.0f}{result['gold']:>15.3f}",
                       flush=True)
         medians = {side: {key: statistics.median(r[key] for r in runs) for key in
                           ("wall_s", "first_step_s", "steady_per_s", "gold")} for side, runs in results.items()}
         for side, figures in medians.items():
-            line = (f"{samples:>8} {side:<9} medians: wall {figures['wall_s']:.1f} s, first step "
+            line = (f"{samples:>8} {side:<12} medians: wall {figures['wall_s']:.1f} s, first step "
                     f"{figures['first_step_s']:.1f} s, steady {figures['steady_per_s']:.0f} samples/s, "
                     f"gold {figures['gold']:.3f}")
             if side != "TRL" and "TRL" in medians:
