@@ -211,6 +211,17 @@ def sees_images(model: str) -> bool:
         return False
 
 
+def check_zero3_ranks(model: str, zero_stage: int, ranks: int, key: str) -> None:
+    """ZeRO-3 partitions every parameter and gathers a module's, all ranks together, before its
+    forward. A rank whose micro-batch has no image skips the vision tower, and the other ranks
+    would wait for it at the tower's gathers for ever: a model that sees is refused at ZeRO-3 with
+    several ranks (``key``: the config key of the stage, named in the error)."""
+    if zero_stage == 3 and ranks > 1 and sees_images(model):
+        raise ConfigError(f"{key}: ZeRO-3 over {ranks} ranks with a model that sees images ({model}) is not "
+                          "supported: a rank whose micro-batch has no image would skip the vision tower's "
+                          "parameter gathers and the others would wait for it; use ZeRO 0-2 (issue 36)")
+
+
 def load_processor(model: str, check_layout: bool = True):
     """The model's processor where it sees images (its processor has an image processor), else None;
     a family whose batches tether cannot lay out is refused (``image_layout``) unless

@@ -627,6 +627,21 @@ def test_either_image_layout_batches_each_row_with_its_own_images(tmp_path, fami
     assert max(float((ref - expected).abs().max()) for ref, expected in zip(references, alone)) < 1e-5
 
 
+def test_zero3_over_several_ranks_is_refused_for_a_model_that_sees(tmp_path):
+    """A rank whose micro-batch has no image would skip the tower's ZeRO-3 gathers the others make."""
+    from common.vision import check_zero3_ranks
+    from tests.helpers import tiny_llava_policy
+
+    policy = tiny_llava_policy(tmp_path / "policy")
+    with pytest.raises(ConfigError, match=r"^sft.zero_stage: ZeRO-3 over 2 ranks with a model that sees images"):
+        check_zero3_ranks(policy, 3, 2, "sft.zero_stage")
+    for zero_stage, ranks in ((3, 1), (2, 2), (0, 4)):
+        check_zero3_ranks(policy, zero_stage, ranks, "learner.zero_stage")
+    (tmp_path / "text").mkdir()
+    (tmp_path / "text" / "config.json").write_text('{"model_type": "llama"}')
+    check_zero3_ranks(str(tmp_path / "text"), 3, 2, "learner.zero_stage")
+
+
 def test_a_family_whose_images_are_neither_a_row_nor_an_image_each_is_refused_naming_its_inputs():
     """Qwen2-VL's image processor (transformers' own, its PIL backend) gives patches of every image in
     one tensor, read by ``image_grid_thw``: refused when its processor loads, naming what it gave.
