@@ -928,6 +928,52 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
     assert ranked[0].rows[0][:len(examples[0].rows[0]) - 2] == examples[0].rows[0][:-2]  # " red" + eos after it
 
 
+def test_llavas_stage_rows_and_pairs_batch_each_with_its_own_images(tmp_path):
+    """The stages with a family whose image inputs are one per image (LLaVA): `tether sft`'s
+    demonstrations (rows of 1, 1, 0 and 2 images) and `tether dpo`'s pairs (each pair's two rows
+    reading its prompt's image) give together what each gives alone."""
+    import torch
+
+    from common.models import load_causal_lm
+    from common.vision import load_processor
+    from stages.dpo import logprob_sums
+    from stages.examples import model_inputs, read_examples
+    from stages.sft import nll_sums
+    from tests.helpers import tiny_llava_policy
+
+    policy = tiny_llava_policy(tmp_path / "policy")
+    processor = load_processor(policy)
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    rows = [{"prompt": "colour:", "images": ["red.png"], "response": " red"},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "blue.png"},
+                                                       {"type": "text", "text": "Which colour?"}]}],
+             "response": "blue"},
+            {"prompt": "no picture:", "response": " none"},
+            {"prompt": "both:", "images": ["red.png", "blue.png"], "response": " red blue"}]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    examples, _ = read_examples(str(tmp_path / "sft.jsonl"), "sft.data", processor.tokenizer, "demonstration", 128,
+                                processor)
+    pairs = [{"prompt": "colour:", "images": ["red.png"], "chosen": " red", "rejected": " blue"},
+             {"prompt": "colour:", "images": ["blue.png"], "chosen": " blue", "rejected": " red"},
+             {"prompt": "plain:", "chosen": " yes", "rejected": " no"}]
+    (tmp_path / "dpo.jsonl").write_text("".join(json.dumps(row) + "\n" for row in pairs))
+    paired, _ = read_examples(str(tmp_path / "dpo.jsonl"), "dpo.data", processor.tokenizer, "pair", 128, processor)
+    model = load_causal_lm(policy).eval()
+    pad = processor.tokenizer.pad_token_id
+    with torch.no_grad():
+        assert model_inputs(examples, pad, processor, "cpu")[0]["pixel_values"].shape[0] == 4  # 1 + 1 + 0 + 2
+        together = nll_sums(model, examples, pad, processor)[0]
+        alone = sum(nll_sums(model, [example], pad, processor)[0] for example in examples)
+        torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+        logps = logprob_sums(model, paired, pad, processor)
+        each = torch.cat([logprob_sums(model, [example], pad, processor) for example in paired])
+        torch.testing.assert_close(logps, each, rtol=1e-5, atol=1e-5)
+        # the pair's images read: with the two pairs' images swapped, their rows score otherwise
+        swapped = [paired[1].__class__(**{**vars(paired[0]), "images": paired[1].images})]
+        assert float((logprob_sums(model, swapped, pad, processor) - each[:2]).abs().max()) > 1e-4
+
+
 def test_the_vision_demo_is_a_demo_of_its_own():
     from typer.testing import CliRunner
 
