@@ -859,6 +859,18 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
         adapter.close()
 
 
+def demonstrations_with_images(tmp_path) -> list[dict]:
+    """Three `tether sft` rows, their images written in ``tmp_path``: a text prompt with a red
+    image, a chat whose message shows a blue one, and a prompt without an image."""
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    return [{"prompt": "colour:", "images": ["red.png"], "response": " red"},
+            {"messages": [{"role": "user", "content": [{"type": "image", "image": "blue.png"},
+                                                       {"type": "text", "text": "Which colour?"}]}],
+             "response": "blue"},
+            {"prompt": "no picture:", "response": " none"}]
+
+
 def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_they_run_alone(tmp_path):
     """`tether sft` / `dpo` rows with images: the prompt's ids are the expanded ids the rollout's
     samples carry (a chat's response is its template's assistant turn; a chat's assistant turns
@@ -873,13 +885,7 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
-    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
-    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
-    rows = [{"prompt": "colour:", "images": ["red.png"], "response": " red"},
-            {"messages": [{"role": "user", "content": [{"type": "image", "image": "blue.png"},
-                                                       {"type": "text", "text": "Which colour?"}]}],
-             "response": "blue"},
-            {"prompt": "no picture:", "response": " none"},
+    rows = [*demonstrations_with_images(tmp_path),
             {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"}]},
                           {"role": "assistant", "content": "red"},
                           {"role": "user", "content": [{"type": "text", "text": "and "},
@@ -943,13 +949,7 @@ def test_llavas_stage_rows_and_pairs_batch_each_with_its_own_images(tmp_path):
 
     policy = tiny_llava_policy(tmp_path / "policy")
     processor = load_processor(policy)
-    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
-    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
-    rows = [{"prompt": "colour:", "images": ["red.png"], "response": " red"},
-            {"messages": [{"role": "user", "content": [{"type": "image", "image": "blue.png"},
-                                                       {"type": "text", "text": "Which colour?"}]}],
-             "response": "blue"},
-            {"prompt": "no picture:", "response": " none"},
+    rows = [*demonstrations_with_images(tmp_path),
             {"prompt": "both:", "images": ["red.png", "blue.png"], "response": " red blue"}]
     (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
     examples, _ = read_examples(str(tmp_path / "sft.jsonl"), "sft.data", processor.tokenizer, "demonstration", 128,
