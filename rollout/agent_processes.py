@@ -37,6 +37,8 @@ from typing import Any, Callable
 
 import httpx
 
+from rollout.program_runs import PastDeadline, episode_client, within
+
 KINDS = {"run": ("row",), "cancel": (), "return": ("value",), "raise": ("error",), "call": ("id", "path", "body"),
          "answer": ("id", "status", "answer", "streamed")}
 TYPES = {"call": {"id": int, "path": str, "body": str}, "answer": {"id": int, "status": int, "streamed": bool}}
@@ -248,8 +250,6 @@ def serve(arguments: dict) -> None:
 async def _serve(connection, function, base_url: str, deadline_s: float) -> None:
     from openai import AsyncOpenAI, OpenAI
 
-    from rollout.program_runs import DeadlinePassed, episode_client, within
-
     loop = asyncio.get_running_loop()
     asynchronous = inspect.iscoroutinefunction(function)
     calls = OverConnection(connection)
@@ -268,7 +268,7 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
             _send(connection, {"kind": "return", "key": key, "value": await within(run, deadline_s)})
         except asyncio.CancelledError:
             pass  # its episode ended: the rollout expects nothing
-        except DeadlinePassed as passed:  # the episode ends env_deadline, as in a thread
+        except PastDeadline as passed:  # the episode ends env_deadline, as in a thread
             _send(connection, {"kind": "raise", "key": key, "error": {"type": "PastDeadline", "deadline": True,
                                                                       "message": str(passed)}})
         except BaseException as error:
@@ -345,8 +345,6 @@ def _raised(error: dict) -> BaseException:
     """A program's error as it came from its process: ``PastDeadline`` where it ran past its
     deadline there (so its episode ends env_deadline whichever deadline is seen first), else a
     ``ProgramError``."""
-    from rollout.environments import PastDeadline  # the rollout's side alone: the program's process has no need
-
     if error.get("deadline") is True:
         return PastDeadline(str(error.get("message", "the agent program ran past rollout.agent_deadline_s")))
     return ProgramError(error)

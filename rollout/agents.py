@@ -44,9 +44,9 @@ from typing import Any, Callable
 
 from common import verifiers_envs
 from common.functions import load_function
-from rollout.program_runs import DeadlinePassed, episode_client, within
 from rollout.endpoint import Call, Endpoint, HTTPError
-from rollout.environments import BadStep, PastDeadline, Restart, Step, TokenIds, Turn, as_step
+from rollout.environments import BadStep, Restart, Step, TokenIds, Turn, as_step
+from rollout.program_runs import PastDeadline, episode_client, within
 from rollout.tools import ToolCallParser, ToolError
 
 
@@ -250,8 +250,6 @@ async def _whole(program, deadline_s: float) -> Any:
     cancelled with its end, so none runs on into the next episode of its thread."""
     try:
         return await within(program, deadline_s)
-    except DeadlinePassed as passed:
-        raise PastDeadline(str(passed)) from None
     finally:
         current = asyncio.current_task()
         left = [task for task in asyncio.all_tasks() if task is not current]

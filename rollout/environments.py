@@ -59,11 +59,6 @@ class BadStep(ValueError):
     """An environment returned something that is not a step (its episode ends: ``env_error``)."""
 
 
-class PastDeadline(TimeoutError):
-    """An agent program that ran past ``rollout.agent_deadline_s``: its episode ends ``env_deadline``
-    as one whose answer the rollout's loop stops waiting for does, whichever of the two is seen first."""
-
-
 @dataclass
 class Step:
     observation: Observation = None

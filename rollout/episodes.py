@@ -38,8 +38,9 @@ from common.prompts import chat_of, content_text, text_chat
 from common.vision import (expand_placeholders, expanded_ids, images_shown, observation_images, pack_images,
                            template_chat)
 from protocol.samples import Sample
-from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, PastDeadline, Restart,
-                                  Step, TokenIds, Turn, as_step, check_observation)
+from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Restart, Step, TokenIds,
+                                  Turn, as_step, check_observation)
+from rollout.program_runs import PastDeadline
 
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
 # the reply is text no template writes itself, so where the assistant's turn ends can be found after it
@@ -496,13 +497,10 @@ class Episodes:
                         episode.pending.add_done_callback(lambda reset: in_thread(_close_once_made, reset))
                 episode.pending = None
                 rollout = self.config.rollout
-                self.failures.report("env_deadline", None, f"the environment did not answer within "
-                                     f"{rollout.env_step_deadline_s:.1f}s (rollout.env_step_deadline_s"
-                                     + (f"; an agent program's episode has {rollout.agent_deadline_s:g}s in all, "
-                                        "rollout.agent_deadline_s" if self.environments.answers_later else "")
-                                     + "); the episode ends", self._row_text(episode),
-                                     ("reset" if episode.environment is None else "step",))
-                self._end(episode, "env_deadline")
+                self._past_deadline(episode, f"the environment did not answer within "
+                                             f"{rollout.env_step_deadline_s:.1f}s (rollout.env_step_deadline_s"
+                                    + (f"; an agent program's episode has {rollout.agent_deadline_s:g}s in all, "
+                                       "rollout.agent_deadline_s" if self.environments.answers_later else "") + ")")
             else:
                 still.append(episode)
         self.waiting = still
@@ -549,12 +547,16 @@ class Episodes:
                                answering.deadline if answering is not None else math.inf)
         self.waiting.append(episode)
 
+    def _past_deadline(self, episode: Episode, why: str) -> None:
+        """``episode`` ends ``env_deadline``: ``why``, in the failure log."""
+        self.failures.report("env_deadline", None, f"{why}; the episode ends", self._row_text(episode),
+                             ("reset" if episode.environment is None else "step",))
+        self._end(episode, "env_deadline")
+
     def _answered(self, episode: Episode, future: Future) -> None:
         error = future.exception()
         if isinstance(error, PastDeadline):  # the program's own deadline, seen before the loop's
-            self.failures.report("env_deadline", None, f"{error}; the episode ends", self._row_text(episode),
-                                 ("reset" if episode.environment is None else "step",))
-            self._end(episode, "env_deadline")
+            self._past_deadline(episode, str(error))
         elif error is not None:
             call = "reset" if episode.environment is None else "step"
             self.failures.report("env_error", error, f"the environment's {call} failed ({type(error).__name__}: "

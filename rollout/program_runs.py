@@ -7,12 +7,13 @@ import asyncio
 from typing import Any, Awaitable
 
 
-class DeadlinePassed(Exception):
-    """The program ran past ``rollout.agent_deadline_s`` (and was cancelled)."""
+class PastDeadline(TimeoutError):
+    """An agent program that ran past ``rollout.agent_deadline_s``: its episode ends ``env_deadline``
+    as one whose answer the rollout's loop stops waiting for does, whichever of the two is seen first."""
 
 
 async def within(program: Awaitable[Any], deadline_s: float) -> Any:
-    """``program``'s result; past ``deadline_s`` it is cancelled and ``DeadlinePassed`` raised. A
+    """``program``'s result; past ``deadline_s`` it is cancelled and ``PastDeadline`` raised. A
     ``TimeoutError`` the program raises itself (its own ``wait_for`` around a tool, a socket's) is
     its own error and passes through as it is: ``asyncio.wait_for`` would raise the same type for
     both, and the episode would end env_deadline for the program's bug."""
@@ -25,7 +26,7 @@ async def within(program: Awaitable[Any], deadline_s: float) -> Any:
     if not done:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)  # its own cleanup runs, as wait_for lets it
-        raise DeadlinePassed(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}")
+        raise PastDeadline(f"the agent program ran past rollout.agent_deadline_s {deadline_s:g}")
     return task.result()
 
 

@@ -186,7 +186,7 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
     refused = agent.make({"prompt": "seven", "ask": {"n": 2}})
     with pytest.raises(ProgramError, match="BadRequestError: .*n is 2: an episode's call asks for one completion"):
         refused.reset()
-    from rollout.environments import PastDeadline
+    from rollout.program_runs import PastDeadline
 
     # its process's own deadline ends it as the loop's would (env_deadline), not as the program's error;
     # waited on without the loop's deadline, which would otherwise be seen first
