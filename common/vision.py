@@ -319,7 +319,11 @@ def pixel_inputs(processor, images: list[list]) -> dict[str, Any]:
         images = [image for row in images for image in row]
         if not images:
             return {}
-    output = processor.image_processor(images, return_tensors="pt")
+    return _image_inputs(processor.image_processor(images, return_tensors="pt"))
+
+
+def _image_inputs(output) -> dict[str, Any]:
+    """An image processor's ``output`` without its text."""
     return {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
 
 
@@ -346,7 +350,7 @@ def image_layout(processor) -> str:
     except Exception as error:  # the processor's own refusal, whatever its type
         raise ConfigError(f"{type(processor).__name__} could not process two prompts of 56-pixel probe images "
                           f"({type(error).__name__}: {error}), so tether cannot tell how it batches images") from None
-    inputs = {name: value for name, value in output.items() if name not in ("input_ids", "attention_mask")}
+    inputs = _image_inputs(output)
     odd = [name for name, value in inputs.items() if not (hasattr(value, "shape") and len(value.shape) >= 1)]
     if odd:  # tether moves and slices each input by its first dimension
         raise ConfigError(f"{type(processor).__name__}'s image inputs {', '.join(odd)} are not tensors with an entry "
