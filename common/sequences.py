@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 
@@ -35,12 +36,15 @@ class SequenceBatch:
     # a family whose image inputs are one entry per image (``common.vision.image_layout``: LLaVA's
     # pixel_values [images, 3, H, W]), the rows' images one after another: how many each row has
     image_counts: list[int] | None = None
+    # a policy that sees: its ``common.vision.BlankImage``, the row a data-parallel rank adds to a
+    # micro-batch that shows no image (``with_blank``)
+    blank: Any = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self)
-                               if f.name not in ("images", "seen", "image_counts")),
+                               if f.name not in _NOT_TENSORS),
                              images=_each(self.images, lambda tensor: tensor.to(device)), seen=self.seen,
-                             image_counts=self.image_counts)
+                             image_counts=self.image_counts, blank=self.blank)
 
     @property
     def model_inputs(self) -> dict[str, torch.Tensor]:
@@ -59,7 +63,19 @@ class SequenceBatch:
                              self.response_tokens[rows, :response_width],
                              self.response_positions[rows, :response_width],
                              self.response_mask[rows, :response_width], self.last_positions[rows],
-                             *self._images_of(rows))
+                             *self._images_of(rows), blank=self.blank)
+
+    def with_blank(self) -> "SequenceBatch":
+        """This batch, which shows no image, and one row more after its rows: ``blank``'s image
+        prompt, none of whose tokens is trained or measured (its response mask 0). Its forward takes
+        the image path as a batch with images does; the callers read its first rows' outputs."""
+        blank, rows = self.blank, len(self.input_ids)
+        input_ids, attention_mask = blank.after(self.input_ids, self.attention_mask)
+        return SequenceBatch(input_ids, attention_mask, _row_more(self.response_tokens),
+                             _row_more(self.response_positions), _row_more(self.response_mask),
+                             torch.cat([self.last_positions, self.last_positions.new_tensor([len(blank.ids) - 1])]),
+                             blank.inputs(rows, input_ids.device), torch.tensor([False] * rows + [True]),
+                             None if blank.no_image is not None else [0] * rows + [1])
 
     def _images_of(self, rows: torch.Tensor) -> tuple[dict[str, torch.Tensor] | None, torch.Tensor | None,
                                                       list[int] | None]:
@@ -79,6 +95,14 @@ class SequenceBatch:
     def lengths(self) -> torch.Tensor:
         """[B] long: each row's prompt + response length."""
         return self.last_positions + 1
+
+
+_NOT_TENSORS = ("images", "seen", "image_counts", "blank")
+
+
+def _row_more(tensor: torch.Tensor) -> torch.Tensor:
+    """[B, T] ``tensor`` and a row of zeros after its rows."""
+    return torch.nn.functional.pad(tensor, (0, 0, 0, 1))
 
 
 def _each(images: dict[str, torch.Tensor] | None, change) -> dict[str, torch.Tensor] | None:
@@ -110,7 +134,11 @@ def collate(samples: list[Sample], pad_token_id: int, processor=None) -> Sequenc
         response_mask[i, :resp_len] = 1.0 if sample.loss_mask is None else torch.as_tensor(sample.loss_mask,
                                                                                             dtype=torch.float32)
     last_positions = attention_mask.sum(dim=1) - 1
-    images = seen = counts = None
+    images = seen = counts = blank = None
+    if processor is not None:
+        from common.vision import blank_image
+
+        blank = blank_image(processor)
     if processor is not None and any(sample.images is not None for sample in samples):
         from common.vision import decoded, image_layout, pixel_inputs, unpack_images
 
@@ -119,7 +147,7 @@ def collate(samples: list[Sample], pad_token_id: int, processor=None) -> Sequenc
         seen = torch.tensor([bool(row) for row in rows])
         counts = [len(row) for row in rows] if image_layout(processor) == "images" else None
     return SequenceBatch(input_ids, attention_mask, response_tokens, response_positions, response_mask, last_positions,
-                         images, seen, counts)
+                         images, seen, counts, blank)
 
 
 def pad_rows(rows: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,6 +20,7 @@ import io
 import os
 import struct
 import weakref
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -211,17 +212,6 @@ def sees_images(model: str) -> bool:
         return False
 
 
-def check_zero3_ranks(model: str, zero_stage: int, ranks: int, key: str) -> None:
-    """ZeRO-3 partitions every parameter and gathers a module's, all ranks together, before its
-    forward. A rank whose micro-batch has no image skips the vision tower, and the other ranks
-    would wait for it at the tower's gathers for ever: a model that sees is refused at ZeRO-3 with
-    several ranks (``key``: the config key of the stage, named in the error)."""
-    if zero_stage == 3 and ranks > 1 and sees_images(model):
-        raise ConfigError(f"{key}: ZeRO-3 over {ranks} ranks with a model that sees images ({model}) is not "
-                          "supported: a rank whose micro-batch has no image would skip the vision tower's "
-                          "parameter gathers and the others would wait for it; use ZeRO 0-2 (issue 36)")
-
-
 def load_processor(model: str, check_layout: bool = True):
     """The model's processor where it sees images (its processor has an image processor), else None;
     a family whose batches tether cannot lay out is refused (``image_layout``) unless
@@ -363,6 +353,70 @@ def image_layout(processor) -> str:
                           "two, and does not read this family's yet (issue 36: Idefics3's and LLaVA's it does)")
     _LAYOUTS[processor] = layout
     return layout
+
+
+@dataclass(frozen=True)
+class BlankImage:
+    """One probe image as the family's model reads it, for a data-parallel rank whose micro-batch
+    shows no image: it runs its forward with this image's row after its rows (trained and measured
+    for nothing), so that its forward and backward take the image path as another rank's do.
+    Under ZeRO-3 each module's parameters are gathered by all ranks together, in the order the
+    modules run; under ZeRO-1 and 2 gradients are reduced in buckets filled in the order they
+    come. A rank that skipped the vision tower and the connector would meet the others in other
+    collectives (gloo: "collective mismatch"; NCCL: a hang)."""
+
+    ids: list[int]  # the image's prompt: its placeholder expanded, nothing else
+    pad: int  # an id for the positions past a row's end (masked), never the image placeholder
+    image: dict[str, Any]  # its image inputs as one row's
+    no_image: dict[str, Any] | None  # "rows" layout: an imageless row's entry (the family's padding); else None
+
+    def after(self, input_ids, attention_mask) -> tuple[Any, Any]:
+        """[B, L] ``input_ids`` and ``attention_mask`` with this image's prompt as a row more after
+        their rows, [B + 1, max(L, its length)] (the columns added to theirs: padding)."""
+        import torch
+        from torch.nn.functional import pad
+
+        width, length = max(input_ids.shape[1], len(self.ids)), len(self.ids)
+        row = torch.full((1, width), self.pad, dtype=input_ids.dtype, device=input_ids.device)
+        row[0, :length] = torch.as_tensor(self.ids)
+        mask = pad(attention_mask, (0, width - attention_mask.shape[1], 0, 1))
+        mask[-1, :length] = 1
+        return torch.cat([pad(input_ids, (0, width - input_ids.shape[1]), value=self.pad), row]), mask
+
+    def inputs(self, rows: int, device) -> dict[str, Any]:
+        """The image inputs of ``rows`` rows that show no image and of this image's row after them."""
+        import torch
+
+        if self.no_image is None:  # "images": an entry an image, none for an imageless row
+            return {name: value.to(device) for name, value in self.image.items()}
+        return {name: torch.cat([self.no_image[name].expand(rows, *value.shape[1:]), value]).to(device)
+                for name, value in self.image.items()}
+
+
+# a processor's blank image, made once (``blank_image``)
+_BLANKS: "weakref.WeakKeyDictionary[Any, BlankImage]" = weakref.WeakKeyDictionary()
+
+
+def blank_image(processor) -> BlankImage:
+    """The ``BlankImage`` of ``processor``'s family: a 56-pixel square of one colour (not black:
+    Idefics3 drops an image of zeros as padding) as the processor expands and lays it out."""
+    blank = _BLANKS.get(processor)
+    if blank is not None:
+        return blank
+    from PIL import Image
+
+    probe = Image.new("RGB", (56, 56), (200, 120, 40))
+    encoded = io.BytesIO()
+    probe.save(encoded, format="PNG")
+    inputs = pixel_inputs(processor, [[], [probe]])
+    rows = image_layout(processor) == "rows"
+    tokenizer = processor.tokenizer
+    blank = BlankImage(expanded_ids(processor, processor.image_token, [encoded.getvalue()], True),
+                       tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+                       {name: value[1:] if rows else value for name, value in inputs.items()},
+                       {name: value[:1] for name, value in inputs.items()} if rows else None)
+    _BLANKS[processor] = blank
+    return blank
 
 
 def prompts_with_images(rows: list[dict[str, Any]], tokenizer, processor, limit: int, system_prompt: str | None,

@@ -15,8 +15,7 @@ from common.model_dirs import resolve_models
 from common.models import critic_source
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
 from common.sequences import collate
-from common.vision import (banning_placeholder, check_zero3_ranks, freeze_vision_tower, load_processor,
-                           sees_images)
+from common.vision import banning_placeholder, freeze_vision_tower, load_processor, sees_images
 from learner import parallel, ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
@@ -117,7 +116,6 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
 
     cfg, dtype = config.learner, config.models.dtype
     sees = sees_images(config.models.policy)
-    check_zero3_ranks(config.models.policy, cfg.zero_stage, parallel.world_size(), "learner.zero_stage")
     source = critic_source(config) if cfg.advantage_estimator == "gae" else None
     if source is not None and sees and not sees_images(source):
         raise ConfigError(f"models.critic_init: the critic of a policy that sees images ({config.models.policy}) "

@@ -35,14 +35,24 @@ def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
 def forward_logits(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T, V] logits that score each response token."""
     # use_cache: no KV cache, which transformers builds at every forward otherwise (a concat per layer)
-    logits = engine(**batch.model_inputs, use_cache=False).logits
+    logits = engine(**as_ranks_run(batch).model_inputs, use_cache=False).logits[:len(batch.input_ids)]
     return _finite("actor logits", gather_response(logits, batch.response_positions))
 
 
 def forward_values(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T] V(s_t) for each response token: the critic at the position before the token."""
-    values = engine(**batch.model_inputs).logits.squeeze(-1)  # a critic that sees: the images too
+    # a critic that sees: the images too
+    values = engine(**as_ranks_run(batch).model_inputs).logits[:len(batch.input_ids)].squeeze(-1)
     return _finite("critic values", gather_response(values, batch.response_positions).float())
+
+
+def as_ranks_run(batch: SequenceBatch) -> SequenceBatch:
+    """``batch`` as this rank runs its forward: on one of several ranks, a batch of a policy that
+    sees which shows no image gets the blank image's row after its rows (``SequenceBatch.with_blank``;
+    why: ``common.vision.BlankImage``), whose outputs the callers leave out."""
+    if batch.images is None and batch.blank is not None and parallel.world_size() > 1:
+        return batch.with_blank()
+    return batch
 
 
 def _ptx_parts(ptx: PtxStream, parts: int, device) -> list[tuple | None]:

@@ -13,7 +13,7 @@ from common.config import TetherConfig
 from learner.optimizer_step import SkippedSteps
 from learner.signals import StopSignal
 from stages import training
-from stages.examples import Example, model_inputs
+from stages.examples import Example, model_inputs, rows_of
 from stages.losses import dpo_loss, sequence_logprobs
 from weight_sync.lora import with_lora
 
@@ -23,7 +23,7 @@ def logprob_sums(module, examples: list[Example], pad_token_id: int, processor=N
     model that sees (``processor``) reads their images."""
     inputs, input_ids, loss_mask = model_inputs(examples, pad_token_id, processor, next(module.parameters()).device)
     logits = module(**inputs, use_cache=False).logits
-    return sequence_logprobs(logits, input_ids, loss_mask)
+    return sequence_logprobs(logits, input_ids, loss_mask)[:rows_of(examples)]  # not a blank image's row
 
 
 @torch.no_grad()

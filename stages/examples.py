@@ -77,15 +77,30 @@ def model_inputs(examples: list[Example], pad_token_id: int, processor, device
                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.Tensor]:
     """(the model's inputs, input_ids [B, L], loss_mask [B, L]) of every row of ``examples`` on
     ``device``: ``padded``'s, and with a model's ``processor`` (one that sees) the pixel inputs of
-    each row's prompt images."""
-    from common.vision import decoded, pixel_inputs
+    each row's prompt images. On one of several ranks, rows that show no image have the blank
+    image's row after them (``common.vision.BlankImage``; its loss mask 0): B is one more than the
+    examples' rows, and a caller that reads a figure a row reads the first ``rows_of(examples)``."""
+    from common.vision import blank_image, decoded, pixel_inputs
+    from learner import parallel
 
-    input_ids, attention_mask, loss_mask = (t.to(device) for t in padded(examples, pad_token_id))
-    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
-    if processor is not None and any(example.images for example in examples):
+    input_ids, attention_mask, loss_mask = padded(examples, pad_token_id)
+    shown = processor is not None and any(example.images for example in examples)
+    blank = blank_image(processor) if processor is not None and not shown and parallel.world_size() > 1 else None
+    if blank is not None:
+        input_ids, attention_mask = blank.after(input_ids, attention_mask)
+        loss_mask = torch.nn.functional.pad(loss_mask, (0, input_ids.shape[1] - loss_mask.shape[1], 0, 1))
+    inputs = {"input_ids": input_ids.to(device), "attention_mask": attention_mask.to(device)}
+    if shown:
         pixels = pixel_inputs(processor, [decoded(e.images) for e in examples for _ in e.rows])
         inputs.update({name: value.to(device) for name, value in pixels.items()})
-    return inputs, input_ids, loss_mask
+    if blank is not None:
+        inputs.update(blank.inputs(len(input_ids) - 1, device))
+    return inputs, inputs["input_ids"], loss_mask.to(device)
+
+
+def rows_of(examples: list[Example]) -> int:
+    """How many rows ``examples`` have (a response each)."""
+    return sum(len(example.rows) for example in examples)
 
 
 def held_out(examples: list[Example], fraction: float, seed: int) -> tuple[list[Example], list[Example]]:

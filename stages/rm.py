@@ -16,7 +16,7 @@ from common.config import TetherConfig
 from learner.optimizer_step import SkippedSteps
 from learner.signals import StopSignal
 from stages import training
-from stages.examples import Example, model_inputs
+from stages.examples import Example, model_inputs, rows_of
 from stages.losses import kwise_ranking_loss
 from weight_sync.lora import is_lora, with_lora
 
@@ -27,9 +27,10 @@ def scores_of(module, examples: list[Example], pad_token_id: int, processor=None
     pools (``scorer.scoring.raw_scores``): the head on each row's last real token. A model that
     sees (``processor``) reads each row's images."""
     device = next(module.parameters()).device
-    inputs, input_ids, _ = model_inputs(examples, pad_token_id, processor, device)
+    inputs, _, _ = model_inputs(examples, pad_token_id, processor, device)
     hidden = module(**inputs, output_hidden_states=True).hidden_states[-1]
-    last = hidden[torch.arange(len(input_ids), device=device), inputs["attention_mask"].sum(dim=1) - 1]
+    rows = rows_of(examples)  # not a blank image's row after them
+    last = hidden[torch.arange(rows, device=device), inputs["attention_mask"][:rows].sum(dim=1) - 1]
     return models.classification_head(_model(module))(last).squeeze(-1).float()
 
 

@@ -326,9 +326,8 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
 def processor_of(stage: Stage):
     """The processor of the stage's model where it sees images (None: a text model); LoRA on one is
     refused by name (the stages do not keep its vision tower out of the adapters yet)."""
-    from common.vision import check_zero3_ranks, load_processor
+    from common.vision import load_processor
 
-    check_zero3_ranks(stage.cfg.model, stage.cfg.zero_stage, parallel.world_size(), f"{stage.name}.zero_stage")
     processor = load_processor(stage.cfg.model)
     if processor is not None and getattr(stage.cfg, "lora_rank", 0) > 0:
         raise ConfigError(f"{stage.name}.lora_rank: LoRA on a model that sees images ({stage.cfg.model}) is not "

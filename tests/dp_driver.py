@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -56,6 +57,8 @@ def main() -> None:
     parser.add_argument("--loss-aggregation", default="token-mean")
     parser.add_argument("--override", action="append", default=[], help="a config override, KEY=VALUE")
     parser.add_argument("--parts", action="store_true", help="three episodes in two parts (FIRST_PARTS)")
+    parser.add_argument("--vision", action="store_true", help="the policy sees images (tests.helpers."
+                                                              "scored_vision_samples; its critic on its towers)")
     args = parser.parse_args()
 
     import torch
@@ -69,7 +72,8 @@ def main() -> None:
     from learner.parallel import init_distributed
     from learner.publish import publish_weights
     from learner.step import ppo_step
-    from tests.helpers import policy_samples
+    from common.sequences import SequenceBatch
+    from tests.helpers import policy_samples, scored_vision_samples
     from weight_sync.buckets import ShmWeightWriter, read_manifest
 
     with open(args.assets) as file:
@@ -84,13 +88,25 @@ def main() -> None:
                                "data": {"prompts": assets["prompts"]}})
     torch.manual_seed(0)
     init_distributed(config)
-    samples = policy_samples(assets, PROMPTS + FIRST_PARTS * args.parts, behavior_offset=-0.05)
+    processor = None
+    if args.vision:
+        samples, processor = scored_vision_samples(Path(tempfile.mkdtemp(prefix="tether-dp-images-")), assets["policy"],
+                                                   behavior_offset=-0.05)
+    else:
+        samples = policy_samples(assets, PROMPTS + FIRST_PARTS * args.parts, behavior_offset=-0.05)
     if args.parts:
         samples = as_parts(samples)
     actor = make_deepspeed_engine(load_causal_lm(assets["policy"]), config.learner.actor_lr, config)
-    critic = make_deepspeed_engine(load_critic(assets["reward"]), config.learner.critic_lr, config)
-    batch = collate(samples, pad_token_id=0)
-    losses, passes, plan = [], [], learner.step.micro_batches_of
+    critic_model = load_critic(assets["policy" if args.vision else "reward"])
+    critic = make_deepspeed_engine(critic_model, config.learner.critic_lr, config)
+    batch = collate(samples, processor.tokenizer.pad_token_id if processor else 0, processor)
+    losses, passes, plan, blanks, with_blank = [], [], learner.step.micro_batches_of, [], SequenceBatch.with_blank
+
+    def blanked(part):  # a micro-batch of no image that this rank ran with the blank image's row
+        blanks.append(len(part.input_ids))
+        return with_blank(part)
+
+    SequenceBatch.with_blank = blanked
 
     def counting(rows, *rest):  # the micro-batches each minibatch of this rank was cut into
         parts = plan(rows, *rest)
@@ -102,6 +118,9 @@ def main() -> None:
         stats = ppo_step(actor, critic, samples, batch, config, policy_version=version, kl_coef=0.05)
         losses.append(stats["policy_loss"])
     writer = ShmWeightWriter(os.path.join(run_dir, "shm"), bucket_bytes=1 << 16) if parallel.is_main() else None
+    blank_passes = torch.tensor([len(blanks)])  # every rank's
+    if world > 1:
+        torch.distributed.all_reduce(blank_passes)
     gathered = watch_gathers()
     manifest = publish_weights(actor, 2, writer, bucket_bytes=1 << 16)
     if parallel.is_main():
@@ -109,7 +128,7 @@ def main() -> None:
             critic_state = {k: v.detach().clone() for k, v in critic.module.state_dict().items()} if args.zero != 3 else {}
             torch.save({"actor": {k: v.clone() for k, v in tensors.items()}, "critic": critic_state,
                         "buckets": len(manifest.buckets), "losses": losses, "world": world,
-                        "passes": passes,
+                        "passes": passes, "blank_passes": int(blank_passes),
                         "most_bytes_gathered": max(gathered, default=0),
                         "model_bytes": sum(p.ds_numel * 4 if hasattr(p, "ds_numel") else p.numel() * 4
                                            for p in actor.module.parameters())}, args.out)

@@ -138,10 +138,12 @@ def run_to_the_end(tmp_path, config, mode: str = "split"):
     return result
 
 
-def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str, parts: bool = False) -> dict:
+def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str, parts: bool = False,
+                        vision: bool = False) -> dict:
     """Two PPO steps of tests/dp_driver.py on ``ranks`` DeepSpeed ranks (torch.distributed's
     launcher) under ZeRO ``zero``; returns what the driver saved (weights, losses). ``parts``:
-    three of its eight episodes in two parts (11 rows)."""
+    three of its eight episodes in two parts (11 rows); ``vision``: ``assets["policy"]`` sees
+    images (``scored_vision_samples``)."""
     import json
 
     import torch
@@ -156,7 +158,7 @@ def train_data_parallel(tmp_path, assets, zero: int, ranks: int, *overrides: str
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={ranks}", f"--master-port={free_port()}",
          "tests/dp_driver.py", "--assets", str(paths), "--zero", str(zero), "--out", str(out),
-         *(f"--override={override}" for override in overrides), *["--parts"] * parts],
+         *(f"--override={override}" for override in overrides), *["--parts"] * parts, *["--vision"] * vision],
         cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return torch.load(out)
@@ -375,6 +377,67 @@ def tiny_llava_policy(directory) -> str:
     LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=14, vision_feature_select_strategy="default",
                    num_additional_image_tokens=1, chat_template=VISION_TEMPLATE).save_pretrained(directory)
     return str(directory)
+
+
+def vision_samples(tmp_path, processor) -> list[Sample]:
+    """Five scored samples: three of image prompts (two images, one each; a chat and a text prompt),
+    one of a prompt without an image, and an episode's with an image in its prompt and one in its
+    response, their ids expanded as vLLM reports them, and the behavior and reference logprobs
+    still to fill."""
+    from common.vision import decoded, pack_images, vision_prompt_text
+
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    rows = [{"messages": [{"role": "user", "content": "What is in the picture?"}], "images": ["red.png"]},
+            {"prompt": "colour:", "images": ["blue.png"]}, {"prompt": "colour of this:", "images": ["red.png"]},
+            {"prompt": "a colour:"}]
+    samples = []
+    for i, row in enumerate(rows):
+        image = [(tmp_path / row["images"][0]).read_bytes()] if "images" in row else []
+        prompt = processor(text=[vision_prompt_text(row, processor)],
+                           images=[decoded(image)] if image else None)["input_ids"][0]
+        response = processor.tokenizer(" a red square" if i != 1 else " blue")["input_ids"] + [
+            processor.tokenizer.eos_token_id]
+        samples.append(Sample(f"s{i}", i, 0, np.array(prompt, np.int32), np.array(response, np.int32),
+                              np.zeros(len(response), np.float32), "stop", reward=float(i), data_row=i,
+                              images=pack_images(image) if image else None))
+    # an episode's: its second image shown by the environment between two turns, expanded where it stands
+    shown = [(tmp_path / "red.png").read_bytes(), (tmp_path / "blue.png").read_bytes()]
+    observation = processor(text=["<|im_end|>\n<|im_start|>user\n<image>and this?<|im_end|>\n<|im_start|>assistant\n"],
+                            images=[decoded(shown[1:])], add_special_tokens=False)["input_ids"][0]
+    turns = processor.tokenizer(" red")["input_ids"], processor.tokenizer(" blue")["input_ids"] + [
+        processor.tokenizer.eos_token_id]
+    response = turns[0] + observation + turns[1]
+    samples.append(Sample("s4", 4, 0, np.array(samples[1].prompt_tokens), np.array(response, np.int32),
+                          np.zeros(len(response), np.float32), "stop", reward=4.0, data_row=1,
+                          loss_mask=np.array([1] * len(turns[0]) + [0] * len(observation) + [1] * len(turns[1]),
+                                             np.uint8), turn_rewards=np.zeros(len(response), np.float32),
+                          images=pack_images(shown)))
+    return samples
+
+
+def scored_vision_samples(tmp_path, policy: str, behavior_offset: float = 0.0) -> tuple[list[Sample], Any]:
+    """``vision_samples`` of the policy in ``policy`` and three more of its prompt without an image
+    (images a row: 1, 1, 1, 0, 2, 0, 0, 0), scored as the scorer would (reference = policy), the
+    behavior logprobs ``behavior_offset`` off the reference's; and the policy's processor."""
+    import copy
+
+    from common.config import SamplingConfig
+    from common.models import load_causal_lm
+    from common.vision import load_processor
+    from scorer.scoring import reference_logprobs
+
+    processor = load_processor(policy)
+    samples = vision_samples(tmp_path, processor)
+    for i in range(3):
+        samples.append(copy.deepcopy(samples[3]))
+        samples[-1].sample_id, samples[-1].reward = f"s{5 + i}", -1.0 - i
+    model = load_causal_lm(policy).eval()
+    for sample, logprobs in zip(samples, reference_logprobs(model, samples, processor.tokenizer.pad_token_id,
+                                                            SamplingConfig(), processor)):
+        sample.ref_logprobs = logprobs.numpy().copy()
+        sample.behavior_logprobs = logprobs.numpy() + behavior_offset
+    return samples, processor
 
 
 def write_image(path, size: tuple[int, int], colour: tuple[int, int, int]) -> str:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from common.config import ConfigError
-from tests.helpers import tiny_vision_policy, write_image
+from tests.helpers import tiny_vision_policy, train_data_parallel, vision_samples, write_image
 from tests.test_episodes import settle
 
 
@@ -535,44 +535,6 @@ def first_turn(episodes):
     return episode
 
 
-def vision_samples(tmp_path, processor) -> list:
-    """Five scored samples: three of image prompts (two images, one each; a chat and a text prompt),
-    one of a prompt without an image, and an episode's with an image in its prompt and one in its
-    response, their ids expanded as vLLM reports them, and the behavior and reference logprobs
-    still to fill."""
-    from common.vision import decoded, pack_images, vision_prompt_text
-    from protocol.samples import Sample
-
-    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
-    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
-    rows = [{"messages": [{"role": "user", "content": "What is in the picture?"}], "images": ["red.png"]},
-            {"prompt": "colour:", "images": ["blue.png"]}, {"prompt": "colour of this:", "images": ["red.png"]},
-            {"prompt": "a colour:"}]
-    samples = []
-    for i, row in enumerate(rows):
-        image = [(tmp_path / row["images"][0]).read_bytes()] if "images" in row else []
-        prompt = processor(text=[vision_prompt_text(row, processor)],
-                           images=[decoded(image)] if image else None)["input_ids"][0]
-        response = processor.tokenizer(" a red square" if i != 1 else " blue")["input_ids"] + [
-            processor.tokenizer.eos_token_id]
-        samples.append(Sample(f"s{i}", i, 0, np.array(prompt, np.int32), np.array(response, np.int32),
-                              np.zeros(len(response), np.float32), "stop", reward=float(i), data_row=i,
-                              images=pack_images(image) if image else None))
-    # an episode's: its second image shown by the environment between two turns, expanded where it stands
-    shown = [(tmp_path / "red.png").read_bytes(), (tmp_path / "blue.png").read_bytes()]
-    observation = processor(text=["<|im_end|>\n<|im_start|>user\n<image>and this?<|im_end|>\n<|im_start|>assistant\n"],
-                            images=[decoded(shown[1:])], add_special_tokens=False)["input_ids"][0]
-    turns = processor.tokenizer(" red")["input_ids"], processor.tokenizer(" blue")["input_ids"] + [
-        processor.tokenizer.eos_token_id]
-    response = turns[0] + observation + turns[1]
-    samples.append(Sample("s4", 4, 0, np.array(samples[1].prompt_tokens), np.array(response, np.int32),
-                          np.zeros(len(response), np.float32), "stop", reward=4.0, data_row=1,
-                          loss_mask=np.array([1] * len(turns[0]) + [0] * len(observation) + [1] * len(turns[1]),
-                                             np.uint8), turn_rewards=np.zeros(len(response), np.float32),
-                          images=pack_images(shown)))
-    return samples
-
-
 @pytest.mark.parametrize("family, layout", [("idefics3", "rows"), ("llava", "images")])
 def test_either_image_layout_batches_each_row_with_its_own_images(tmp_path, family, layout):
     """Idefics3 lays a batch's images out a row each (padded), LLaVA one entry per image, the rows'
@@ -627,19 +589,79 @@ def test_either_image_layout_batches_each_row_with_its_own_images(tmp_path, fami
     assert max(float((ref - expected).abs().max()) for ref, expected in zip(references, alone)) < 1e-5
 
 
-def test_zero3_over_several_ranks_is_refused_for_a_model_that_sees(tmp_path):
-    """A rank whose micro-batch has no image would skip the tower's ZeRO-3 gathers the others make."""
-    from common.vision import check_zero3_ranks
-    from tests.helpers import tiny_llava_policy
+def test_on_several_ranks_a_micro_batch_of_no_image_runs_the_image_path_and_reads_the_same(tmp_path, monkeypatch):
+    """One of two ranks (the world size patched: nothing collective runs here). A micro-batch that
+    shows no image gets the blank image's row after its rows, in the learner and in the stages: the
+    vision tower runs, and every figure of the batch's own rows is what it is without that row."""
+    import torch
 
-    policy = tiny_llava_policy(tmp_path / "policy")
-    with pytest.raises(ConfigError, match=r"^sft.zero_stage: ZeRO-3 over 2 ranks with a model that sees images"):
-        check_zero3_ranks(policy, 3, 2, "sft.zero_stage")
-    for zero_stage, ranks in ((3, 1), (2, 2), (0, 4)):
-        check_zero3_ranks(policy, zero_stage, ranks, "learner.zero_stage")
-    (tmp_path / "text").mkdir()
-    (tmp_path / "text" / "config.json").write_text('{"model_type": "llama"}')
-    check_zero3_ranks(str(tmp_path / "text"), 3, 2, "learner.zero_stage")
+    from common.config import SamplingConfig
+    from common.distributions import logprobs_from_logits
+    from common.models import ValueModel, load_causal_lm
+    from common.sequences import collate
+    from common.vision import load_processor
+    from learner import parallel
+    from learner.step import forward_logits, forward_values
+    from stages.dpo import logprob_sums
+    from stages.examples import answered
+    from stages.rm import scores_of
+    from stages.sft import nll_sums
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    processor = load_processor(policy)
+    pad, tokenizer = processor.tokenizer.pad_token_id, processor.tokenizer
+    model, critic = load_causal_lm(policy).eval(), ValueModel.load(policy, "float32").eval()
+    towers = []
+    for module in (model, critic):
+        next(m for name, m in module.named_modules() if name.endswith("vision_model")).register_forward_hook(
+            lambda *_: towers.append(1))
+    part = collate(vision_samples(tmp_path, processor), pad, processor).select(torch.tensor([3]))  # no image
+    prompt = tokenizer("plain:")["input_ids"]
+    demonstration = answered(prompt, [prompt + tokenizer(" yes")["input_ids"]], [0])
+    demonstration.loss_masks = [[0] * len(prompt) + [1] * (len(demonstration.rows[0]) - len(prompt))]
+    pair = answered(prompt, [prompt + tokenizer(" yes")["input_ids"], prompt + tokenizer(" no")["input_ids"]], [0, 1])
+
+    def figures() -> list:
+        with torch.no_grad():
+            return [logprobs_from_logits(forward_logits(model, part), part.response_tokens, SamplingConfig()),
+                    forward_values(critic, part), nll_sums(model, [demonstration], pad, processor)[0],
+                    logprob_sums(model, [pair], pad, processor), scores_of(critic, [pair], pad, processor)]
+
+    alone = figures()
+    assert towers == []  # one rank: a batch of no image does not run the tower
+    monkeypatch.setattr(parallel, "world_size", lambda: 2)
+    monkeypatch.setattr(parallel, "max_over_ranks", lambda value: value)  # this rank's alone
+    with_blank = figures()
+    assert len(towers) == 5  # each forward ran it on the blank image
+    for mine, expected in zip(with_blank, alone):
+        assert mine.shape == expected.shape
+        torch.testing.assert_close(mine, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_two_ranks_train_a_policy_that_sees_as_one_rank_does_when_a_rank_has_no_image(tmp_path):
+    """Eight rows, four of them without an image, one a pass: a rank whose micro-batch shows no image
+    runs it with the blank image's row (trained for nothing), so its forward and backward take the
+    image path as the other rank's do. Without it, ZeRO-2's gradient reduction and ZeRO-3's
+    parameter gathers meet other collectives on the two ranks (gloo: "collective mismatch"). Under
+    both, 2 ranks train the same weights as 1 rank, to float32's summation order."""
+    from common.models import load_causal_lm
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    for run in ("one", "two2", "two3"):
+        (tmp_path / run).mkdir()
+    assets = {"policy": policy, "reward": policy, "prompts": str(tmp_path / "unused.jsonl")}
+    one = train_data_parallel(tmp_path / "one", assets, 2, 1, "learner.micro_batch_size=1", vision=True)
+    assert one["blank_passes"] == 0  # one rank: no other to keep in step with
+    initial = load_causal_lm(policy).state_dict()
+    moved = max(float((one["actor"][name] - initial[name]).abs().max()) for name in one["actor"])
+    assert moved > 1e-3
+    for zero in (2, 3):
+        two = train_data_parallel(tmp_path / f"two{zero}", assets, zero, 2, "learner.micro_batch_size=1", vision=True)
+        assert two["world"] == 2 and two["blank_passes"] > 0
+        gap = max(float((two["actor"][name] - one["actor"][name]).abs().max()) for name in one["actor"])
+        assert gap < 1e-5, (zero, gap)
+        assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
 
 
 def test_a_family_whose_images_are_neither_a_row_nor_an_image_each_is_refused_naming_its_inputs():
@@ -932,6 +954,31 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
     ranked, _ = read_examples(str(tmp_path / "rm.jsonl"), "rm.data", processor.tokenizer, "ranking", 128, processor)
     assert [e.ranks for e in ranked] == [[0, 1], [1, 0, 2]] and [len(e.images) for e in ranked] == [1, 1]
     assert ranked[0].rows[0][:len(examples[0].rows[0]) - 2] == examples[0].rows[0][:-2]  # " red" + eos after it
+
+
+@pytest.mark.slow
+def test_tether_sft_of_a_policy_that_sees_on_two_ranks_matches_one_when_a_rank_has_no_image(tmp_path):
+    """`tether sft` under ZeRO-3, one row a micro-batch, rows with and without images: on 2 ranks a
+    rank's imageless row runs with the blank image's row, and the held-out loss is 1 rank's."""
+    from tests.helpers import tether
+    from tests.test_stages import marker, stage_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    rows = demonstrations_with_images(tmp_path) * 4  # images a row: 1, 1, 0, ...
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
+    losses = {}
+    for ranks in (1, 2):
+        output = tmp_path / f"sft-{ranks}"
+        path = stage_config(tmp_path, "sft", {"model": policy, "data": str(tmp_path / "sft.jsonl"),
+                                              "eval_data": str(tmp_path / "held.jsonl"), "output": str(output),
+                                              "ranks": ranks, "zero_stage": 3, "batch_size": 4, "micro_batch_size": 1,
+                                              "lr": 1e-2, "max_len": 64}, file=f"sft{ranks}")
+        result = tether("sft", "-c", path)
+        assert result.returncode == 0, result.stderr[-3000:]
+        losses[ranks] = marker(output)["held_out"]["loss"]
+    print(f"held-out loss: 1 rank {losses[1]:.7f}, 2 ranks {losses[2]:.7f}")
+    assert losses[2] == pytest.approx(losses[1], abs=1e-5)
 
 
 def test_llavas_stage_rows_and_pairs_batch_each_with_its_own_images(tmp_path):
