@@ -287,11 +287,12 @@ def check_placeholders(text: str, images: list[bytes], processor) -> None:
                           f"{len(images)} image(s): the text may not hold the placeholder itself")
 
 
-def expanded_ids(processor, text: str, images: list[bytes], special_tokens: bool) -> list[int]:
+def expanded_ids(processor, text: str, images: list[bytes], special_tokens: bool, **options) -> list[int]:
     """``text``'s token ids with each placeholder expanded into its image's tokens, as the processor
-    (and vLLM) expands them: what the model's forward reads."""
+    (and vLLM) expands them: what the model's forward reads. ``options``: the image processor's
+    (``blank_image``'s one tile)."""
     return list(processor(text=[text], images=[decoded(images)] if images else None,
-                          add_special_tokens=special_tokens)["input_ids"][0])
+                          add_special_tokens=special_tokens, **options)["input_ids"][0])
 
 
 def vision_prompt_ids(text: str, row: dict[str, Any], processor) -> list[int]:
@@ -300,16 +301,17 @@ def vision_prompt_ids(text: str, row: dict[str, Any], processor) -> list[int]:
     return list(processor.tokenizer(text, add_special_tokens=chat_of(row, None) is None)["input_ids"])
 
 
-def pixel_inputs(processor, images: list[list]) -> dict[str, Any]:
+def pixel_inputs(processor, images: list[list], **options) -> dict[str, Any]:
     """The model's image inputs for a batch of rows, ``images`` [B] lists of PIL images (a row may
     have none): the processor's output without its text (``pixel_values`` and what else the family
     takes, e.g. ``pixel_attention_mask``, ``image_sizes``), laid out as the family lays a batch out
-    (``image_layout``): a row each, or the rows' images one after another."""
+    (``image_layout``): a row each, or the rows' images one after another. ``options``: the image
+    processor's (``blank_image``'s one tile)."""
     if image_layout(processor) == "images":
         images = [image for row in images for image in row]
         if not images:
             return {}
-    return _image_inputs(processor.image_processor(images, return_tensors="pt"))
+    return _image_inputs(processor.image_processor(images, return_tensors="pt", **options))
 
 
 def _image_inputs(output) -> dict[str, Any]:
@@ -365,7 +367,7 @@ class BlankImage:
     come. A rank that skipped the vision tower and the connector would meet the others in other
     collectives (gloo: "collective mismatch"; NCCL: a hang)."""
 
-    ids: list[int]  # the image's prompt: its placeholder expanded, nothing else
+    ids: list[int]  # a text prompt of the image alone: its placeholder expanded, the tokenizer's specials
     pad: int  # an id for the positions past a row's end (masked), never the image placeholder
     image: dict[str, Any]  # its image inputs as one row's
     no_image: dict[str, Any] | None  # "rows" layout: an imageless row's entry (the family's padding); else None
@@ -399,7 +401,9 @@ _BLANKS: "weakref.WeakKeyDictionary[Any, BlankImage]" = weakref.WeakKeyDictionar
 
 def blank_image(processor) -> BlankImage:
     """The ``BlankImage`` of ``processor``'s family: a 56-pixel square of one colour (not black:
-    Idefics3 drops an image of zeros as padding) as the processor expands and lays it out."""
+    Idefics3 drops an image of zeros as padding) as the processor expands and lays it out, in one
+    tile where the family cuts images into tiles (Idefics3 and SmolVLM: up to 17 of them, thousands
+    of tokens, that every row of the micro-batch would be padded to)."""
     blank = _BLANKS.get(processor)
     if blank is not None:
         return blank
@@ -408,11 +412,13 @@ def blank_image(processor) -> BlankImage:
     probe = Image.new("RGB", (56, 56), (200, 120, 40))
     encoded = io.BytesIO()
     probe.save(encoded, format="PNG")
-    inputs = pixel_inputs(processor, [[], [probe]])
+    whole = {"do_image_splitting": False} if getattr(processor.image_processor, "do_image_splitting", False) else {}
+    inputs = pixel_inputs(processor, [[], [probe]], **whole)
     rows = image_layout(processor) == "rows"
-    tokenizer = processor.tokenizer
-    blank = BlankImage(expanded_ids(processor, processor.image_token, [encoded.getvalue()], True),
-                       tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id,
+    tokenizer, placeholder = processor.tokenizer, processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    # padding is masked, so any id serves but the placeholder, which the model counts wherever it is
+    pad = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0, 1) if i is not None and i != placeholder)
+    blank = BlankImage(expanded_ids(processor, processor.image_token, [encoded.getvalue()], True, **whole), pad,
                        {name: value[1:] if rows else value for name, value in inputs.items()},
                        {name: value[:1] for name, value in inputs.items()} if rows else None)
     _BLANKS[processor] = blank

@@ -72,7 +72,6 @@ def main() -> None:
     from learner.parallel import init_distributed
     from learner.publish import publish_weights
     from learner.step import ppo_step
-    from common.sequences import SequenceBatch
     from tests.helpers import policy_samples, scored_vision_samples
     from weight_sync.buckets import ShmWeightWriter, read_manifest
 
@@ -100,13 +99,14 @@ def main() -> None:
     critic_model = load_critic(assets["policy" if args.vision else "reward"])
     critic = make_deepspeed_engine(critic_model, config.learner.critic_lr, config)
     batch = collate(samples, processor.tokenizer.pad_token_id if processor else 0, processor)
-    losses, passes, plan, blanks, with_blank = [], [], learner.step.micro_batches_of, [], SequenceBatch.with_blank
+    losses, passes, plan, blanks, as_run = [], [], learner.step.micro_batches_of, [], learner.step.as_ranks_run
 
-    def blanked(part):  # a micro-batch of no image that this rank ran with the blank image's row
-        blanks.append(len(part.input_ids))
-        return with_blank(part)
+    def blanked(part):  # each forward of this rank: 1 where it ran with the blank image's row
+        ran = as_run(part)
+        blanks.append(int(ran is not part))
+        return ran
 
-    SequenceBatch.with_blank = blanked
+    learner.step.as_ranks_run = blanked
 
     def counting(rows, *rest):  # the micro-batches each minibatch of this rank was cut into
         parts = plan(rows, *rest)
@@ -118,9 +118,13 @@ def main() -> None:
         stats = ppo_step(actor, critic, samples, batch, config, policy_version=version, kl_coef=0.05)
         losses.append(stats["policy_loss"])
     writer = ShmWeightWriter(os.path.join(run_dir, "shm"), bucket_bytes=1 << 16) if parallel.is_main() else None
-    blank_passes = torch.tensor([len(blanks)])  # every rank's
-    if world > 1:
-        torch.distributed.all_reduce(blank_passes)
+    # forwards where one rank had the blank image's row and another an image: the passes the blank is for
+    # (every forward is collective, so the ranks made as many)
+    ran = [torch.tensor(blanks)] * world
+    if world > 1 and args.vision:
+        ran = [torch.empty_like(ran[0]) for _ in range(world)]
+        torch.distributed.all_gather(ran, torch.tensor(blanks))
+    mismatched = (torch.stack(ran).min(0).values != torch.stack(ran).max(0).values).sum()
     gathered = watch_gathers()
     manifest = publish_weights(actor, 2, writer, bucket_bytes=1 << 16)
     if parallel.is_main():
@@ -128,7 +132,7 @@ def main() -> None:
             critic_state = {k: v.detach().clone() for k, v in critic.module.state_dict().items()} if args.zero != 3 else {}
             torch.save({"actor": {k: v.clone() for k, v in tensors.items()}, "critic": critic_state,
                         "buckets": len(manifest.buckets), "losses": losses, "world": world,
-                        "passes": passes, "blank_passes": int(blank_passes),
+                        "passes": passes, "mismatched_passes": int(mismatched),
                         "most_bytes_gathered": max(gathered, default=0),
                         "model_bytes": sum(p.ds_numel * 4 if hasattr(p, "ds_numel") else p.numel() * 4
                                            for p in actor.module.parameters())}, args.out)

@@ -589,10 +589,13 @@ def test_either_image_layout_batches_each_row_with_its_own_images(tmp_path, fami
     assert max(float((ref - expected).abs().max()) for ref, expected in zip(references, alone)) < 1e-5
 
 
-def test_on_several_ranks_a_micro_batch_of_no_image_runs_the_image_path_and_reads_the_same(tmp_path, monkeypatch):
+@pytest.mark.parametrize("family", ["idefics3", "llava"])
+def test_on_several_ranks_a_micro_batch_of_no_image_runs_the_image_path_and_reads_the_same(
+        tmp_path, monkeypatch, family):
     """One of two ranks (the world size patched: nothing collective runs here). A micro-batch that
-    shows no image gets the blank image's row after its rows, in the learner and in the stages: the
-    vision tower runs, and every figure of the batch's own rows is what it is without that row."""
+    shows no image gets the blank image's row after its rows, in the learner and in the stages, for
+    either image layout: the vision tower runs, and every figure of the batch's own rows is what it
+    is without that row."""
     import torch
 
     from common.config import SamplingConfig
@@ -606,14 +609,16 @@ def test_on_several_ranks_a_micro_batch_of_no_image_runs_the_image_path_and_read
     from stages.examples import answered
     from stages.rm import scores_of
     from stages.sft import nll_sums
+    from tests.helpers import tiny_llava_policy
 
-    policy = tiny_vision_policy(tmp_path / "policy")
+    policy = (tiny_vision_policy if family == "idefics3" else tiny_llava_policy)(tmp_path / "policy")
     processor = load_processor(policy)
     pad, tokenizer = processor.tokenizer.pad_token_id, processor.tokenizer
     model, critic = load_causal_lm(policy).eval(), ValueModel.load(policy, "float32").eval()
     towers = []
     for module in (model, critic):
-        next(m for name, m in module.named_modules() if name.endswith("vision_model")).register_forward_hook(
+        next(m for name, m in module.named_modules() if name.endswith(("vision_model", "vision_tower"))
+             ).register_forward_hook(
             lambda *_: towers.append(1))
     part = collate(vision_samples(tmp_path, processor), pad, processor).select(torch.tensor([3]))  # no image
     prompt = tokenizer("plain:")["input_ids"]
@@ -638,6 +643,22 @@ def test_on_several_ranks_a_micro_batch_of_no_image_runs_the_image_path_and_read
         torch.testing.assert_close(mine, expected, rtol=0, atol=1e-5)
 
 
+def test_the_blank_image_is_one_tile_where_the_family_cuts_images_into_tiles(tmp_path):
+    """Every row of a micro-batch is padded to the blank image's row: where the processor cuts an
+    image into tiles (Idefics3 here: 17 for a 100x80 image at a 224-pixel edge), the blank is one."""
+    from PIL import Image
+
+    from common.vision import blank_image, load_processor, pixel_inputs
+
+    processor = load_processor(tiny_vision_policy(tmp_path / "policy"))
+    processor.image_processor.do_image_splitting, processor.image_processor.size = True, {"longest_edge": 224}
+    assert pixel_inputs(processor, [[Image.new("RGB", (100, 80), (1, 2, 3))]])["pixel_values"].shape[1] == 17
+    blank = blank_image(processor)
+    assert blank.image["pixel_values"].shape[:2] == (1, 1) and blank.no_image["pixel_values"].abs().max() == 0
+    image_token = processor.tokenizer.convert_tokens_to_ids(processor.image_token)
+    assert blank.ids.count(image_token) == 4 and blank.pad != image_token  # one tile's 4 tokens
+
+
 @pytest.mark.slow
 def test_two_ranks_train_a_policy_that_sees_as_one_rank_does_when_a_rank_has_no_image(tmp_path):
     """Eight rows, four of them without an image, one a pass: a rank whose micro-batch shows no image
@@ -652,13 +673,13 @@ def test_two_ranks_train_a_policy_that_sees_as_one_rank_does_when_a_rank_has_no_
         (tmp_path / run).mkdir()
     assets = {"policy": policy, "reward": policy, "prompts": str(tmp_path / "unused.jsonl")}
     one = train_data_parallel(tmp_path / "one", assets, 2, 1, "learner.micro_batch_size=1", vision=True)
-    assert one["blank_passes"] == 0  # one rank: no other to keep in step with
+    assert one["mismatched_passes"] == 0  # one rank: no other to keep in step with
     initial = load_causal_lm(policy).state_dict()
     moved = max(float((one["actor"][name] - initial[name]).abs().max()) for name in one["actor"])
     assert moved > 1e-3
     for zero in (2, 3):
         two = train_data_parallel(tmp_path / f"two{zero}", assets, zero, 2, "learner.micro_batch_size=1", vision=True)
-        assert two["world"] == 2 and two["blank_passes"] > 0
+        assert two["world"] == 2 and two["mismatched_passes"] > 0  # one rank's pass with an image, one's without
         gap = max(float((two["actor"][name] - one["actor"][name]).abs().max()) for name in one["actor"])
         assert gap < 1e-5, (zero, gap)
         assert two["losses"] == pytest.approx(one["losses"], abs=1e-5)
