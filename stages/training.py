@@ -324,15 +324,10 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
 
 
 def processor_of(stage: Stage):
-    """The processor of the stage's model where it sees images (None: a text model); LoRA on one is
-    refused by name (the stages do not keep its vision tower out of the adapters yet)."""
+    """The processor of the stage's model where it sees images (None: a text model)."""
     from common.vision import load_processor
 
-    processor = load_processor(stage.cfg.model)
-    if processor is not None and getattr(stage.cfg, "lora_rank", 0) > 0:
-        raise ConfigError(f"{stage.name}.lora_rank: LoRA on a model that sees images ({stage.cfg.model}) is not "
-                          "built yet (issue 36)")
-    return processor
+    return load_processor(stage.cfg.model)
 
 
 def examples_loaded(stage: Stage, tokenizer, processor=None) -> tuple[list[Example], list[Example]]:

@@ -1002,6 +1002,42 @@ def test_tether_sft_of_a_policy_that_sees_on_two_ranks_matches_one_when_a_rank_h
     assert losses[2] == pytest.approx(losses[1], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_tether_sft_with_lora_on_a_policy_that_sees_writes_the_merged_model_of_its_held_out_loss(tmp_path):
+    """`tether sft` with LoRA on a model that sees (peft's all-linear: the tower's and the connector's
+    linear layers too, as full fine-tuning trains them): the merged model it writes, read back with
+    its processor, gives the held-out loss the stage reported on the adapted model."""
+    import torch
+
+    from common.models import load_causal_lm
+    from common.vision import load_processor
+    from stages.examples import read_examples
+    from stages.sft import nll_sums
+    from tests.helpers import tether
+    from tests.test_stages import marker, stage_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    rows = demonstrations_with_images(tmp_path) * 4
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
+    output = tmp_path / "out"
+    path = stage_config(tmp_path, "sft", {"model": policy, "data": str(tmp_path / "sft.jsonl"),
+                                          "eval_data": str(tmp_path / "held.jsonl"), "output": str(output),
+                                          "batch_size": 4, "lr": 1e-2, "max_len": 64, "lora_rank": 4, "lora_alpha": 8})
+    result = tether("sft", "-c", path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    processor = load_processor(str(output))
+    held, _ = read_examples(str(tmp_path / "held.jsonl"), "sft.eval_data", processor.tokenizer, "demonstration", 64,
+                            processor)
+    losses = {}
+    for name, model in (("merged", str(output)), ("base", policy)):
+        with torch.no_grad():
+            total, counts = nll_sums(load_causal_lm(model).eval(), held, processor.tokenizer.pad_token_id, processor)
+        losses[name] = float(total) / counts["tokens"]
+    assert losses["merged"] == pytest.approx(marker(output)["held_out"]["loss"], abs=1e-5)
+    assert losses["base"] - losses["merged"] > 0.05, losses  # it trained
+
+
 def test_llavas_stage_rows_and_pairs_batch_each_with_its_own_images(tmp_path):
     """The stages with a family whose image inputs are one per image (LLaVA): `tether sft`'s
     demonstrations (rows of 1, 1, 0 and 2 images) and `tether dpo`'s pairs (each pair's two rows
