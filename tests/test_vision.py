@@ -1038,6 +1038,64 @@ def test_tether_sft_with_lora_on_a_policy_that_sees_writes_the_merged_model_of_i
     assert losses["base"] - losses["merged"] > 0.05, losses  # it trained
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["dpo", "rm"])
+def test_tether_dpo_and_rm_with_lora_on_a_policy_that_sees_write_the_merged_model_of_their_held_out_loss(
+        tmp_path, stage):
+    """`tether dpo` and `tether rm` with LoRA on a model that sees, on image rows and one without:
+    the merged model each writes, read back with its processor, gives the held-out loss the stage
+    reported on the adapted model (DPO's against the base model as its reference)."""
+    import math
+
+    import torch
+
+    from common.models import load_causal_lm, load_reward_model
+    from common.vision import load_processor
+    from stages.dpo import figures_of, logprob_sums, pair_sums
+    from stages.examples import read_examples
+    from stages.rm import ranking_sums
+    from tests.helpers import tether
+    from tests.test_stages import marker, stage_config
+
+    policy = tiny_vision_policy(tmp_path / "policy")
+    write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
+    write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
+    if stage == "dpo":
+        rows = [{"prompt": "colour:", "images": ["red.png"], "chosen": " red", "rejected": " blue"},
+                {"prompt": "colour:", "images": ["blue.png"], "chosen": " blue", "rejected": " red"},
+                {"prompt": "plain:", "chosen": " yes", "rejected": " no"}]
+    else:
+        rows = [{"prompt": "colour:", "images": ["red.png"], "responses": [" red", " blue", " green"],
+                 "ranking": [0, 1, 2]},
+                {"prompt": "colour:", "images": ["blue.png"], "responses": [" red", " blue"], "ranking": [1, 0]},
+                {"prompt": "plain:", "responses": [" yes", " no"], "ranking": [0, 1]}]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 4))
+    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    output = tmp_path / "out"
+    path = stage_config(tmp_path, stage, {"model": policy, "data": str(tmp_path / "data.jsonl"),
+                                          "eval_data": str(tmp_path / "held.jsonl"), "output": str(output),
+                                          "batch_size": 4, "lr": 1e-2, "max_len": 64, "lora_rank": 4, "lora_alpha": 8})
+    result = tether(stage, "-c", path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    processor = load_processor(str(output))
+    pad = processor.tokenizer.pad_token_id
+    held, _ = read_examples(str(tmp_path / "held.jsonl"), f"{stage}.eval_data", processor.tokenizer,
+                            "pair" if stage == "dpo" else "ranking", 64, processor)
+    with torch.no_grad():
+        if stage == "dpo":
+            for example, reference in zip(held, logprob_sums(load_causal_lm(policy).eval(), held, pad,
+                                                             processor).view(-1, 2)):
+                example.reference = reference
+            total, sums = pair_sums(load_causal_lm(str(output)).eval(), held, pad, 0.1, processor)
+            loss = figures_of({**sums, "loss": float(total)})["loss"]
+            assert abs(loss - math.log(2)) > 1e-3  # it trained: the policy is no longer its reference
+        else:
+            total, sums = ranking_sums(load_reward_model(str(output), "float32", processor.tokenizer, new_head=False)
+                                       .eval(), held, pad, processor)
+            loss = float(total) / sums["prompts"]
+    assert loss == pytest.approx(marker(output)["held_out"]["loss"], abs=1e-5)
+
+
 def test_llavas_stage_rows_and_pairs_batch_each_with_its_own_images(tmp_path):
     """The stages with a family whose image inputs are one per image (LLaVA): `tether sft`'s
     demonstrations (rows of 1, 1, 0 and 2 images) and `tether dpo`'s pairs (each pair's two rows
