@@ -977,26 +977,38 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
     assert ranked[0].rows[0][:len(examples[0].rows[0]) - 2] == examples[0].rows[0][:-2]  # " red" + eos after it
 
 
+def image_stage(tmp_path, stage: str, policy: str, rows: list[dict], held: list[dict], name: str | None = None,
+                **section):
+    """The output directory of `tether <stage>` on ``policy``, its data ``rows`` and its eval_data
+    ``held`` (JSON lines in ``tmp_path``), batches of 4, lr 1e-2, ``section``'s keys besides; the
+    command must succeed. ``name``: its config's and output's (default: the stage's)."""
+    from tests.helpers import tether
+    from tests.test_prompts import write_jsonl
+    from tests.test_stages import stage_config
+
+    name = name or stage
+    output = tmp_path / f"{name}-out"
+    path = stage_config(tmp_path, stage, {"model": policy, "data": write_jsonl(tmp_path / f"{name}.jsonl", rows),
+                                          "eval_data": write_jsonl(tmp_path / f"{name}-held.jsonl", held),
+                                          "output": str(output), "batch_size": 4, "lr": 1e-2, "max_len": 64,
+                                          **section}, file=name)
+    result = tether(stage, "-c", path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return output
+
+
 @pytest.mark.slow
 def test_tether_sft_of_a_policy_that_sees_on_two_ranks_matches_one_when_a_rank_has_no_image(tmp_path):
     """`tether sft` under ZeRO-3, one row a micro-batch, rows with and without images: on 2 ranks a
     rank's imageless row runs with the blank image's row, and the held-out loss is 1 rank's."""
-    from tests.helpers import tether
-    from tests.test_stages import marker, stage_config
+    from tests.test_stages import marker
 
     policy = tiny_vision_policy(tmp_path / "policy")
     rows = demonstrations_with_images(tmp_path) * 4  # images a row: 1, 1, 0, ...
-    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
     losses = {}
     for ranks in (1, 2):
-        output = tmp_path / f"sft-{ranks}"
-        path = stage_config(tmp_path, "sft", {"model": policy, "data": str(tmp_path / "sft.jsonl"),
-                                              "eval_data": str(tmp_path / "held.jsonl"), "output": str(output),
-                                              "ranks": ranks, "zero_stage": 3, "batch_size": 4, "micro_batch_size": 1,
-                                              "lr": 1e-2, "max_len": 64}, file=f"sft{ranks}")
-        result = tether("sft", "-c", path)
-        assert result.returncode == 0, result.stderr[-3000:]
+        output = image_stage(tmp_path, "sft", policy, rows, rows[:3], f"sft{ranks}", ranks=ranks, zero_stage=3,
+                             micro_batch_size=1)
         losses[ranks] = marker(output)["held_out"]["loss"]
     print(f"held-out loss: 1 rank {losses[1]:.7f}, 2 ranks {losses[2]:.7f}")
     assert losses[2] == pytest.approx(losses[1], abs=1e-5)
@@ -1013,22 +1025,14 @@ def test_tether_sft_with_lora_on_a_policy_that_sees_writes_the_merged_model_of_i
     from common.vision import load_processor
     from stages.examples import read_examples
     from stages.sft import nll_sums
-    from tests.helpers import tether
-    from tests.test_stages import marker, stage_config
+    from tests.test_stages import marker
 
     policy = tiny_vision_policy(tmp_path / "policy")
     rows = demonstrations_with_images(tmp_path) * 4
-    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows[:3]))
-    output = tmp_path / "out"
-    path = stage_config(tmp_path, "sft", {"model": policy, "data": str(tmp_path / "sft.jsonl"),
-                                          "eval_data": str(tmp_path / "held.jsonl"), "output": str(output),
-                                          "batch_size": 4, "lr": 1e-2, "max_len": 64, "lora_rank": 4, "lora_alpha": 8})
-    result = tether("sft", "-c", path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    output = image_stage(tmp_path, "sft", policy, rows, rows[:3], lora_rank=4, lora_alpha=8)
     processor = load_processor(str(output))
-    held, _ = read_examples(str(tmp_path / "held.jsonl"), "sft.eval_data", processor.tokenizer, "demonstration", 64,
-                            processor)
+    held, _ = read_examples(str(tmp_path / "sft-held.jsonl"), "sft.eval_data", processor.tokenizer, "demonstration",
+                            64, processor)
     losses = {}
     for name, model in (("merged", str(output)), ("base", policy)):
         with torch.no_grad():
@@ -1054,8 +1058,7 @@ def test_tether_dpo_and_rm_with_lora_on_a_policy_that_sees_write_the_merged_mode
     from stages.dpo import figures_of, logprob_sums, pair_sums
     from stages.examples import read_examples
     from stages.rm import ranking_sums
-    from tests.helpers import tether
-    from tests.test_stages import marker, stage_config
+    from tests.test_stages import marker
 
     policy = tiny_vision_policy(tmp_path / "policy")
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
@@ -1069,17 +1072,10 @@ def test_tether_dpo_and_rm_with_lora_on_a_policy_that_sees_write_the_merged_mode
                  "ranking": [0, 1, 2]},
                 {"prompt": "colour:", "images": ["blue.png"], "responses": [" red", " blue"], "ranking": [1, 0]},
                 {"prompt": "plain:", "responses": [" yes", " no"], "ranking": [0, 1]}]
-    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 4))
-    (tmp_path / "held.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    output = tmp_path / "out"
-    path = stage_config(tmp_path, stage, {"model": policy, "data": str(tmp_path / "data.jsonl"),
-                                          "eval_data": str(tmp_path / "held.jsonl"), "output": str(output),
-                                          "batch_size": 4, "lr": 1e-2, "max_len": 64, "lora_rank": 4, "lora_alpha": 8})
-    result = tether(stage, "-c", path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    output = image_stage(tmp_path, stage, policy, rows * 4, rows, lora_rank=4, lora_alpha=8)
     processor = load_processor(str(output))
     pad = processor.tokenizer.pad_token_id
-    held, _ = read_examples(str(tmp_path / "held.jsonl"), f"{stage}.eval_data", processor.tokenizer,
+    held, _ = read_examples(str(tmp_path / f"{stage}-held.jsonl"), f"{stage}.eval_data", processor.tokenizer,
                             "pair" if stage == "dpo" else "ranking", 64, processor)
     with torch.no_grad():
         if stage == "dpo":
