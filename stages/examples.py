@@ -93,8 +93,8 @@ def model_inputs(examples: list[Example], pad_token_id: int, processor, device
     if shown:
         pixels = pixel_inputs(processor, [decoded(e.images) for e in examples for _ in e.rows])
         inputs.update({name: value.to(device) for name, value in pixels.items()})
-    if blank is not None:
-        inputs.update(blank.inputs(len(input_ids) - 1, device))
+    elif blank is not None:
+        inputs.update(blank.inputs(rows_of(examples), device))
     return inputs, inputs["input_ids"], loss_mask.to(device)
 
 
