@@ -170,6 +170,11 @@ class RolloutConfig(_Strict):
     env_step_deadline_s: float = Field(30.0, gt=0, description="an environment that takes longer to make, reset or "
                                        "answer a turn ends its episode (env_deadline); an agent program: to make "
                                        "its next call or return")
+    failed_episode_reward: float | None = Field(None, description="an episode its environment ended (env_error, "
+                                                "env_deadline: a step or an agent program that raised, hung or "
+                                                "returned what is not a reward) is trained at this reward on its "
+                                                "last token; None: its group is dropped (its credits returned), "
+                                                "never trained")
     env_failure_limit: int = Field(100, ge=1, description="this many episodes in a row ended by their environment "
                                    "(env_error, env_deadline) with none ending well between them end the run (exit "
                                    "code 4, the first failure in the log): an environment that fails every episode "

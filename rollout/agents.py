@@ -85,6 +85,8 @@ class AgentPrograms:
         # an episode's program, start to return (its calls wait on a busy engine too); one wait for its next call
         self.deadline_s, self.step_deadline_s = deadline_s, step_deadline_s
         self.episodes: dict[str, AgentEnvironment] = {}
+        # the keys of episodes that ended, the last ENDED_KEPT: a late call of one hears 404, not 401
+        self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lock = threading.Lock()
         self.asynchronous = inspect.iscoroutinefunction(self.program)
         self.endpoint = Endpoint(self.lookup)
@@ -97,9 +99,11 @@ class AgentPrograms:
             self.processes = ProgramProcesses(processes, program, self.endpoint.base_url, deadline_s, cores,
                                               self._delivered, self.endpoint.take)
 
-    def lookup(self, key: str) -> "AgentEnvironment | None":
+    def lookup(self, key: str) -> "AgentEnvironment | Ended | None":
+        """The episode of ``key``; ``ENDED`` where it ended (its calls are refused with 404); None for
+        a key the rollout did not give (401)."""
         with self.lock:
-            return self.episodes.get(key)
+            return self.episodes.get(key) or (ENDED if key in self.ended else None)
 
     def make(self, row: dict) -> "AgentEnvironment":
         """An episode's environment (``Environments``' factory)."""
@@ -110,7 +114,10 @@ class AgentPrograms:
 
     def forget(self, key: str) -> None:
         with self.lock:
-            self.episodes.pop(key, None)
+            if self.episodes.pop(key, None) is not None:
+                self.ended[key] = None
+                if len(self.ended) > ENDED_KEPT:
+                    self.ended.popitem(last=False)
         if self.processes is not None:
             self.processes.cancel(key)
 
@@ -150,6 +157,20 @@ class AgentPrograms:
         if self.processes is not None:
             self.processes.close()
         self.endpoint.close()
+
+
+ENDED_KEPT = 10_000  # ended episodes' keys kept (32 bytes each) to tell a late call from a stranger's
+
+
+class Ended:
+    """What a key of an ended episode finds: its calls are refused with 404."""
+
+    @staticmethod
+    def offer(call: Call) -> HTTPError:
+        return HTTPError(404, "this episode has ended")
+
+
+ENDED = Ended()
 
 
 class ProgramThread:
@@ -273,7 +294,10 @@ class AgentEnvironment:
         self.tools: list[dict] | None = None  # the program's tools, as its first call passed them
         self.completion: bool | None = None  # its calls are completions (not chat), from its first
         self.text, self.ids = "", []  # a completions episode so far, as the program knows it and as the engine does
+        self.unsaid = ""  # the text of the stop token ending self.ids that the last answer's text omits
         self.ended = False
+        self.unanswered = False  # a call of the program's waits for its turn: a second one is refused
+        self.spent = False  # its last turn was cut at rollout.max_new_tokens: calls are refused, its return awaited
         self.deadline = math.inf  # when the program must have returned
         self.process: subprocess.Popen | None = None  # a command's (rollout.agent_command)
         self.lock = threading.Lock()
@@ -285,6 +309,16 @@ class AgentEnvironment:
         refused = refusal(call.request, self.programs.sampling)
         if refused is not None:
             return HTTPError(400, refused)
+        with self.lock:
+            if self.spent:
+                return HTTPError(400, "this episode's last turn was cut at rollout.max_new_tokens (its answer's "
+                                      "finish_reason was length): the episode has no more turns; return its reward")
+            if self.unanswered:  # two calls at once would be two branches of one token stream
+                return HTTPError(409, "this episode has a call waiting for its answer: an episode is one "
+                                      "conversation, its calls made one after another (two at once, as "
+                                      "asyncio.gather would make them, are refused); run concurrent "
+                                      "conversations as episodes of their own (rollout.samples_per_prompt)")
+            self.unanswered = True
         # with close(): a call is either taken before the episode ends or refused
         return HTTPError(404, "this episode has ended") if not self.event("call", call) else None
 
@@ -346,6 +380,8 @@ class AgentEnvironment:
     def begin_step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
         """``step``, its wait left to the caller: the call answered now, a future of the ``Step``."""
         call = self.call
+        with self.lock:  # before the answer: the program may call again as soon as it has it
+            self.unanswered = False
         try:
             tool_calls, errors = self._answer(call, response, turn)
         except BaseException as error:  # the call is answered whatever happens: its program must not wait on
@@ -354,6 +390,14 @@ class AgentEnvironment:
         finally:
             self.call = None
         return self._expect(functools.partial(self._after, len(tool_calls) + len(errors), errors))
+
+    def begin_last(self, response: str, messages: list[dict], turn: Turn) -> Future:
+        """``begin_step`` for a turn the run cut at ``rollout.max_new_tokens``: the call is answered
+        with it (finish_reason "length"), and the program's return is the episode's reward (a later
+        call is refused: its episode has no more turns)."""
+        with self.lock:
+            self.spent = True
+        return self.begin_step(response, messages, turn)
 
     def _first(self, kind: str, value: Any) -> list[dict] | TokenIds | Restart:
         if kind == "return":
@@ -372,9 +416,9 @@ class AgentEnvironment:
         tokenizer = self.programs.parser.tokenizer
         if call.completion:
             call.answer(_completion_answer(call.request, response, turn, tokenizer))
-            self.text += response
-            self.ids += (turn.token_ids if turn is not None
-                         else tokenizer(response, add_special_tokens=False)["input_ids"])
+            ids = turn.token_ids if turn is not None else tokenizer(response, add_special_tokens=False)["input_ids"]
+            self.text, self.ids = self.text + response, self.ids + list(ids)
+            self.unsaid = _unsaid(ids, response, tokenizer)
             return [], []
         parser = self.programs.parser
         text = parser.text_of(turn.token_ids) if turn is not None else response
@@ -445,15 +489,20 @@ class AgentEnvironment:
         rewritten context: the sample starts over), is tokenized whole, as vLLM's server does."""
         prompt, tokenizer = call.request.prompt, self.programs.parser.tokenizer
         self.call = call
+        unsaid, self.unsaid = self.unsaid, ""
         if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
             if not prompt or max(prompt) >= len(tokenizer):
                 call.answer(HTTPError(400, f"prompt: {'no ids' if not prompt else f'id {max(prompt)}'}: the "
                                            f"policy's vocabulary has {len(tokenizer)} ids"))
                 raise BadStep("the agent program's completions prompt is empty or has ids past the vocabulary")
-            if self.ids and prompt[:len(self.ids)] != self.ids:
+            # the stop token the engine sampled, left out where the program extends the ids before it
+            left_out = int(bool(unsaid) and prompt[:len(self.ids)] != self.ids
+                           and prompt[:len(self.ids) - 1] == self.ids[:-1])
+            kept = self.ids[:len(self.ids) - left_out]
+            if self.ids and prompt[:len(kept)] != kept:
                 self.ids, self.text = list(prompt), tokenizer.decode(prompt)
                 return Restart(TokenIds(prompt))
-            added = prompt[len(self.ids):]
+            added = prompt[len(kept):]
             self.text += tokenizer.decode(added)
         elif isinstance(prompt, str):
             if not prompt:
@@ -462,13 +511,30 @@ class AgentEnvironment:
             if self.ids and not prompt.startswith(self.text):
                 self.text, self.ids = prompt, tokenizer(prompt)["input_ids"]
                 return Restart(TokenIds(self.ids))
-            added = tokenizer(prompt[len(self.text):], add_special_tokens=not self.ids)["input_ids"]
+            # a completion's text omits the stop token the engine sampled (as vLLM's server does): a
+            # program that writes it back (ChatML's "<|im_end|>" after the turn) writes what the
+            # stream holds already; one that does not leaves it out of its transcript, and so of the stream
+            rest = prompt[len(self.text):]
+            left_out = int(bool(unsaid) and not rest.startswith(unsaid))
+            rest = rest if left_out or not unsaid else rest[len(unsaid):]
+            kept = self.ids[:len(self.ids) - left_out]
+            added = tokenizer(rest, add_special_tokens=not kept)["input_ids"]
             self.text = prompt
         else:
             call.answer(HTTPError(400, "prompt: an episode's call gives one prompt, as text or token ids"))
             raise BadStep("the agent program's completions call gave several prompts")
-        self.ids = self.ids + list(added)
-        return TokenIds(added)
+        self.ids = kept + list(added)
+        return TokenIds(added, unsaid=left_out)
+
+
+def _unsaid(ids: list[int], text: str, tokenizer) -> str:
+    """The text of the stop token ending a turn's ``ids`` that its ``text`` (decoded without special
+    tokens, as a completion's answer gives it) omits; "" where there is none, or where the turn is
+    that token alone (its turn keeps it: a turn has at least one token)."""
+    if len(ids) < 2 or ids[-1] not in tokenizer.all_special_ids:
+        return ""
+    piece = tokenizer.decode([ids[-1]])
+    return "" if text.endswith(piece) else piece
 
 
 def _tools_of(request) -> list[dict] | None:

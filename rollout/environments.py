@@ -35,7 +35,14 @@ from rollout.tools import Tool, ToolCallParser, ToolError, call_tool, is_part
 
 class TokenIds(list):
     """An observation of token ids, appended as they are, past the chat template (an agent
-    program's completions call: the ids of what it added to its prompt)."""
+    program's completions call: the ids of what it added to its prompt). ``unsaid``: how many of
+    the policy's last ids the program's transcript leaves out (the stop token a completion's text
+    omits, which the program did not write back): they leave the episode's stream, so that the
+    stream is what the program's transcript tokenizes to."""
+
+    def __init__(self, ids=(), unsaid: int = 0) -> None:
+        super().__init__(ids)
+        self.unsaid = unsaid
 
 
 @dataclass

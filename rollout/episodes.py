@@ -179,6 +179,8 @@ class Episode:
     tool_errors: int = 0
     renderer: Renderer | None = None  # for an episode whose environment brings its own tools
     call_cap: int | None = None  # the turn under way: an agent's call asked for fewer tokens than the run allows
+    deadline_said: str = ""  # which deadline ``deadline`` is, as the failure log says it
+    cut: bool = False  # its last turn was cut at rollout.max_new_tokens: it ends "length" (an agent's, once it returns)
     index: int = 0  # its place in its group
     # the token streams it left behind (an agent program rewrote its context): samples of their own
     parts: list[Sample] = field(default_factory=list)
@@ -382,6 +384,7 @@ class Episodes:
         self.ready: list[Episode] = []  # waiting to generate their next turn
         self.waiting: list[Episode] = []  # waiting on their environment
         self.counters: Counter = Counter()  # since the last metrics record
+        self.endings: Counter = Counter()  # every episode's ending since the start, by reason
         self.failures = FailureLog(log)
         self.failed_in_a_row = 0  # episodes ended by their environment since the last that ended well
 
@@ -465,16 +468,18 @@ class Episodes:
         # a turn cut where the run cuts turns ends its episode; one cut at its call's own max_tokens
         # is that call's answer (finish_reason "length"), and the program goes on
         cut_by_call = episode.call_cap is not None and len(tokens) >= episode.call_cap
-        if completion.finish_reason == "length" and not cut_by_call:
+        episode.cut = completion.finish_reason == "length" and not cut_by_call
+        turn = Turn(len(episode.prompt_tokens) + len(episode.tokens) - len(tokens), tokens,
+                    episode.logprobs[-len(tokens):], completion.finish_reason or "stop")
+        if episode.cut and not self.environments.answers_later:
             self._end(episode, "length")
+        elif self.environments.answers_later:
+            # a cut turn still answers an agent program's call (finish_reason "length"): its program
+            # returns the episode's reward, which the episode then ends "length" with
+            begin = episode.environment.begin_last if episode.cut else episode.environment.begin_step
+            self._wait_on(episode, _begun(begin, response, episode.messages, turn), episode.environment)
         else:
-            turn = Turn(len(episode.prompt_tokens) + len(episode.tokens) - len(tokens), tokens,
-                        episode.logprobs[-len(tokens):], completion.finish_reason or "stop")
-            if self.environments.answers_later:
-                self._wait_on(episode, _begun(episode.environment.begin_step, response, episode.messages, turn),
-                              episode.environment)
-            else:
-                self._call(episode, _step, episode.environment, response, episode.messages, turn)
+            self._call(episode, _step, episode.environment, response, episode.messages, turn)
 
     def advance(self, now: float, timeout: float = 0.0) -> None:
         """Take in what environments answered, waiting up to ``timeout`` for a first answer (the loop
@@ -496,11 +501,7 @@ class Episodes:
                     else:
                         episode.pending.add_done_callback(lambda reset: in_thread(_close_once_made, reset))
                 episode.pending = None
-                rollout = self.config.rollout
-                self._past_deadline(episode, f"the environment did not answer within "
-                                             f"{rollout.env_step_deadline_s:.1f}s (rollout.env_step_deadline_s"
-                                    + (f"; an agent program's episode has {rollout.agent_deadline_s:g}s in all, "
-                                       "rollout.agent_deadline_s" if self.environments.answers_later else "") + ")")
+                self._past_deadline(episode, episode.deadline_said)
             else:
                 still.append(episode)
         self.waiting = still
@@ -511,16 +512,17 @@ class Episodes:
         each. A group with an episode the policy never spoke in (its environment failed before the
         first turn) is not sent at all: a batch holds whole groups."""
         samples, dropped, still = [], [], []
+        trains_failed = self.config.rollout.failed_episode_reward is not None
         for group in self.groups:
             if any(e.ended is None for e in group.episodes):
                 still.append(group)
                 continue
             episodes = [self._parts(e) for e in group.episodes]
-            if all(episodes):
+            if all(episodes) and (trains_failed or not any(e.ended in FAILED_ENDINGS for e in group.episodes)):
                 samples += [part for parts in episodes for part in parts]
-            else:
-                dropped += [(group.prompt_index, e.ended if not parts else "group_incomplete")
-                            for e, parts in zip(group.episodes, episodes)]
+            else:  # a failed episode's reward is not known: its group is not trained (failed_episode_reward)
+                dropped += [(group.prompt_index, e.ended if not parts or e.ended in FAILED_ENDINGS
+                             else "group_incomplete") for e, parts in zip(group.episodes, episodes)]
         self.groups = still
         return samples, dropped
 
@@ -531,6 +533,9 @@ class Episodes:
         parts = episode.parts + ([self._sample(episode)] if episode.tokens else [])
         if parts:
             parts[-1].finish_reason = episode.ended
+            failed_reward = self.config.rollout.failed_episode_reward
+            if episode.ended in FAILED_ENDINGS and failed_reward is not None:  # on its last token, a policy token
+                parts[-1].turn_rewards[-1] += failed_reward
         for number, part in enumerate(parts):
             part.episode_index, part.part_index, part.episode_parts = episode.index, number, len(parts)
         return parts
@@ -543,8 +548,13 @@ class Episodes:
         most (``answering``: an agent program's environment, whose whole episode has its
         ``agent_deadline_s`` too)."""
         episode.pending = pending
-        episode.deadline = min(time.monotonic() + self.config.rollout.env_step_deadline_s,
-                               answering.deadline if answering is not None else math.inf)
+        rollout = self.config.rollout
+        step_deadline, whole = time.monotonic() + rollout.env_step_deadline_s, getattr(answering, "deadline", math.inf)
+        episode.deadline = min(step_deadline, whole)
+        episode.deadline_said = (f"the agent program did not return within {rollout.agent_deadline_s:g}s of its start "
+                                 "(rollout.agent_deadline_s)" if whole < step_deadline else
+                                 f"the environment did not answer within {rollout.env_step_deadline_s:g}s "
+                                 "(rollout.env_step_deadline_s)")
         self.waiting.append(episode)
 
     def _past_deadline(self, episode: Episode, why: str) -> None:
@@ -592,6 +602,8 @@ class Episodes:
         self.ready.append(episode)
 
     def _stepped(self, episode: Episode, step: Step) -> None:
+        if getattr(step.observation, "unsaid", 0):
+            self._unsay(episode, step.observation.unsaid)
         if step.reward:
             episode.turn_rewards[-1] += step.reward  # a step answers a turn: the last token is the turn's
         episode.tool_calls += step.tool_calls
@@ -604,7 +616,7 @@ class Episodes:
                                  "(the policy reads the error as the tool's answer)",
                                  f"arguments: {json.dumps(error.arguments)}\n{error.detail}", (error.tool,))
         if step.done:
-            return self._end(episode, "done")
+            return self._end(episode, "length" if episode.cut else "done")
         if episode.turns >= self.config.rollout.max_turns:
             return self._end(episode, "max_turns")
         if isinstance(step.observation, Restart):
@@ -632,6 +644,15 @@ class Episodes:
         self._show(episode, images)
         episode.messages = [*episode.messages, *self._as_messages(step.observation)]
         self.ready.append(episode)
+
+    @staticmethod
+    def _unsay(episode: Episode, count: int) -> None:
+        """The policy's last ``count`` tokens leave the episode's stream: the program's transcript
+        left them out (``TokenIds.unsaid``), and the next turn continues that transcript. The turn
+        keeps a token at least (``rollout.agents._unsaid``): its reward has a token to sit on."""
+        for column in (episode.tokens, episode.logprobs, episode.loss_mask, episode.turn_rewards):
+            del column[-count:]
+        episode.last_token = episode.tokens[-1]
 
     def _images(self, episode: Episode, shown: list[dict], ids: list[int]) -> list[bytes]:
         """The images ``shown`` (an observation's messages, rendered to ``ids``) shows, each expanded
@@ -714,6 +735,7 @@ class Episodes:
         if close is not None:  # an agent program's waiting call is refused; in a thread: a close may hang
             in_thread(close)
         self.counters[f"ended_{reason}"] += 1
+        self.endings[reason] += 1
         self.failed_in_a_row = self.failed_in_a_row + 1 if reason in FAILED_ENDINGS else 0
         limit = self.config.rollout.env_failure_limit
         if self.failed_in_a_row >= limit:
@@ -721,8 +743,7 @@ class Episodes:
                 f"{self.failed_in_a_row} episodes in a row ended by their environment ({', '.join(FAILED_ENDINGS)}) "
                 f"and none ended well (rollout.env_failure_limit {limit}); the first of each failure is in the log "
                 f"above with its traceback and data row. Ends so far: "
-                + ", ".join(f"{k.removeprefix('ended_')} {v}" for k, v in sorted(self.counters.items())
-                            if k.startswith("ended_")))
+                + ", ".join(f"{reason} {count}" for reason, count in sorted(self.endings.items())))
         if episode.tokens or episode.parts:
             self.counters["episodes"] += 1
             self.counters["turns"] += episode.turns

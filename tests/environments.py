@@ -173,6 +173,31 @@ async def completes_twice(client, row: dict) -> float:
     return 1.0
 
 
+async def keeps_a_chatml_transcript(client, row: dict) -> float:
+    """Completions over a ChatML transcript the program keeps itself, as a program against vLLM's
+    server keeps one: each answer's text, then its turn's end written back where the row says
+    ``writes_stop`` (the answer's text omits the stop token) and a user's turn; keeps the whole
+    transcript."""
+    transcript = f"<|im_start|>user\n{row['prompt']}<|im_end|>\n<|im_start|>assistant\n"
+    for turn in range(row["turns"]):
+        answer = await client.completions.create(model="policy", prompt=transcript, max_tokens=8)
+        transcript += answer.choices[0].text
+        if turn < row["turns"] - 1:
+            transcript += ("<|im_end|>" if row["writes_stop"] else "") + "\n<|im_start|>user\nand then?<|im_end|>\n"
+            transcript += "<|im_start|>assistant\n"
+    SEEN[row["id"]] = transcript
+    return 1.0
+
+
+async def passes_get_json_schema(client, row: dict) -> float:
+    """One call with the add tool as transformers' get_json_schema writes it (a ``return`` key and all)."""
+    from transformers.utils import get_json_schema
+
+    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],
+                                         tools=[get_json_schema(add)])
+    return 1.0
+
+
 async def streams(client, row: dict) -> float:
     """One streamed call (chat, or completions where the row says so); keeps what the stream held."""
     seen = {"content": "", "calls": [], "finish_reason": None, "usage": None}
@@ -394,12 +419,25 @@ async def looks_at_squares(client, row: dict) -> float:
 
 
 async def does_as_its_row_says(client, row: dict) -> float:
-    """Makes no call for 30 s (``do: hang``), or one call and then raises (``raise``) or returns 1.0."""
+    """Makes no call for 30 s (``do: hang``), or one call and then raises (``raise``) or returns 1.0;
+    ``call_after_cut``: where its answer was cut ("length"), calls again and returns 0.25 once that
+    call is refused; ``gather``: two calls at once."""
     import asyncio
+
+    import openai
 
     if row["do"] == "hang":
         await asyncio.sleep(30)
-    await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}])
+    messages = [{"role": "user", "content": row["prompt"]}]
+    if row["do"] == "gather":
+        await asyncio.gather(*(client.chat.completions.create(model="policy", messages=messages) for _ in range(2)))
+    answer = await client.chat.completions.create(model="policy", messages=messages)
     if row["do"] == "raise":
         raise ValueError(f"no luck with {row['prompt']}")
+    if row["do"] == "call_after_cut" and answer.choices[0].finish_reason == "length":
+        try:
+            await client.chat.completions.create(model="policy", messages=[*messages, {"role": "user", "content": "?"}])
+        except openai.BadRequestError as refused:
+            SEEN[row["prompt"]] = str(refused)
+            return 0.25
     return 1.0

@@ -296,7 +296,7 @@ def test_the_endpoint_refuses_keys_it_did_not_give_and_episodes_that_ended(progr
     episode = agent.make({"prompt": "hi"})
     episode.close()  # what the rollout does when an episode ends
     own = openai.OpenAI(base_url=agent.endpoint.base_url, api_key=episode.key, max_retries=0, timeout=10)
-    with pytest.raises(openai.AuthenticationError):  # forgotten with its episode
+    with pytest.raises(openai.NotFoundError, match="this episode has ended"):  # told apart from a stranger's key
         own.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
     waiting = agent.make({"prompt": "hi"})
     errors = []
@@ -412,6 +412,55 @@ def test_a_completions_program_adds_its_texts_ids_and_the_engines_are_never_reto
     assert SEEN[row["id"]] == {"texts": [" 42", " 43"], "logprobs": [-0.5] * len(generated), "token_ids": generated}
 
 
+def test_a_tool_renders_alike_in_native_episodes_and_in_an_agent_programs_calls(programs):
+    """The chat template writes each tool's JSON into the prompt (CHATML_TOOLS_TEMPLATE): the native
+    path's schema of a tool (``rollout.tools``) and the schema an agent program passes for the same
+    function (transformers' get_json_schema, as vLLM's request model reads it) render to the same
+    ids. get_json_schema's ``return`` key, which vLLM's request model drops, is left out natively too."""
+    from transformers.utils import get_json_schema
+
+    from rollout.episodes import Renderer
+    from rollout.tools import Tool
+    from tests.environments import add
+
+    agent = programs("tests.environments:passes_get_json_schema")
+    tokenizer = agent.parser.tokenizer
+    episode = agent.make({"prompt": "What is 17 plus 25?"})
+    first = episode.reset()
+    assert "return" in get_json_schema(add)["function"]
+    native = Renderer(tokenizer, [Tool.load("tests.environments:add", "rollout.tools").schema]).prompt_ids(first)
+    theirs = Renderer(tokenizer, episode.tools).prompt_ids(first)
+    assert '"name": "add"' in tokenizer.decode(native) and native == theirs
+
+
+@pytest.mark.parametrize("writes_stop", [True, False])
+def test_a_completions_program_keeping_its_own_transcript_trains_what_its_transcript_tokenizes_to(programs,
+                                                                                                   writes_stop):
+    """A completion's text omits the stop token the engine sampled ("<|im_end|>"). A program that
+    writes it back after the turn writes what the stream holds already, and one that does not
+    leaves it out of the stream: either way the episode's stream is, id for id, what the program's
+    own transcript tokenizes to (it was once "...<|im_end|><|im_end|>\n...")."""
+    from rollout.environments import Turn
+    from tests.environments import SEEN
+
+    agent = programs("tests.environments:keeps_a_chatml_transcript")
+    tokenizer = agent.parser.tokenizer
+    stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    row = {"id": f"transcript-{writes_stop}", "prompt": "17 plus 25?", "turns": 3, "writes_stop": writes_stop}
+    episode = agent.make(row)
+    stream = list(episode.reset())  # as rollout.episodes keeps it: the policy's ids, the observations' after them
+    for number, text in enumerate([" 42", " 43 then", " 44"]):
+        generated = tokenizer(text, add_special_tokens=False)["input_ids"] + ([stop] if number < 2 else [])
+        stream += generated
+        step = episode.step(text, [], Turn(len(stream) - len(generated), generated, [-0.5] * len(generated)))
+        if not step.done:
+            del stream[len(stream) - step.observation.unsaid:]
+            stream += step.observation
+            assert step.observation.unsaid == (0 if writes_stop else 1)
+    assert step.done and "<|im_end|><|im_end|>" not in SEEN[row["id"]]
+    assert stream == tokenizer(SEEN[row["id"]])["input_ids"]
+
+
 def test_a_completions_prompt_that_does_not_extend_the_episode_starts_it_over(programs):
     from rollout.environments import Restart, TokenIds
 
@@ -446,7 +495,7 @@ def test_a_turn_cut_at_its_calls_max_tokens_answers_the_call_with_length(program
     assert SEEN["cut"]["finish_reason"] == "length"
 
 
-def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_hangs(tmp_path):
+def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_hangs(tmp_path, caplog):
     """The rollout's loop (``rollout.episodes``) takes a program's calls with no thread of its own
     between them: one that returns ends "done" with its reward, one that raises ends env_error, one
     that makes no call within ``rollout.agent_deadline_s`` ends env_deadline then, long before
@@ -455,7 +504,7 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
 
     from common.config import load_config
     from common.prompts import prompt_token_ids
-    from rollout.agents import agent_programs
+    from rollout.agents import ENDED, agent_programs
     from rollout.environments import Environments
     from rollout.episodes import CLOSE_DEADLINE_S, Episodes, Renderer
     from tests.helpers import base_config
@@ -483,13 +532,15 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
             episodes.turn_finished(episode, fake_output(answer), 0)
         settle(episodes)
         samples, dropped = episodes.finished()
-        assert sorted((s.prompt_index, s.finish_reason, float(s.turn_rewards.sum())) for s in samples) == [
-            (0, "done", 1.0), (1, "env_error", 0.0)] and dropped == []
+        assert [(s.prompt_index, s.finish_reason, float(s.turn_rewards.sum())) for s in samples] == [
+            (0, "done", 1.0)] and dropped == [(1, "env_error")]  # no reward to train a failed episode at
         started = time.monotonic()
         episodes.start(2, 2)
         settle(episodes, seconds=10.0)
         assert 1.0 <= time.monotonic() - started < 5.0  # ended at its program's deadline
         assert episodes.finished() == ([], [(2, "env_deadline")])
+        said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("env_deadline")]
+        assert said and all("rollout.agent_deadline_s" in line and "env_step_deadline_s" not in line for line in said)
         while len(programs.idle) < 2 and time.monotonic() - started < 5.0:  # cancelled there, its thread freed
             time.sleep(0.05)
         assert len(programs.idle) == 2
@@ -498,7 +549,56 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
         key = waiting.pending.environment.key
         closing = time.monotonic()
         episodes.close()
-        assert time.monotonic() - closing < CLOSE_DEADLINE_S / 2 and programs.lookup(key) is None
+        assert time.monotonic() - closing < CLOSE_DEADLINE_S / 2 and programs.lookup(key) is ENDED
+    finally:
+        programs.close()
+
+
+def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_scores_the_episode(tmp_path, caplog):
+    """A turn the run cuts at ``rollout.max_new_tokens`` answers the program's call with finish_reason
+    "length"; a later call is refused (the episode has no more turns) and the program's return is
+    the episode's reward, on its last token, the episode ended "length" (``learner.truncation_penalty``
+    applies). Two calls at once from one episode are refused with 409, and the program that made
+    them fails its episode (its group dropped, no reward being known)."""
+    import logging
+
+    from common.config import load_config
+    from common.prompts import prompt_token_ids
+    from rollout.agents import agent_programs
+    from rollout.environments import Environments
+    from rollout.episodes import Episodes, Renderer
+    from tests.environments import SEEN
+    from tests.helpers import base_config
+    from tests.test_episodes import fake_output, settle
+
+    tokenizer = chatml_tokenizer(str(tmp_path))
+    config = load_config(None, ["rollout.agent=tests.environments:does_as_its_row_says", "rollout.max_new_tokens=4",
+                                "rollout.max_model_len=64"],
+                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
+    rows = [{"prompt": "cut-and-call", "do": "call_after_cut"}, {"prompt": "both", "do": "gather"}]
+    programs = agent_programs(config, tokenizer)
+    try:
+        episodes = Episodes(config, Environments.load(None, {}, programs), Renderer(tokenizer, None), tokenizer, rows,
+                            [prompt_token_ids(row, tokenizer, None, None) for row in rows], list(range(len(rows))),
+                            lambda _, max_tokens: max_tokens, logging.getLogger("test"))
+        episodes.start(0, 0)
+        settle(episodes)
+        (episode, _, _), = episodes.take_ready(0)
+        episodes.turn_finished(episode, fake_output([10, 11, 12, 13], finish_reason="length"), 0)
+        settle(episodes)
+        (sample,), dropped = episodes.finished()
+        assert (sample.finish_reason, sample.turn_rewards.tolist(), dropped) == ("length", [0, 0, 0, 0.25], [])
+        assert "cut at rollout.max_new_tokens" in SEEN["cut-and-call"]
+        episodes.start(1, 1)
+        settle(episodes)
+        (episode, _, _), = episodes.take_ready(0)  # the call that came first
+        waited = time.monotonic()
+        while not episode.environment.events and time.monotonic() - waited < 5:  # the second refused, it raised
+            time.sleep(0.01)
+        episodes.turn_finished(episode, fake_output([10, tokenizer.eos_token_id]), 0)
+        settle(episodes)
+        assert episodes.finished() == ([], [(1, "env_error")])
+        assert "Error code: 409" in caplog.text and "its calls made one after another" in caplog.text
     finally:
         programs.close()
 

@@ -101,20 +101,31 @@ def test_an_episode_is_the_policys_turns_and_the_observations_token_for_token(tm
     ("Garbage", "env_error", 1),
     ("DoneAtOnce", "done", 1),
 ])
+@pytest.mark.parametrize("failed_episode_reward", [None, -0.75])
 def test_an_environment_that_fails_ends_its_episode_with_the_reason(tmp_path, demo_tokenizer, environment,
-                                                                       reason, turns):
-    """What the policy said before the environment failed is still a sample, ended with the reason."""
+                                                                       reason, turns, failed_episode_reward):
+    """An episode its environment ended (env_error, env_deadline) has no reward to train on: its
+    group is dropped (reported with the reason, for its credits), or, with
+    ``rollout.failed_episode_reward``, what the policy said is a sample trained at that reward on
+    its last token. An episode that ended well is trained either way."""
     episodes = make_episodes(tmp_path, demo_tokenizer, f"tests.environments:{environment}",
-                             [{"prompt": "odd 1 :"}], "rollout.env_step_deadline_s=0.3")
+                             [{"prompt": "odd 1 :"}], "rollout.env_step_deadline_s=0.3",
+                             f"rollout.failed_episode_reward={'null' if failed_episode_reward is None else -0.75}")
     episodes.start(0, 0)
     settle(episodes)
     (episode, _, _), = episodes.take_ready(0)
     episodes.turn_finished(episode, fake_output([10, EOS]), 0)
     settle(episodes)
-    (sample,), dropped = episodes.finished()
+    samples, dropped = episodes.finished()
+    assert episodes.record()[f"episodes_ended_{reason}"] == 1
+    if reason != "done" and failed_episode_reward is None:
+        assert samples == [] and dropped == [(0, reason)]
+        return
+    (sample,) = samples
     assert sample.finish_reason == reason and dropped == []
     assert sample.response_tokens.tolist() == [10, EOS] and sample.loss_mask.tolist() == [1, 1]
-    assert episodes.record()[f"episodes_ended_{reason}"] == 1
+    if reason != "done":
+        assert sample.turn_rewards.tolist() == [0.0, -0.75]
 
 
 def test_an_episode_without_a_policy_token_is_dropped_with_its_group(tmp_path, demo_tokenizer):
@@ -364,6 +375,7 @@ def test_an_environment_that_fails_every_episode_backs_off_is_logged_once_and_en
             episodes.start(index, 0)
             settle(episodes)
             assert episodes.finished() == ([], [(index, "env_error")])
+            episodes.record()  # the rollout's metrics records between episodes: the ends said still add up
     assert index == 9 and "10 episodes in a row ended by their environment" in str(ended.value)
     assert "rollout.env_failure_limit 10" in str(ended.value) and "env_error 10" in str(ended.value)
     assert delays == [0, 0, 0, 0, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032]
