@@ -40,11 +40,15 @@ class Tool:
 def json_schema(function: Callable[..., Any]) -> dict:
     """The function's schema as chat templates take it: transformers' ``get_json_schema`` where the
     docstring describes every argument (Google style), else one built from the signature alone, so
-    a plain function without a docstring is still a tool."""
+    a plain function without a docstring is still a tool. Either is an OpenAI function definition:
+    ``get_json_schema``'s ``return`` is left out, as vLLM's request model leaves it out of an agent
+    program's tools, so that a tool renders alike on both paths (a policy tuned on one reads the other)."""
     from transformers.utils import get_json_schema
 
     try:
-        return get_json_schema(function)
+        schema = get_json_schema(function)
+        schema["function"].pop("return", None)
+        return schema
     except Exception:  # no docstring, an undocumented argument, a type it cannot map
         pass
     properties, required = {}, []
