@@ -89,8 +89,10 @@ class AgentPrograms:
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lock = threading.Lock()
         self.asynchronous = inspect.iscoroutinefunction(self.program)
-        self.endpoint = Endpoint(self.lookup)
+        # a call waits for its turn at most as long as its episode may run (whose end answers it), and a grace
+        self.endpoint = Endpoint(self.lookup, answer_deadline_s=deadline_s + ANSWER_GRACE_S)
         self.idle: list[ProgramThread] = []  # program threads waiting for an episode
+        self.busy: set[ProgramThread] = set()  # and those running one (its program may hang past its end)
         self.closed = False
         self.processes = None
         if processes and not self.command:
@@ -128,12 +130,22 @@ class AgentPrograms:
         if self.processes is not None:
             return self.processes.start(episode.key, episode.row)
         with self.lock:
-            runner = self.idle.pop() if self.idle else ProgramThread(self)
+            held = sum(1 for runner in self.busy if runner.episode is not None and runner.episode.ended)
+            if held < HELD_THREADS_LIMIT:
+                runner = self.idle.pop() if self.idle else ProgramThread(self)
+                runner.episode = episode
+                self.busy.add(runner)
+        if held >= HELD_THREADS_LIMIT:  # a plain function cannot be stopped: no more threads for programs that hang
+            return episode.event("raise", RuntimeError(
+                f"{held} agent program threads still run programs whose episodes ended (past rollout.agent_deadline_s: "
+                "a plain function cannot be stopped, and each holds its thread): no thread for another; make the "
+                "program async (it is cancelled at its deadline) or bound its own waits"))
         runner.jobs.put(episode)
 
     def _delivered(self, key: str, kind: str, value: Any) -> None:
         """A program process's answer for the episode of ``key``: its return or its error."""
-        episode = self.lookup(key)
+        with self.lock:
+            episode = self.episodes.get(key)
         if episode is not None:  # else it ended first
             episode.event(kind, value)
 
@@ -141,6 +153,8 @@ class AgentPrograms:
         """``runner``'s program returned: it takes the next episode (one whose program hangs past its
         deadline keeps its thread, and only that one)."""
         with self.lock:
+            self.busy.discard(runner)
+            runner.episode = None
             if not self.closed:
                 self.idle.append(runner)
                 return
@@ -159,6 +173,8 @@ class AgentPrograms:
         self.endpoint.close()
 
 
+ANSWER_GRACE_S = 30.0
+HELD_THREADS_LIMIT = 64  # program threads held by programs running past their episode's end, at most
 ENDED_KEPT = 10_000  # ended episodes' keys kept (32 bytes each) to tell a late call from a stranger's
 
 
@@ -182,22 +198,34 @@ class ProgramThread:
     def __init__(self, programs: AgentPrograms) -> None:
         self.programs = programs
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # episodes, then None
+        self.episode: AgentEnvironment | None = None  # the one its program runs for
         threading.Thread(target=self.serve, name="agent-program", daemon=True).start()
 
     def serve(self) -> None:
         programs = self.programs
         loop = asyncio.new_event_loop() if programs.asynchronous else None
-        client = None if programs.command else _client(programs.endpoint, programs.deadline_s, programs.asynchronous)
+        client, unmade = None, None
+        try:
+            if not programs.command:
+                client = _client(programs.endpoint, programs.deadline_s, programs.asynchronous)
+        except Exception as error:  # each episode given to this thread fails with why, none waits on it
+            unmade = RuntimeError(f"the agent program's OpenAI client could not be built ({type(error).__name__}: "
+                                  f"{error})")
+            unmade.__cause__ = error
         try:
             while (episode := self.jobs.get()) is not None:
-                _deliver(episode, lambda: self.run(episode, client, loop))
+                if unmade is not None:
+                    episode.event("raise", unmade)
+                else:
+                    _deliver(episode, lambda: self.run(episode, client, loop))
                 programs.done(self)
         finally:
-            if programs.asynchronous:
+            if client is not None and programs.asynchronous:
                 loop.run_until_complete(client.close())
-                loop.close()
             elif client is not None:
                 client.close()
+            if loop is not None:
+                loop.close()
 
     def run(self, episode: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop | None) -> Any:
         """``episode``'s program to its return: the function with a copy of ``client`` of the
@@ -223,13 +251,9 @@ def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment",
     if episode.ended:  # ended while the process started: close() did not see it
         _kill(process)
     try:
-        out, err = process.communicate(json.dumps(episode.row) + "\n", timeout=deadline_s)
+        out, err = _communicate(process, json.dumps(episode.row) + "\n", deadline_s)
     except subprocess.TimeoutExpired:
         _kill(process)
-        try:
-            process.communicate(timeout=5.0)
-        except subprocess.TimeoutExpired:  # something outside its group holds the pipes: left to the OS
-            pass
         raise PastDeadline(f"the agent command {command[0]} ran past rollout.agent_deadline_s {deadline_s:g}") from None
     tail = "\n".join(err.strip().splitlines()[-20:])
     if process.returncode != 0:
@@ -241,6 +265,38 @@ def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment",
         said = (f"printed {lines[-1][:200]!r} last, not its reward (a number, or a JSON object with 'reward')"
                 if lines else "printed nothing: its reward goes on stdout's last line")
         raise BadStep(f"the agent command {command[0]} {said}") from None
+
+
+COMMAND_OUTPUT_KEPT = 1 << 20  # characters of an agent command's stdout and of its stderr kept, the last ones
+
+
+def _communicate(process: subprocess.Popen, text: str, deadline_s: float) -> tuple[str, str]:
+    """``Popen.communicate`` that keeps the last ``COMMAND_OUTPUT_KEPT`` characters of each stream
+    alone: a command that logs without end on stdout holds no more of the rollout's memory (its
+    reward is on its last line). ``TimeoutExpired`` past ``deadline_s``."""
+    def keep(stream, kept: list[str]) -> None:
+        for chunk in iter(lambda: stream.read(1 << 16), ""):
+            kept.append(chunk)
+            if sum(map(len, kept)) > 2 * COMMAND_OUTPUT_KEPT:
+                kept[:] = ["".join(kept)[-COMMAND_OUTPUT_KEPT:]]
+
+    def give() -> None:
+        try:
+            process.stdin.write(text)
+            process.stdin.close()
+        except OSError:  # it exited without reading its row: its exit code says why
+            pass
+
+    outputs: tuple[list[str], list[str]] = ([], [])
+    threads = [threading.Thread(target=give, daemon=True),
+               *(threading.Thread(target=keep, args=(stream, kept), daemon=True)
+                 for stream, kept in zip((process.stdout, process.stderr), outputs))]
+    for thread in threads:
+        thread.start()
+    process.wait(timeout=deadline_s)
+    for thread in threads:  # at their streams' end; a stream held open by a child of its own: left to the OS
+        thread.join(timeout=5.0)
+    return tuple("".join(kept)[-COMMAND_OUTPUT_KEPT:] for kept in outputs)
 
 
 def _kill(process: subprocess.Popen) -> None:

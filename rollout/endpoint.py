@@ -102,10 +102,13 @@ class Endpoint:
     """uvicorn serving the chat-completions and completions routes in a thread of its own, on
     127.0.0.1 and a free port. ``lookup(key)``: the episode that key belongs to, or None."""
 
-    def __init__(self, lookup: Callable[[str], Any], host: str = "127.0.0.1") -> None:
+    def __init__(self, lookup: Callable[[str], Any], host: str = "127.0.0.1", answer_deadline_s: float = 3600.0
+                 ) -> None:
+        """``answer_deadline_s``: the longest a call waits for its answer (its episode's end answers
+        it before; this bounds the wait should nothing else)."""
         from fastapi import FastAPI, Request
 
-        self.lookup = lookup
+        self.lookup, self.answer_deadline_s = lookup, answer_deadline_s
         self.app = app = FastAPI()
 
         @app.post("/v1/chat/completions")
@@ -140,7 +143,11 @@ class Endpoint:
                                     lambda request: Call(request, loop.create_future(), loop, completion))
         if refused is not None:
             return refused
-        return _finished(call.request, completion, await call.future)
+        try:
+            answer = await asyncio.wait_for(call.future, self.answer_deadline_s)
+        except asyncio.TimeoutError:
+            answer = HTTPError(504, f"the rollout did not answer this call within {self.answer_deadline_s:g}s")
+        return _finished(call.request, completion, answer)
 
     def take(self, authorization: str, body: bytes, completion: bool,
              reply: Callable[[int, Any, bool], None]) -> None:

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import socket
+import struct
 import threading
 import urllib.error
 import urllib.request
@@ -82,6 +84,12 @@ class Session:
         # entered as a context (closed by close()): websockets 17 deprecates a connection used otherwise
         self.socket = connect(ws_url, open_timeout=CONNECT_DEADLINE_S, close_timeout=1.0,
                               max_size=2 ** 27).__enter__()
+        # a send waits for room in the socket's buffer: a server that stops reading fails the send
+        # within the step's deadline, as one that stops answering fails the wait for its answer
+        # (SO_SNDTIMEO bounds sends alone; the connection's reader thread keeps its blocking reads)
+        seconds = server.deadline_s
+        self.socket.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO,
+                                      struct.pack("ll", int(seconds), int(seconds % 1 * 1e6)))
         self.lock = threading.Lock()  # one message at a time: a step's answer before the close
 
     def reset(self, arguments: dict) -> str:
@@ -94,10 +102,15 @@ class Session:
         return answer.get("observation") or {}, float(answer.get("reward") or 0.0), bool(answer.get("done"))
 
     def send(self, message: dict) -> dict:
-        """One message and its answer, within the step's deadline; the server's error raised."""
-        with self.lock:
+        """One message and its answer, within the step's deadline (each of the send and the answer;
+        the wait for a close under way: CLOSE_DEADLINE_S); the server's error raised."""
+        if not self.lock.acquire(timeout=CLOSE_DEADLINE_S):
+            raise TimeoutError(f"the OpenEnv session was busy for {CLOSE_DEADLINE_S:g}s (closing)")
+        try:
             self.socket.send(json.dumps(message))
             answer = json.loads(self.socket.recv(timeout=self.server.deadline_s))
+        finally:
+            self.lock.release()
         if answer.get("type") == "error":
             data = answer.get("data") or {}
             raise RuntimeError(f"the OpenEnv server refused {message['type']}: {data.get('message')} "

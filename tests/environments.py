@@ -198,6 +198,13 @@ async def passes_get_json_schema(client, row: dict) -> float:
     return 1.0
 
 
+def sleeps_then_asks(client, row: dict) -> float:
+    """A plain function that blocks ``row["sleep"]`` seconds (a tool without a deadline), then calls."""
+    time.sleep(row["sleep"])
+    client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+    return 1.0
+
+
 async def streams(client, row: dict) -> float:
     """One streamed call (chat, or completions where the row says so); keeps what the stream held."""
     seen = {"content": "", "calls": [], "finish_reason": None, "usage": None}

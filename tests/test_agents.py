@@ -140,6 +140,29 @@ def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
         failing.reset()
 
 
+def test_an_agent_commands_output_is_kept_to_its_last_part_and_its_wait_bounded():
+    """A command that writes without end holds COMMAND_OUTPUT_KEPT characters of each stream, the
+    last ones (where its reward is); one that does not end is given up on at its deadline."""
+    import subprocess
+
+    from rollout.agents import COMMAND_OUTPUT_KEPT, _communicate
+
+    writes = ("import sys; row = sys.stdin.readline(); sys.stderr.write('e' * (9 << 20));"
+              "[sys.stdout.write('x' * (1 << 20)) for _ in range(16)]; print(); print(row.strip())")
+    process = subprocess.Popen([sys.executable, "-c", writes], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    out, err = _communicate(process, '{"reward": 0.5}\n', 60.0)
+    assert process.returncode == 0 and len(out) == len(err) == COMMAND_OUTPUT_KEPT
+    assert out.endswith('x\n{"reward": 0.5}\n') and set(err) == {"e"}
+    sleeps = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        _communicate(sleeps, "{}\n", 0.5)
+    assert time.monotonic() - started < 5.0
+    sleeps.kill()
+
+
 def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_process_fails_its_episodes(programs):
     """rollout.agent_processes: the same episodes, their programs in another process on the cores
     asked for, their calls answered over its connection as the endpoint answers (a stream, a
@@ -601,6 +624,68 @@ def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_s
         assert "Error code: 409" in caplog.text and "its calls made one after another" in caplog.text
     finally:
         programs.close()
+
+
+def test_plain_programs_that_hang_past_their_episodes_hold_a_bounded_number_of_threads(programs, monkeypatch):
+    """A plain function cannot be stopped: one that blocks past its episode's end keeps its thread.
+    At HELD_THREADS_LIMIT such threads a new episode fails at once, saying why, rather than a
+    thread more being made; a program that returns at last frees its thread for the next."""
+    from rollout import agents
+    from rollout.program_runs import PastDeadline
+
+    monkeypatch.setattr(agents, "HELD_THREADS_LIMIT", 2)
+    agent = programs("tests.environments:sleeps_then_asks", deadline_s=0.3)
+    for _ in range(2):
+        hung = agent.make({"sleep": 2.0})
+        with pytest.raises(PastDeadline):
+            hung.reset()
+        hung.close()  # as the rollout's loop ends it (env_deadline)
+    with pytest.raises(RuntimeError, match="2 agent program threads still run programs whose episodes ended"):
+        agent.make({"sleep": 0.0}).reset()
+    time.sleep(2.5)  # the two return (their late calls refused): their threads are free again
+    assert len(agent.idle) == 2
+    fresh = agent.make({"sleep": 0.0})
+    assert fresh.reset() == [{"role": "user", "content": "hi"}]
+
+
+def test_a_call_nothing_answers_is_answered_504_at_the_endpoints_deadline():
+    """The endpoint's handler never waits without end: a call whose episode neither answers nor
+    ends (a bug) gets 504 at ``answer_deadline_s``."""
+    from rollout.endpoint import Endpoint
+
+    class Silent:
+        @staticmethod
+        def offer(call):
+            return None  # taken, and never answered
+
+    import vllm.entrypoints.openai.chat_completion.protocol  # noqa: F401 (imported before the clock starts)
+
+    endpoint = Endpoint(lambda key: Silent(), answer_deadline_s=0.3)
+    try:
+        client = openai.OpenAI(base_url=endpoint.base_url, api_key="k", max_retries=0, timeout=10)
+        started = time.monotonic()
+        with pytest.raises(openai.APIStatusError, match="did not answer this call within 0.3s") as refused:
+            client.chat.completions.create(model="policy", messages=[{"role": "user", "content": "hi"}])
+        assert refused.value.status_code == 504 and time.monotonic() - started < 5.0
+    finally:
+        endpoint.close()
+
+
+def test_a_program_thread_whose_client_cannot_be_built_fails_its_episodes_saying_why(programs, monkeypatch):
+    """A program thread that cannot build its OpenAI client (a broken openai install, a bad proxy
+    setting) does not die silently, leaving its episodes to their deadline: each fails at once
+    (env_error), saying why."""
+    from rollout import agents
+
+    def broken(*arguments, **options):
+        raise ImportError("no module named 'openai'")
+
+    monkeypatch.setattr(agents, "_client", broken)
+    episode = programs("tests.environments:asks_twice", deadline_s=30.0).make({"prompt": "hi"})
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="OpenAI client could not be built .ImportError: no module named 'openai'"):
+        episode.reset()
+    assert time.monotonic() - started < 5.0
 
 
 def test_a_call_taken_as_its_episode_ends_is_answered_and_a_call_message_of_the_wrong_types_refused(programs):

@@ -80,3 +80,44 @@ def test_a_server_that_is_down_or_refuses_is_said_so(servers):
     with pytest.raises(RuntimeError, match="the OpenEnv server refused reset"):
         failing.reset()
     assert failing.session is None  # closed: the server's session does not outlive the episode
+
+
+def test_a_send_to_a_server_that_stops_reading_fails_within_the_step_deadline():
+    """A session's send waits for room in the socket's buffer: to a server that stops reading (it
+    answers the WebSocket handshake, then reads no more) it fails within the step's deadline
+    (SO_SNDTIMEO) rather than hold its thread for good."""
+    import base64
+    import hashlib
+    import socket
+    import threading
+    import time
+
+    from rollout.openenv import OpenEnv, Session
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def handshake_then_never_read() -> None:
+        connection, _ = listener.accept()
+        request = b""
+        while b"\r\n\r\n" not in request:
+            request += connection.recv(4096)
+        key = next(line.split(b":", 1)[1].strip() for line in request.split(b"\r\n")
+                   if line.lower().startswith(b"sec-websocket-key"))
+        accept = base64.b64encode(hashlib.sha1(key + b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11").digest())
+        connection.sendall(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n"
+                           b"Sec-WebSocket-Accept: " + accept + b"\r\n\r\n")
+        held.append(connection)
+
+    threading.Thread(target=handshake_then_never_read, daemon=True).start()
+    openenv = OpenEnv.__new__(OpenEnv)  # the session alone: this server speaks nothing past the handshake
+    openenv.url, openenv.deadline_s = f"http://127.0.0.1:{listener.getsockname()[1]}", 1.0
+    session = Session(openenv)
+    started = time.monotonic()
+    with pytest.raises(Exception):
+        for _ in range(1000):  # up to 1 GB: far past what the socket's buffers hold
+            session.socket.send("x" * (1 << 20))
+    assert time.monotonic() - started < 10.0
+    session.socket.close()
+    for connection in [*held, listener]:
+        connection.close()
