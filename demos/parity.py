@@ -325,6 +325,19 @@ def held_out_figures(policy_dir: str, reference_dir: str, reward_dir: str, promp
     }
 
 
+def quiet_evaluation() -> None:
+    """The held-out evaluation in this process says its figures alone: vLLM's engine logs (its
+    start, its config, some 60 lines an engine) and transformers' advice are the run's logs' to
+    hold, not the report's. A VLLM_LOGGING_LEVEL of the user's own is kept."""
+    import logging
+
+    from transformers.utils import logging as transformers_logging
+
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read at vLLM's import, and by its engine's processes
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    transformers_logging.set_verbosity_error()
+
+
 def run_and_compare(config_path: Path, overrides: list[str], sft: str, evaluate_policy, columns, gain: str,
                     target: float, eval_prompts: str, started: float) -> int:
     """`tether run` of a demo's config, then held-out figures of its SFT policy and its final PPO
@@ -341,6 +354,7 @@ def run_and_compare(config_path: Path, overrides: list[str], sft: str, evaluate_
     code = run_roles(config, overwrite=True)
     if code != 0:
         return code
+    quiet_evaluation()
     final = os.path.join(config.run_dir, "checkpoints", "final")
     report = {"sft": evaluate_policy(config, sft), "ppo": evaluate_policy(config, final)}
     report[f"{gain}_gain"] = report["ppo"][gain] - report["sft"][gain]

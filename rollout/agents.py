@@ -225,7 +225,7 @@ class ProgramThread:
             elif client is not None:
                 client.close()
             if loop is not None:
-                loop.close()
+                _close_loop(loop)
 
     def run(self, episode: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop | None) -> Any:
         """``episode``'s program to its return: the function with a copy of ``client`` of the
@@ -237,6 +237,18 @@ class ProgramThread:
         if programs.asynchronous:
             return loop.run_until_complete(_whole(programs.program(own, episode.row), programs.deadline_s))
         return programs.program(own, episode.row)
+
+
+def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """A program thread's loop closed with nothing left pending: the tasks and async generators a
+    streamed call leaves (the SDK's stream, its response's body) are closed first, else the
+    interpreter's exit prints "Task was destroyed but it is pending"."""
+    left = asyncio.all_tasks(loop)
+    for task in left:
+        task.cancel()
+    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    loop.run_until_complete(loop.shutdown_asyncgens())
+    loop.close()
 
 
 def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment", deadline_s: float) -> Any:

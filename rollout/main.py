@@ -225,6 +225,9 @@ def period_record(period: "RolloutPeriod", now: float, version: int | None, outb
 
 
 METRICS_EVERY_S = 1.0
+# a period busier than this has a generation rate to report: a period of episodes finishing on
+# their environments' answers holds a few µs of engine steps, and its tokens over them read as 10^5 tokens/s
+RATE_BUSY_FLOOR_S = 0.05
 
 
 @dataclass
@@ -249,7 +252,8 @@ class RolloutPeriod:
 
     def record(self, now: float) -> dict:
         return {"samples": self.samples, "response_tokens": self.response_tokens,
-                "tokens_per_s": self.response_tokens / max(self.busy_s, 1e-9), "busy_s": self.busy_s,
+                "tokens_per_s": self.response_tokens / self.busy_s if self.busy_s >= RATE_BUSY_FLOOR_S else None,
+                "busy_s": self.busy_s,
                 "weight_sync_s": self.weight_sync_s, "send_s": self.send_s, "waiting_s": self.waiting_s,
                 "iteration_s": now - self.started, "engine_steps": self.engine_steps,
                 "requests_per_step": self.requests_stepped / max(self.engine_steps, 1),

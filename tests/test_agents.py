@@ -648,6 +648,30 @@ def test_plain_programs_that_hang_past_their_episodes_hold_a_bounded_number_of_t
     assert fresh.reset() == [{"role": "user", "content": "hi"}]
 
 
+def test_streamed_calls_leave_nothing_pending_when_the_programs_close(tmp_path):
+    """A streamed call leaves the SDK's stream generator on its program thread's loop: the loop is
+    closed with it closed, and the process exits without "Task was destroyed but it is pending"."""
+    import subprocess
+
+    script = f"""
+from rollout.agents import AgentPrograms
+from rollout.tools import ToolCallParser
+from tests.helpers import chatml_tokenizer
+agent = AgentPrograms("tests.environments:streams", ToolCallParser("hermes", chatml_tokenizer({str(tmp_path)!r}), None),
+                      10.0, 10.0)
+for completions in (False, True):
+    episode = agent.make({{"id": f"streamed-{{completions}}", "prompt": "17 plus 25", "completions": completions}})
+    episode.reset()
+    episode.step("42", [])
+agent.close()
+print("closed")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert result.returncode == 0 and "closed" in result.stdout, result.stderr[-2000:]
+    assert "Task was destroyed" not in result.stderr, result.stderr[-2000:]
+
+
 def test_a_call_nothing_answers_is_answered_504_at_the_endpoints_deadline():
     """The endpoint's handler never waits without end: a call whose episode neither answers nor
     ends (a bug) gets 504 at ``answer_deadline_s``."""

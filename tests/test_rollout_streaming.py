@@ -32,3 +32,14 @@ def test_streamed_samples_carry_the_chunked_logprobs_and_version_tags(tmp_path, 
     engine.llm_engine.engine_core.shutdown()
     print(f"largest logprob gap, streamed vs chunked: {max(gaps):.2e}")
     assert max(gaps) < LOGPROB_TOLERANCE, max(gaps)
+
+
+def test_a_period_too_little_busy_to_measure_reports_no_generation_rate():
+    """A metrics period in which the engine stepped a few µs (episodes finishing on their
+    environments' answers) has no generation rate: 7 tokens over 8.4 µs would read as 834,000
+    tokens/s and flatten the dashboard's throughput panel (which skips a None)."""
+    from rollout.main import RolloutPeriod
+
+    idle = RolloutPeriod(started=0.0, busy_s=8.4e-6, response_tokens=7)
+    busy = RolloutPeriod(started=0.0, busy_s=0.5, response_tokens=7)
+    assert idle.record(1.0)["tokens_per_s"] is None and busy.record(1.0)["tokens_per_s"] == 14.0
