@@ -92,11 +92,15 @@ async def openai_agent(client, row: dict) -> float:
 async def completions_agent(client, row: dict) -> float:
     """The task against the completions API, as a program that keeps its own transcript writes it:
     the prompt, each completion appended to it, the calculator's results after a turn's calls (in
-    the <tool_response> form the policy learned), up to four completions."""
+    the <tool_response> form the policy learned), up to four completions. A completion's text omits
+    the token the policy stopped at ("<eos>" here, "<|im_end|>" in ChatML): the transcript writes it
+    back after a turn that stopped, as the policy learned to end a turn, and as a ChatML
+    transcript's "<|im_end|>" is written back."""
     prompt, last = row["prompt"], ""
     for _ in range(4):
-        last = (await client.completions.create(model="policy", prompt=prompt, max_tokens=20)).choices[0].text
-        prompt += last
+        choice = (await client.completions.create(model="policy", prompt=prompt, max_tokens=20)).choices[0]
+        last = choice.text
+        prompt += last + ("<eos>" if choice.finish_reason == "stop" else "")
         calls = re.findall(r"<tool_call>(.*?)</tool_call>", last, re.S)
         if not calls:
             break

@@ -378,9 +378,13 @@ class AgentEnvironment:
         if refused is not None:
             return HTTPError(400, refused)
         with self.lock:
-            if self.spent:
-                return HTTPError(400, "this episode's last turn was cut at rollout.max_new_tokens (its answer's "
-                                      "finish_reason was length): the episode has no more turns; return its reward")
+            spent = self.spent
+        if spent:  # answered at once, with nothing: a program that reads no finish_reason still ends and returns
+            tokenizer, nothing = self.programs.parser.tokenizer, Turn(0, [], [], "length")
+            call.answer(_completion_answer(call.request, "", nothing, tokenizer) if call.completion
+                        else _answer(call.request, "", [], nothing, tokenizer))
+            return None
+        with self.lock:
             if self.unanswered:  # two calls at once would be two branches of one token stream
                 return HTTPError(409, "this episode has a call waiting for its answer: an episode is one "
                                       "conversation, its calls made one after another (two at once, as "
@@ -461,8 +465,9 @@ class AgentEnvironment:
 
     def begin_last(self, response: str, messages: list[dict], turn: Turn) -> Future:
         """``begin_step`` for a turn the run cut at ``rollout.max_new_tokens``: the call is answered
-        with it (finish_reason "length"), and the program's return is the episode's reward (a later
-        call is refused: its episode has no more turns)."""
+        with it (finish_reason "length"), and the program's return is the episode's reward. The
+        episode has no more turns: a later call is answered at once with no tokens, finish_reason
+        "length" again, and nothing of it is trained."""
         with self.lock:
             self.spent = True
         return self.begin_step(response, messages, turn)

@@ -427,11 +427,9 @@ async def looks_at_squares(client, row: dict) -> float:
 
 async def does_as_its_row_says(client, row: dict) -> float:
     """Makes no call for 30 s (``do: hang``), or one call and then raises (``raise``) or returns 1.0;
-    ``call_after_cut``: where its answer was cut ("length"), calls again and returns 0.25 once that
-    call is refused; ``gather``: two calls at once."""
+    ``call_after_cut``: where its answer was cut ("length"), calls again, keeps that answer and
+    returns 0.25; ``gather``: two calls at once."""
     import asyncio
-
-    import openai
 
     if row["do"] == "hang":
         await asyncio.sleep(30)
@@ -442,9 +440,8 @@ async def does_as_its_row_says(client, row: dict) -> float:
     if row["do"] == "raise":
         raise ValueError(f"no luck with {row['prompt']}")
     if row["do"] == "call_after_cut" and answer.choices[0].finish_reason == "length":
-        try:
-            await client.chat.completions.create(model="policy", messages=[*messages, {"role": "user", "content": "?"}])
-        except openai.BadRequestError as refused:
-            SEEN[row["prompt"]] = str(refused)
-            return 0.25
+        later = await client.chat.completions.create(model="policy", messages=[
+            *messages, answer.choices[0].message.model_dump(exclude_none=True), {"role": "user", "content": "?"}])
+        SEEN[row["prompt"]] = (later.choices[0].message.content, later.choices[0].finish_reason)
+        return 0.25
     return 1.0

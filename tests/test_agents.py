@@ -579,9 +579,9 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
 
 def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_scores_the_episode(tmp_path, caplog):
     """A turn the run cuts at ``rollout.max_new_tokens`` answers the program's call with finish_reason
-    "length"; a later call is refused (the episode has no more turns) and the program's return is
-    the episode's reward, on its last token, the episode ended "length" (``learner.truncation_penalty``
-    applies). Two calls at once from one episode are refused with 409, and the program that made
+    "length"; a later call is answered at once with nothing (the episode has no more turns, and a
+    program that reads no finish_reason still ends) and the program's return is the episode's
+    reward, on its last token, the episode ended "length" (``learner.truncation_penalty`` applies). Two calls at once from one episode are refused with 409, and the program that made
     them fails its episode (its group dropped, no reward being known)."""
     import logging
 
@@ -611,7 +611,7 @@ def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_s
         settle(episodes)
         (sample,), dropped = episodes.finished()
         assert (sample.finish_reason, sample.turn_rewards.tolist(), dropped) == ("length", [0, 0, 0, 0.25], [])
-        assert "cut at rollout.max_new_tokens" in SEEN["cut-and-call"]
+        assert SEEN["cut-and-call"] == ("", "length")  # the later call: answered at once, with nothing
         episodes.start(1, 1)
         settle(episodes)
         (episode, _, _), = episodes.take_ready(0)  # the call that came first
