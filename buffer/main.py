@@ -8,6 +8,8 @@ from __future__ import annotations
 import gc
 import json
 import os
+import signal
+import threading
 import time
 import uuid
 from collections import deque
@@ -26,6 +28,18 @@ from weight_sync.buckets import WeightManifest
 
 STOP_GRACE_S = 30.0  # after the learner finishes, how long to wait for the other roles to ask and hear "stop"
 METRICS_EVERY_S = 2.0
+# what `tether run` sends a role it stops (SIGTERM), a scheduler or a closed terminal (SIGHUP), Ctrl-C
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class BufferStopped(RuntimeError):
+    """A stop signal ended the buffer before the learner finished (`tether run` stopping the run
+    because another role failed, a scheduler); its accounting is written. ``signal``: the number,
+    for the exit code 128 + it."""
+
+    def __init__(self, number: int) -> None:
+        super().__init__(f"got {signal.Signals(number).name}; accounting written to metrics/buffer_accounting.json")
+        self.signal = number
 
 
 def _percentiles_ms(durations: deque[float]) -> dict[str, float]:
@@ -86,6 +100,9 @@ class Buffer:
         # gone, which its restart's hello says (or the turn's deadline ends the wait)
         self.departed: set[str] = set()
         self.finished_at: float | None = None
+        # a stop signal is noted and ends the loop between two messages, never inside a handler, so
+        # the accounting written after it sees whole state
+        self.stop_signal = 0
         # time from a message's arrival to every reply it makes possible: what the buffer adds to
         # the latency of whatever flows through it
         self.handling_s: deque[float] = deque(maxlen=100_000)
@@ -120,8 +137,12 @@ class Buffer:
                     last_metrics = time.monotonic()
                     self.reclaim_silent_engines(last_metrics)
                     self.write_metrics(last_metrics)
+            ended_by = signal.Signals(self.stop_signal).name if self.stop_signal else "finish"
+        except BaseException as error:
+            ended_by = f"{type(error).__name__}: {error}"
+            raise
         finally:
-            report = self.close()
+            report = self.close(ended_by)
         return report
 
     def handle(self, identity: bytes, message: Message) -> None:
@@ -143,6 +164,8 @@ class Buffer:
             self.server.reply(identity, message.id, "error", {"reason": str(error)})
 
     def _done(self) -> bool:
+        if self.stop_signal:
+            return True
         if self.finished_at is None:
             return False
         everyone_told = set(self.workers) <= self.stopped
@@ -476,21 +499,43 @@ class Buffer:
                 return
             self.handle(*received)
 
-    def close(self) -> dict:
-        if self.state.finished:
-            self.drain()
-        self.write_metrics(time.monotonic())  # the final state, which the accounting below reports too
-        report = {**self.state.report(), "refused_messages": self.server.refused, **_percentiles_ms(self.handling_s)}
-        with open(os.path.join(self.config.run_dir, "metrics", "buffer_accounting.json"), "w") as file:
-            json.dump(report, file, indent=2)
-        self.log.info("accounting: %s", json.dumps(report))
-        self.metrics.close()
-        self.server.close()
+    def close(self, ended_by: str) -> dict:
+        """The end of the buffer, however it came (the learner's finish, a stop signal, an error in
+        the loop): the accounting is written even if taking in the last messages fails, so every
+        run, a failed one most of all, can be checked against the identity."""
+        try:
+            if self.state.finished:
+                self.drain()
+            self.write_metrics(time.monotonic())  # the final state, which the accounting below reports too
+        finally:
+            report = self.write_accounting(ended_by)
+            self.metrics.close()
+            self.server.close()
         return report
+
+    def write_accounting(self, ended_by: str) -> dict:
+        report = {**self.state.report(), "refused_messages": self.server.refused, **_percentiles_ms(self.handling_s),
+                  "ended_by": ended_by}
+        path = os.path.join(self.config.run_dir, "metrics", "buffer_accounting.json")
+        with open(path + ".tmp", "w") as file:  # whole or absent: `tether status` ends when it appears
+            json.dump(report, file, indent=2)
+        os.replace(path + ".tmp", path)
+        self.log.info("accounting: %s", json.dumps(report))
+        return report
+
+    def note_stop(self, number: int, frame) -> None:
+        self.stop_signal = number
 
 
 def run(config: TetherConfig) -> dict:
     # The buffer holds many small objects for long; the default collector thresholds scan them
     # all every few thousand allocations, which showed up as 100 ms stalls. Samples form no cycles.
     gc.set_threshold(100_000, 50, 1000)
-    return Buffer(config).run()
+    buffer = Buffer(config)
+    if threading.current_thread() is threading.main_thread():  # a signal handler can only be set there
+        for number in STOP_SIGNALS:
+            signal.signal(number, buffer.note_stop)
+    report = buffer.run()
+    if buffer.stop_signal:
+        raise BufferStopped(buffer.stop_signal)
+    return report

@@ -80,8 +80,11 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
 
     try:
         if role is Role.buffer:
-            from buffer.main import run
-            run(resolved)
+            from buffer.main import BufferStopped, run
+            try:
+                run(resolved)
+            except BufferStopped as error:  # `tether run` stopping the run: the accounting is written
+                fail(error, signalled(error.signal), label="stopped")
         elif role is Role.rollout:
             from rollout.engine import EngineNeedsRestart
             from rollout.environments import EnvironmentFailing
@@ -160,9 +163,12 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
     from common.config import ConfigError
     from common.model_dirs import resolve_models
 
-    from launch.preflight import check_run_data
+    from launch.preflight import check_placement, check_run_data
 
+    address = ray_address if ray_address is not None else ("" if ray else None)
     try:  # before any process starts: a hub id is fetched once here, the roles then find it cached
+        if address is None:  # on Ray, no core of this host is named
+            check_placement(resolved)
         for role in ("rollout", "scorer", "learner"):
             resolve_models(resolved, role)
         check_run_data(resolved)
@@ -170,7 +176,6 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
         fail(error, ExitCode.CONFIG_ERROR)
     from launch.runner import run_roles
 
-    address = ray_address if ray_address is not None else ("" if ray else None)
     try:
         code = run_roles(resolved, overwrite, resume=resume is not None, ray=address)
     except ConfigError as error:  # Ray missing, or no room on the cluster
@@ -240,12 +245,13 @@ def pipeline(config: Path = ConfigOption, override: Optional[list[str]] = Overri
     resolved = _load(config, override, ppo=False)
     from common.config import ConfigError
     from launch.pipeline import run_pipeline
-    from launch.preflight import check_run_data, check_stage_data
+    from launch.preflight import check_placement, check_run_data, check_stage_data
 
     try:  # every stage's data and PPO's before the first stage trains
         check_stage_data(resolved)
         if resolved.models is not None and resolved.data is not None:
             check_run_data(resolved)
+            check_placement(resolved)
         code = run_pipeline(resolved, overwrite)
     except ConfigError as error:
         fail(error, ExitCode.CONFIG_ERROR)
@@ -428,43 +434,20 @@ def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideO
 def plan(run_dirs: list[Path] = typer.Argument(..., help="finished runs whose profiles give each role's cost; "
                                                         "two runs where a role had different device counts give "
                                                         "its measured scaling"),
-         devices: int = typer.Option(..., help="devices to split between rollout, scorer and learner"),
+         devices: int = typer.Option(..., min=1, help="devices to split between rollout, scorer and learner"),
          check: Optional[Path] = typer.Option(None, help="a measured run: compare its tokens/s with the prediction")) -> None:
     """Predict the best split of N devices from the per-role costs measured in profiles."""
-    import yaml
+    from launch.sweep import check_line, measured_costs, measured_modes, plan_lines
 
-    from launch.report import profile_run
-    from launch.sweep import (PLANNED_ROLES, best_splits, format_split, measured_costs, predict, predict_colocated,
-                              role_costs)
-
-    costs = measured_costs([str(run_dir) for run_dir in run_dirs])
-    for role, cost in costs.items():
-        points = ", ".join(f"{1000 * c:.3f} on {m}" for m, c in sorted(cost.points.items()))
-        how = (f"measured scaling: {cost.efficiency(2):.0%} efficient on 2 devices" if cost.measured_scaling
-               else "one device count measured: linear scaling assumed")
-        typer.echo(f"{role}: busy device-ms per trained token {points} ({how})")
-    splits = best_splits(costs, devices)
-    for rank, (rate, split) in enumerate(splits, 1):
-        typer.echo(f"{rank}. {format_split(split):<40} predicted {rate:,.0f} trained tokens/s")
-    colocated = predict_colocated(costs, devices)
-    typer.echo(f"colocated (placement.mode colocate, every role on all {devices} devices, taking turns): predicted "
-               f"{colocated:,.0f} trained tokens/s")
-    if colocated > splits[0][0]:
-        typer.echo(f"would run: colocated, {colocated / splits[0][0]:.2f}x the best split: each role is faster on "
-                   f"{devices} devices than the split would make the pipeline")
-    else:
-        typer.echo(f"would run: {format_split(splits[0][1])}, {splits[0][0] / colocated:.2f}x colocated: the roles "
-                   "computing side by side on their own devices beat taking turns on all of them")
-    if check is not None:
-        with open(os.path.join(check, "config.yaml")) as file:
-            placement = yaml.safe_load(file)["placement"]
-        if placement.get("mode") == "colocate":  # on the devices that run had (role_costs counts them alike)
-            predicted = predict_colocated(costs, role_costs(str(check))["learner"][0])
-        else:
-            predicted = predict(costs, {role: placement["cores"][role] for role in PLANNED_ROLES})
-        measured = profile_run(str(check)).pipeline_tokens_per_s
-        typer.echo(f"check {check}: predicted {predicted:,.0f}, measured {measured:,.0f} trained tokens/s "
-                   f"({(predicted - measured) / measured:+.0%})")
+    runs = [str(run_dir) for run_dir in run_dirs]
+    try:
+        costs = measured_costs(runs)
+        lines = plan_lines(costs, devices, measured_modes(runs))
+        if check is not None:
+            lines.append(check_line(costs, str(check)))
+    except FileNotFoundError as error:
+        fail(error, ExitCode.CONFIG_ERROR)
+    typer.echo("\n".join(lines))
 
 
 @app.command()

@@ -20,6 +20,16 @@ WHY = {ExitCode.FAILED: "the role failed", ExitCode.CONFIG_ERROR: "a config, mod
        ExitCode.ENVIRONMENT_FAILED: "the environment failed every episode (rollout.env_failure_limit)"}
 
 
+# a role's code that `tether run` exits with too when the role ends the run: each tells a scheduler
+# more than "failed" (a restart is refused alike: 2, 4; the learner saved its last good weights: 3)
+PASSED_ON = (ExitCode.CONFIG_ERROR, ExitCode.TRAINING_STOPPED, ExitCode.ENVIRONMENT_FAILED)
+
+
+def run_exit_code(role_code: int) -> int:
+    """`tether run`'s exit code when a role that exited with ``role_code`` ended the run."""
+    return role_code if role_code in PASSED_ON else ExitCode.FAILED
+
+
 def describe(code: int) -> str:
     """``code`` and what it says, for `tether run`'s report of a role that exited."""
     if code in WHY:

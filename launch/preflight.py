@@ -10,6 +10,7 @@ seconds.
 
 from __future__ import annotations
 
+import os
 import shutil
 
 from common.config import ConfigError, TetherConfig
@@ -57,3 +58,31 @@ def check_stage_data(config: TetherConfig) -> None:
         for key in ("data", "eval_data"):
             if getattr(section, key):
                 read_records(getattr(section, key), f"{name}.{key}", *FORMS[form])
+
+
+def check_placement(config: TetherConfig, available: set[int] | None = None) -> None:
+    """``placement.cores`` on this host: each role's list names cores this process may run on
+    (``available``; default its affinity, which a container or ``taskset`` narrows). A core past
+    them made the role's start fail inside the child (os.sched_setaffinity: "Invalid argument")
+    after the others had started; an empty list read as "every core". Raises ``ConfigError``."""
+    available = set(os.sched_getaffinity(0)) if available is None else available
+    for role, cores in config.placement.cores.items():
+        if not cores:
+            raise ConfigError(f"placement.cores.{role}: an empty list; name the role's cores, or leave the role "
+                              "out to run it on every core")
+        outside = sorted(set(cores) - available)
+        if outside:
+            raise ConfigError(f"placement.cores.{role}: core{'s' if len(outside) > 1 else ''} "
+                              f"{', '.join(map(str, outside))} {'are' if len(outside) > 1 else 'is'} not among the "
+                              f"cores this machine gives tether ({_ranges(sorted(available))})")
+
+
+def _ranges(cores: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5"."""
+    spans: list[list[int]] = []
+    for core in cores:
+        if spans and core == spans[-1][1] + 1:
+            spans[-1][1] = core
+        else:
+            spans.append([core, core])
+    return ", ".join(f"{low}-{high}" if high > low else str(low) for low, high in spans)

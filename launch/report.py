@@ -20,7 +20,8 @@ TIME_CATEGORIES = {
 }
 
 PANELS = (
-    ("reward", (("learner", "reward", "score (RM + functions)"), ("eval", "reward", "held-out (eval)"),
+    ("reward", (("learner", "reward", "trained on (score + turn rewards)"),
+                ("learner", "score", "score (RM + functions)"), ("eval", "reward", "held-out (eval)"),
                 ("learner", "gold_reward", "gold"))),
     ("KL to reference", (("learner", "kl", "kl"), ("eval", "kl_to_reference", "held-out (eval)"))),
     ("response length", (("learner", "response_length", "tokens"),)),
@@ -219,47 +220,103 @@ class Profile:
     startup: Startup = field(default_factory=lambda: Startup([], None, None))
 
 
+def run_starts(run_dir: str) -> list[float]:
+    """When each `tether run` of ``run_dir`` started (``time.time()``): the first, and each resume."""
+    return sorted(r["start"] for r in read_metrics(run_dir, "startup")
+                  if r.get("role") == "tether run" and r.get("phase") == "start roles")
+
+
+def sessions(records: list[dict], starts: list[float]) -> list[list[dict]]:
+    """A role's records in runs: a new one wherever a `tether run` started between two records (a
+    resume). The time between a stop and a resume is no role's: the roles' wall time leaves it out."""
+    runs: list[list[dict]] = []
+    for record in records:
+        if not runs or any(runs[-1][-1]["time"] < start <= record["time"] for start in starts):
+            runs.append([])
+        runs[-1].append(record)
+    return runs
+
+
+def _role_profile(name: str, records: list[dict], starts: list[float]) -> RoleProfile | None:
+    """Where the time of a rollout, scorer or learner went, over each run of the directory (a resume
+    is another)."""
+    kind = name.rstrip("0123456789")  # rollout0, scorer1 -> their role
+    records = [r for r in records if "iteration_s" in r]
+    if not records:
+        return None
+    # The first wait of a role in each run is start-up (the others loading models, vLLM starting),
+    # not steady state: it is left out of the wall time and the shares, and shown on its own. The
+    # records of one run tile it: each covers the time since the one before.
+    runs = sessions(records, starts)
+    startup = sum(run[0].get("waiting_s", 0.0) for run in runs)
+    wall = sum(run[-1]["time"] - (run[0]["time"] - run[0]["iteration_s"]) for run in runs) - startup
+    seconds = {category: sum(r.get(key, 0.0) for r in records) for key, category in TIME_CATEGORIES[kind]}
+    seconds["waiting"] -= startup
+    tokens = sum(r.get("response_tokens", 0) for r in records)
+    rate = tokens / wall if tokens and wall > 0 else None
+    if kind == "scorer":
+        busy = seconds["scoring"]
+        rate = sum(r["tokens_per_s"] * r["busy_s"] for r in records) / wall if busy > 0 else None
+    return RoleProfile(name, wall, seconds, rate, startup)
+
+
+def _buffer_profile(records: list[dict], starts: list[float]) -> RoleProfile | None:
+    """The buffer's handling time; each of its processes counts from its own start (``elapsed_s``)."""
+    lasts = [run[-1] for run in sessions([r for r in records if "busy_s_total" in r], starts)]
+    if not lasts:
+        return None
+    elapsed, busy = sum(last["elapsed_s"] for last in lasts), sum(last["busy_s_total"] for last in lasts)
+    return RoleProfile("buffer", elapsed, {"handling": busy, "waiting": elapsed - busy})
+
+
+WORK = {"rollout": "generation", "scorer": "scoring", "learner": "training"}
+
+
+def advice(bottleneck: str, colocated: bool) -> str:
+    """What to change for the role ``bottleneck`` (rollout0, learner, ...) that limits a run."""
+    kind = bottleneck.rstrip("0123456789")
+    if colocated and kind in WORK:
+        # taking turns, no role computes while another does: a bound on staleness lets nothing run ahead
+        return (f"{WORK[kind]} takes the longest turns: the roles take turns on the same devices (placement.mode "
+                "colocate), so a step lasts as long as its turns together and max_staleness lets nothing run "
+                "ahead; a faster role, more devices, or a split where the roles overlap (`tether plan` "
+                "predicts one) shortens it")
+    return {
+        "rollout": "generation limits the pipeline: give the rollout more devices (or more rollout processes)",
+        "learner": "training limits the pipeline: give the learner more devices; raising max_staleness lets "
+                   "generation run further ahead meanwhile",
+        "buffer": "the buffer limits the pipeline: larger sample chunks (rollout.prompts_per_generate)",
+    }.get(kind, "scoring limits the pipeline: add scorer workers (scorer.workers) or give them more devices")
+
+
+def _colocated(run_dir: str) -> bool:
+    """Whether the run's config.yaml says ``placement.mode: colocate`` (roles started by hand: none)."""
+    import yaml
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        return False
+    with open(path) as file:
+        return ((yaml.safe_load(file) or {}).get("placement") or {}).get("mode") == "colocate"
+
+
 def profile_run(run_dir: str) -> Profile:
     metrics = _role_metrics(run_dir)
+    starts = run_starts(run_dir)
     roles = []
     for name, records in metrics.items():
-        kind = name.rstrip("0123456789")  # rollout0, scorer1 -> their role
-        if kind in TIME_CATEGORIES:
-            records = [r for r in records if "iteration_s" in r]
-            if not records:
-                continue
-            # The first wait of a role is start-up (the others loading models, vLLM starting), not
-            # steady state: it is left out of the wall time and the shares, and shown on its own.
-            startup = records[0].get("waiting_s", 0.0)
-            wall = records[-1]["time"] - (records[0]["time"] - records[0]["iteration_s"]) - startup
-            seconds = {category: sum(r.get(key, 0.0) for r in records) for key, category in TIME_CATEGORIES[kind]}
-            seconds["waiting"] -= startup
-            tokens = sum(r.get("response_tokens", 0) for r in records)
-            rate = tokens / wall if tokens and wall > 0 else None
-            if kind == "scorer":
-                busy = seconds["scoring"]
-                rate = sum(r["tokens_per_s"] * r["busy_s"] for r in records) / wall if busy > 0 else None
-            roles.append(RoleProfile(name, wall, seconds, rate, startup))
-        elif kind == "buffer" and records:
-            last = records[-1]
-            if "busy_s_total" in last:
-                busy = last["busy_s_total"]
-                roles.append(RoleProfile("buffer", last["elapsed_s"],
-                                         {"handling": busy, "waiting": last["elapsed_s"] - busy}))
+        kind = name.rstrip("0123456789")
+        role = (_role_profile(name, records, starts) if kind in TIME_CATEGORIES
+                else _buffer_profile(records, starts) if kind == "buffer" else None)
+        if role is not None:
+            roles.append(role)
     learner = next((r for r in roles if r.role == "learner"), None)
     if learner is None:
         raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet")
     trained_tokens = sum(r.get("response_tokens", 0) for r in metrics["learner"])
     bottleneck = max(roles, key=lambda r: r.busy_fraction)
-    advice = {
-        "rollout": "generation limits the pipeline: give the rollout more devices (or more rollout processes)",
-        "learner": "training limits the pipeline: give the learner more devices; raising max_staleness lets "
-                   "generation run further ahead meanwhile",
-        "buffer": "the buffer limits the pipeline: larger sample chunks (rollout.prompts_per_generate)",
-    }.get(bottleneck.role.rstrip("0123456789"),
-          "scoring limits the pipeline: add scorer workers (scorer.workers) or give them more devices")
-    return Profile(roles, trained_tokens / learner.wall_s if learner.wall_s > 0 else 0.0, bottleneck.role, advice,
-                   startup_timeline(run_dir))
+    return Profile(roles, trained_tokens / learner.wall_s if learner.wall_s > 0 else 0.0, bottleneck.role,
+                   advice(bottleneck.role, _colocated(run_dir)), startup_timeline(run_dir))
 
 
 def format_profile(profile: Profile) -> str:
@@ -274,7 +331,8 @@ def format_profile(profile: Profile) -> str:
         rate = f"{role.tokens_per_s:>11,.0f}" if role.tokens_per_s else f"{'':>11}"
         lines.append(f"{role.role:<9}{role.startup_s:>8.1f}s{role.wall_s:>8.1f}{role.busy_fraction:>7.0%}{cells}{rate}")
     lines.append("")
-    lines.append("start-up: each role's first wait (models loading, vLLM starting), left out of its wall time")
+    lines.append("start-up: each role's first wait (models loading, vLLM starting; a resume's too), left out of its "
+                 "wall time, as is the time between a stop and its resume")
     lines.append(f"pipeline: {profile.pipeline_tokens_per_s:,.0f} trained tokens/s")
     lines.append(f"bottleneck: {profile.bottleneck} ({profile.advice})")
     if profile.startup.phases:

@@ -15,7 +15,7 @@ from collections import deque
 
 from common.config import STAGES, TetherConfig, dump_config
 from common.runlog import StartupTimeline, read_metrics, stage_files
-from launch.exit_codes import ExitCode, describe, signalled
+from launch.exit_codes import ExitCode, describe, run_exit_code, signalled
 from launch.processes import DIST_ENV_KEYS, STOP_SIGNALS, RoleProcess, Stopped, role_command, role_name
 from launch.trackers import STATE_FILE as TRACKERS_STATE
 from launch.trackers import Trackers
@@ -451,7 +451,7 @@ def _watch(config: TetherConfig, config_path: str, resume: bool, timeline: Start
                     _stop_learner_first(roles, config.launch.checkpoint_grace_s)
                 evaluations.stop()
                 _remove_shared_memory(config)
-                return ExitCode.FAILED
+                return run_exit_code(code)
             if learner.process.poll() == 0 and learner_done_at is None:
                 learner_done_at = time.monotonic()
             if learner_done_at is not None:

@@ -102,26 +102,23 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
     """Each split at each bound for ``steps`` steps, ranked by trained tokens/s. With ``ray`` (a
     cluster's address, "" for one on this machine) a split's devices are counts: each process of a
     role asks Ray for its share of them (``placement.ray.gpus`` with ``gpus``, else ``cpus``)."""
+    from launch.preflight import check_placement
     from launch.runner import run_roles
 
-    trials = []
+    planned = []
     for split_text, k in itertools.product(splits, staleness):
-        split, counts, colocated = parse_split(split_text), parse_counts(split_text), is_colocated(split_text)
-        shown = f"{COLOCATE}={','.join(map(str, split['rollout']))}" if colocated else format_split(split, counts)
+        split, counts = parse_split(split_text), parse_counts(split_text)
+        shown = (f"{COLOCATE}={','.join(map(str, split['rollout']))}" if is_colocated(split_text)
+                 else format_split(split, counts))
         name = f"{shown.replace(';', '_').replace('=', '').replace(',', '-')}_k{k}"
         run_dir = os.path.join(out_dir, name)
-        overrides = [f"run_dir={run_dir}", f"buffer.max_staleness={k}", f"learner.total_steps={steps}",
-                     "placement.cores={}", "placement.cuda_visible_devices={}",
-                     f"placement.mode={'colocate' if colocated else 'split'}"]
-        overrides += [f"{COUNT_KEYS[role]}={counts.get(role, 1)}" for role in PLANNED_ROLES]
-        for role, devices in split.items():
-            if ray is not None:  # a share of the devices for each of the role's processes (a learner: per rank)
-                overrides.append(f"placement.ray.{'gpus' if gpus else 'cpus'}.{role}={len(devices) / counts.get(role, 1)}")
-            elif gpus:
-                overrides.append(f"placement.cuda_visible_devices.{role}=\"{','.join(map(str, devices))}\"")
-            else:
-                overrides.append(f"placement.cores.{role}=[{','.join(map(str, devices))}]")
-        trial_config = load_config(None, overrides, base=config.model_dump(mode="json"))
+        trial_config = load_config(None, trial_overrides(split_text, k, steps, run_dir, gpus, ray),
+                                   base=config.model_dump(mode="json"))
+        if ray is None:  # every trial's cores before the first runs; Ray names no core of this host
+            check_placement(trial_config)
+        planned.append((shown, k, name, run_dir, trial_config))
+    trials = []
+    for shown, k, name, run_dir, trial_config in planned:
         log(f"sweep: {shown} max_staleness {k} -> {run_dir}")
         if run_roles(trial_config, overwrite=True, ray=ray) != 0:
             raise RuntimeError(f"trial {name} failed; see {run_dir}/logs")
@@ -132,6 +129,24 @@ def run_sweep(config: TetherConfig, splits: list[str], staleness: list[int], ste
     with open(os.path.join(out_dir, "sweep.json"), "w") as file:
         json.dump([trial.__dict__ for trial in trials], file, indent=2)
     return trials
+
+
+def trial_overrides(split_text: str, k: int, steps: int, run_dir: str, gpus: bool, ray: str | None) -> list[str]:
+    """The config changes of one trial: the split's devices for the roles it names, in the kind it
+    names (cores, GPUs with ``gpus``, Ray's counts with ``ray``). The rest of the user's placement
+    stays: the buffer's and the agent programs' cores, the cores of a GPU trial."""
+    split, counts, colocated = parse_split(split_text), parse_counts(split_text), is_colocated(split_text)
+    overrides = [f"run_dir={run_dir}", f"buffer.max_staleness={k}", f"learner.total_steps={steps}",
+                 f"placement.mode={'colocate' if colocated else 'split'}"]
+    overrides += [f"{COUNT_KEYS[role]}={counts.get(role, 1)}" for role in PLANNED_ROLES]
+    for role, devices in split.items():
+        if ray is not None:  # a share of the devices for each of the role's processes (a learner: per rank)
+            overrides.append(f"placement.ray.{'gpus' if gpus else 'cpus'}.{role}={len(devices) / counts.get(role, 1)}")
+        elif gpus:
+            overrides.append(f"placement.cuda_visible_devices.{role}=\"{','.join(map(str, devices))}\"")
+        else:
+            overrides.append(f"placement.cores.{role}=[{','.join(map(str, devices))}]")
+    return overrides
 
 
 def format_sweep(trials: list[Trial]) -> str:
@@ -185,11 +200,9 @@ class RoleCost:
 def role_costs(run_dir: str) -> dict[str, tuple[int, float]]:
     """Busy device-seconds per trained token of each role in a finished run (busy time x the
     number of devices it had), with that number: the unit cost the plan scales."""
-    import yaml
-
+    saved = _saved_config(run_dir)
     profile = profile_run(run_dir)
-    with open(os.path.join(run_dir, "config.yaml")) as file:
-        placement = yaml.safe_load(file).get("placement", {})
+    placement = saved.get("placement", {})
     devices = {**placement.get("cores", {}),
                **{role: str(v).split(",") for role, v in placement.get("cuda_visible_devices", {}).items()}}
     if placement.get("mode") == COLOCATE:  # every role had all of them (all the machine's where none is named)
@@ -198,10 +211,11 @@ def role_costs(run_dir: str) -> dict[str, tuple[int, float]]:
     ray = placement.get("ray", {})
     for role, share in {**ray.get("cpus", {}), **ray.get("gpus", {})}.items():  # a trial of `tether sweep --ray`
         processes = {"rollout": "engines", "scorer": "workers", "learner": "ranks"}.get(role)
-        with open(os.path.join(run_dir, "config.yaml")) as file:
-            count = yaml.safe_load(file).get(role, {}).get(processes, 1) if processes else 1
+        count = saved.get(role, {}).get(processes, 1) if processes else 1
         devices[role] = [0] * max(1, round(share * count))
     trained_tokens = profile.pipeline_tokens_per_s * next(r.wall_s for r in profile.roles if r.role == "learner")
+    if trained_tokens <= 0:
+        raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl records no trained token: not a finished run")
     busy: dict[str, list[float]] = {}
     for role in profile.roles:
         kind = role.role.rstrip("0123456789")
@@ -219,9 +233,74 @@ def measured_costs(run_dirs: list[str]) -> dict[str, RoleCost]:
     for run_dir in run_dirs:
         for role, (devices, cost) in role_costs(run_dir).items():
             measured.setdefault(role, {}).setdefault(devices, []).append(cost)
+    missing = [role for role in PLANNED_ROLES if role not in measured]
+    if missing:
+        raise FileNotFoundError(f"{', '.join(run_dirs)}: no metrics of the {' or '.join(missing)} (metrics/"
+                                f"{missing[0]}*.jsonl): the plan needs a finished run of every role")
     # two runs that gave a role the same device count: their mean
     return {role: RoleCost({devices: sum(values) / len(values) for devices, values in points.items()})
             for role, points in measured.items()}
+
+
+def _saved_config(run_dir: str) -> dict:
+    """A run's own config.yaml, as saved by `tether run`."""
+    import yaml
+
+    path = os.path.join(run_dir, "config.yaml")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{run_dir} is not a finished tether run: it holds no config.yaml")
+    with open(path) as file:
+        return yaml.safe_load(file) or {}
+
+
+def measured_modes(run_dirs: list[str]) -> set[str]:
+    """The placement modes (split, colocate) that the runs measured."""
+    return {(_saved_config(run_dir).get("placement") or {}).get("mode", "split") for run_dir in run_dirs}
+
+
+def recommendation(best: tuple[float, dict[str, list[int]]], colocated: float, devices: int,
+                   modes: set[str]) -> str:
+    """Which mode to run on ``devices``: the faster predicted, unless no profile measured that mode.
+    A prediction for a mode never run only scales each role's cost; it leaves out what the mode
+    adds (the hand-overs between turns colocated, roles crowding a shared device split): from one
+    split profile, colocated was predicted 1.02x the best split and measured 8% slower."""
+    rate, split = best
+    label = {"split": format_split(split), COLOCATE: "colocated"}
+    if math.isclose(rate, colocated, rel_tol=1e-6):  # one device: every role shares it either way
+        kept = "split" if "split" in modes else COLOCATE
+        shared = "1 device every role shares it" if devices == 1 else f"{devices} devices every role shares them"
+        return (f"would run: {label[kept]}, the mode measured: on {shared} either way, and the prediction cannot "
+                "tell computing at once from taking turns")
+    faster, slower = (COLOCATE, "split") if colocated > rate else ("split", COLOCATE)
+    gain = max(rate, colocated) / min(rate, colocated)
+    if faster not in modes:
+        sweep = f"colocate=0-{devices - 1}" if faster == COLOCATE else label["split"]
+        return (f"would run: {label[slower]}, the mode measured; {label[faster]} is predicted {gain:.2f}x faster, "
+                "but no profile measured that mode and the prediction leaves out what it adds: measure it before "
+                f"choosing it (tether sweep --split '{sweep}')")
+    if faster == COLOCATE:
+        return (f"would run: colocated, {gain:.2f}x the best split: each role is faster on {devices} devices than "
+                "the split would make the pipeline")
+    return (f"would run: {label['split']}, {gain:.2f}x colocated: the roles computing side by side on their own "
+            "devices beat taking turns on all of them")
+
+
+def plan_lines(costs: dict[str, RoleCost], devices: int, modes: set[str]) -> list[str]:
+    """`tether plan`'s report: each role's measured cost, the best splits, colocated, the choice."""
+    lines = []
+    for role, cost in costs.items():
+        points = ", ".join(f"{1000 * c:.3f} on {m}" for m, c in sorted(cost.points.items()))
+        how = (f"measured scaling: {cost.efficiency(2):.0%} efficient on 2 devices" if cost.measured_scaling
+               else "one device count measured: linear scaling assumed")
+        lines.append(f"{role}: busy device-ms per trained token {points} ({how})")
+    splits = best_splits(costs, devices)
+    for rank, (rate, split) in enumerate(splits, 1):
+        lines.append(f"{rank}. {format_split(split):<40} predicted {rate:,.0f} trained tokens/s")
+    colocated = predict_colocated(costs, devices)
+    lines.append(f"colocated (placement.mode colocate, every role on all {devices} device{'s' if devices > 1 else ''}, "
+                 f"taking turns): predicted {colocated:,.0f} trained tokens/s")
+    lines.append(recommendation(splits[0], colocated, devices, modes))
+    return lines
 
 
 def predict(costs: dict[str, "RoleCost | float"], split: dict[str, list[int]]) -> float:
@@ -259,3 +338,15 @@ def best_splits(costs: dict[str, "RoleCost | float"], devices: int,
         scored.append((predict(costs, split), split))
     scored.sort(key=lambda item: -item[0])
     return scored[:top]
+
+
+def check_line(costs: dict[str, RoleCost], run_dir: str) -> str:
+    """The prediction for the placement a measured run had, beside what it measured."""
+    placement = _saved_config(run_dir).get("placement", {})
+    if placement.get("mode") == COLOCATE:  # on the devices that run had (role_costs counts them alike)
+        predicted = predict_colocated(costs, role_costs(run_dir)["learner"][0])
+    else:
+        predicted = predict(costs, {role: placement["cores"][role] for role in PLANNED_ROLES})
+    measured = profile_run(run_dir).pipeline_tokens_per_s
+    return (f"check {run_dir}: predicted {predicted:,.0f}, measured {measured:,.0f} trained tokens/s "
+            f"({(predicted - measured) / measured:+.0%})")

@@ -430,3 +430,68 @@ def test_roles_hear_a_dead_or_restarted_buffer_through_heartbeats(tmp_path):
     finally:
         if buffer.poll() is None:
             buffer.kill()
+
+
+def _buffer_process(tmp_path):
+    """`tether launch buffer` by hand, as `tether run` starts it; returns (config, process)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from common.config import load_config
+    from tests.helpers import base_config
+
+    raw = base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"})
+    raw["learner"] = {"batch_size": 2, "minibatch_size": 1}
+    raw["metrics"] = {"trackers": []}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    process = subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "buffer", "--config", str(path)],
+                               cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return load_config(str(path)), process
+
+
+@pytest.mark.parametrize("number", ["SIGTERM", "SIGHUP"])
+def test_a_buffer_stopped_before_the_learner_finished_writes_its_accounting(tmp_path, number):
+    """A run that another role ended (an environment failing every episode: the rollout exits 4,
+    `tether run` stops the others with SIGTERM) can still be checked against the identity: the
+    buffer writes its accounting on a stop signal too, with what ended it, and exits 128 + it."""
+    import json
+    import signal
+
+    config, buffer = _buffer_process(tmp_path)
+    try:
+        rollout = BufferClient(config.buffer_address, "rollout", "0")
+        rollout.connect(retries=60, interval_s=0.5)
+        rollout.request("credit_request", {"policy_version": 0, "wanted": 2})
+        assert rollout.request("samples", *pack_samples(_generated(0, 1))).fields["accepted"] == 2
+        buffer.send_signal(getattr(signal, number))
+        assert buffer.wait(timeout=30) == 128 + getattr(signal, number)
+    finally:
+        if buffer.poll() is None:
+            buffer.kill()
+    with open(tmp_path / "run" / "metrics" / "buffer_accounting.json") as file:
+        report = json.load(file)
+    assert report["ended_by"] == number and report["identity_holds"]
+    assert (report["generated"], report["trained"], report["in_flight"]) == (2, 0, 2)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the error, as meant
+def test_a_buffer_whose_loop_fails_still_writes_its_accounting(tmp_path, monkeypatch):
+    import json
+
+    from buffer.state import BufferState
+
+    def fail(self, now):
+        raise RuntimeError("a bug in the bookkeeping")
+
+    monkeypatch.setattr(BufferState, "redispatch", fail)
+    config, result, thread = start_buffer(tmp_path, "buffer.max_staleness=0")
+    thread.join(timeout=10)
+    assert not thread.is_alive() and result == {}  # the error went up, past the accounting
+    with open(tmp_path / "run" / "metrics" / "buffer_accounting.json") as file:
+        report = json.load(file)
+    assert report["ended_by"] == "RuntimeError: a bug in the bookkeeping" and report["identity_holds"]

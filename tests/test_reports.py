@@ -2,6 +2,7 @@
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from launch.cli import app
@@ -81,3 +82,64 @@ def test_vllms_warnings_that_say_nothing_wrong_are_dropped_and_colour_codes_stri
     assert expected.filter(record("RotaryEmbedding: Failed to load weights", level=logging.ERROR))
     report = record("\x1b[1mLlamaForSequenceClassification LOAD REPORT\x1b[0m from: /m")
     assert PlainText().filter(report) and report.getMessage() == "LlamaForSequenceClassification LOAD REPORT from: /m"
+
+
+def test_plan_of_a_directory_that_is_not_a_finished_run_is_one_line_and_exit_2(tmp_path):
+    for run_dir in (tmp_path / "nowhere", tmp_path):
+        result = CliRunner().invoke(app, ["plan", str(run_dir), "--devices", "2"])
+        assert result.exit_code == ExitCode.CONFIG_ERROR, result.output
+        assert result.output == f"error: {run_dir} is not a finished tether run: it holds no config.yaml\n"
+    (tmp_path / "config.yaml").write_text("placement: {mode: split}\n")  # started, but no step trained
+    result = CliRunner().invoke(app, ["plan", str(tmp_path), "--devices", "2"])
+    assert result.exit_code == ExitCode.CONFIG_ERROR and result.output.count("\n") == 1
+    assert "learner.jsonl has no step yet" in result.output
+
+
+def _learner_run(run_dir, mode: str = "split") -> None:
+    """A made-up run: its config, and learner steps that trained 2 s of every 2.2 s."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(f"placement: {{mode: {mode}}}\n")
+    write_metrics(run_dir, "learner", [{"time": 100.0 + 2.2 * s, "step": s, "iteration_s": 2.2, "waiting_s": 0.2,
+                                        "train_s": 2.0, "weight_sync_s": 0.0, "response_tokens": 10} for s in (1, 2, 3)])
+    write_metrics(run_dir, "rollout0", [{"time": 100.0 + 2.2 * s, "iteration_s": 2.2, "waiting_s": 1.7, "busy_s": 0.5,
+                                         "response_tokens": 10} for s in (1, 2, 3)])
+
+
+def test_profile_advice_on_a_colocated_run_does_not_offer_a_staleness_that_runs_ahead(tmp_path):
+    """Roles that take turns on the same devices overlap nothing: a larger max_staleness lets no
+    generation run ahead of training there."""
+    from launch.report import profile_run
+
+    _learner_run(tmp_path / "split")
+    _learner_run(tmp_path / "colocated", mode="colocate")
+    split, colocated = profile_run(str(tmp_path / "split")), profile_run(str(tmp_path / "colocated"))
+    assert split.bottleneck == colocated.bottleneck == "learner"
+    assert "raising max_staleness lets generation run further ahead" in split.advice
+    assert "run further ahead" not in colocated.advice and "take turns on the same devices" in colocated.advice
+
+
+def test_profile_of_a_resumed_run_leaves_out_the_time_between_stop_and_resume(tmp_path):
+    """A learner ran 14 s (8 of them starting), was stopped, and resumed 186 s later for 14 s more
+    (9 starting): its wall time is 6 + 5 s, not the 211 s from its first record to its last."""
+    from launch.report import profile_run
+
+    def steps(started, startup):
+        first = {"time": started + 10.0, "iteration_s": 10.0, "waiting_s": startup, "train_s": 10.0 - startup}
+        return [first] + [{"time": started + 10.0 + 2 * i, "iteration_s": 2.0, "waiting_s": 0.5, "train_s": 1.5}
+                          for i in (1, 2)]
+
+    learner = [{"step": step, "response_tokens": 100, "weight_sync_s": 0.0, **record}
+               for step, record in enumerate(steps(1000.0, 8.0) + steps(1200.0, 9.0), 1)]
+    write_metrics(tmp_path, "learner", learner)
+    write_metrics(tmp_path, "buffer", [{"time": 1014.0, "elapsed_s": 14.0, "busy_s_total": 1.0},
+                                       {"time": 1219.0, "elapsed_s": 19.0, "busy_s_total": 2.0}])
+    write_metrics(tmp_path, "startup", [{"role": "tether run", "phase": "start roles", "start": start, "end": start + 1}
+                                        for start in (999.0, 1199.0)])
+    profile = profile_run(str(tmp_path))
+    learner_profile = next(role for role in profile.roles if role.role == "learner")
+    assert learner_profile.wall_s == pytest.approx(11.0) and learner_profile.startup_s == pytest.approx(17.0)
+    assert learner_profile.seconds["waiting"] == pytest.approx(2.0)  # the four steady-state waits
+    assert learner_profile.busy_fraction == pytest.approx(9 / 11)
+    assert profile.pipeline_tokens_per_s == pytest.approx(600 / 11)
+    buffer = next(role for role in profile.roles if role.role == "buffer")
+    assert buffer.wall_s == pytest.approx(33.0) and buffer.seconds["handling"] == pytest.approx(3.0)

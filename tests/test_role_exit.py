@@ -1,5 +1,6 @@
 """A role that finished leaves without the interpreter's teardown (`launch.cli.exit_finished`),
-yet what it queued on ZeroMQ still reaches its peer, and a socket left open cannot hang it."""
+yet what it queued on ZeroMQ still reaches its peer, and a socket left open cannot hang it. A role
+that ends the run gives `tether run` its exit code where the code says more than "failed"."""
 
 import os
 import subprocess
@@ -7,6 +8,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import zmq
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -52,3 +54,41 @@ def test_a_socket_left_open_with_nobody_to_deliver_to_does_not_hang_the_exit(tmp
         assert role.wait(timeout=30) == 0  # ZeroMQ's term waits for the open socket; the exit does not
     finally:
         role.kill()
+
+
+def _role_exiting(exiting: str, code: int):
+    """A `start` for `launch.runner._watch` whose ``exiting`` role exits with ``code`` at once and
+    whose other roles wait to be stopped, as a real role under `tether run` does."""
+    from launch.processes import RoleProcess, role_name
+    from launch.runner import LocalProcess
+
+    def start(config, role, config_path, worker_index=0):
+        command = ([sys.executable, "-c", f"import sys; sys.exit({code})"] if role == exiting
+                   else ["sleep", "60"])
+        name = role_name(role, worker_index)
+        log_path = os.path.join(config.run_dir, "logs", f"{name}.log")
+        return RoleProcess(name, role, worker_index, LocalProcess(subprocess.Popen(command, start_new_session=True)),
+                           log_path)
+    return start
+
+
+@pytest.mark.parametrize("role, code, run_code", [
+    ("rollout", 4, 4),  # the environment failed every episode: a restart would fail alike
+    ("rollout", 2, 2),  # a bad config, found by the role
+    ("learner", 3, 3),  # training stopped on a non-finite loss, its last good weights saved
+    ("scorer", 1, 1),  # a failure past launch.max_restarts
+    ("rollout", 7, 1),  # a code with no meaning of its own: failed
+])
+def test_tether_run_exits_with_the_code_of_the_role_that_ended_the_run(tmp_path, monkeypatch, role, code, run_code):
+    from common.config import load_config
+    from common.runlog import StartupTimeline
+    from launch import runner
+    from tests.helpers import base_config
+
+    config = load_config(None, ["launch.max_restarts=0", "metrics.trackers=[]"],
+                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
+    for directory in ("logs", "metrics"):
+        os.makedirs(os.path.join(config.run_dir, directory))
+    monkeypatch.setattr(runner, "_remove_shared_memory", lambda config: None)  # /dev/shm is not this test's
+    timeline = StartupTimeline(config.run_dir, "tether run")
+    assert runner._watch(config, "unused.yaml", False, timeline, _role_exiting(role, code)) == run_code
