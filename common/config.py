@@ -793,6 +793,24 @@ class TetherConfig(_Strict):
                              f"learner.ranks ({learner.ranks}): each rank trains an equal share")
         return self
 
+    @model_validator(mode="after")
+    def _no_idle_keys(self) -> "TetherConfig":
+        """A key that does nothing in its mode is refused, naming the key that would give it meaning:
+        accepted, it reads as a setting the run follows (issue 52)."""
+        learner, scorer = self.learner, self.scorer
+        if _set(learner, "loss_norm_length") and learner.loss_aggregation != "seq-mean-token-sum-norm":
+            raise ValueError(f"learner.loss_norm_length ({learner.loss_norm_length}) is the constant length of "
+                             f"learner.loss_aggregation seq-mean-token-sum-norm; with {learner.loss_aggregation} it "
+                             "does nothing")
+        idle = [f"scorer.{key}" for key in ("overlong_penalty", "overlong_max_length") if _set(scorer, key)]
+        if idle and scorer.overlong_buffer is None:
+            raise ValueError(f"{' and '.join(idle)} shape rewards only with scorer.overlong_buffer set: without it "
+                             "DAPO's overlong shaping is off")
+        if _set(learner, "grpo_std_normalize") and learner.advantage_estimator != "grpo":
+            raise ValueError(f"learner.grpo_std_normalize false changes learner.advantage_estimator grpo's "
+                             f"advantages; {learner.advantage_estimator} divides by no group's std")
+        return self
+
     @property
     def overlong_max_length(self) -> int:
         """The length DAPO's overlong shaping counts to (``scorer.overlong_max_length``): by default the
@@ -869,6 +887,12 @@ class TetherConfig(_Strict):
     @property
     def reference_path(self) -> str:
         return self.models.reference or self.models.policy
+
+
+def _set(section: BaseModel, key: str) -> bool:
+    """Whether the config gives ``key`` of ``section`` a value other than its default: a run's own
+    config.yaml and `tether config show` write every key, those at their default too."""
+    return key in section.model_fields_set and getattr(section, key) != type(section).model_fields[key].default
 
 
 def _named_for_turns(devices_of: dict[str, list]) -> list:

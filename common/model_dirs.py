@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+from common import verifiers_envs
 from common.config import ConfigError, TetherConfig
 from common.lengths import max_model_len
 
@@ -50,6 +51,13 @@ def local_model_dir(key: str, name: str) -> str:
     return directory
 
 
+def check_prompts_source(prompts: str, key: str = "data.prompts") -> None:
+    """A prompts source (``key``) is a file, or ``verifiers:<id>``: an environment's dataset, which
+    has no file (``common.prompts.read_rows`` reads it, and says what is wrong with it)."""
+    if verifiers_envs.environment_id(prompts) is None and not os.path.isfile(prompts):
+        raise ConfigError(f"{key}: {prompts} does not exist (a JSON-lines or Parquet file, or verifiers:<id>)")
+
+
 def resolve_models(config: TetherConfig, role: str) -> TetherConfig:
     """The config with the models ``role`` loads as local directories, and the files it reads
     checked; errors name the config key. The buffer loads no model."""
@@ -61,8 +69,8 @@ def resolve_models(config: TetherConfig, role: str) -> TetherConfig:
         "buffer": [],
     }[role]
     resolved = {key: local_model_dir(f"models.{key}", getattr(models, key)) for key in keys}
-    if role in ("rollout", "scorer") and not os.path.isfile(config.data.prompts):
-        raise ConfigError(f"data.prompts: {config.data.prompts} does not exist")
+    if role in ("rollout", "scorer"):
+        check_prompts_source(config.data.prompts)
     config = config.model_copy(update={"models": models.model_copy(update=resolved)})
     if "policy" not in resolved:
         return config

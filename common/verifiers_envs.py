@@ -134,6 +134,18 @@ def dataset_rows(spec: str, args: dict[str, Any] | None, key: str) -> list[dict[
     return rows
 
 
+def tool_schemas(spec: str | None, args: dict[str, Any] | None = None) -> list[dict] | None:
+    """The tools ``spec``'s environment (``rollout.environment``, made with ``args``) passes with
+    every call, a ToolEnv's ``tool_defs``, as the rollout's endpoint receives and renders them: OpenAI
+    function tools, unset keys left out. None for another spec or an environment without tools.
+    The chat template renders them into each of its prompts, so a prompt's length counts them."""
+    env_id = environment_id(spec)
+    if env_id is None:
+        return None
+    tools = load(env_id, args).tool_defs or []
+    return [{"type": "function", "function": tool.model_dump(exclude_none=True)} for tool in tools] or None
+
+
 def rollout_input(environment, row: dict[str, Any]) -> dict[str, Any]:
     """``row`` as the environment's own dataset gives a row to its rollout: its fields, with
     ``prompt`` the chat (``messages``, after the environment's system prompt where they have

@@ -39,7 +39,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
 
     from rollout.agents import agent_programs
     from rollout.engine import banned_words, make_vllm_engine, sampling_params
-    from rollout.environments import Environments
+    from rollout.environments import Environments, prompt_tools
     from rollout.episodes import Episodes, Renderer
     from rollout.generators import generate_to_end
     from rollout.responses import Generating, to_samples
@@ -50,7 +50,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     programs = agent_programs(config, tokenizer)
     environments = Environments.load(config.rollout.environment, load_tools(config.rollout.tools), programs,
                                      config.rollout.env_step_deadline_s)
-    tools = environments.tool_schemas if environments is not None else None
+    tools = prompt_tools(config, environments)
     if environments is not None:
         environments.read_calls_with(config.rollout.tool_parser, tokenizer, config.rollout.reasoning_parser)
     limit = config.rollout.max_model_len - config.rollout.max_new_tokens

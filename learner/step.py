@@ -384,16 +384,23 @@ def step_statistics(samples: list[Sample], scores: torch.Tensor, truncated: torc
     # the check that weight sync and sampling agree
     gap = (targets.behavior_logprobs - targets.old_logprobs).abs() * mask
     kl_per_episode = (kl * mask).sum(dim=1)  # what the adaptive controller compares with its target
+    # an environment's turn rewards and an agent program's return: trained as the score is, so shown with it
+    turn_rewards = torch.tensor([float(s.turn_rewards.sum()) if s.turn_rewards is not None else 0.0 for s in samples],
+                                dtype=torch.float32, device=scores.device)
     if episodes is not None and episodes.split:
         stats["episode_parts"] = len(samples) / episodes.count
         kl_per_episode = ppo.episode_totals(kl_per_episode, episodes.ids, episodes.count)
+        turn_rewards = ppo.episode_totals(turn_rewards, episodes.ids.to(scores.device), episodes.count)
         scores, truncated = scores[episodes.final], truncated[episodes.final]
         samples = [s for s in samples if s.final]
+    if any(s.turn_rewards is not None for s in samples):
+        stats["turn_reward"] = float(turn_rewards.mean())
     stats.update({
-        "reward": float(scores.mean()),
+        "reward": float((scores + turn_rewards).mean()),  # what is trained on, before the KL: score and turn rewards
+        "score": float(scores.mean()),
         "gold_reward": (sum(s.gold_reward for s in samples) / len(samples)
                         if all(s.gold_reward is not None for s in samples) else None),
-        "reward_std": float(scores.std()) if len(samples) > 1 else 0.0,
+        "reward_std": float((scores + turn_rewards).std()) if len(samples) > 1 else 0.0,
         "kl": float(kl_per_episode.mean()),
         "kl_coef": kl_coef,
         "response_length": float(response_lengths.mean()),

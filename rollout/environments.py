@@ -26,7 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from common import verifiers_envs
-from common.config import ConfigError
+from common.config import ConfigError, TetherConfig
 from common.functions import load_function
 from common.prompts import chat_of, text_chat
 from rollout import openenv
@@ -299,4 +299,18 @@ class Environments:
 
     @property
     def tool_schemas(self) -> list[dict] | None:
+        """What the chat template renders into each episode's prompt: rollout.tools' schemas, or an
+        OpenEnv server's MCP tools (every episode's own, ``OpenEnvEnvironment.tools``)."""
+        if self.server is not None:
+            return self.server.tools
         return [tool.schema for tool in self.tools.values()] or None
+
+
+def prompt_tools(config: TetherConfig, environments: Environments | None) -> list[dict] | None:
+    """The tool schemas the chat template renders into each prompt, which its length counts (the
+    prompt-length filter, ``common.prompts.prompts_within``): rollout.tools', an OpenEnv server's,
+    a verifiers environment's (passed with its every call). An agent program's are its calls' own,
+    known only as it makes them: not counted."""
+    if environments is not None and environments.tool_schemas:
+        return environments.tool_schemas
+    return verifiers_envs.tool_schemas(config.rollout.environment, config.rollout.environment_args)

@@ -17,7 +17,7 @@ from rollout.adapters import PolicyAdapter, lora_arguments
 from rollout.agents import agent_programs
 from rollout.credits import Credits, GenerateTurn, Outbox
 from rollout.engine import WeightLoads, banned_words, make_vllm_engine, sampling_params
-from rollout.environments import Environments
+from rollout.environments import Environments, prompt_tools
 from rollout.episodes import Episodes, Renderer
 from rollout.generators import ENVIRONMENT_POLL_S, Generator, InFlight
 from rollout.responses import Responses
@@ -89,7 +89,7 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     programs = agent_programs(config, tokenizer)
     environments = Environments.load(rollout_cfg.environment, load_tools(rollout_cfg.tools), programs,
                                      rollout_cfg.env_step_deadline_s)
-    tools = environments.tool_schemas if environments is not None else None
+    tools = prompt_tools(config, environments)
     if environments is not None:
         environments.read_calls_with(rollout_cfg.tool_parser, tokenizer, rollout_cfg.reasoning_parser)
     rows = read_rows(config.data.prompts, environment_args=config.rollout.environment_args)

@@ -1,5 +1,7 @@
 """One config, validated at start; errors name the key."""
 
+import re
+
 import pytest
 import yaml
 from pydantic import ValidationError
@@ -305,3 +307,54 @@ def test_the_overlong_shaping_counts_an_episodes_every_turn(tmp_path):
     assert episodes.overlong_max_length == 4 * 32
     assert load_config(write(tmp_path, MINIMAL), ["scorer.overlong_buffer=8",
                                                   "scorer.overlong_max_length=20"]).overlong_max_length == 20
+
+
+def test_a_verifiers_dataset_is_a_prompts_source_with_no_file(tmp_path):
+    """data.prompts verifiers:<id> (its eval dataset: #eval) names an environment's dataset, which
+    common.prompts.read_rows reads: no role refuses it for not being a file; a missing file still
+    names the key (issue 52)."""
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text('{"max_position_embeddings": 64}')
+    models = [f"models.policy={policy}", f"models.reward={policy}"]
+    for source in ("verifiers:my_verifiers_env", "verifiers:my_verifiers_env#eval"):
+        config = load_config(write(tmp_path, MINIMAL), [*models, f"data.prompts={source}"])
+        for role in ("rollout", "scorer", "learner"):
+            assert resolve_models(config, role).data.prompts == source
+    config = load_config(write(tmp_path, MINIMAL), models)
+    with pytest.raises(ConfigError, match="data.prompts: /d.jsonl does not exist"):
+        resolve_models(config, "rollout")
+
+
+GROUPS = ["rollout.samples_per_prompt=4"]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learner.loss_norm_length=512"], "learner.loss_norm_length (512) is the constant length of "
+                                       "learner.loss_aggregation seq-mean-token-sum-norm; with token-mean"),
+    (["learner.loss_norm_length=512", "learner.loss_aggregation=seq-mean-token-sum"], "with seq-mean-token-sum it"),
+    (["scorer.overlong_penalty=0.5"], "scorer.overlong_penalty shape rewards only with scorer.overlong_buffer set"),
+    (["scorer.overlong_max_length=64"], "scorer.overlong_max_length shape rewards only with scorer.overlong_buffer"),
+    (["learner.grpo_std_normalize=false", "learner.advantage_estimator=rloo", *GROUPS],
+     "learner.grpo_std_normalize false changes learner.advantage_estimator grpo's advantages; rloo divides by no"),
+    (["learner.grpo_std_normalize=false"], "grpo's advantages; gae divides by no group's std"),
+])
+def test_a_key_that_does_nothing_in_its_mode_names_the_key_that_would_give_it_meaning(tmp_path, overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(write(tmp_path, MINIMAL), overrides)
+
+
+@pytest.mark.parametrize("overrides", [
+    ["learner.loss_norm_length=512", "learner.loss_aggregation=seq-mean-token-sum-norm"],
+    ["scorer.overlong_buffer=8", "scorer.overlong_penalty=0.5", "scorer.overlong_max_length=20"],
+    ["learner.grpo_std_normalize=false", "learner.advantage_estimator=grpo", *GROUPS],
+    # a key at its default is not set: a run's own config.yaml writes every key
+    ["learner.grpo_std_normalize=true", "learner.advantage_estimator=rloo", "scorer.overlong_penalty=1.0", *GROUPS],
+])
+def test_those_keys_in_their_mode_or_at_their_default_are_taken(tmp_path, overrides):
+    from common.config import dump_config
+
+    config = load_config(write(tmp_path, MINIMAL), overrides)
+    saved = tmp_path / "saved.yaml"
+    saved.write_text(dump_config(config))  # as a run's config.yaml is written, every key in it
+    assert load_config(saved, saved=True) == config

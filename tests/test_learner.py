@@ -534,6 +534,11 @@ def test_an_episodes_environment_tokens_are_never_trained_on(tmp_path, tiny_asse
     policy_tokens = sum(int(s.loss_mask.sum()) for s in _as_episodes(samples))
     assert stats["response_length"] == pytest.approx(policy_tokens / len(samples))  # the policy's tokens alone
     assert stats["behavior_logprob_gap"] < 1e-4  # measured on the policy's tokens
+    # the reward shown is what is trained on: the score and the environment's turn rewards
+    turn_rewards = [float(s.turn_rewards.sum()) for s in _as_episodes(samples)]
+    assert stats["turn_reward"] == pytest.approx(np.mean(turn_rewards)) and stats["turn_reward"] > 0
+    assert stats["score"] == pytest.approx(float(np.mean([s.reward for s in samples])), abs=1e-5)
+    assert stats["reward"] == pytest.approx(stats["score"] + stats["turn_reward"], abs=1e-5)
 
 
 def test_the_off_policy_options_reach_the_step(tmp_path, tiny_assets, samples, restore_environment):

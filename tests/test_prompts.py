@@ -74,3 +74,36 @@ def test_a_chat_without_a_chat_template_and_nothing_that_fits_are_clear_errors(t
                          base=base_config(tmp_path, tiny_assets, data={"prompts": path}))
     with pytest.raises(ConfigError, match="none of the 1 prompts .* fits in .* = 56 tokens"):
         prompts_that_fit(config, tokenizer, logging.getLogger("test"))
+
+
+def test_a_prompt_is_as_long_as_the_tools_its_environment_renders_into_it(tmp_path):
+    """A verifiers ToolEnv passes its tools with every call, and the chat template renders their
+    schemas into the prompt the engine generates from: the prompt-length filter counts them, as
+    the rollout's endpoint receives them (issue 52)."""
+    import asyncio
+
+    import verifiers
+    from openai import AsyncOpenAI
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    from common import verifiers_envs
+    from common.prompts import prompts_within
+    from rollout.agents import _tools_of
+    from tests.helpers import chatml_tokenizer
+
+    spec = "verifiers:demos.agent_verifiers"
+    tools = verifiers_envs.tool_schemas(spec)
+    client = verifiers.OpenAIChatCompletionsClient(AsyncOpenAI(api_key="-", base_url="http://127.0.0.1:9/v1"))
+    sent = asyncio.run(client.to_native_tools(verifiers_envs.load("demos.agent_verifiers").tool_defs))
+    request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": "-"}], tools=sent)
+    assert tools == _tools_of(request) and [tool["function"]["name"] for tool in tools] == ["calculator"]
+    assert verifiers_envs.tool_schemas(spec, {"tools": False}) is None  # its SingleTurnEnv: no tools
+    assert verifiers_envs.tool_schemas("my_env:make") is None  # not a verifiers environment
+
+    tokenizer = chatml_tokenizer(str(tmp_path))
+    rows = read_rows(spec)[:1]
+    length = len(prompt_token_ids(rows[0], tokenizer, tools=tools))
+    assert length > len(prompt_token_ids(rows[0], tokenizer)) + 20  # the schema's JSON
+    assert prompts_within(rows, tokenizer, length, None, "data.prompts", spec, tools)[1] == [0]
+    with pytest.raises(ConfigError, match="none of the 1 prompts"):
+        prompts_within(rows, tokenizer, length - 1, None, "data.prompts", spec, tools)
