@@ -2,25 +2,35 @@
 line names the file) written into a directory of their own, and the installed `tether` command
 run from there, so the documentation cannot drift from the code."""
 
+import contextlib
+import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
 
 import pytest
+import yaml
 
 from common.runlog import read_metrics
 from launch.exit_codes import ExitCode
-from tests.helpers import REPO, TWO_CORES
+from tests.helpers import CHAT_TEMPLATE_WITH_SYSTEM, REPO, TWO_CORES
 
 FILE_BLOCK = re.compile(r"```(?:python|yaml)\n# ([\w.]+\.(?:py|yaml))\n(.*?)```", re.S)
+YAML_BLOCK = re.compile(r"^( *)```ya?ml\n(.*?)^\1```", re.S | re.M)  # a list item's block is indented
+DOCS = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))]
 # the run made small for two cores; the README's own keys (environment, tools, reward) stay its own
 SMALL = ["learner.total_steps=2", "learner.batch_size=8", "learner.minibatch_size=4", "rollout.max_new_tokens=6",
          "rollout.max_model_len=64", "rollout.kv_cache_gib=0.1", "rollout.prompts_per_generate=8",
          "transport.connect_retries=60", "transport.connect_interval_s=0.5",
          *(f"placement.cores.{role}={cores}" for role, cores in TWO_CORES["cores"].items())]
+# SMALL down to one step of the least that makes one (a later override wins): what a config of the
+# docs must reach to be shown to run
+ONE_STEP = [*SMALL, "learner.total_steps=1", "learner.batch_size=4", "learner.minibatch_size=4",
+            "learner.ppo_epochs=1", "rollout.prompts_per_generate=4"]
 
 
 def readme_files() -> dict[str, str]:
@@ -33,6 +43,73 @@ def readme_files() -> dict[str, str]:
         assert files.setdefault(name, content) == content, f"the README gives {name} twice, differently"
         files[name] = content
     return files
+
+
+def doc_configs() -> dict[str, tuple[str, dict]]:
+    """Every YAML block of the README and docs/ (its text, parsed) by its name: the file it gives
+    (``# my.yaml`` first), else where it stands (``docs/operations.md:64``)."""
+    configs = {}
+    for path in DOCS:
+        with open(path) as file:
+            text = file.read()
+        for block in YAML_BLOCK.finditer(text):
+            indent = len(block.group(1))
+            body = "".join(line[indent:] for line in block.group(2).splitlines(keepends=True))
+            first = body.split("\n", 1)[0]
+            named = re.fullmatch(r"# ([\w.]+\.ya?ml)", first)
+            line = text.count("\n", 0, block.start()) + 1
+            name = named.group(1) if named else f"{os.path.relpath(path, REPO)}:{line}"
+            configs[name] = (body, yaml.safe_load(body))
+    return configs
+
+
+def runnable(config: dict) -> bool:
+    """A whole config `tether run` takes as it is: PPO's models and prompts. The other blocks are parts
+    of one (a section's keys) or `tether pipeline`'s stages."""
+    return isinstance(config.get("models"), dict) and "policy" in config["models"] and isinstance(
+        config.get("data"), dict) and "prompts" in config["data"]
+
+
+RUNNABLE = sorted(name for name, (_, config) in doc_configs().items() if runnable(config))
+
+
+def test_every_config_of_the_readme_and_docs_holds_tethers_keys():
+    """Each YAML block validates: a whole config as it is, a part of one over a minimal config (its
+    sections' keys added to the minimal ones). The whole ones are also run (the slow test below)."""
+    from common.config import STAGES, load_config
+
+    base = {"models": {"policy": "/p", "reward": "/r"}, "data": {"prompts": "/d.jsonl"}}
+    assert {"my.yaml", "my_openenv.yaml", "my_verifiers.yaml"} <= set(RUNNABLE)
+    for name, (_, config) in doc_configs().items():
+        if not (runnable(config) or any(stage in config for stage in STAGES)):
+            config = {**base, **{key: {**base[key], **value} if key in base else value for key, value in config.items()}}
+        assert load_config(None, base=config), name
+
+
+def test_the_readme_verifiers_config_passes_tether_runs_checks(tmp_path, monkeypatch):
+    """`tether run -c my_verifiers.yaml` in its directory gets past every check made before a process
+    starts: its data.prompts verifiers:<id> is the environment's dataset, not a file to be found
+    (issue 52: "does not exist", exit 2). The roles' start is stubbed: the slow test below runs it."""
+    from typer.testing import CliRunner
+
+    import launch.runner
+    from launch.cli import app
+
+    files = readme_files()
+    for name in ("my_verifiers_env.py", "my_verifiers.yaml"):
+        (tmp_path / name).write_text(files[name])
+    policy = tmp_path / "policy"
+    policy.mkdir()
+    (policy / "config.json").write_text('{"max_position_embeddings": 64}')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # the command adds its directory
+    started = []
+    monkeypatch.setattr(launch.runner, "run_roles", lambda config, *_, **__: started.append(config) or 0)
+    result = CliRunner().invoke(app, ["run", "-c", "my_verifiers.yaml", "-o", f"models.policy={policy}",
+                                      "-o", "rollout.max_model_len=64"])
+    assert result.exit_code == 0, result.output
+    assert [config.data.prompts for config in started] == ["verifiers:my_verifiers_env"]
 
 
 def test_the_readme_gives_its_episode_example_whole():
@@ -96,22 +173,19 @@ def test_the_readme_command_agent_runs_in_a_process_of_its_own(tmp_path):
         programs.close()
 
 
-def test_the_readme_openenv_server_is_played_through_tether(tmp_path):
-    """The README's my_openenv_server.py started as a user starts it (a process of its own, its port
-    in PORT) and my_openenv.yaml's environment pointed at it: each episode a session of its own, its
-    reset given the row's ``reset``, the server's hints, rewards and ``done`` the turns'."""
+@contextlib.contextmanager
+def readme_openenv_server(directory):
+    """The README's my_openenv_server.py, in ``directory``, started as a user starts it (a process of
+    its own, its port in PORT); yields its URL once it answers /health."""
     import urllib.request
 
-    from common.config import load_config
     from protocol.transport import free_port
-    from rollout.environments import Environments, Step
 
-    files = readme_files()
-    for name in ("my_openenv_server.py", "my_openenv.yaml"):
-        (tmp_path / name).write_text(files[name])
+    (directory / "my_openenv_server.py").write_text(readme_files()["my_openenv_server.py"])
     port = free_port()
-    server = subprocess.Popen([sys.executable, "my_openenv_server.py"], cwd=tmp_path, env={**os.environ, "PORT": str(port)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    server = subprocess.Popen([sys.executable, "my_openenv_server.py"], cwd=directory,
+                              env={**os.environ, "PORT": str(port)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60.0
@@ -123,6 +197,21 @@ def test_the_readme_openenv_server_is_played_through_tether(tmp_path):
             except OSError:
                 assert time.monotonic() < deadline, "the README's OpenEnv server did not answer /health in 60 s"
                 time.sleep(0.2)
+        yield url
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def test_the_readme_openenv_server_is_played_through_tether(tmp_path):
+    """The README's my_openenv_server.py started as a user starts it and my_openenv.yaml's
+    environment pointed at it: each episode a session of its own, its reset given the row's
+    ``reset``, the server's hints, rewards and ``done`` the turns'."""
+    from common.config import load_config
+    from rollout.environments import Environments, Step
+
+    (tmp_path / "my_openenv.yaml").write_text(readme_files()["my_openenv.yaml"])
+    with readme_openenv_server(tmp_path) as url:
         config = load_config(tmp_path / "my_openenv.yaml", [f"rollout.environment=openenv:{url}"])
         assert (config.rollout.max_turns, config.models.reward) == (4, None)
         environments = Environments.load(config.rollout.environment, {}, step_deadline_s=config.rollout.env_step_deadline_s)
@@ -133,9 +222,6 @@ def test_the_readme_openenv_server_is_played_through_tether(tmp_path):
         assert three.step("5", []) == Step("lower", 0.0, False)  # a session of its own: its own answer
         assert seven.step("It is 7", []) == Step("right", 1.0, True)
         seven.close(), three.close()
-    finally:
-        server.kill()
-        server.wait(timeout=10)
 
 
 def test_the_readme_verifiers_environment_is_played_through_the_endpoint(tmp_path, monkeypatch):
@@ -222,14 +308,82 @@ def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_e
     (mine / "broken_env.py").write_text("def make(row):\n    raise RuntimeError('no sandbox to be had')\n")
     broken = tether_from(mine, "run", "-c", "my.yaml", *overrides, "-o", "rollout.environment=broken_env:make",
                          "-o", "rollout.env_failure_limit=20", "-o", "run_dir=runs/broken")
-    assert broken.returncode == ExitCode.FAILED, broken.stdout[-3000:] + broken.stderr[-3000:]
+    assert broken.returncode == ExitCode.ENVIRONMENT_FAILED, broken.stdout[-3000:] + broken.stderr[-3000:]
     assert "rollout0 exited with code 4: the environment failed every episode" in broken.stderr, broken.stderr[-3000:]
     assert "restarting" not in broken.stderr
     # the learner, asked first, checkpointed through the buffer still there: the fixed environment resumes
     assert "asking learner to checkpoint and stop" in broken.stderr
     assert os.listdir(mine / "runs" / "broken" / "checkpoints") == ["state-000000"]
+    # stopped by `tether run`, the buffer still wrote what the run did: the identity can be checked
+    accounting = json.loads((mine / "runs" / "broken" / "metrics" / "buffer_accounting.json").read_text())
+    assert accounting["ended_by"] == "SIGTERM" and accounting["identity_holds"], accounting
     log = (mine / "runs" / "broken" / "logs" / "rollout0.log").read_text()
     assert "20 episodes in a row ended by their environment" in log
     assert log.count("(logged once") == 1 and log.count("Traceback") == 1, log[-3000:]
     assert "no sandbox to be had" in log
     assert len(log) < 100_000
+
+
+@pytest.fixture(scope="module")
+def docs_directory(tmp_path_factory, tiny_assets):
+    """One directory as a user of the docs has it, shared by their configs' runs: every file the
+    README gives, the tiny policy (with a chat template, as a user's model has) and reward model,
+    and each data file a config names (the tiny task's prompts, each row with an ``answer`` for the
+    README's environment and reward function and a ``reset`` for its OpenEnv server)."""
+    from transformers import AutoTokenizer
+
+    directory = tmp_path_factory.mktemp("docs")
+    for name, content in readme_files().items():
+        (directory / name).write_text(content)
+    shutil.copytree(tiny_assets["policy"], directory / "policy")
+    tokenizer = AutoTokenizer.from_pretrained(directory / "policy")
+    tokenizer.chat_template = CHAT_TEMPLATE_WITH_SYSTEM
+    tokenizer.save_pretrained(directory / "policy")
+    with open(tiny_assets["prompts"]) as file:
+        prompts = [json.loads(line)["prompt"] for line in file][:64]
+    rows = "".join(json.dumps({"prompt": prompt, "answer": str(i % 10), "reset": {"answer": i % 10}}) + "\n"
+                   for i, prompt in enumerate(prompts))
+    for name in RUNNABLE:
+        for path in data_files(doc_configs()[name][1]).values():
+            (directory / path).write_text(rows)
+    return directory
+
+
+def data_files(config: dict) -> dict[str, str]:
+    """The prompt files a config reads, by key, each where the test writes it: in the run's directory
+    (an absolute path's file name there); a verifiers environment's dataset is no file."""
+    paths = {"data.prompts": config["data"]["prompts"], "eval.prompts": (config.get("eval") or {}).get("prompts")}
+    return {key: os.path.basename(path) if os.path.isabs(path) else path for key, path in paths.items()
+            if path and not path.startswith("verifiers:")}
+
+
+@pytest.fixture(scope="module")
+def docs_openenv_url(docs_directory):
+    """The README's OpenEnv server, started once for the configs that play against one."""
+    with readme_openenv_server(docs_directory) as url:
+        yield url
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNNABLE)
+def test_every_whole_config_of_the_readme_and_docs_trains_a_step_from_its_directory(name, docs_directory, tiny_assets,
+                                                                                      request):
+    """`tether run -c <config>` of each whole config the README and docs/ give, from the directory a
+    user runs it in, its models the tiny ones, made as small as a run gets (ONE_STEP): it exits 0 and
+    the learner trains its step. An OpenEnv config's server is the README's, started for it."""
+    text, config = doc_configs()[name]
+    slug = re.sub(r"\W", "_", name)
+    path = name if name.endswith((".yaml", ".yml")) else f"{slug}.yaml"
+    (docs_directory / path).write_text(text)
+    models = {"policy": str(docs_directory / "policy"), "reference": str(docs_directory / "policy"),
+              "reward": tiny_assets["reward"]}
+    overrides = [f"models.{key}={models[key]}" for key, value in config["models"].items() if key in models and value]
+    # each its own run directory (two configs may share one, or name a cluster's), its files in this one
+    run_dir = f"runs/{slug}"
+    overrides += [f"run_dir={run_dir}", *(f"{key}={path}" for key, path in data_files(config).items())]
+    if str((config.get("rollout") or {}).get("environment", "")).startswith("openenv:"):
+        overrides.append(f"rollout.environment=openenv:{request.getfixturevalue('docs_openenv_url')}")
+    result = tether_from(docs_directory, "run", "-c", path,
+                         *(item for override in [*overrides, *ONE_STEP] for item in ("-o", override)))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert [record["step"] for record in read_metrics(str(docs_directory / run_dir), "learner")] == [1]
