@@ -99,6 +99,8 @@ class Buffer:
         # colocated: workers that said goodbye holding a turn; its devices are free once their process is
         # gone, which its restart's hello says (or the turn's deadline ends the wait)
         self.departed: set[str] = set()
+        # engines taken for dead while still saying nothing: no share of the pool's credits is kept for them
+        self.silent_engines: set[bytes] = set()
         self.finished_at: float | None = None
         # a stop signal is noted and ends the loop between two messages, never inside a handler, so
         # the accounting written after it sees whole state
@@ -149,6 +151,7 @@ class Buffer:
         """Check who is speaking, then call the handler of the message's type. A message the buffer
         cannot use is refused with the reason; the buffer keeps serving."""
         self.last_seen[identity] = (time.monotonic(), message.type)
+        self.silent_engines.discard(identity)
         try:
             role = message.fields["role"] if message.type == "hello" else self.workers.get(identity, ":").split(":")[0]
             if role not in SENDERS.get(message.type, ()):
@@ -203,6 +206,7 @@ class Buffer:
         which can never be answered, go."""
         for waits in (self.credit_waits, self.score_waits, self.batch_waits):
             waits[:] = [wait for wait in waits if wait.identity != identity]
+        self.silent_engines.discard(identity)
         return self.workers.pop(identity)
 
     def _return_held(self, worker: str) -> tuple[int, int]:
@@ -366,7 +370,8 @@ class Buffer:
         if refusal is not None:  # an engine past its turn's deadline gets no other: it stops, a new process starts
             self.server.reply(wait.identity, wait.request_id, "error", {"reason": refusal})
             return True
-        engines = sum(worker.startswith("rollout:") for worker in self.workers.values())
+        engines = sum(worker.startswith("rollout:") and identity not in self.silent_engines
+                      for identity, worker in self.workers.items())
         indices = [] if state.finished else state.credits_for(self.workers[wait.identity], wait.policy_version,
                                                               wait.amount, engines)
         newer_weights = state.policy_version > wait.policy_version and state.weights_manifest is not None
@@ -441,6 +446,7 @@ class Buffer:
                 continue
             silent = now - self.last_seen.get(identity, (now, ""))[0]
             if silent > self.config.rollout.deadline_s:
+                self.silent_engines.add(identity)
                 reclaimed = self.state.rollout_gone(worker)
                 if self.turns is not None:
                     self.turns.release(worker)

@@ -160,14 +160,17 @@ class BufferState:
         """Prompt indices ``engine``, holding weights of ``policy_version``, may generate now
         (``samples_per_prompt`` samples each), granted at once. The bound counts the grants of
         the whole pool: a sample of version u lands in a batch numbered at most u + k. With
-        ``engines`` in the pool one grant is at most their share of the k + 1 batches the pool
-        may hold, so that the first to ask does not take them all while the others idle."""
+        ``engines`` in the pool an engine holds at most its share of the k + 1 batches the pool may
+        hold ungenerated (what it holds unsent counts), and never less than one group: an engine
+        that asks again and again (the fast one, or the first to ask) does not take them all while
+        the others idle (tests/test_buffer_state.py measures it)."""
         if self.finished:
             return []
         version = min(policy_version, self.policy_version)
         allowed = (version + self.max_staleness + 1) * self.batch_size - self.granted
-        # an engine's share of what the pool may hold ungenerated at once, (k + 1) batches
-        share = -(-(self.max_staleness + 1) * self.batch_size // engines) if engines > 1 else allowed
+        # an engine's share of what the pool may hold ungenerated at once, (k + 1) batches, less what it holds
+        share = (max(self.samples_per_prompt, -(-(self.max_staleness + 1) * self.batch_size // engines))
+                 - self.outstanding(engine)) if engines > 1 else allowed
         prompts = max(0, min(wanted, allowed, share) // self.samples_per_prompt)
         self.returned_prompts.sort()
         returned, self.returned_prompts = self.returned_prompts[:prompts], self.returned_prompts[prompts:]

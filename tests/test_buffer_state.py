@@ -337,6 +337,21 @@ def test_a_batch_waits_for_a_slow_engine_s_older_samples():
     assert report["staleness_violations"] == 0 and not report["dropped"] and report["identity_holds"]
 
 
+@pytest.mark.parametrize("samples_per_prompt", [1, 4])
+def test_an_engine_that_asks_first_and_often_does_not_starve_the_other(samples_per_prompt):
+    """Two engines, k = 1, batches of 8: engine 0 asks for credits three times (its room frees
+    fast) for each time engine 1 asks. Each holds at most its share of the two batches the pool may
+    hold ungenerated, so engine 1 is granted as many as engine 0 at every version; before, engine 0
+    took all 16 and engine 1 idled (0 granted). A group larger than the share is still granted."""
+    state = BufferState(batch_size=8, max_staleness=1, samples_per_prompt=samples_per_prompt)
+    granted = {"rollout:0": 0, "rollout:1": 0}
+    for engine in ["rollout:0"] * 3 + ["rollout:1"]:
+        granted[engine] += len(state.credits_for(engine, 0, 16, engines=2)) * samples_per_prompt
+    assert granted == {"rollout:0": 8, "rollout:1": 8}
+    wide = BufferState(batch_size=8, max_staleness=0, samples_per_prompt=8)  # a share of 4: one group of 8 each
+    assert len(wide.credits_for("rollout:0", 0, 8, engines=2)) == 1
+
+
 class TwoEngines:
     """A pool of two rollout engines driven by hand: each is granted credits at the version it
     holds, and sends its samples one at a time whenever the test says."""
