@@ -28,7 +28,9 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
     turn, part after part); its environment tokens are each observation tokenized alone; its
     reason is the one its environment allows; an episode in parts is its parts in order, the
     context rewritten its last part's prompt; an episode whose reset failed is never a sample and
-    its credit came back; the buffer's accounting identity holds and the run ends."""
+    its credit came back; the buffer's accounting identity holds and the run ends. (A failed episode
+    is trained here, at rollout.failed_episode_reward on its last token, to be seen; by default its
+    group is dropped: tests/test_episodes.py.)"""
     from transformers import AutoTokenizer
 
     from common.prompts import dataset_row, read_rows
@@ -36,7 +38,8 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
     batch = 16
     samples, engine, result = rollout_one_batch(tmp_path, tiny_assets, batch, "rollout.max_new_tokens=8",
                                                 "rollout.environment=tests.environments:mixed",
-                                                "rollout.env_step_deadline_s=1.0")
+                                                "rollout.env_step_deadline_s=1.0",
+                                                "rollout.failed_episode_reward=-1.0")
     assert sum(s.final for s in samples) == batch  # episodes: one in parts is a row a part
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets["policy"])
@@ -45,6 +48,8 @@ def test_episodes_train_the_ids_vllm_sampled_and_failing_environments_end_with_a
     assert ResetRaises not in kinds
     for sample, kind in zip(samples, kinds):
         assert sample.finish_reason in REASONS[kind], (kind, sample.finish_reason)
+        if sample.finish_reason in ("env_error", "env_deadline"):
+            assert sample.turn_rewards[-1] == -1.0 and sample.turn_rewards[:-1].sum() == 0
         # the environment's tokens: each observation alone, where the conversation has one
         mask = sample.loss_mask.tolist()
         starts = [i for i in range(1, len(mask)) if mask[i] == 0 and mask[i - 1] == 1]
