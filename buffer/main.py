@@ -18,16 +18,17 @@ from dataclasses import dataclass
 from buffer.state import BufferState, GroupFilter, load_snapshot, save_snapshot
 from buffer.turns import Turns
 from common.config import TetherConfig
-from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from protocol.codec import Message, ProtocolError
+from common.runlog import StartupTimeline, metrics_writer, new_file, setup_logging
+from protocol.codec import Message, ProtocolError, cut
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SENDER_ROLES, SENDERS
-from protocol.security import role_of_key
-from protocol.transport import BufferServer
+from protocol.security import role_of_key, worker_of_key
+from protocol.transport import ALIVE_ELSEWHERE, BufferServer
 from weight_sync.buckets import WeightManifest
 
 STOP_GRACE_S = 30.0  # after the learner finishes, how long to wait for the other roles to ask and hear "stop"
 METRICS_EVERY_S = 2.0
+LOGGED_CHARS = 1000  # of what a refused message's error says, in the log
 # what `tether run` sends a role it stops (SIGTERM), a scheduler or a closed terminal (SIGHUP), Ctrl-C
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -101,6 +102,7 @@ class Buffer:
         self.departed: set[str] = set()
         # engines taken for dead while still saying nothing: no share of the pool's credits is kept for them
         self.silent_engines: set[bytes] = set()
+        self.key_workers: dict[str, str] = {}  # a CURVE key's name -> the one worker it speaks for
         self.finished_at: float | None = None
         # a stop signal is noted and ends the loop between two messages, never inside a handler, so
         # the accounting written after it sees whole state
@@ -163,8 +165,14 @@ class Buffer:
             getattr(self, f"on_{message.type}")(identity, message)
         except (ProtocolError, ValueError, OSError) as error:  # PermissionError is an OSError
             self.server.refused += 1
-            self.log.warning("refused %s from %s: %s", message.type, self.workers.get(identity, identity), error)
-            self.server.reply(identity, message.id, "error", {"reason": str(error)})
+            self.log.warning("refused %s from %s: %s", message.type, self.workers.get(identity, identity),
+                             cut(str(error), LOGGED_CHARS))
+            self.server.reply(identity, message.id, "error", {"reason": cut(str(error))})
+        except Exception as error:  # a handler's own bug: the message is refused, the loop never dies of one
+            self.server.refused += 1
+            self.log.exception("the buffer could not handle %s from %s", message.type, self.workers.get(identity, identity))
+            self.server.reply(identity, message.id, "error", {"reason": cut(f"the buffer could not handle this "
+                                                                             f"{message.type} ({type(error).__name__})")})
 
     def _done(self) -> bool:
         if self.stop_signal:
@@ -181,7 +189,13 @@ class Buffer:
         worker = f"{role}:{worker_id}"
         if role == "learner" and worker_id != "0":
             raise ValueError("a learner of several ranks talks to the buffer through rank 0 alone")
-        if worker in self.workers.values() and self.workers.get(identity) != worker:
+        if self.config.transport.curve.enabled:
+            self._bind_key(message.key, worker)
+        others = [other for other, name in self.workers.items() if name == worker and other != identity]
+        if any(self.server.connected(other) for other in others):  # not a restart: the worker is alive
+            raise PermissionError(f"{worker} {ALIVE_ELSEWHERE}: a second process of one worker is refused (a "
+                                  "restart is taken once the old process's connection is gone)")
+        if others:
             self._forget_old_process(worker)
         if worker in self.departed:
             self.departed.discard(worker)
@@ -190,6 +204,14 @@ class Buffer:
         self.log.info("%s connected", worker)
         self.server.reply(identity, message.id, "welcome", {
             "run_id": self.run_id, "incarnation": self.incarnation, "max_staleness": self.state.max_staleness, "batch_size": self.state.batch_size})
+
+    def _bind_key(self, key: str, worker: str) -> None:
+        """A CURVE key speaks for one worker: the one its name numbers (``scorer-0``: scorer:0), else
+        the first it said hello as; a hello as another is refused, naming both."""
+        bound = worker_of_key(key, SENDER_ROLES) or self.key_workers.setdefault(key, worker)
+        if bound != worker:
+            raise PermissionError(f"the client key {key!r} speaks for {bound}, not {worker}: a key is one worker's "
+                                  "(`tether keys DIR ROLE-N` makes worker N's)")
 
     def _forget_old_process(self, worker: str) -> None:
         """The same worker from a new process: what the old one held goes back to the pool."""
@@ -368,7 +390,7 @@ class Buffer:
             return False
         refusal = self.turns.refusal(self.workers[wait.identity]) if self.turns is not None else None
         if refusal is not None:  # an engine past its turn's deadline gets no other: it stops, a new process starts
-            self.server.reply(wait.identity, wait.request_id, "error", {"reason": refusal})
+            self.server.reply(wait.identity, wait.request_id, "error", {"reason": cut(refusal)})
             return True
         engines = sum(worker.startswith("rollout:") and identity not in self.silent_engines
                       for identity, worker in self.workers.items())
@@ -523,7 +545,7 @@ class Buffer:
         report = {**self.state.report(), "refused_messages": self.server.refused, **_percentiles_ms(self.handling_s),
                   "ended_by": ended_by}
         path = os.path.join(self.config.run_dir, "metrics", "buffer_accounting.json")
-        with open(path + ".tmp", "w") as file:  # whole or absent: `tether status` ends when it appears
+        with new_file(path + ".tmp", "w") as file:  # whole or absent: `tether status` ends when it appears
             json.dump(report, file, indent=2)
         os.replace(path + ".tmp", path)
         self.log.info("accounting: %s", json.dumps(report))

@@ -36,6 +36,7 @@ import os
 from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 
+from common.runlog import new_file
 from protocol.samples import Sample, group_is_whole
 
 
@@ -528,7 +529,7 @@ def save_snapshot(state: BufferState, path: str) -> None:
     }
     messages = [encode("samples", *pack_samples(unscored)), encode("scored", *pack_samples(scored, scored=True))]
     temporary = path + ".tmp"
-    with open(temporary, "wb") as file:
+    with new_file(temporary) as file:  # a link at .tmp (to a file outside the run) is replaced, never followed
         msgpack.pack({"header": header, "messages": [[bytes(frame) for frame in frames] for frames in messages]}, file)
         file.flush()
         os.fsync(file.fileno())

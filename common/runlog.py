@@ -27,6 +27,16 @@ class PlainText(logging.Filter):
         return True
 
 
+def new_file(path: str, mode: str = "wb"):
+    """``path`` opened for writing as a new file of this process's own: whatever stood there (a
+    link someone left, pointing outside the run) is removed, never followed (O_NOFOLLOW, O_EXCL)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600), mode)
+
+
 def setup_logging(role: str, level: str = "INFO", libraries: bool = True) -> logging.Logger:
     """The process's log: a line a record, with the time and the role, on stderr. With ``libraries``
     (a role that loads models), transformers' records come through the same lines (its own handler

@@ -7,6 +7,8 @@ over the size limit is refused with a ``ProtocolError`` that says what was wrong
 
 from __future__ import annotations
 
+import math
+import reprlib
 from typing import Any, Sequence
 
 import msgpack
@@ -14,11 +16,21 @@ import numpy as np
 
 from protocol.errors import ProtocolError
 from protocol.message import Message
-from protocol.schema import MESSAGES, SCHEMA_VERSION
+from protocol.schema import MESSAGES, SCHEMA_VERSION, string_limit
 
-__all__ = ["DEFAULT_MAX_FRAME_BYTES", "Message", "ProtocolError", "decode", "encode"]
+__all__ = ["DEFAULT_MAX_FRAME_BYTES", "Message", "ProtocolError", "cut", "decode", "encode"]
 
 DEFAULT_MAX_FRAME_BYTES = 256 * 1024 * 1024
+MAX_TENSOR_DIMS = 8  # tether's tensors are flat or 2-D: more is no message of ours
+
+# a peer's value in an error: a few levels, a few items, a short string (a list nested 1,000 deep
+# made repr raise RecursionError, and a 100 MB string a 100 MB log line)
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 60, 60, 6, 6
+
+
+def _shown(value: Any) -> str:
+    return _REPR.repr(value)
 
 _DTYPES = {name: np.dtype(name) for name in ("int32", "int64", "float32", "float16", "uint8", "bool")}
 _PY_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict}
@@ -45,7 +57,17 @@ def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[st
 
 
 def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
-    """Validate and decode frames (bytes, memoryviews or zmq.Frame) into a ``Message``."""
+    """Validate and decode frames (bytes, memoryviews or zmq.Frame) into a ``Message``. Whatever
+    the frames hold, a bad message is a ``ProtocolError``: the error a receiving loop catches."""
+    try:
+        return _decode(frames, max_frame_bytes)
+    except ProtocolError:
+        raise
+    except Exception as error:  # RecursionError, MemoryError, ...: a check this codec missed, never a crash
+        raise ProtocolError(f"malformed message ({type(error).__name__})") from None
+
+
+def _decode(frames: Sequence[Any], max_frame_bytes: int) -> Message:
     buffers = [frame.buffer if hasattr(frame, "buffer") else frame for frame in frames]
     if not buffers:
         raise ProtocolError("empty message")
@@ -61,11 +83,11 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
         raise ProtocolError("envelope is not a map")
     schema_version = envelope.get("schema")
     if schema_version != SCHEMA_VERSION:
-        raise ProtocolError(f"peer speaks schema version {schema_version!r}, this process speaks {SCHEMA_VERSION}")
+        raise ProtocolError(f"peer speaks schema version {_shown(schema_version)}, this process speaks {SCHEMA_VERSION}")
     msg_type = envelope.get("type")
     schema = MESSAGES.get(msg_type) if isinstance(msg_type, str) else None
     if schema is None:
-        raise ProtocolError(f"unknown message type {msg_type!r}")
+        raise ProtocolError(f"unknown message type {_shown(msg_type)}")
     msg_id, fields, tensor_specs = envelope.get("id"), envelope.get("fields"), envelope.get("tensors")
     if not isinstance(msg_id, int) or not isinstance(fields, dict) or not isinstance(tensor_specs, list):
         raise ProtocolError(f"{msg_type}: envelope needs an int id, a fields map and a tensors list")
@@ -82,6 +104,13 @@ def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
     return Message(type=msg_type, fields=fields, tensors=tensors, id=msg_id)
 
 
+def cut(text: str, limit: int | None = None) -> str:
+    """``text`` within ``limit`` characters, by default the bound of a ``reason`` (an error's, a
+    stopping role's): what a process says of an error of unknown length still travels, or is logged."""
+    limit = limit or string_limit("reason")
+    return text if len(text) <= limit else text[:limit - 20] + " ... (cut)"
+
+
 def _as_numpy(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
@@ -93,7 +122,7 @@ def _as_numpy(value: Any) -> np.ndarray:
 def _check_fields(msg_type: str, declared: dict[str, str], fields: dict[str, Any]) -> None:
     unknown = set(fields) - set(declared)
     if unknown:
-        raise ProtocolError(f"{msg_type}: unknown field(s) {sorted(unknown)}")
+        raise ProtocolError(f"{msg_type}: unknown field(s) {_shown(sorted(unknown))}")
     for name, type_name in declared.items():
         optional = type_name.endswith("?")
         type_name = type_name.rstrip("?")
@@ -114,19 +143,26 @@ def _check_fields(msg_type: str, declared: dict[str, str], fields: dict[str, Any
             ok = isinstance(value, expected) and not (type_name == "int" and isinstance(value, bool))
         if not ok:
             raise ProtocolError(f"{msg_type}: field {name!r} must be {type_name}, got {type(value).__name__}")
+        if type_name in ("str", "list[str]"):
+            limit = string_limit(name)
+            longest = max(map(len, value), default=0) if type_name == "list[str]" else len(value)
+            if longest > limit:
+                raise ProtocolError(f"{msg_type}: field {name!r} holds a string of {longest} characters, at most "
+                                    f"{limit} characters are taken")
 
 
 def _decode_tensor(msg_type: str, declared: dict[str, str], spec: Any, buffer: Any) -> tuple[str, np.ndarray]:
     if not (isinstance(spec, list) and len(spec) == 3 and isinstance(spec[0], str) and isinstance(spec[1], str)
-            and isinstance(spec[2], list) and all(isinstance(d, int) and d >= 0 for d in spec[2])):
-        raise ProtocolError(f"{msg_type}: malformed tensor spec {spec!r}")
+            and isinstance(spec[2], list) and len(spec[2]) <= MAX_TENSOR_DIMS
+            and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in spec[2])):
+        raise ProtocolError(f"{msg_type}: malformed tensor spec {_shown(spec)}")
     name, dtype_name, shape = spec
     if name not in declared:
-        raise ProtocolError(f"{msg_type}: unknown tensor {name!r}")
+        raise ProtocolError(f"{msg_type}: unknown tensor {_shown(name)}")
     if dtype_name != declared[name].rstrip("?"):
-        raise ProtocolError(f"{msg_type}: tensor {name!r} must be {declared[name].rstrip('?')}, got {dtype_name}")
+        raise ProtocolError(f"{msg_type}: tensor {name!r} must be {declared[name].rstrip('?')}, got {dtype_name[:40]}")
     dtype = _DTYPES[dtype_name]
-    expected_bytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    expected_bytes = math.prod(shape) * dtype.itemsize  # Python's ints: int64's product of [2**32, 2**32] wrapped to 0
     actual_bytes = memoryview(buffer).nbytes
     if actual_bytes != expected_bytes:
         raise ProtocolError(

@@ -79,6 +79,15 @@ def role_of_key(name: str, roles: tuple[str, ...]) -> str | None:
     return None
 
 
+def worker_of_key(name: str, roles: tuple[str, ...]) -> str | None:
+    """The one worker a key names, ``rollout-0`` -> ``rollout:0`` (its role, ``-`` and a number);
+    None where the name says no number (``learner``, ``scorer-gpu3``: the first worker it says
+    hello as is its one)."""
+    role = role_of_key(name, roles)
+    index = name[len(role) + 1:] if role is not None else ""
+    return f"{role}:{index}" if index.isdigit() else None
+
+
 def message_key(frame: zmq.Frame) -> str:
     """The name of the CURVE key a received frame came with; "" without CURVE."""
     try:

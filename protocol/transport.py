@@ -17,7 +17,7 @@ from typing import Any
 
 import zmq
 
-from protocol.codec import DEFAULT_MAX_FRAME_BYTES, Message, ProtocolError, decode, encode
+from protocol.codec import DEFAULT_MAX_FRAME_BYTES, Message, ProtocolError, cut, decode, encode
 from protocol.security import message_key, secure_client, secure_server
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,9 @@ class BufferLost(BufferUnreachable):
 class RemoteError(RuntimeError):
     """The buffer refused a request and said why."""
 
+
+# what the buffer says to a hello for a worker whose process is still connected
+ALIVE_ELSEWHERE = "is connected from another process"
 
 # Requests the buffer holds until it can serve them: waited for as long as it takes, while heartbeats
 # say the buffer is there. Every other request is answered at once, within ``request_deadline_s``.
@@ -116,6 +119,12 @@ class BufferClient:
             except TimeoutError:
                 log.warning("%s: buffer not reachable at %s (try %d of %d), retrying",
                             self.role, self.address, attempt, retries)
+                continue
+            except RemoteError as refused:  # a restart whose old connection the buffer still sees: a moment more
+                if ALIVE_ELSEWHERE not in str(refused) or attempt == retries:
+                    raise
+                log.warning("%s: %s (try %d of %d), retrying", self.role, refused, attempt, retries)
+                time.sleep(interval_s)
                 continue
             if self.run_id is not None and welcome.fields["run_id"] != self.run_id:
                 raise BufferLost(f"{self.role}: the buffer at {self.address} now serves run "
@@ -273,7 +282,7 @@ class BufferClient:
         stay the one raised); the socket closes lingering, so they still go out."""
         self.socket.setsockopt(zmq.SNDTIMEO, 0)  # a queue full towards a dead buffer: no wait, no new error
         try:
-            self.send("goodbye", {"reason": f"{type(error).__name__}: {error}"[:2000]})
+            self.send("goodbye", {"reason": cut(f"{type(error).__name__}: {error}")})
         except zmq.ZMQError:
             pass
         self.close()
@@ -324,8 +333,26 @@ class BufferServer:
         except ProtocolError as error:
             self.refused += 1
             log.warning("buffer: refused a message from %r: %s", identity, error)
-            self.reply(identity, -1, "error", {"reason": str(error)})
+            self.reply(identity, -1, "error", {"reason": cut(str(error))})
             return None
+
+    def connected(self, identity: bytes) -> bool:
+        """Whether the peer of ``identity`` is still connected: a probe sent with ROUTER_MANDATORY,
+        which says whether ZeroMQ has a route to it (a process that died has none a moment after);
+        the probe is a pong of no request, which a client drops."""
+        self.socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            self.socket.send_multipart([identity, *encode("pong", {"run_id": "", "incarnation": ""}, msg_id=-1)],
+                                       flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:  # connected, its queue full
+            return True
+        except zmq.ZMQError as error:
+            if error.errno == zmq.EHOSTUNREACH:
+                return False
+            raise
+        finally:
+            self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
 
     def reply(self, identity: bytes, request_id: int, msg_type: str, fields: dict[str, Any] | None = None,
               tensors: dict[str, Any] | None = None) -> None:

@@ -122,7 +122,7 @@ class ProgramProcess:
                 message = _checked(json.loads(self.connection.recv_bytes()), ("return", "raise", "call"))
             except (EOFError, OSError):
                 break
-            except (ValueError, TypeError, KeyError) as error:  # not a message of this protocol: it cannot be trusted
+            except (ValueError, TypeError, KeyError, RecursionError) as error:  # not a message of this protocol: it cannot be trusted
                 why = f"it sent what is not an answer ({error})"
                 break
             if message["kind"] == "call":
@@ -286,7 +286,7 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
                     tasks[message["key"]] = loop.create_task(episode(message["key"], message["row"]))
                 elif message["key"] in tasks:
                     tasks[message["key"]].cancel()
-        except (EOFError, OSError, ValueError):  # the rollout closed it, or died, or is not the rollout
+        except (EOFError, OSError, ValueError, RecursionError):  # the rollout closed it, or died, or is not the rollout
             if not closed.done():
                 closed.set_result(None)
 

@@ -7,6 +7,7 @@ import os
 import time
 
 from common.config import ConfigError, TetherConfig
+from protocol.codec import cut
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError, outside, read_manifest
 from weight_sync.stream import WeightPrefetcher
 from weight_sync.tcp import fetch_over_tcp
@@ -227,7 +228,7 @@ class WeightLoads:
         self.failures += 1
         announced = grant.fields["policy_version"]
         answer = client.request("weights_refused", {"policy_version": announced, "failures": self.failures,
-                                                    "reason": error})
+                                                    "reason": cut(error)})
         if not answer.fields["accepted"]:  # the run is over: the learner's slots went with it, as expected
             self.log.info("the run finished while policy version %d was loading (%s)", announced, error)
             return None

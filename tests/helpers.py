@@ -120,6 +120,21 @@ def start_buffer(tmp_path, *overrides):
     return config, result, thread
 
 
+def buffer_process(tmp_path):
+    """`tether launch buffer` by hand, as `tether run` starts it, on a config whose models it never
+    loads; returns (config, process)."""
+    from common.config import load_config
+
+    raw = base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"})
+    raw["learner"] = {"batch_size": 2, "minibatch_size": 1}
+    raw["metrics"] = {"trackers": []}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    process = subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "buffer", "--config", str(path)],
+                               cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return load_config(str(path)), process
+
+
 def tether(*args, timeout=400):
     """The `tether` command, run from the repository."""
     return subprocess.run([sys.executable, "-m", "launch.cli", *args], cwd=REPO, capture_output=True, text=True,

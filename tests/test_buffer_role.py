@@ -13,7 +13,7 @@ from protocol.codec import decode
 from protocol.samples import pack_samples, unpack_samples
 from protocol.schema import SCHEMA_VERSION
 from protocol.transport import BufferClient, BufferUnreachable, RemoteError
-from tests.helpers import random_sample, start_buffer
+from tests.helpers import buffer_process, random_sample, start_buffer
 
 pytestmark = pytest.mark.buffer_overrides("buffer.max_staleness=0", "transport.max_frame_bytes=65536")
 
@@ -139,6 +139,7 @@ def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buff
         rollout.request("turn_release", {"policy_version": 1})
     with pytest.raises(RemoteError, match="past placement.turn_deadline_s"):
         rollout.request("credit_request", {"policy_version": 1, "wanted": 2})
+    rollout.close()  # the engine the turn ended exits; its restart says hello
     restarted = BufferClient(config.buffer_address, "rollout", "0")
     restarted.connect(retries=5, interval_s=0.5)
     regrant = restarted.request("credit_request", {"policy_version": 1, "wanted": 2})
@@ -432,28 +433,6 @@ def test_roles_hear_a_dead_or_restarted_buffer_through_heartbeats(tmp_path):
             buffer.kill()
 
 
-def _buffer_process(tmp_path):
-    """`tether launch buffer` by hand, as `tether run` starts it; returns (config, process)."""
-    import os
-    import subprocess
-    import sys
-
-    import yaml
-
-    from common.config import load_config
-    from tests.helpers import base_config
-
-    raw = base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"})
-    raw["learner"] = {"batch_size": 2, "minibatch_size": 1}
-    raw["metrics"] = {"trackers": []}
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(raw))
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    process = subprocess.Popen([sys.executable, "-m", "launch.cli", "launch", "buffer", "--config", str(path)],
-                               cwd=repo, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    return load_config(str(path)), process
-
-
 @pytest.mark.parametrize("number", ["SIGTERM", "SIGHUP"])
 def test_a_buffer_stopped_before_the_learner_finished_writes_its_accounting(tmp_path, number):
     """A run that another role ended (an environment failing every episode: the rollout exits 4,
@@ -462,7 +441,7 @@ def test_a_buffer_stopped_before_the_learner_finished_writes_its_accounting(tmp_
     import json
     import signal
 
-    config, buffer = _buffer_process(tmp_path)
+    config, buffer = buffer_process(tmp_path)
     try:
         rollout = BufferClient(config.buffer_address, "rollout", "0")
         rollout.connect(retries=60, interval_s=0.5)

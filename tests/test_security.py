@@ -98,3 +98,46 @@ def test_a_tcp_endpoint_beyond_loopback_needs_curve_or_an_explicit_setting(tmp_p
         load_config(None, [f"transport.buffer_address={address}", "transport.allow_plain_tcp=true"], base=base)
     else:
         assert load_config(None, [f"transport.buffer_address={address}"], base=base).buffer_address == address
+
+
+def test_a_client_key_speaks_for_one_worker_of_its_role(tmp_path):
+    """With CURVE a key is one worker's: ``scorer-0`` says hello as scorer:0 alone (it once evicted a
+    running scorer:1, dropping its held request); a key that names no number (``scorer-gpu``) is the
+    first worker it says hello as. The evicted-no-more scorer:1 keeps its held request."""
+    from protocol.transport import RemoteError
+    from tests.helpers import start_buffer
+
+    make_keys(str(tmp_path), "server")
+    (tmp_path / "allowed").mkdir()
+    for name in ("scorer-0", "scorer-1", "scorer-gpu", "learner"):
+        make_keys(str(tmp_path), name)
+        shutil.copy(tmp_path / f"{name}.key", tmp_path / "allowed")
+    curve = lambda name: CurveConfig(
+        enabled=True, server_key=str(tmp_path / "server.key_secret"), server_public_key=str(tmp_path / "server.key"),
+        client_key=str(tmp_path / f"{name}.key_secret"), allowed_clients=str(tmp_path / "allowed"))
+    address = f"tcp://127.0.0.1:{free_port()}"
+    config, result, thread = start_buffer(
+        tmp_path, f"transport.buffer_address={address}", "transport.curve.enabled=true",
+        f"transport.curve.server_key={tmp_path / 'server.key_secret'}",
+        f"transport.curve.server_public_key={tmp_path / 'server.key'}",
+        f"transport.curve.allowed_clients={tmp_path / 'allowed'}")
+    honest = BufferClient(address, "scorer", "1", curve=curve("scorer-1"))
+    honest.connect(retries=20, interval_s=0.5)
+    held = honest.send("score_request", {"max_samples": 4})
+    impostor = BufferClient(address, "scorer", "1", curve=curve("scorer-0"))
+    with pytest.raises(RemoteError, match="the client key 'scorer-0' speaks for scorer:0, not scorer:1"):
+        impostor.request("hello", {"role": "scorer", "worker_id": "1"}, timeout_s=10)
+    host = BufferClient(address, "scorer", "5", curve=curve("scorer-gpu"))
+    assert host.connect(retries=20, interval_s=0.5).type == "welcome"
+    other = BufferClient(address, "scorer", "6", curve=curve("scorer-gpu"))
+    with pytest.raises(RemoteError, match="the client key 'scorer-gpu' speaks for scorer:5, not scorer:6"):
+        other.request("hello", {"role": "scorer", "worker_id": "6"}, timeout_s=10)
+    learner = BufferClient(address, "learner", "0", curve=curve("learner"))
+    learner.connect(retries=20, interval_s=0.5)
+    learner.request("finish", {"policy_version": 0})
+    assert honest.wait(held, timeout_s=10).fields["stop"]  # its held request still its own, answered
+    for client in (impostor, other):
+        client.close()
+    assert host.request("score_request", {"max_samples": 4}).fields["stop"]
+    thread.join(timeout=40)
+    assert result["refused_messages"] == 2

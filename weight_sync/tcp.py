@@ -12,7 +12,7 @@ import threading
 
 import zmq
 
-from protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, decode, encode
+from protocol.codec import DEFAULT_MAX_FRAME_BYTES, ProtocolError, cut, decode, encode
 from protocol.security import secure_client, secure_server
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError, _slot_lock
 
@@ -51,7 +51,7 @@ class WeightServer:
             except (ProtocolError, WeightStreamError) as error:
                 self.refused += 1
                 log.warning("weight server: refused a request: %s", error)
-                self.socket.send_multipart([identity] + encode("error", {"reason": str(error)}, msg_id=request_id))
+                self.socket.send_multipart([identity] + encode("error", {"reason": cut(str(error))}, msg_id=request_id))
 
     def _bucket(self, version: int, index: int) -> tuple:
         slot = self.writer.slot_of(version)
