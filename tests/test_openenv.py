@@ -6,8 +6,8 @@ ConfigError before anything runs, and one that refuses a step fails its episode.
 
 import pytest
 
-from common.config import ConfigError
-from rollout.environments import Environments, Step, Turn
+from common.config import ConfigError, load_config
+from rollout.environments import Environments, Step, Turn, prompt_tools
 from tests.helpers import chatml_tokenizer
 
 
@@ -121,3 +121,31 @@ def test_a_send_to_a_server_that_stops_reading_fails_within_the_step_deadline():
     session.socket.close()
     for connection in [*held, listener]:
         connection.close()
+
+
+# --------------------------------------------------------------------------- the prompt-length filter
+# counts the tool schemas the chat template renders into each prompt: rollout.tools', an OpenEnv
+# server's MCP tools, a verifiers environment's (issue 52)
+
+def run_of(environment: str):
+    return load_config(None, [f"rollout.environment={environment}"],
+                       base={"models": {"policy": "/p", "reward": None}, "data": {"prompts": "/d.jsonl"}})
+
+
+def test_an_openenv_servers_tools_count_in_each_prompts_length(servers):
+    calculator = Environments.load(f"openenv:{servers['calculator']}", {}, step_deadline_s=5.0)
+    tools = prompt_tools(run_of(f"openenv:{servers['calculator']}"), calculator)
+    assert tools == calculator.make({"prompt": "-"}).tools and len(tools) == 2  # what each episode renders
+    sums = Environments.load(f"openenv:{servers['sums']}", {}, step_deadline_s=5.0)
+    assert prompt_tools(run_of(f"openenv:{servers['sums']}"), sums) is None  # a server without MCP tools
+
+
+def test_a_verifiers_environments_tools_and_the_runs_own_count_too():
+    agent = Environments(lambda row: None, {})  # a verifiers environment's episodes are an agent program's
+    tools = prompt_tools(run_of("verifiers:demos.agent_verifiers"), agent)
+    assert [tool["function"]["name"] for tool in tools] == ["calculator"]
+    from rollout.tools import load_tools
+
+    native = Environments.load(None, load_tools(["demos.agent:calculator"]))
+    assert prompt_tools(run_of("my_env:make"), native) == native.tool_schemas
+    assert prompt_tools(run_of("my_env:make"), None) is None

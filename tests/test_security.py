@@ -44,26 +44,34 @@ def test_an_ipc_endpoint_in_a_directory_others_can_enter_is_refused(tmp_path):
     assert (private.stat().st_mode & 0o777) == 0o700
 
 
-def test_a_client_key_speaks_only_as_the_role_it_is_named_after(tmp_path):
-    """With CURVE the buffer knows which key sent each message: a scorer's key cannot say hello as
-    the learner, nor send finish; the learner's key can. A key named after no role speaks as none."""
-    from protocol.transport import RemoteError
+def curve_buffer(tmp_path, names: tuple[str, ...]):
+    """The buffer in a thread on TCP with CURVE, admitting client keys of ``names``: (``curve(name)``,
+    the transport.curve config of that client, the address, the buffer's result and its thread)."""
     from tests.helpers import start_buffer
 
     make_keys(str(tmp_path), "server")
     (tmp_path / "allowed").mkdir()
-    for name in ("scorer-0", "learner", "nobody"):
+    for name in names:
         make_keys(str(tmp_path), name)
         shutil.copy(tmp_path / f"{name}.key", tmp_path / "allowed")
     curve = lambda name: CurveConfig(
         enabled=True, server_key=str(tmp_path / "server.key_secret"), server_public_key=str(tmp_path / "server.key"),
         client_key=str(tmp_path / f"{name}.key_secret"), allowed_clients=str(tmp_path / "allowed"))
     address = f"tcp://127.0.0.1:{free_port()}"
-    config, result, thread = start_buffer(
+    _, result, thread = start_buffer(
         tmp_path, f"transport.buffer_address={address}", "transport.curve.enabled=true",
         f"transport.curve.server_key={tmp_path / 'server.key_secret'}",
         f"transport.curve.server_public_key={tmp_path / 'server.key'}",
         f"transport.curve.allowed_clients={tmp_path / 'allowed'}")
+    return curve, address, result, thread
+
+
+def test_a_client_key_speaks_only_as_the_role_it_is_named_after(tmp_path):
+    """With CURVE the buffer knows which key sent each message: a scorer's key cannot say hello as
+    the learner, nor send finish; the learner's key can. A key named after no role speaks as none."""
+    from protocol.transport import RemoteError
+
+    curve, address, result, thread = curve_buffer(tmp_path, ("scorer-0", "learner", "nobody"))
 
     scorer = BufferClient(address, "scorer", "0", curve=curve("scorer-0"))
     assert scorer.connect(retries=20, interval_s=0.5).type == "welcome"
@@ -105,22 +113,8 @@ def test_a_client_key_speaks_for_one_worker_of_its_role(tmp_path):
     running scorer:1, dropping its held request); a key that names no number (``scorer-gpu``) is the
     first worker it says hello as. The evicted-no-more scorer:1 keeps its held request."""
     from protocol.transport import RemoteError
-    from tests.helpers import start_buffer
 
-    make_keys(str(tmp_path), "server")
-    (tmp_path / "allowed").mkdir()
-    for name in ("scorer-0", "scorer-1", "scorer-gpu", "learner"):
-        make_keys(str(tmp_path), name)
-        shutil.copy(tmp_path / f"{name}.key", tmp_path / "allowed")
-    curve = lambda name: CurveConfig(
-        enabled=True, server_key=str(tmp_path / "server.key_secret"), server_public_key=str(tmp_path / "server.key"),
-        client_key=str(tmp_path / f"{name}.key_secret"), allowed_clients=str(tmp_path / "allowed"))
-    address = f"tcp://127.0.0.1:{free_port()}"
-    config, result, thread = start_buffer(
-        tmp_path, f"transport.buffer_address={address}", "transport.curve.enabled=true",
-        f"transport.curve.server_key={tmp_path / 'server.key_secret'}",
-        f"transport.curve.server_public_key={tmp_path / 'server.key'}",
-        f"transport.curve.allowed_clients={tmp_path / 'allowed'}")
+    curve, address, result, thread = curve_buffer(tmp_path, ("scorer-0", "scorer-1", "scorer-gpu", "learner"))
     honest = BufferClient(address, "scorer", "1", curve=curve("scorer-1"))
     honest.connect(retries=20, interval_s=0.5)
     held = honest.send("score_request", {"max_samples": 4})
