@@ -82,7 +82,8 @@ class Buffer:
         else:
             self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling, group_filter=group_filter)
         self.unfiltered_warned = -1  # the batches served when the filtering bound was last said to be reached
-        self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve)
+        self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve,
+                                   config.transport.heartbeat_s, config.transport.peer_deadline_s)
         self.metrics = metrics_writer(config, "buffer")
         self.run_id = os.path.basename(os.path.abspath(config.run_dir))
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted buffer is told from this one by its clients
@@ -100,8 +101,6 @@ class Buffer:
         # colocated: workers that said goodbye holding a turn; its devices are free once their process is
         # gone, which its restart's hello says (or the turn's deadline ends the wait)
         self.departed: set[str] = set()
-        # engines taken for dead while still saying nothing: no share of the pool's credits is kept for them
-        self.silent_engines: set[bytes] = set()
         self.key_workers: dict[str, str] = {}  # a CURVE key's name -> the one worker it speaks for
         self.finished_at: float | None = None
         # a stop signal is noted and ends the loop between two messages, never inside a handler, so
@@ -153,7 +152,6 @@ class Buffer:
         """Check who is speaking, then call the handler of the message's type. A message the buffer
         cannot use is refused with the reason; the buffer keeps serving."""
         self.last_seen[identity] = (time.monotonic(), message.type)
-        self.silent_engines.discard(identity)
         try:
             role = message.fields["role"] if message.type == "hello" else self.workers.get(identity, ":").split(":")[0]
             if role not in SENDERS.get(message.type, ()):
@@ -228,7 +226,6 @@ class Buffer:
         which can never be answered, go."""
         for waits in (self.credit_waits, self.score_waits, self.batch_waits):
             waits[:] = [wait for wait in waits if wait.identity != identity]
-        self.silent_engines.discard(identity)
         return self.workers.pop(identity)
 
     def _return_held(self, worker: str) -> tuple[int, int]:
@@ -392,8 +389,7 @@ class Buffer:
         if refusal is not None:  # an engine past its turn's deadline gets no other: it stops, a new process starts
             self.server.reply(wait.identity, wait.request_id, "error", {"reason": cut(refusal)})
             return True
-        engines = sum(worker.startswith("rollout:") and identity not in self.silent_engines
-                      for identity, worker in self.workers.items())
+        engines = self.engines_present(time.monotonic())
         indices = [] if state.finished else state.credits_for(self.workers[wait.identity], wait.policy_version,
                                                               wait.amount, engines)
         newer_weights = state.policy_version > wait.policy_version and state.weights_manifest is not None
@@ -407,6 +403,15 @@ class Buffer:
         if state.finished:
             self.stopped.add(wait.identity)
         return True
+
+    def engines_present(self, now: float) -> int:
+        """The engines a share of the credits is kept for: each that holds credits, waits for some,
+        or was heard within rollout.deadline_s (one that died, idle or taken for dead, keeps none)."""
+        waiting = {wait.identity for wait in self.credit_waits}
+        return sum(worker.startswith("rollout:") and (identity in waiting or self.state.outstanding(worker) > 0 or
+                                                      now - self.last_seen.get(identity, (now, ""))[0]
+                                                      <= self.config.rollout.deadline_s)
+                   for identity, worker in self.workers.items())
 
     def answer_score(self, wait: Pending) -> bool:
         if not self._turn_allows("score"):
@@ -468,7 +473,6 @@ class Buffer:
                 continue
             silent = now - self.last_seen.get(identity, (now, ""))[0]
             if silent > self.config.rollout.deadline_s:
-                self.silent_engines.add(identity)
                 reclaimed = self.state.rollout_gone(worker)
                 if self.turns is not None:
                     self.turns.release(worker)

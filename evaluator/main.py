@@ -83,6 +83,11 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
                                            for i, row in enumerate(kept)], 0)
         else:  # each turn seeded by its prompt and its number: the same checkpoint gives the same episodes
             turns = config.rollout.max_turns
+            # a failed episode is evaluated, at 0 where the run drops it from training: dropped here, a
+            # checkpoint whose episodes fail more would read better
+            if config.rollout.failed_episode_reward is None:
+                config = config.model_copy(update={"rollout": config.rollout.model_copy(
+                    update={"failed_episode_reward": 0.0})})
             episodes = Episodes(config, environments, Renderer(tokenizer, tools, processor), tokenizer, rows,
                                 token_ids, kept, lambda episode, max_tokens: sampling_params(
                                     config, bad_words, n=1, ignore_eos=False, max_tokens=max_tokens,

@@ -22,9 +22,10 @@ FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[fl
 
 # The most characters a string field (or each string of a list[str] field) may hold, by the field's
 # name: what no tether process sends past, so a 100 MB worker id or reason is refused at decode, never
-# held or logged. A sample's conversation (``messages``) is the long one; a name not listed: STRING_LIMIT.
+# held or logged. A sample's conversation (``messages``) is the long one; run_id is the run
+# directory's name (a file name: 255); a name not listed: STRING_LIMIT.
 STRING_LIMIT = 4096
-STRING_LIMITS = {"role": 32, "worker_id": 64, "run_id": 64, "incarnation": 64, "checksum": 128, "sample_ids": 256,
+STRING_LIMITS = {"role": 32, "worker_id": 64, "run_id": 255, "incarnation": 64, "checksum": 128, "sample_ids": 256,
                  "finish_reasons": 64, "reasons": 256, "messages": 16 << 20}
 
 

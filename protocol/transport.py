@@ -305,7 +305,8 @@ def connect_to_buffer(config, role: str, worker_id: str) -> BufferClient:
 class BufferServer:
     """The buffer's ROUTER socket: receive validated requests, reply when ready."""
 
-    def __init__(self, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve=None) -> None:
+    def __init__(self, address: str, max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, curve=None,
+                 heartbeat_s: float = 5.0, peer_deadline_s: float = 60.0) -> None:
         prepare_endpoint(address)
         self.max_frame_bytes = max_frame_bytes
         self.context = zmq.Context.instance()
@@ -313,6 +314,11 @@ class BufferServer:
         secure_server(self.socket, curve)
         self.socket.setsockopt(zmq.LINGER, LINGER_MS)
         self.socket.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        # ZMTP heartbeats, answered by the peer's ZeroMQ itself (an idle role too): a peer on a node that
+        # went away (its TCP connection half-open) loses its route within peer_deadline_s, so that
+        # ``connected`` tells its restart from a second live process
+        self.socket.setsockopt(zmq.HEARTBEAT_IVL, int(heartbeat_s * 1000))
+        self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, int(peer_deadline_s * 1000))
         # A hard memory guard well above the limit: ZeroMQ drops a peer past it without a word, so
         # frames between the two reach decode(), which refuses them with a reason and a count.
         self.socket.setsockopt(zmq.MAXMSGSIZE, 4 * max_frame_bytes)

@@ -558,10 +558,12 @@ class Episodes:
         self.waiting.append(episode)
 
     def _past_deadline(self, episode: Episode, why: str) -> None:
-        """``episode`` ends ``env_deadline``: ``why``, in the failure log."""
+        """``episode`` ends ``env_deadline``: ``why``, in the failure log. One whose last turn was cut
+        at max_new_tokens ends "length" all the same (its program's reward never came: 0, and
+        learner.truncation_penalty applies), never dropped as a failure would be."""
         self.failures.report("env_deadline", None, f"{why}; the episode ends", self._row_text(episode),
                              ("reset" if episode.environment is None else "step",))
-        self._end(episode, "env_deadline")
+        self._end(episode, "length" if episode.cut else "env_deadline")
 
     def _answered(self, episode: Episode, future: Future) -> None:
         error = future.exception()
@@ -572,7 +574,7 @@ class Episodes:
             self.failures.report("env_error", error, f"the environment's {call} failed ({type(error).__name__}: "
                                  f"{error}); the episode ends",
                                  f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", (call,))
-            self._end(episode, "env_error")
+            self._end(episode, "length" if episode.cut else "env_error")  # cut: as _past_deadline says
         elif episode.environment is None:  # the reset
             episode.environment, first = future.result()
             if first is not None:

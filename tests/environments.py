@@ -428,7 +428,7 @@ async def looks_at_squares(client, row: dict) -> float:
 async def does_as_its_row_says(client, row: dict) -> float:
     """Makes no call for 30 s (``do: hang``), or one call and then raises (``raise``) or returns 1.0;
     ``call_after_cut``: where its answer was cut ("length"), calls again, keeps that answer and
-    returns 0.25; ``gather``: two calls at once."""
+    returns 0.25; ``raise_after_cut``: raises where it was cut; ``gather``: two calls at once."""
     import asyncio
 
     if row["do"] == "hang":
@@ -437,7 +437,7 @@ async def does_as_its_row_says(client, row: dict) -> float:
     if row["do"] == "gather":
         await asyncio.gather(*(client.chat.completions.create(model="policy", messages=messages) for _ in range(2)))
     answer = await client.chat.completions.create(model="policy", messages=messages)
-    if row["do"] == "raise":
+    if row["do"] == "raise" or row["do"] == "raise_after_cut" and answer.choices[0].finish_reason == "length":
         raise ValueError(f"no luck with {row['prompt']}")
     if row["do"] == "call_after_cut" and answer.choices[0].finish_reason == "length":
         later = await client.chat.completions.create(model="policy", messages=[

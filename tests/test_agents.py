@@ -581,8 +581,9 @@ def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_s
     """A turn the run cuts at ``rollout.max_new_tokens`` answers the program's call with finish_reason
     "length"; a later call is answered at once with nothing (the episode has no more turns, and a
     program that reads no finish_reason still ends) and the program's return is the episode's
-    reward, on its last token, the episode ended "length" (``learner.truncation_penalty`` applies). Two calls at once from one episode are refused with 409, and the program that made
-    them fails its episode (its group dropped, no reward being known)."""
+    reward, on its last token, the episode ended "length" (``learner.truncation_penalty`` applies),
+    even where the program then fails. Two calls at once from one episode are refused with 409, and
+    the program that made them fails its episode (its group dropped, no reward being known)."""
     import logging
 
     from common.config import load_config
@@ -598,7 +599,8 @@ def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_s
     config = load_config(None, ["rollout.agent=tests.environments:does_as_its_row_says", "rollout.max_new_tokens=4",
                                 "rollout.max_model_len=64"],
                          base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
-    rows = [{"prompt": "cut-and-call", "do": "call_after_cut"}, {"prompt": "both", "do": "gather"}]
+    rows = [{"prompt": "cut-and-call", "do": "call_after_cut"}, {"prompt": "both", "do": "gather"},
+            {"prompt": "cut-and-raise", "do": "raise_after_cut"}]
     programs = agent_programs(config, tokenizer)
     try:
         episodes = Episodes(config, Environments.load(None, {}, programs), Renderer(tokenizer, None), tokenizer, rows,
@@ -622,6 +624,14 @@ def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_s
         settle(episodes)
         assert episodes.finished() == ([], [(1, "env_error")])
         assert "Error code: 409" in caplog.text and "its calls made one after another" in caplog.text
+        # cut, and then its program fails: still ended "length" at 0 (the penalty applies), not dropped
+        episodes.start(2, 2)
+        settle(episodes)
+        (episode, _, _), = episodes.take_ready(0)
+        episodes.turn_finished(episode, fake_output([10, 11, 12, 13], finish_reason="length"), 0)
+        settle(episodes)
+        (sample,), dropped = episodes.finished()
+        assert (sample.finish_reason, sample.turn_rewards.tolist(), dropped) == ("length", [0, 0, 0, 0], [])
     finally:
         programs.close()
 

@@ -276,6 +276,28 @@ def test_each_message_is_taken_only_from_the_role_that_may_send_it(buffer_role, 
     assert result["refused_messages"] == 6
 
 
+def test_an_engine_gone_while_idle_keeps_no_share_of_the_credits_and_a_long_run_name_is_welcome(tmp_path):
+    """Two engines say hello; one never asks and is not heard of again. While it may still be there,
+    the other holds at most its share of the pool's credits (one of k + 1 = 1 batch of 2); past
+    rollout.deadline_s it holds them all. The run's name (its directory's) may be a long one."""
+    from protocol.transport import free_port
+
+    run_dir = tmp_path / ("run-" + "x" * 200)  # on TCP: an ipc socket's path under it would be too long
+    config, result, thread = start_buffer(tmp_path, "buffer.max_staleness=0", "rollout.deadline_s=1",
+                                          f"run_dir={run_dir}", f"transport.buffer_address=tcp://127.0.0.1:{free_port()}")
+    idle, alive = client(config, "rollout"), BufferClient(config.buffer_address, "rollout", "1")
+    assert alive.connect(retries=20, interval_s=0.5).fields["run_id"] == run_dir.name
+    assert alive.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [0]
+    time.sleep(1.5)  # the idle engine is heard of no more
+    assert alive.request("credit_request", {"policy_version": 0, "wanted": 2}).fields["prompt_indices"] == [1]
+    learner = client(config, "learner")
+    learner.request("finish", {"policy_version": 0})
+    for each in (idle, alive):
+        assert each.request("credit_request", {"policy_version": 0, "wanted": 1}).fields["stop"]
+    thread.join(timeout=10)
+    assert result["identity_holds"]
+
+
 def test_an_engine_silent_past_its_deadline_loses_its_prompts_to_the_pool(tmp_path):
     """Two engines started by hand; one takes credits and dies without a word (no restart will
     say hello for it): after rollout.deadline_s its prompts go to the other."""

@@ -123,3 +123,37 @@ def test_the_weight_server_survives_a_flood_too(tmp_path):
         assert torch.equal(tensors["w"], torch.arange(3000, dtype=torch.float32))
     assert server.refused == errors and errors > MESSAGES // 2
     server.close()
+
+
+def test_the_weight_server_answers_a_request_it_fails_on_and_serves_on(tmp_path, monkeypatch):
+    """An error of the server's own while it reads a slot (a slot recycled mid-read) fails that
+    request with the reason, never the server's thread."""
+    import torch
+
+    from weight_sync.buckets import ShmWeightWriter, read_manifest
+    from weight_sync.tcp import WeightServer, fetch_over_tcp
+
+    writer = ShmWeightWriter(str(tmp_path / "learner"), bucket_bytes=4096)
+    manifest = writer.publish(1, [("w", torch.arange(3000, dtype=torch.float32))])
+    server = WeightServer(writer, "tcp://127.0.0.1:0", max_frame_bytes=65536)
+    bucket, failed = WeightServer._bucket, []
+
+    def once_failing(self, version, index):
+        if not failed:
+            failed.append(index)
+            raise OSError("the slot went away")
+        return bucket(self, version, index)
+
+    monkeypatch.setattr(WeightServer, "_bucket", once_failing)
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(server.address)
+    raw.send_multipart(encode("weights_fetch", {"policy_version": 1, "bucket": 0}, msg_id=5))
+    assert raw.poll(5000)
+    reply = decode(raw.recv_multipart())
+    assert reply.type == "error" and "OSError: the slot went away" in reply.fields["reason"]
+    raw.close()
+    staging = ShmWeightWriter(str(tmp_path / "rollout"), bucket_bytes=1)
+    with read_manifest(fetch_over_tcp(manifest, server.address, staging)) as tensors:  # still serving
+        assert torch.equal(tensors["w"], torch.arange(3000, dtype=torch.float32))
+    server.close()

@@ -52,6 +52,11 @@ class WeightServer:
                 self.refused += 1
                 log.warning("weight server: refused a request: %s", error)
                 self.socket.send_multipart([identity] + encode("error", {"reason": cut(str(error))}, msg_id=request_id))
+            except Exception as error:  # a slot recycled mid-read, a bug: this request fails, the server serves on
+                self.refused += 1
+                log.exception("weight server: could not answer a request")
+                self.socket.send_multipart([identity] + encode("error", {"reason": cut(
+                    f"the weight server could not answer ({type(error).__name__}: {error})")}, msg_id=request_id))
 
     def _bucket(self, version: int, index: int) -> tuple:
         slot = self.writer.slot_of(version)
