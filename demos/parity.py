@@ -327,14 +327,19 @@ def held_out_figures(policy_dir: str, reference_dir: str, reward_dir: str, promp
 
 def quiet_evaluation() -> None:
     """The held-out evaluation in this process says its figures alone: vLLM's engine logs (its
-    start, its config, some 60 lines an engine) and transformers' advice are the run's logs' to
-    hold, not the report's. A VLLM_LOGGING_LEVEL of the user's own is kept."""
+    start, its config, its CPU advice: some 60 lines an engine), library deprecations and
+    transformers' advice are the run's logs' to hold, not the report's. A VLLM_LOGGING_LEVEL of
+    the user's own is kept."""
     import logging
+    import warnings
 
     from transformers.utils import logging as transformers_logging
 
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # read at vLLM's import, and by its engine's processes
-    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"])
+    # each read at the import, here and in the engine's own processes; the loggers set here too
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())
     transformers_logging.set_verbosity_error()
 
 
