@@ -589,7 +589,7 @@ class AgentEnvironment:
             # stream holds already; one that does not leaves it out of its transcript, and so of the stream
             rest = prompt[len(self.text):]
             left_out = int(bool(unsaid) and not rest.startswith(unsaid))
-            rest = rest if left_out or not unsaid else rest[len(unsaid):]
+            rest = rest if left_out else rest[len(unsaid):]
             kept = self.ids[:len(self.ids) - left_out]
             added = tokenizer(rest, add_special_tokens=not kept)["input_ids"]
             self.text = prompt

@@ -558,12 +558,11 @@ class Episodes:
         self.waiting.append(episode)
 
     def _past_deadline(self, episode: Episode, why: str) -> None:
-        """``episode`` ends ``env_deadline``: ``why``, in the failure log. One whose last turn was cut
-        at max_new_tokens ends "length" all the same (its program's reward never came: 0, and
-        learner.truncation_penalty applies), never dropped as a failure would be."""
+        """``episode`` ends ``env_deadline``: ``why``, in the failure log (one whose last turn was cut
+        ends "length" all the same: ``_end``)."""
         self.failures.report("env_deadline", None, f"{why}; the episode ends", self._row_text(episode),
                              ("reset" if episode.environment is None else "step",))
-        self._end(episode, "length" if episode.cut else "env_deadline")
+        self._end(episode, "env_deadline")
 
     def _answered(self, episode: Episode, future: Future) -> None:
         error = future.exception()
@@ -574,7 +573,7 @@ class Episodes:
             self.failures.report("env_error", error, f"the environment's {call} failed ({type(error).__name__}: "
                                  f"{error}); the episode ends",
                                  f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", (call,))
-            self._end(episode, "length" if episode.cut else "env_error")  # cut: as _past_deadline says
+            self._end(episode, "env_error")
         elif episode.environment is None:  # the reset
             episode.environment, first = future.result()
             if first is not None:
@@ -618,7 +617,7 @@ class Episodes:
                                  "(the policy reads the error as the tool's answer)",
                                  f"arguments: {json.dumps(error.arguments)}\n{error.detail}", (error.tool,))
         if step.done:
-            return self._end(episode, "length" if episode.cut else "done")
+            return self._end(episode, "done")
         if episode.turns >= self.config.rollout.max_turns:
             return self._end(episode, "max_turns")
         if isinstance(step.observation, Restart):
@@ -732,6 +731,10 @@ class Episodes:
         return f"prompt {episode.group.prompt_index}, data row {episode.group.data_row}: {shown}"
 
     def _end(self, episode: Episode, reason: str) -> None:
+        """``episode`` ends for ``reason``; one whose last turn was cut at max_new_tokens ends "length"
+        whatever came after (an agent program's return, or its failure or lateness: never dropped as
+        a failure would be, and learner.truncation_penalty applies)."""
+        reason = "length" if episode.cut else reason
         episode.ended = reason
         close = getattr(episode.environment, "close", None)
         if close is not None:  # an agent program's waiting call is refused; in a thread: a close may hang

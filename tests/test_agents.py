@@ -518,33 +518,43 @@ def test_a_turn_cut_at_its_calls_max_tokens_answers_the_call_with_length(program
     assert SEEN["cut"]["finish_reason"] == "length"
 
 
+def program_episodes(tmp_path, rows: list[dict], *overrides: str):
+    """The rollout's episodes (``rollout.episodes``) of tests.environments:does_as_its_row_says on
+    ``rows``, its turns given by hand: (episodes, their AgentPrograms, the tokenizer); close the programs."""
+    import logging
+
+    from common.config import load_config
+    from common.prompts import prompt_token_ids
+    from rollout.agents import agent_programs
+    from rollout.environments import Environments
+    from rollout.episodes import Episodes, Renderer
+    from tests.helpers import base_config
+
+    tokenizer = chatml_tokenizer(str(tmp_path))
+    config = load_config(None, ["rollout.agent=tests.environments:does_as_its_row_says", "rollout.max_model_len=64",
+                                *overrides],
+                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
+    programs = agent_programs(config, tokenizer)
+    episodes = Episodes(config, Environments.load(None, {}, programs), Renderer(tokenizer, None), tokenizer, rows,
+                        [prompt_token_ids(row, tokenizer, None, None) for row in rows], list(range(len(rows))),
+                        lambda _, max_tokens: max_tokens, logging.getLogger("test"))
+    return episodes, programs, tokenizer
+
+
 def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_hangs(tmp_path, caplog):
     """The rollout's loop (``rollout.episodes``) takes a program's calls with no thread of its own
     between them: one that returns ends "done" with its reward, one that raises ends env_error, one
     that makes no call within ``rollout.agent_deadline_s`` ends env_deadline then, long before
     ``env_step_deadline_s``; the run's end closes a reset under way at once, its key refused after."""
-    import logging
-
-    from common.config import load_config
-    from common.prompts import prompt_token_ids
-    from rollout.agents import ENDED, agent_programs
-    from rollout.environments import Environments
-    from rollout.episodes import CLOSE_DEADLINE_S, Episodes, Renderer
-    from tests.helpers import base_config
+    from rollout.agents import ENDED
+    from rollout.episodes import CLOSE_DEADLINE_S
     from tests.test_episodes import fake_output, settle
 
-    tokenizer = chatml_tokenizer(str(tmp_path))
-    config = load_config(None, ["rollout.agent=tests.environments:does_as_its_row_says", "rollout.agent_deadline_s=1",
-                                "rollout.env_step_deadline_s=20", "rollout.max_new_tokens=8",
-                                "rollout.max_model_len=64"],
-                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
     rows = [{"prompt": "a", "do": "answer"}, {"prompt": "b", "do": "raise"}, {"prompt": "c", "do": "hang"},
             {"prompt": "d", "do": "hang"}]
-    programs = agent_programs(config, tokenizer)
+    episodes, programs, tokenizer = program_episodes(tmp_path, rows, "rollout.agent_deadline_s=1",
+                                                     "rollout.env_step_deadline_s=20", "rollout.max_new_tokens=8")
     try:
-        episodes = Episodes(config, Environments.load(None, {}, programs), Renderer(tokenizer, None), tokenizer, rows,
-                            [prompt_token_ids(row, tokenizer, None, None) for row in rows], list(range(len(rows))),
-                            lambda _, max_tokens: max_tokens, logging.getLogger("test"))
         for index in range(2):
             episodes.start(index, index)
         settle(episodes)
@@ -584,34 +594,24 @@ def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_s
     reward, on its last token, the episode ended "length" (``learner.truncation_penalty`` applies),
     even where the program then fails. Two calls at once from one episode are refused with 409, and
     the program that made them fails its episode (its group dropped, no reward being known)."""
-    import logging
-
-    from common.config import load_config
-    from common.prompts import prompt_token_ids
-    from rollout.agents import agent_programs
-    from rollout.environments import Environments
-    from rollout.episodes import Episodes, Renderer
     from tests.environments import SEEN
-    from tests.helpers import base_config
     from tests.test_episodes import fake_output, settle
 
-    tokenizer = chatml_tokenizer(str(tmp_path))
-    config = load_config(None, ["rollout.agent=tests.environments:does_as_its_row_says", "rollout.max_new_tokens=4",
-                                "rollout.max_model_len=64"],
-                         base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
     rows = [{"prompt": "cut-and-call", "do": "call_after_cut"}, {"prompt": "both", "do": "gather"},
             {"prompt": "cut-and-raise", "do": "raise_after_cut"}]
-    programs = agent_programs(config, tokenizer)
-    try:
-        episodes = Episodes(config, Environments.load(None, {}, programs), Renderer(tokenizer, None), tokenizer, rows,
-                            [prompt_token_ids(row, tokenizer, None, None) for row in rows], list(range(len(rows))),
-                            lambda _, max_tokens: max_tokens, logging.getLogger("test"))
-        episodes.start(0, 0)
+    episodes, programs, tokenizer = program_episodes(tmp_path, rows, "rollout.max_new_tokens=4")
+
+    def cut(index: int):
+        """Row ``index``'s episode, its first turn cut at max_new_tokens: what ``finished`` gives then."""
+        episodes.start(index, index)
         settle(episodes)
         (episode, _, _), = episodes.take_ready(0)
         episodes.turn_finished(episode, fake_output([10, 11, 12, 13], finish_reason="length"), 0)
         settle(episodes)
-        (sample,), dropped = episodes.finished()
+        return episodes.finished()
+
+    try:
+        (sample,), dropped = cut(0)
         assert (sample.finish_reason, sample.turn_rewards.tolist(), dropped) == ("length", [0, 0, 0, 0.25], [])
         assert SEEN["cut-and-call"] == ("", "length")  # the later call: answered at once, with nothing
         episodes.start(1, 1)
@@ -625,12 +625,7 @@ def test_a_turn_cut_at_max_new_tokens_answers_its_call_and_the_programs_return_s
         assert episodes.finished() == ([], [(1, "env_error")])
         assert "Error code: 409" in caplog.text and "its calls made one after another" in caplog.text
         # cut, and then its program fails: still ended "length" at 0 (the penalty applies), not dropped
-        episodes.start(2, 2)
-        settle(episodes)
-        (episode, _, _), = episodes.take_ready(0)
-        episodes.turn_finished(episode, fake_output([10, 11, 12, 13], finish_reason="length"), 0)
-        settle(episodes)
-        (sample,), dropped = episodes.finished()
+        (sample,), dropped = cut(2)
         assert (sample.finish_reason, sample.turn_rewards.tolist(), dropped) == ("length", [0, 0, 0, 0], [])
     finally:
         programs.close()
