@@ -12,7 +12,7 @@ they did. The figure compared with is k = 0's: asynchrony should not lose to it.
 ``--openai``: instead, at the config's k, the native episodes against the same task written as an
 agent program against the OpenAI API (``demos.agent.openai_agent`` through the rollout's endpoint;
 limit: >= 0.8x the native trained tokens/s), the same program in a process of its own on the
-learner's core (``rollout.agent_processes``), the same program with OpenAI's SDK left out
+learner's core (``environments.agent_processes``), the same program with OpenAI's SDK left out
 (``sdk_free_agent``: what the endpoint costs in a run without what the SDK costs), and the
 endpoint's own cost per call both ways: one episode's calls answered at once, one after another,
 with no engine (after 20 that warm it up).
@@ -20,12 +20,18 @@ with no engine (after 20 that warm it up).
 ``--openenv``: the native episodes against the same calculator served as an OpenEnv server's MCP
 tool (``demos.agent.openenv_app``, in this process), each episode a session of its own.
 
+``--calls``: no run, what an episode and a call cost with no engine (the endpoint's per call, in
+threads and in a program process; an episode of tether's own tool, of the OpenAI-client program
+and of the verifiers ToolEnv), round after round; with ``--baseline DIR`` (a git worktree of an
+older commit) the same figures of that checkout, measured in turns with this one's.
+
 ``--verifiers``: the native episodes against the same task as a verifiers ``ToolEnv``
 (``demos.agent_verifiers``: verifiers' own rollout and rubric through the rollout's endpoint), and
 what an episode costs each way with no engine.
 
     python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai | --openenv | --verifiers] [--variants A,B]
                           [-o KEY=VALUE ...]
+    python bench/agent.py --calls [--rounds 3] [--baseline DIR]
 """
 
 from __future__ import annotations
@@ -70,11 +76,11 @@ def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float
     """Milliseconds per chat-completions call of agent episodes through the endpoint, one episode
     after another, each of two calls answered as soon as it arrives (no engine): the program's
     client, the route, the episode's hand-over and back, the program's thread and loop (or its
-    process's: ``rollout.agent_processes``); in all, and the CPU time of this process alone (the
+    process's: ``environments.agent_processes``); in all, and the CPU time of this process alone (the
     rollout's: a program process's own work is not counted)."""
     from demos.agent import build_tokenizer
-    from rollout.agents import AgentPrograms
-    from rollout.tools import ToolCallParser
+    from environments.agents import AgentPrograms
+    from environments.tools import ToolCallParser
 
     tokenizer = build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
     programs = AgentPrograms("bench.agent:asks_twice", ToolCallParser("hermes", tokenizer, None), 60.0, 60.0,
@@ -82,9 +88,9 @@ def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float
 
     def one_episode() -> None:
         episode = programs.make({"prompt": "add 1 2 3 + 4 5 6 :"})
-        episode.reset()
-        episode.step("5 7 9", [])
-        episode.step("5 7 9", [])
+        episode.begin_reset().result(timeout=60.0)
+        episode.begin_step("5 7 9", []).result(timeout=60.0)
+        episode.begin_step("5 7 9", []).result(timeout=60.0)
 
     try:
         wall, cpu = ms_each(one_episode, episodes, warm_up=20)
@@ -99,9 +105,8 @@ def episode_ms(url: str | None, episodes: int = 100) -> tuple[float, float]:
     the rollout does) or the OpenEnv server at ``url`` (a session opened, reset, stepped and
     closed: both sides, the server being in this process); in all, and this process's CPU time."""
     import demos.agent as demo
-    from rollout.environments import Environments
-    from rollout.episodes import in_thread
-    from rollout.tools import load_tools
+    from environments.native import Environments
+    from environments.tools import load_tools
 
     latency, demo.MAX_LATENCY_S = demo.MAX_LATENCY_S, 0.0
     tokenizer = demo.build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
@@ -111,9 +116,11 @@ def episode_ms(url: str | None, episodes: int = 100) -> tuple[float, float]:
 
     def one_episode() -> None:
         environment = environments.make({"prompt": "add 3 7 4 + 5 8 9 :"})
-        in_thread(environment.reset).result()
-        assert in_thread(environment.step, turn, []).result().tool_calls == 1
-        getattr(environment, "close", lambda: None)()
+        environment.begin_reset().result()
+        assert environment.begin_step(turn, []).result().tool_calls == 1
+        closing = environment.close()
+        if closing is not None:
+            closing.result()
 
     try:
         return ms_each(one_episode, episodes, warm_up=10)
@@ -129,22 +136,23 @@ def program_episode_ms(program: str, episodes: int = 100) -> tuple[float, float]
     tool's result taken (a step), the answer given and the return taken (a step); in all, and this
     process's CPU time (the program's included)."""
     import demos.agent as demo
-    from common import verifiers_envs
-    from rollout.agents import AgentPrograms
-    from rollout.tools import ToolCallParser
+    from common import verifiers_data
+    from environments import verifiers_envs
+    from environments.agents import AgentPrograms
+    from environments.tools import ToolCallParser
 
     latency, demo.MAX_LATENCY_S = demo.MAX_LATENCY_S, 0.0
     tokenizer = demo.build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
-    env_id = verifiers_envs.environment_id(program)
+    env_id = verifiers_data.environment_id(program)
     programs = AgentPrograms(verifiers_envs.program(env_id, {}) if env_id else program,
                              ToolCallParser("hermes", tokenizer, None), 60.0, 60.0)
     turn = '<tool_call> {"name": "calculator", "arguments": {"expression": "374 + 589"}} </tool_call>'
 
     def one_episode() -> None:
         episode = programs.make({"prompt": "add 3 7 4 + 5 8 9 :", "answer": "963"})
-        episode.reset()
-        assert episode.step(turn, []).observation[-1]["role"] == "tool"
-        assert episode.step("9 6 3", []).done
+        episode.begin_reset().result(timeout=60.0)
+        assert episode.begin_step(turn, []).result(timeout=60.0).observation[-1]["role"] == "tool"
+        assert episode.begin_step("9 6 3", []).result(timeout=60.0).done
 
     try:
         return ms_each(one_episode, episodes, warm_up=10)
@@ -191,6 +199,49 @@ async def sdk_free_agent(client, row: dict) -> float:
     return exact_answer([{"role": m["role"], "content": m.get("content") or ""} for m in messages], "", row)
 
 
+CALL_FIGURES = """
+import json, sys
+sys.path.insert(0, {repo!r})
+from bench.agent import endpoint_ms_per_call, episode_ms, program_episode_ms
+print(json.dumps({{"endpoint call, threads": endpoint_ms_per_call(0), "endpoint call, a process": endpoint_ms_per_call(1),
+                  "episode, own tool": episode_ms(None),
+                  "episode, OpenAI-client program": program_episode_ms("demos.agent:openai_agent"),
+                  "episode, verifiers ToolEnv": program_episode_ms("verifiers:demos.agent_verifiers")}}))
+"""
+
+
+def compare_calls(rounds: int, baseline: str | None) -> None:
+    """``--calls``: the per-call and per-episode figures of this checkout (and ``baseline``'s), each
+    checkout's in a process of its own (they share module names), in turns, round after round."""
+    import json
+    import statistics
+    import subprocess
+
+    sides = [("this", REPO)] + ([("baseline", os.path.abspath(baseline))] if baseline else [])
+    results: dict[str, list[dict]] = {name: [] for name, _ in sides}
+    for round_index in range(rounds):
+        for name, repo in sides if round_index % 2 == 0 else reversed(sides):
+            done = subprocess.run([sys.executable, "-c", CALL_FIGURES.format(repo=repo)], cwd=repo, text=True,
+                                  capture_output=True, timeout=900)
+            if done.returncode != 0:
+                raise SystemExit(f"{name} ({repo}) failed:\n{done.stderr[-3000:]}")
+            results[name].append(json.loads(done.stdout.strip().splitlines()[-1]))
+            print(f"round {round_index + 1} {name}: " + "; ".join(
+                f"{figure} {wall:.2f} ms" for figure, (wall, _) in results[name][-1].items()), flush=True)
+    print(f"\nmedian over {rounds} rounds, ms (wall, and the measuring process's CPU):")
+    for figure in results["this"][0]:
+        line = f"  {figure:32s}"
+        for name, _ in sides:
+            wall = statistics.median(r[figure][0] for r in results[name])
+            cpu = statistics.median(r[figure][1] for r in results[name])
+            line += f"  {name} {wall:7.2f} ({cpu:6.2f} CPU)"
+        if baseline:
+            ratio = (statistics.median(r[figure][0] for r in results["this"])
+                     / statistics.median(r[figure][0] for r in results["baseline"]))
+            line += f"  this/baseline {ratio:.2f}x"
+        print(line)
+
+
 def main() -> None:
     from common.config import load_config
     from demos.agent import build_assets
@@ -206,9 +257,13 @@ def main() -> None:
     parser.add_argument("--verifiers", action="store_true", help="native episodes against the same task as a "
                                                                  "verifiers ToolEnv (demos.agent_verifiers)")
     parser.add_argument("--variants", help="a comma-separated subset of the variants to run (default: all)")
+    parser.add_argument("--calls", action="store_true", help="no run: an episode's and a call's cost, no engine")
+    parser.add_argument("--baseline", help="with --calls: another tether checkout (a worktree of an older commit)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant, as `tether run -o`")
     args = parser.parse_args()
+    if args.calls:
+        return compare_calls(args.rounds, args.baseline)
 
     assets = os.path.join(REPO, ".demo", "assets-agent")
     build_assets(assets, log=lambda line: print(line, flush=True))  # cached after the first time

@@ -49,7 +49,7 @@ def buffer_process(config) -> None:
 def template_sample(image_bytes: int):
     """The sample every message repeats: 64 prompt and 256 response tokens, and one image of
     ``image_bytes`` random bytes (0: none; the buffer never decodes an image)."""
-    from common.vision import pack_images
+    from common.images import pack_images
     from protocol.samples import Sample
 
     image = pack_images([np.random.default_rng(0).bytes(image_bytes)]) if image_bytes else None

@@ -1,5 +1,5 @@
 """The learner's side of the colocated mode on a GPU (``placement.mode: colocate``): between its
-turns the learner moves the optimizer's state to host memory (``learner.deepspeed_engine.
+shifts the learner moves the optimizer's state to host memory (``training.deepspeed_engine.
 offload_optimizer``) so that the engine generates in it, and back before its next step.
 
 For each ZeRO stage given: two DeepSpeed engines from the same weights take the same AdamW steps on
@@ -39,7 +39,7 @@ def model(hidden: int, layers: int, vocab: int):
 
 
 def engine_of(stage: int, args):
-    from learner.deepspeed_engine import deepspeed_engine
+    from training.deepspeed_engine import deepspeed_engine
 
     learner = SimpleNamespace(zero_stage=stage, grad_clip=1.0, weight_decay=0.0, gradient_checkpointing=False)
     return deepspeed_engine(model(args.hidden, args.layers, args.vocab).cuda(), 1e-4, learner, "bfloat16", args.batch)
@@ -51,7 +51,7 @@ def train(engine, steps: range, offload: bool, args) -> list[dict]:
     and times of the offload and reload."""
     import torch
 
-    from learner.deepspeed_engine import offload_optimizer, reload_optimizer
+    from training.deepspeed_engine import offload_optimizer, reload_optimizer
 
     figures = []
     for step in steps:
@@ -90,7 +90,7 @@ def compare(stage: int, args, directory: str) -> None:
     that offloads at once, and one more step on both."""
     import torch
 
-    from learner.deepspeed_engine import offload_optimizer
+    from training.deepspeed_engine import offload_optimizer
 
     kept = engine_of(stage, args)
     train(kept, range(args.steps), False, args)

@@ -139,9 +139,9 @@ def main() -> None:
     from common.models import load_causal_lm, load_critic
     from common.sequences import SequenceBatch, collate
     from demos.parity import VOCAB
-    from learner import micro_batches
-    from learner.deepspeed_engine import make_deepspeed_engine
-    from learner.parallel import init_distributed
+    from training import micro_batches
+    from training.deepspeed_engine import make_deepspeed_engine
+    from training.parallel import init_distributed
 
     torch.manual_seed(0)
     directory = tempfile.mkdtemp(prefix="tether-bench-learner-")

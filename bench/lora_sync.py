@@ -49,8 +49,9 @@ def measure(policy: str, mode: str, rank: int, versions: int, work: str) -> dict
     from common.model_dirs import resolve_models
     from rollout.adapters import PolicyAdapter, lora_arguments
     from rollout.engine import apply_weights, make_vllm_engine
+    from training.lora import merged_named_tensors, with_lora
     from weight_sync.buckets import ShmWeightWriter, without_tied_duplicates
-    from weight_sync.lora import adapter_named_tensors, merged_named_tensors, with_lora
+    from weight_sync.lora import adapter_named_tensors
 
     config = resolve_models(load_config(None, [
         f"models.policy={policy}", f"models.reward={policy}", f"data.prompts={policy}/none", f"run_dir={work}/{mode}",

@@ -168,11 +168,11 @@ def learner_worker(args) -> None:
     from common.config import load_config
     from common.models import load_causal_lm, load_critic
     from common.sequences import collate
-    from learner import parallel
-    from learner.deepspeed_engine import make_deepspeed_engine
-    from learner.parallel import init_distributed
     from learner.step import ppo_step
     from protocol.samples import Sample
+    from training import parallel
+    from training.deepspeed_engine import make_deepspeed_engine
+    from training.parallel import init_distributed
 
     world = int(os.environ.get("WORLD_SIZE", 1))
     config = load_config(None, ["learner.batch_size=64", "learner.minibatch_size=32", "learner.ppo_epochs=2",

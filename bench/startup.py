@@ -6,11 +6,11 @@ round after round, because this machine's speed drifts between minutes:
 
 - ``default``: this checkout as configured (vLLM's engine in the rollout's process on CPU);
 - ``engine-processes``: the same with ``rollout.in_process=false`` (vLLM's own three processes);
-- ``shared-cores``: every role on both cores (issue 37's colocated shape without its turns: each
+- ``shared-cores``: every role on both cores (issue 37's colocated shape without its shifts: each
   role may use every core, and they run side by side); ``shared-cores-passive`` the same with
   ``OMP_WAIT_POLICY=PASSIVE`` (OpenMP threads sleep at once when they wait, instead of spinning);
-- ``colocate``: ``placement.mode=colocate``, the rollout, scorer and learner on both cores taking
-  the turns the buffer grants; ``colocate-passive`` the same with ``GOMP_SPINCOUNT=0`` (idle
+- ``colocate``: ``placement.mode=colocate``, the rollout, scorer and learner on both cores working
+  the shifts the buffer grants; ``colocate-passive`` the same with ``GOMP_SPINCOUNT=0`` (idle
   OpenMP workers sleep at once, as OMP_WAIT_POLICY=PASSIVE alone makes them); ``default-k0`` and
   ``colocate-k0`` both at ``buffer.max_staleness=0``;
 - ``--baseline DIR``: another checkout of tether (a git worktree of an older commit) run the same

@@ -16,7 +16,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from buffer.state import BufferState, GroupFilter, load_snapshot, save_snapshot
-from buffer.turns import Turns
+from buffer.shifts import Shifts
 from common.config import TetherConfig
 from common.runlog import StartupTimeline, metrics_writer, new_file, setup_logging
 from protocol.codec import Message, ProtocolError, cut
@@ -89,8 +89,8 @@ class Buffer:
         self.incarnation = uuid.uuid4().hex[:12]  # a restarted buffer is told from this one by its clients
         self.weight_failures: dict[str, tuple[int, int, str]] = {}  # rollout -> (failures, version, reason)
         self.checkpoints = os.path.realpath(os.path.join(config.run_dir, "checkpoints"))
-        # placement.mode colocate: the roles share the devices and take turns, granted here
-        self.turns = Turns(config.placement.turn_deadline_s) if config.colocated else None
+        # placement.mode colocate: the roles share the devices and work in shifts, granted here
+        self.shifts = Shifts(config.placement.shift_deadline_s) if config.colocated else None
         self.credit_waits: list[Pending] = []
         self.score_waits: list[Pending] = []
         self.batch_waits: list[Pending] = []
@@ -98,8 +98,8 @@ class Buffer:
         self.last_seen: dict[bytes, tuple[float, str]] = {}  # identity -> (when, what) it last sent
         self.warned_at: dict[bytes, float] = {}
         self.stopped: set[bytes] = set()  # identities told to stop
-        # colocated: workers that said goodbye holding a turn; its devices are free once their process is
-        # gone, which its restart's hello says (or the turn's deadline ends the wait)
+        # colocated: workers that said goodbye holding a shift; its devices are free once their process is
+        # gone, which its restart's hello says (or the shift's deadline ends the wait)
         self.departed: set[str] = set()
         self.key_workers: dict[str, str] = {}  # a CURVE key's name -> the one worker it speaks for
         self.finished_at: float | None = None
@@ -128,10 +128,10 @@ class Buffer:
                 if expired:
                     self.log.warning("%d samples passed their scoring deadline of %.0fs; sending them again",
                                      expired, self.config.scorer.deadline_s)
-                if self.turns is not None:
+                if self.shifts is not None:
                     if expired:  # a scorer whose samples went to another holds nothing now
                         self.release_idle_scorers()
-                    self.end_overdue_turn(time.monotonic())
+                    self.end_overdue_shift(time.monotonic())
                 self.serve_waiting()
                 if received is not None:
                     self.handling_s.append(time.perf_counter() - handling_started)
@@ -197,7 +197,7 @@ class Buffer:
             self._forget_old_process(worker)
         if worker in self.departed:
             self.departed.discard(worker)
-            self.turns.forget(worker)
+            self.shifts.forget(worker)
         self.workers[identity] = worker
         self.log.info("%s connected", worker)
         self.server.reply(identity, message.id, "welcome", {
@@ -216,8 +216,8 @@ class Buffer:
         redispatched, reclaimed = self._return_held(worker)
         self.log.warning("%s reconnected from a new process; %d samples it held go to the pool again, %d credits "
                          "it never used come back", worker, redispatched, reclaimed)
-        if self.turns is not None:
-            self.turns.forget(worker)
+        if self.shifts is not None:
+            self.shifts.forget(worker)
         for old in [identity for identity, name in self.workers.items() if name == worker]:
             self._forget_identity(old)
 
@@ -239,7 +239,7 @@ class Buffer:
         worker = self._forget_identity(identity)
         self.weight_failures.pop(worker, None)  # no longer stalled: gone
         redispatched, reclaimed = self._return_held(worker)
-        if self.turns is not None:  # an engine still awake on the devices: the next turn waits for its exit
+        if self.shifts is not None:  # an engine still awake on the devices: the next shift waits for its exit
             self.departed.add(worker)
         self.log.warning("%s stopped: %s; %d samples it held go to the pool again, %d credits it never used come "
                          "back", worker, message.fields["reason"], redispatched, reclaimed)
@@ -282,8 +282,8 @@ class Buffer:
         state, unfiltered = self.state, self.state.accounting.groups_unfiltered
         accepted = state.add_scored(unpack_samples(message))
         self.server.reply(identity, message.id, "ack", {"accepted": accepted})
-        if self.turns is not None:
-            self.release_idle_scorers()  # its share is scored: the score turn may end
+        if self.shifts is not None:
+            self.release_idle_scorers()  # its share is scored: the score shift may end
         if state.accounting.groups_unfiltered > unfiltered and self.unfiltered_warned != state.batches_served:
             self.unfiltered_warned = state.batches_served
             self.log.warning("buffer.filter_groups dropped %d episodes since the last batch, buffer.max_filter_ratio "
@@ -303,31 +303,31 @@ class Buffer:
         manifest = WeightManifest.from_dict(message.fields["weights_manifest"])  # refuse a malformed one here
         if manifest.policy_version != message.fields["policy_version"]:
             raise ProtocolError(f"manifest of version {manifest.policy_version} published as {message.fields['policy_version']}")
-        self._end_turn_of(identity)  # a learner past its train turn's deadline publishes nothing
+        self._end_shift_of(identity)  # a learner past its train shift's deadline publishes nothing
         self.state.publish_weights(message.fields["policy_version"], message.fields["weights_manifest"])
         self.server.reply(identity, message.id, "ack", {"accepted": 1})
 
-    def on_turn_release(self, identity: bytes, message: Message) -> None:
+    def on_shift_end(self, identity: bytes, message: Message) -> None:
         """An engine ran dry (colocated): everything it was granted is sent, and on a GPU its memory
-        freed. A release that crossed a new grant is not one: the engine releases again later."""
+        freed. An end that crossed a new grant is not one: the engine ends its shift again later."""
         worker = self.workers[identity]
-        if self.turns is None:
-            raise ValueError("turn_release: placement.mode is split here, and turns are for colocate")
+        if self.shifts is None:
+            raise ValueError("shift_end: placement.mode is split here, and shifts are for colocate")
         if self.state.outstanding(worker):
             self.server.reply(identity, message.id, "ack", {"accepted": 0})
             return
-        self._end_turn_of(identity)
+        self._end_shift_of(identity)
         self.server.reply(identity, message.id, "ack", {"accepted": 1})
 
-    def _end_turn_of(self, identity: bytes) -> None:
-        """The worker's part of the turn is done; refused (an error it stops on) past the deadline."""
-        if self.turns is None:
+    def _end_shift_of(self, identity: bytes) -> None:
+        """The worker's part of the shift is done; refused (an error it stops on) past the deadline."""
+        if self.shifts is None:
             return
         worker = self.workers[identity]
-        refusal = self.turns.refusal(worker)
+        refusal = self.shifts.refusal(worker)
         if refusal is not None:
             raise ValueError(refusal)
-        self.turns.release(worker)
+        self.shifts.release(worker)
 
     def on_snapshot(self, identity: bytes, message: Message) -> None:
         path = os.path.realpath(message.fields["path"])
@@ -341,8 +341,8 @@ class Buffer:
             self.log.info("the learner stopped at policy version %d before training the batch it was sent: "
                           "its %d samples wait again", message.fields["policy_version"], returned)
         save_snapshot(self.state, path)
-        if self.turns is not None:  # a checkpoint trains nothing: the learner's turn, if any, is over
-            self.turns.release(self.workers[identity])
+        if self.shifts is not None:  # a checkpoint trains nothing: the learner's shift, if any, is over
+            self.shifts.release(self.workers[identity])
         self.server.reply(identity, message.id, "ack", {"accepted": 1})
 
     def on_finish(self, identity: bytes, message: Message) -> None:
@@ -360,33 +360,33 @@ class Buffer:
         self.score_waits.sort(key=lambda wait: self.state.scorer_load[self.workers.get(wait.identity, "scorer")])
         order = ((self.batch_waits, self.answer_batch), (self.credit_waits, self.answer_credits),
                  (self.score_waits, self.answer_score))
-        if self.turns is not None:  # a free turn: scoring what waits, else training, else generating
+        if self.shifts is not None:  # a free shift: scoring what waits, else training, else generating
             order = (order[2], order[0], order[1])
         for waits, answer in order:
             waits[:] = [wait for wait in waits if not answer(wait)]
 
-    def _turn_allows(self, purpose: str) -> bool:
+    def _shift_allows(self, purpose: str) -> bool:
         """Whether work of ``purpose`` may be handed out (always, split). Colocated, generation waits
-        for every sample generated to be scored: its turn would take the devices from the scorer."""
-        turns, state = self.turns, self.state
-        if turns is None or state.finished:
+        for every sample generated to be scored: its shift would take the devices from the scorer."""
+        shifts, state = self.shifts, self.state
+        if shifts is None or state.finished:
             return True
-        if purpose == "generate" and turns.turn is None and (state.unscored or state.in_scoring):
+        if purpose == "generate" and shifts.shift is None and (state.unscored or state.in_scoring):
             return False
-        return turns.may(purpose)
+        return shifts.may(purpose)
 
     def _grant(self, purpose: str, wait: Pending) -> None:
-        """Colocated, work handed out is its worker's turn; after the last step turns are over
+        """Colocated, work handed out is its worker's shift; after the last step shifts are over
         (what is still scored or sent then is counted, never trained)."""
-        if self.turns is not None and not self.state.finished:
-            self.turns.grant(purpose, self.workers[wait.identity], time.monotonic())
+        if self.shifts is not None and not self.state.finished:
+            self.shifts.grant(purpose, self.workers[wait.identity], time.monotonic())
 
     def answer_credits(self, wait: Pending) -> bool:
         state = self.state
-        if not self._turn_allows("generate"):
+        if not self._shift_allows("generate"):
             return False
-        refusal = self.turns.refusal(self.workers[wait.identity]) if self.turns is not None else None
-        if refusal is not None:  # an engine past its turn's deadline gets no other: it stops, a new process starts
+        refusal = self.shifts.refusal(self.workers[wait.identity]) if self.shifts is not None else None
+        if refusal is not None:  # an engine past its shift's deadline gets no other: it stops, a new process starts
             self.server.reply(wait.identity, wait.request_id, "error", {"reason": cut(refusal)})
             return True
         engines = self.engines_present(time.monotonic())
@@ -414,7 +414,7 @@ class Buffer:
                    for identity, worker in self.workers.items())
 
     def answer_score(self, wait: Pending) -> bool:
-        if not self._turn_allows("score"):
+        if not self._shift_allows("score"):
             return False
         share = min(wait.amount, self.state.fair_share(len(self.score_waits)))
         work = self.state.take_for_scoring(share, self.workers[wait.identity], time.monotonic(),
@@ -430,7 +430,7 @@ class Buffer:
         return True
 
     def answer_batch(self, wait: Pending) -> bool:
-        if not self._turn_allows("train"):
+        if not self._shift_allows("train"):
             return False
         batch = self.state.take_batch(wait.policy_version, wait.amount)
         if batch is None:
@@ -474,26 +474,26 @@ class Buffer:
             silent = now - self.last_seen.get(identity, (now, ""))[0]
             if silent > self.config.rollout.deadline_s:
                 reclaimed = self.state.rollout_gone(worker)
-                if self.turns is not None:
-                    self.turns.release(worker)
+                if self.shifts is not None:
+                    self.shifts.release(worker)
                 self.log.warning("%s holds credits and has been silent for %.0fs (rollout.deadline_s %.0f): "
                                  "taken for dead, %d credits and their prompts go to the pool", worker, silent,
                                  self.config.rollout.deadline_s, reclaimed)
 
     def release_idle_scorers(self) -> None:
-        """Scorers of the score turn that hold no sample leave it: theirs is scored, or was sent to
+        """Scorers of the score shift that hold no sample leave it: theirs is scored, or was sent to
         another after scorer.deadline_s."""
-        turn = self.turns.turn
-        if turn is not None and turn.purpose == "score":
-            for worker in [worker for worker in turn.holders if not self.state.scorer_load[worker]]:
-                self.turns.release(worker)
+        shift = self.shifts.shift
+        if shift is not None and shift.purpose == "score":
+            for worker in [worker for worker in shift.holders if not self.state.scorer_load[worker]]:
+                self.shifts.release(worker)
 
-    def end_overdue_turn(self, now: float) -> None:
-        """A turn held past placement.turn_deadline_s: named in an error; what its holders held goes
+    def end_overdue_shift(self, now: float) -> None:
+        """A shift held past placement.shift_deadline_s: named in an error; what its holders held goes
         back to the pool (an engine's credits and prompts, a scorer's samples), and the devices to
-        the next turn. An engine's late release and a learner's late weights are refused
-        (``Turns.refusal``), which stops them."""
-        overdue = None if self.state.finished else self.turns.overdue(now)  # after the last step no turn matters
+        the next shift. An engine's late shift_end and a learner's late weights are refused
+        (``Shifts.refusal``), which stops them."""
+        overdue = None if self.state.finished else self.shifts.overdue(now)  # after the last step no shift matters
         if overdue is None:
             return
         purpose, holders, held = overdue
@@ -501,10 +501,10 @@ class Buffer:
             self._return_held(worker)
         last = {self.workers[identity]: kind for identity, (_, kind) in self.last_seen.items()
                 if identity in self.workers}
-        self.log.error("the %s turn was held for %.0fs by %s, past placement.turn_deadline_s (%gs); last heard: %s. "
-                       "What they held goes back to the pool and the devices to the next turn; an engine's late "
-                       "release and a learner's late weights are refused", purpose, held,
-                       ", ".join(holders) or "nobody", self.config.placement.turn_deadline_s,
+        self.log.error("the %s shift was held for %.0fs by %s, past placement.shift_deadline_s (%gs); last heard: %s. "
+                       "What they held goes back to the pool and the devices to the next shift; an engine's late "
+                       "shift_end and a learner's late weights are refused", purpose, held,
+                       ", ".join(holders) or "nobody", self.config.placement.shift_deadline_s,
                        ", ".join(f"{worker} {last.get(worker, 'nothing')}" for worker in holders) or "-")
 
     def write_metrics(self, now: float) -> None:
@@ -518,7 +518,7 @@ class Buffer:
                             **({"groups_filtered": state.accounting.groups_filtered,
                                 "groups_unfiltered": state.accounting.groups_unfiltered}
                                if state.group_filter is not None else {}),
-                            **(self.turns.record(now) if self.turns is not None else {}),
+                            **(self.shifts.record(now) if self.shifts is not None else {}),
                             "elapsed_s": now - self.started, "stalled": self.stalled_workers(now)})
 
     def drain(self, quiet_s: float = 0.3, deadline_s: float = 3.0) -> None:

@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ROLES = ("buffer", "rollout", "scorer", "learner")
-COLOCATED_ROLES = ("rollout", "scorer", "learner")  # placement.mode colocate: the roles that take turns
+COLOCATED_ROLES = ("rollout", "scorer", "learner")  # placement.mode colocate: the roles that work in shifts
 
 
 class ConfigError(ValueError):
@@ -84,7 +84,7 @@ class DataConfig(_Strict):
     prompts: str = Field(description='JSON-lines (.jsonl, .json) or Parquet (.parquet) file; each row has "prompt" '
                                      '(text, tokenized as is) or "messages" (a chat, rendered by the policy '
                                      "tokenizer's chat template with the generation prompt); or \"verifiers:<id>\": "
-                                     "a verifiers environment's dataset (common/verifiers_envs.py)")
+                                     "a verifiers environment's dataset (common/verifiers_data.py)")
     system_prompt: str | None = Field(None, description="system message put first in every chat that has none")
     ptx: str | None = Field(None, description='PPO-ptx text (learner.ptx_coef): JSON lines or Parquet of {"text": ...}')
 
@@ -130,9 +130,9 @@ class RolloutConfig(_Strict):
     environment: str | None = Field(None, description='"module:function" called with a prompt\'s data row, '
                                     "returning its episode's environment (reset() -> first messages, step(response, "
                                     "messages) -> Step(observation, reward, done)); or \"openenv:<url>\": an OpenEnv "
-                                    "server's episodes, a session each (rollout/openenv.py); or \"verifiers:<id>\": "
+                                    "server's episodes, a session each (environments/openenv.py); or \"verifiers:<id>\": "
                                     "a verifiers environment's rollouts and rubric through the rollout's endpoint "
-                                    "(common/verifiers_envs.py); None: single responses, or episodes of tool calls "
+                                    "(common/verifiers_data.py); None: single responses, or episodes of tool calls "
                                     "alone when rollout.tools is set")
     environment_args: dict[str, Any] = Field(default_factory=dict, description="rollout.environment verifiers:<id>: "
                                              "its load_environment's keywords")
@@ -141,7 +141,7 @@ class RolloutConfig(_Strict):
                              "result is a tool message")
     agent: str | None = Field(None, description='"module:function": an agent program, run(client, row) -> reward '
                               "(async or not), whose client is an OpenAI client pointed at the rollout's endpoint: "
-                              "each of its chat-completions calls is a turn of its episode (rollout/agents.py); "
+                              "each of its chat-completions calls is a turn of its episode (environments/agents.py); "
                               "instead of rollout.environment and rollout.tools")
     agent_command: list[str] = Field(default_factory=list, description="an agent program in a process of its own "
                                      "(any language), started per episode with OPENAI_BASE_URL and OPENAI_API_KEY "
@@ -592,11 +592,11 @@ class PlacementConfig(_Strict):
     mode: Literal["split", "colocate"] = Field("split", description="split: each role on its own cores or GPUs "
                                                "(placement.cores, cuda_visible_devices), computing side by side; "
                                                "colocate: the rollout, scorer and learner share every device given "
-                                               "and take turns (generate, score, train), each turn granted by the "
+                                               "and work in shifts (generate, score, train), each shift granted by the "
                                                "buffer: for boxes with fewer devices than roles")
-    turn_deadline_s: float = Field(1800.0, gt=0, description="colocate: a role holding its turn longer (an engine "
-                                   "still generating, a learner still training) is named in an error and its late "
-                                   "release refused, so it stops rather than hangs the run")
+    shift_deadline_s: float = Field(1800.0, gt=0, description="colocate: a role holding its shift longer (an engine "
+                                    "still generating, a learner still training) is named in an error and its late "
+                                    "end refused, so it stops rather than hangs the run")
     cores: dict[str, list[int]] = Field(default_factory=dict, description="CPU cores per role (affinity); "
                                         "`agent`: the cores of rollout.agent_processes; colocate: every role "
                                         "runs on all the cores named here (none: all the machine's)")
@@ -821,10 +821,10 @@ class TetherConfig(_Strict):
     def cores_of(self, role: str, index: int = 0) -> list[int]:
         """CPU cores of worker ``index`` of a role: ``placement.cores.<role>`` split evenly between
         the role's processes when it has enough of them, else shared by all. Colocated, every role
-        has every core named for any of them (the roles take turns on them)."""
+        has every core named for any of them (the roles work on them in shifts)."""
         cores = self.placement.cores.get(role, [])
         if self.colocated and role in COLOCATED_ROLES:
-            cores = sorted(_named_for_turns(self.placement.cores))
+            cores = sorted(_named_for_shifts(self.placement.cores))
         return _share(cores, self._count(role), index)
 
     @property
@@ -837,7 +837,7 @@ class TetherConfig(_Strict):
         not set."""
         devices = self.placement.cuda_visible_devices.get(role)
         if self.colocated and role in COLOCATED_ROLES:  # every role all the GPUs named for any of them
-            named = _named_for_turns({name: [d.strip() for d in listed.split(",") if d.strip()]
+            named = _named_for_shifts({name: [d.strip() for d in listed.split(",") if d.strip()]
                                       for name, listed in self.placement.cuda_visible_devices.items()})
             devices = ",".join(named) if named else None
         if devices is None:
@@ -895,8 +895,8 @@ def _set(section: BaseModel, key: str) -> bool:
     return key in section.model_fields_set and getattr(section, key) != type(section).model_fields[key].default
 
 
-def _named_for_turns(devices_of: dict[str, list]) -> list:
-    """Every device named for any of the roles that take turns (placement.mode colocate), once
+def _named_for_shifts(devices_of: dict[str, list]) -> list:
+    """Every device named for any of the roles that work in shifts (placement.mode colocate), once
     each, in the order first named."""
     return list(dict.fromkeys(device for role, named in devices_of.items() if role in COLOCATED_ROLES
                               for device in named))
@@ -949,6 +949,8 @@ def apply_override(data: dict[str, Any], override: str) -> None:
 # keys that moved, each to its one home: a config that still uses one is told where it went
 MOVED_KEYS = {"rollout.temperature": "sampling.temperature", "rollout.top_p": "sampling.top_p",
               "rollout.top_k": "sampling.top_k", "learner.dtype": "models.dtype",
+              # a device's shift (placement.mode colocate), not a conversation's turn
+              "placement.turn_deadline_s": "placement.shift_deadline_s",
               **{f"buffer.staleness_{name}": f"buffer.auto_staleness.{name}"
                  for name in ("min", "max", "ess_min", "truncated_max", "kl_max", "raise_after")}}
 

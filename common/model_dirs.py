@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 
-from common import verifiers_envs
+from common import verifiers_data
 from common.config import ConfigError, TetherConfig
 from common.lengths import max_model_len
 
@@ -54,7 +54,7 @@ def local_model_dir(key: str, name: str) -> str:
 def check_prompts_source(prompts: str, key: str = "data.prompts") -> None:
     """A prompts source (``key``) is a file, or ``verifiers:<id>``: an environment's dataset, which
     has no file (``common.prompts.read_rows`` reads it, and says what is wrong with it)."""
-    if verifiers_envs.environment_id(prompts) is None and not os.path.isfile(prompts):
+    if verifiers_data.environment_id(prompts) is None and not os.path.isfile(prompts):
         raise ConfigError(f"{key}: {prompts} does not exist (a JSON-lines or Parquet file, or verifiers:<id>)")
 
 

@@ -48,10 +48,10 @@ def critic_source(config: TetherConfig) -> str:
 
 def load_causal_lm(path: str, dtype: str = "float32") -> nn.Module:
     """The causal LM in ``path`` (the policy, the reference, a stage's model), dropout off; a
-    vision-language one (``common.vision.sees_images``) with its vision tower."""
+    vision-language one (``common.processors.sees_images``) with its vision tower."""
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from common.vision import sees_images
+    from common.processors import sees_images
 
     family = AutoModelForImageTextToText if sees_images(path) else AutoModelForCausalLM
     return disable_dropout(family.from_pretrained(path, dtype=getattr(torch, dtype)))

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from common import verifiers_envs
+from common import verifiers_data
 from common.config import ConfigError
 
 
@@ -46,11 +46,11 @@ def read_rows(path: str, key: str = "data.prompts", environment_args: dict[str, 
     ``messages`` chat. The error names the key, the file, the line or row, and what is wrong.
     ``verifiers:<id>`` (``verifiers:<id>#eval``): that verifiers environment's dataset (its eval
     dataset), the environment made with ``environment_args`` (``rollout.environment_args``;
-    ``common.verifiers_envs``)."""
+    ``environments.verifiers_envs``)."""
     expected = '{"prompt": text} or {"messages": [{"role": ..., "content": ...}, ...]}'
-    if verifiers_envs.environment_id(path) is None:
+    if verifiers_data.environment_id(path) is None:
         return read_records(path, key, prompt_problem, expected)
-    rows = verifiers_envs.dataset_rows(path, environment_args, key)
+    rows = verifiers_data.dataset_rows(path, environment_args, key)
     numbered = [(f"row {number}", row) for number, row in enumerate(rows, 1)]
     return [row for _, row in checked_records(numbered, path, key, prompt_problem, expected)]
 

@@ -33,11 +33,11 @@ class SequenceBatch:
     # [B] bool: the rows that have images (the others' image inputs are the family's padding, which a
     # forward of such rows alone refuses: Idefics3 finds no real image and fails)
     seen: torch.Tensor | None = None
-    # a family whose image inputs are one entry per image (``common.vision.image_layout``: LLaVA's
+    # a family whose image inputs are one entry per image (``common.processors.image_layout``: LLaVA's
     # pixel_values [images, 3, H, W]), the rows' images one after another: how many each row has
     image_counts: list[int] | None = None
-    # a policy that sees: its ``common.vision.BlankImage``, the row a data-parallel rank adds to a
-    # micro-batch that shows no image (``with_blank``)
+    # a policy that sees, in the learner: its ``training.blank_image.BlankImage``, the row a
+    # data-parallel rank adds to a micro-batch that shows no image (``with_blank``)
     blank: Any = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
@@ -109,9 +109,11 @@ def _each(images: dict[str, torch.Tensor] | None, change) -> dict[str, torch.Ten
     return None if images is None else {name: change(tensor) for name, tensor in images.items()}
 
 
-def collate(samples: list[Sample], pad_token_id: int, processor=None) -> SequenceBatch:
+def collate(samples: list[Sample], pad_token_id: int, processor=None, blank: Any = None) -> SequenceBatch:
     """The samples as one right-padded batch; with a policy's ``processor`` (one that sees), the
-    image inputs of their images too, as the processor makes them from the bytes each carries."""
+    image inputs of their images too, as the processor makes them from the bytes each carries.
+    ``blank``: the learner's ``training.blank_image.BlankImage``, which a data-parallel rank adds to
+    a micro-batch that shows no image (``SequenceBatch.with_blank``); the scorer's batches have none."""
     if not samples:
         raise ValueError("cannot collate an empty list of samples")
     lengths = [len(s.prompt_tokens) + len(s.response_tokens) for s in samples]
@@ -134,13 +136,10 @@ def collate(samples: list[Sample], pad_token_id: int, processor=None) -> Sequenc
         response_mask[i, :resp_len] = 1.0 if sample.loss_mask is None else torch.as_tensor(sample.loss_mask,
                                                                                             dtype=torch.float32)
     last_positions = attention_mask.sum(dim=1) - 1
-    images = seen = counts = blank = None
-    if processor is not None:
-        from common.vision import blank_image
-
-        blank = blank_image(processor)
+    images = seen = counts = None
     if processor is not None and any(sample.images is not None for sample in samples):
-        from common.vision import decoded, image_layout, pixel_inputs, unpack_images
+        from common.images import decoded, unpack_images
+        from common.processors import image_layout, pixel_inputs
 
         rows = [decoded(unpack_images(s.images)) if s.images is not None else [] for s in samples]
         images = pixel_inputs(processor, rows)

@@ -155,7 +155,7 @@ def serve_openenv() -> tuple[str, object]:
     the server (``should_exit = True`` stops it)."""
     import logging
 
-    from rollout.endpoint import serve_in_thread
+    from environments.endpoint import serve_in_thread
 
     app = openenv_app()
     # a malformed call is the policy's, counted in the rollout's tool_errors: not the server's to print

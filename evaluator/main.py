@@ -16,10 +16,12 @@ import time
 import numpy as np
 
 from common.config import ConfigError, TetherConfig
+from common.image_prompts import prompts_with_images
+from common.images import decoded
 from common.model_dirs import resolve_models
+from common.processors import banning_placeholder, load_processor
 from common.prompts import read_rows
 from common.runlog import metrics_writer, setup_logging
-from common.vision import banning_placeholder, decoded, engine_arguments, load_processor, prompts_with_images
 from protocol.samples import Sample
 
 
@@ -37,13 +39,13 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     from vllm import TokensPrompt
     from vllm.sampling_params import RequestOutputKind
 
-    from rollout.agents import agent_programs
-    from rollout.engine import banned_words, make_vllm_engine, sampling_params
-    from rollout.environments import Environments, prompt_tools
+    from environments.agents import agent_programs
+    from rollout.engine import banned_words, image_arguments, make_vllm_engine, sampling_params
+    from environments.native import Environments, prompt_tools
     from rollout.episodes import Episodes, Renderer
     from rollout.generators import generate_to_end
     from rollout.responses import Generating, to_samples
-    from rollout.tools import load_tools
+    from environments.tools import load_tools
     from scorer.main import Scorer
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
@@ -68,8 +70,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     # episodes' later turns are long prefills, so prefills are taken whole
     engine = make_vllm_engine(config.model_copy(update={"models": config.models.model_copy(update={"policy": checkpoint})}),
                               enable_chunked_prefill=False,
-                              **engine_arguments(images, config.rollout.max_images_per_episode
-                                                 if environments is not None else None))
+                              **image_arguments(images, config.rollout.max_images_per_episode
+                                                if environments is not None else None))
     episode_figures = {}
     try:
         if environments is None:

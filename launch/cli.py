@@ -87,7 +87,7 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
                 fail(error, signalled(error.signal), label="stopped")
         elif role is Role.rollout:
             from rollout.engine import EngineNeedsRestart
-            from rollout.environments import EnvironmentFailing
+            from rollout.episodes import EnvironmentFailing
             from rollout.main import run
             try:
                 run(resolved, worker_index)
@@ -103,7 +103,7 @@ def launch(role: Role = typer.Argument(..., help="which role this process runs")
             raise typer.Exit(launch_ranks(resolved, sys.argv[1:], nnodes, node_rank, master_addr, master_port))
         else:
             from learner.main import TrainingStopped, run
-            from learner.signals import Preempted
+            from training.signals import Preempted
             try:
                 run(resolved)
             except TrainingStopped as error:
@@ -150,7 +150,7 @@ def run_all(config: Optional[Path] = typer.Option(None, "--config", "-c", help="
     """Start every role as its own process, show progress, stop them all when the learner is done."""
     saved = resume is not None and config is None  # the run's own config.yaml
     if resume is not None:
-        from learner.checkpoints import newest_state
+        from training.checkpoints import newest_state
 
         state = newest_state(str(resume))
         if state is None:
@@ -191,7 +191,7 @@ def _run_stage(name: str, config: Path, override: Optional[list[str]], overwrite
     """`tether sft|rm|dpo`: the stage's ``run`` on this process, or its ranks through torchrun."""
     resolved = _load(config, override, ppo=False)
     from common.config import ConfigError
-    from learner.signals import Preempted
+    from training.signals import Preempted
 
     try:
         section = resolved.stage(name)
@@ -400,8 +400,8 @@ def status(run_dir: Path = typer.Argument(..., help="a run directory"),
 def sweep(config: Path = ConfigOption, override: Optional[list[str]] = OverrideOption,
           split: list[str] = typer.Option(..., "--split", help="rollout=0;scorer=1;learner=1, repeatable; "
                                                                "rollout=0-1x2: two engines on cores 0-1; "
-                                                               "colocate=0-1: every role on cores 0-1, taking "
-                                                               "turns (placement.mode colocate)"),
+                                                               "colocate=0-1: every role on cores 0-1, working "
+                                                               "in shifts (placement.mode colocate)"),
           staleness: str = typer.Option("0,1", help="max_staleness values, comma-separated"),
           steps: int = typer.Option(10, help="learner steps per trial"),
           gpus: bool = typer.Option(False, help="the split's numbers are GPU indices, not CPU cores"),

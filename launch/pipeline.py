@@ -15,30 +15,27 @@ import sys
 
 from common.config import STAGES, TetherConfig, dump_config
 from launch.exit_codes import ExitCode
-from stages import training
-
-STAGE_RUNS = {"sft": "stages.sft", "rm": "stages.rm", "dpo": "stages.dpo"}
+from stages import loop
 
 
 def run_stage(config: TetherConfig, name: str, overwrite: bool = False) -> str:
     """Train stage ``name`` (this process is one rank of it) unless its output already holds the
     model of this recipe (then say so, and return it), going on from its saved state if it has
     one of this recipe; ``overwrite``: from the start, whatever is there. Returns the output."""
-    import importlib
-
     from common.model_dirs import local_model_dir
+    from stages import dpo, rm, sft  # in a stage's process only: `tether pipeline`'s own never trains
 
     section = config.stage(name)
     for key in ("model", "reference"):  # checked as `tether run` checks its models: a missing path is named
         if getattr(section, key, None):
             local_model_dir(f"{name}.{key}", getattr(section, key))
     output = config.stage_output(name)
-    marker = training.finished(output, training.recipe_of(config, name))
+    marker = loop.finished(output, loop.recipe_of(config, name))
     if marker is not None and not overwrite:
         print(f"{name}: {output} already holds this stage's model (held-out {marker['held_out']}); "
               "--overwrite trains it again", file=sys.stderr, flush=True)
         return output
-    return importlib.import_module(STAGE_RUNS[name]).run(config, fresh=overwrite)
+    return {"sft": sft, "rm": rm, "dpo": dpo}[name].run(config, fresh=overwrite)
 
 
 def run_pipeline(config: TetherConfig, overwrite: bool) -> int:
@@ -53,7 +50,7 @@ def run_pipeline(config: TetherConfig, overwrite: bool) -> int:
         if getattr(config, name) is None:
             continue
         output = config.stage_output(name)
-        if not overwrite and training.finished(output, training.recipe_of(config, name)) is not None:
+        if not overwrite and loop.finished(output, loop.recipe_of(config, name)) is not None:
             print(f"tether pipeline: {name} is done ({output})", flush=True)
             continue
         overwrite = True  # a stage trained anew changes what every stage after it starts from
@@ -73,7 +70,7 @@ def _ppo(config: TetherConfig, overwrite: bool) -> int:
     checkpoint if one is, else started (over whatever a run that saved nothing left)."""
     from common.model_dirs import resolve_models
     from launch.runner import run_roles
-    from learner.checkpoints import newest_state
+    from training.checkpoints import newest_state
 
     final = os.path.join(config.run_dir, "checkpoints", "final")
     if not overwrite and os.path.isdir(final):

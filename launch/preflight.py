@@ -19,11 +19,11 @@ from common.config import ConfigError, TetherConfig
 def check_run_data(config: TetherConfig) -> None:
     """The files and functions PPO reads: data.prompts, eval.prompts, data.ptx, scorer.reward_functions,
     rollout.tools, rollout.environment and the agent program. Raises ``ConfigError`` at the first problem."""
-    from common import verifiers_envs
+    from common import verifiers_data
     from common.functions import load_function
     from common.prompts import read_rows, read_texts
-    from rollout.environments import Environments
-    from rollout.tools import load_tools
+    from environments.native import Environments
+    from environments.tools import load_tools
     from scorer.rewards import RewardFunction
 
     read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
@@ -33,9 +33,9 @@ def check_run_data(config: TetherConfig) -> None:
         read_texts(config.data.ptx)
     for i, function in enumerate(config.scorer.reward_functions):
         RewardFunction.load(function.function, function.weight, f"scorer.reward_functions[{i}].function")
-    env_id = verifiers_envs.environment_id(config.rollout.environment)
+    env_id = verifiers_data.environment_id(config.rollout.environment)
     if env_id is not None:
-        verifiers_envs.load(env_id, config.rollout.environment_args)
+        verifiers_data.load(env_id, config.rollout.environment_args)
     else:
         Environments.load(config.rollout.environment, load_tools(config.rollout.tools, schemas=False))
     if config.rollout.agent:

@@ -276,9 +276,9 @@ def advice(bottleneck: str, colocated: bool) -> str:
     """What to change for the role ``bottleneck`` (rollout0, learner, ...) that limits a run."""
     kind = bottleneck.rstrip("0123456789")
     if colocated and kind in WORK:
-        # taking turns, no role computes while another does: a bound on staleness lets nothing run ahead
-        return (f"{WORK[kind]} takes the longest turns: the roles take turns on the same devices (placement.mode "
-                "colocate), so a step lasts as long as its turns together and max_staleness lets nothing run "
+        # working in shifts, no role computes while another does: a bound on staleness lets nothing run ahead
+        return (f"{WORK[kind]} takes the longest shifts: the roles work in shifts on the same devices (placement.mode "
+                "colocate), so a step lasts as long as its shifts together and max_staleness lets nothing run "
                 "ahead; a faster role, more devices, or a split where the roles overlap (`tether plan` "
                 "predicts one) shortens it")
     return {

@@ -67,7 +67,7 @@ def _role_env(config: TetherConfig, role: str, worker_index: int) -> dict[str, s
         processes = config.learner.ranks if role == "learner" else 1
         env["OMP_NUM_THREADS"] = str(max(1, len(cores) // processes))
     if config.colocated:
-        # a role waiting for its turn must leave the cores to the one computing: OpenMP's workers
+        # a role waiting for its shift must leave the cores to the one computing: OpenMP's workers
         # spin 300,000 times after a parallel region by default, which made roles sharing cores 2.7
         # times slower here (docs/proposals/issue-37-colocate.md). Passive, they sleep at once,
         # and waking them for every op made a small matmul 3 times slower (bench/omp_wait.py); a

@@ -5,7 +5,7 @@ A split names each role's devices: ``rollout=0;scorer=1;learner=1;buffer=0`` (CP
 GPU indices with ``--gpus``), and how many processes share them: ``rollout=0-1x2`` is two rollout
 engines on cores 0 and 1, ``learner=1x2`` two learner ranks on core 1. Roles that share a device
 share its time. ``colocate=0-1`` is the colocated mode (``placement.mode: colocate``): every role on
-cores 0 and 1, taking turns.
+cores 0 and 1, working in shifts.
 
 The plan scales each role's measured cost by how the role itself scaled: from the profiles of
 two runs where it had different device counts (``RoleCost``), not by assuming that m devices make
@@ -262,7 +262,7 @@ def recommendation(best: tuple[float, dict[str, list[int]]], colocated: float, d
                    modes: set[str]) -> str:
     """Which mode to run on ``devices``: the faster predicted, unless no profile measured that mode.
     A prediction for a mode never run only scales each role's cost; it leaves out what the mode
-    adds (the hand-overs between turns colocated, roles crowding a shared device split): from one
+    adds (the hand-overs between shifts colocated, roles crowding a shared device split): from one
     split profile, colocated was predicted 1.02x the best split and measured 8% slower."""
     rate, split = best
     label = {"split": format_split(split), COLOCATE: "colocated"}
@@ -270,7 +270,7 @@ def recommendation(best: tuple[float, dict[str, list[int]]], colocated: float, d
         kept = "split" if "split" in modes else COLOCATE
         shared = "1 device every role shares it" if devices == 1 else f"{devices} devices every role shares them"
         return (f"would run: {label[kept]}, the mode measured: on {shared} either way, and the prediction cannot "
-                "tell computing at once from taking turns")
+                "tell computing at once from working in shifts")
     faster, slower = (COLOCATE, "split") if colocated > rate else ("split", COLOCATE)
     gain = max(rate, colocated) / min(rate, colocated)
     if faster not in modes:
@@ -282,7 +282,7 @@ def recommendation(best: tuple[float, dict[str, list[int]]], colocated: float, d
         return (f"would run: colocated, {gain:.2f}x the best split: each role is faster on {devices} devices than "
                 "the split would make the pipeline")
     return (f"would run: {label['split']}, {gain:.2f}x colocated: the roles computing side by side on their own "
-            "devices beat taking turns on all of them")
+            "devices beat working in shifts on all of them")
 
 
 def plan_lines(costs: dict[str, RoleCost], devices: int, modes: set[str]) -> list[str]:
@@ -298,7 +298,7 @@ def plan_lines(costs: dict[str, RoleCost], devices: int, modes: set[str]) -> lis
         lines.append(f"{rank}. {format_split(split):<40} predicted {rate:,.0f} trained tokens/s")
     colocated = predict_colocated(costs, devices)
     lines.append(f"colocated (placement.mode colocate, every role on all {devices} device{'s' if devices > 1 else ''}, "
-                 f"taking turns): predicted {colocated:,.0f} trained tokens/s")
+                 f"working in shifts): predicted {colocated:,.0f} trained tokens/s")
     lines.append(recommendation(splits[0], colocated, devices, modes))
     return lines
 
@@ -318,8 +318,8 @@ def predict(costs: dict[str, "RoleCost | float"], split: dict[str, list[int]]) -
 
 def predict_colocated(costs: dict[str, "RoleCost | float"], devices: int) -> float:
     """Trained tokens/s of the colocated mode (``placement.mode: colocate``): every role on all
-    ``devices``, one at a time, each turn as fast as the role is on that many. The hand-overs
-    between turns are not in it (a weight load is in the rollout's busy time already)."""
+    ``devices``, one at a time, each shift as fast as the role is on that many. The hand-overs
+    between shifts are not in it (a weight load is in the rollout's busy time already)."""
     return 1.0 / sum((costs[role].at(devices) if isinstance(costs[role], RoleCost) else costs[role]) / devices
                      for role in PLANNED_ROLES)
 

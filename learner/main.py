@@ -1,11 +1,15 @@
-"""The learner's loop: fetch a batch, PPO step, publish weights, log, checkpoint. Top to bottom.
-``replay``: the same loop on a run's recorded batches (``learner/replay.py``)."""
+"""The learner's loop: fetch a batch, PPO step, publish weights, log, checkpoint. ``run`` reads
+top to bottom; each phase is a function below it (``start``, ``resume``, ``next_batch``,
+``train``, ``save_due_checkpoints``, ``finish``). ``replay``: the same loop on a run's recorded
+batches (``learner/replay.py``)."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -13,19 +17,30 @@ from common import models
 from common.config import ConfigError, TetherConfig
 from common.model_dirs import resolve_models
 from common.models import critic_source
-from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from common.sequences import collate
-from common.vision import banning_placeholder, freeze_vision_tower, load_processor, sees_images
-from learner import parallel, ppo
+from common.processors import banning_placeholder, load_processor, sees_images
+from common.runlog import MetricsWriter, StartupTimeline, metrics_writer, setup_logging
+from common.sequences import SequenceBatch, collate
+from learner import ppo
 from learner.health import HealthMonitor
 from learner.kl_control import make_kl_controller
 from learner.ptx import PtxStream, read_ptx
-from learner.schedule import lr_factor, set_lr
-from learner.signals import Preempted, StopSignal, signal_name
+from learner.publish import WeightPublisher
+from learner.replay import BatchRecorder, RecordedBuffer
+from learner.staleness import StalenessController
+from learner.step import StepCarry, behavior_gap, ppo_step
 from protocol.codec import decode, encode
-from protocol.samples import unpack_samples
+from protocol.samples import Sample, unpack_samples
 from protocol.transport import connect_to_buffer
-from weight_sync.lora import critic_with_lora, keeps_vision_tower, policy_with_lora
+from training import parallel
+from training.blank_image import blank_image
+from training.checkpoints import load_state, save_hf_checkpoint, save_state
+from training.deepspeed_engine import (full_parameters, make_deepspeed_engine, offload_optimizer, reload_optimizer,
+                                       snapshot_weights)
+from training.lora import critic_with_lora, keeps_vision_tower, policy_with_lora
+from training.optimizer_step import SkippedSteps
+from training.schedule import lr_factor, set_lr
+from training.signals import Preempted, StopSignal, signal_name
+from training.vision_tower import freeze_vision_tower
 
 
 class TrainingStopped(RuntimeError):
@@ -38,9 +53,6 @@ def stop_on_nonfinite(error: FloatingPointError, actor, config: TetherConfig, po
     holds if they are still finite (a skipped step leaves them as they were: the last good ones),
     and stop with ``TrainingStopped`` (exit 3). Weights that hold NaN themselves are not saved:
     the last good policy is then the newest checkpoint. Every rank calls it (the save is collective)."""
-    from learner.checkpoints import save_hf_checkpoint
-    from learner.deepspeed_engine import full_parameters
-
     with full_parameters(actor) as module:
         finite = all(bool(torch.isfinite(p).all()) for p in module.parameters())
     finite = not parallel.any_rank(not finite)
@@ -112,8 +124,6 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     """(actor, critic, pad_token_id): both models loaded (LoRA-wrapped with ``learner.lora_rank``),
     then each in its DeepSpeed engine. The critic is None unless the estimator is gae: the
     critic-free estimators take their baseline from the rewards."""
-    from learner.deepspeed_engine import make_deepspeed_engine
-
     cfg, dtype = config.learner, config.models.dtype
     sees = sees_images(config.models.policy)
     source = critic_source(config) if cfg.advantage_estimator == "gae" else None
@@ -146,25 +156,88 @@ def ptx_stream(config: TetherConfig) -> PtxStream | None:
                               config.rollout.max_model_len), cfg.ptx_batch_size or cfg.minibatch_size, config.seed)
 
 
+@dataclass
+class Learner:
+    """One rank of the learner, as its loop carries it from step to step. Rank 0 (``main``) alone
+    holds the batches' source (``client``: the buffer, or a replay's recorded batches), the metrics
+    and the health monitor; every rank trains its share of each batch."""
+    config: TetherConfig
+    log: logging.Logger
+    timeline: StartupTimeline
+    actor: object  # its DeepSpeed engine, as the critic's
+    critic: object | None  # None unless learner.advantage_estimator is gae
+    pad_token_id: int
+    processor: object | None  # a policy that sees: its samples' images become its inputs
+    kl_controller: object
+    carry: StepCarry
+    publisher: WeightPublisher
+    main: bool
+    client: object = None
+    metrics: MetricsWriter | None = None
+    monitor: HealthMonitor | None = None
+    recorder: BatchRecorder | None = None
+    staleness: StalenessController | None = None
+    policy_version: int = 0
+    snapshot: tuple | None = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
+    offloads: bool = False  # colocated on a GPU: the optimizer's state off the GPU outside the learner's shift
+
+    @property
+    def engines(self) -> list:
+        return [engine for engine in (self.actor, self.critic) if engine is not None]
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return os.path.join(self.config.run_dir, "checkpoints")
+
+
 def run(config: TetherConfig, recorded: str | None = None) -> str:
     """One rank of the learner. Rank 0 talks to the buffer, publishes weights, writes metrics and
-    checkpoints; every rank trains its share of each batch (``learner.parallel``). ``recorded``: a
+    checkpoints; every rank trains its share of each batch (``training.parallel``). ``recorded``: a
     run's recorded batches (``learner.replay``), trained on instead of the buffer's, no weights
     published."""
+    learner = start(config, recorded)
+    resume(learner)
+    total_steps = learner.config.learner.total_steps
+    run_started, first_version = time.monotonic(), learner.policy_version
+    stop = StopSignal()
+    # colocated on a GPU the engine generates in the memory the optimizer's state leaves between
+    # steps: from the start (a resumed state, ZeRO's master weights), and a checkpoint saves the
+    # state where it lies, so that no reload happens outside the learner's shift
+    for engine in learner.engines if learner.offloads else ():
+        offload_optimizer(engine)
+    while learner.policy_version < total_steps:
+        wait_started = time.monotonic()
+        max_staleness = learner.staleness.k  # the batch's k: the buffer serves no sample older
+        samples = unpack_samples(next_batch(learner, stop, max_staleness))
+        if learner.policy_version == first_version:
+            learner.timeline.phase("first batch")  # waiting for the rollout, scorers and buffer to deliver it
+        train_started = time.monotonic()
+        batch = collate(samples, learner.pad_token_id, learner.processor,
+                        blank_image(learner.processor)).to(parallel.device())  # ZeRO ranks' blank image
+        stats = train(learner, samples, batch, max_staleness)
+        learner.policy_version += 1
+        sync_started = time.monotonic()
+        learner.publisher.publish(learner.actor, learner.policy_version, learner.client)
+        if learner.main:
+            stats.update(learner.client.counters)  # heartbeats missed, buffer restarts: 0 on a healthy run
+            write_step_record(learner.metrics, learner.monitor, learner.log, stats, total_steps, learner.policy_version,
+                              len(samples), int(batch.response_mask.sum()), wait_started, train_started, sync_started,
+                              run_started)
+        if learner.policy_version == first_version + 1:
+            learner.timeline.phase("first step")
+        save_due_checkpoints(learner)
+    return finish(learner)
+
+
+def start(config: TetherConfig, recorded: str | None) -> Learner:
+    """Logging, the seed, the ranks, both engines, the KL controller and what a step carries to
+    the next; on rank 0 the batches' source, the metrics and the health monitor."""
     rank = int(os.environ.get("RANK", 0))
     name = "learner" if rank == 0 else f"learner{rank}"
     log = setup_logging(name, config.log_level)
     timeline = StartupTimeline(config.run_dir, name)
     config = resolve_models(config, "learner")
     torch.manual_seed(config.seed)
-    from learner.checkpoints import load_state, save_hf_checkpoint, save_state
-    from learner.deepspeed_engine import offload_optimizer, reload_optimizer, snapshot_weights
-    from learner.optimizer_step import SkippedSteps
-    from learner.publish import WeightPublisher
-    from learner.replay import BatchRecorder, RecordedBuffer
-    from learner.staleness import StalenessController
-    from learner.step import StepCarry, behavior_gap, ppo_step
-
     cfg = config.learner
     timeline.phase("import")
     parallel.init_distributed(config)
@@ -176,117 +249,125 @@ def run(config: TetherConfig, recorded: str | None = None) -> str:
     kl_controller = make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
     carry = StepCarry(SkippedSteps(cfg.max_skipped_steps), ppo.RunningMoments() if cfg.normalize_rewards else None,
                       ptx_stream(config))
-    checkpoints = os.path.join(config.run_dir, "checkpoints")
-    publisher = WeightPublisher(config, main and recorded is None)
-    client = metrics = monitor = recorder = None
+    learner = Learner(config, log, timeline, actor, critic, pad_token_id, processor, kl_controller, carry,
+                      WeightPublisher(config, main and recorded is None), main)
     if main:
-        monitor = HealthMonitor(config.health)
-        metrics = metrics_writer(config, "learner")
+        learner.monitor = HealthMonitor(config.health)
+        learner.metrics = metrics_writer(config, "learner")
         if recorded is not None:
-            client = RecordedBuffer(recorded, config.transport.max_frame_bytes)
+            learner.client = RecordedBuffer(recorded, config.transport.max_frame_bytes)
         else:
-            client = connect_to_buffer(config, "learner", "0")
+            learner.client = connect_to_buffer(config, "learner", "0")
             timeline.phase("buffer connect")
         if cfg.record_batches:
-            recorder = BatchRecorder(config.run_dir)
+            learner.recorder = BatchRecorder(config.run_dir)
         log.info("training %s for %d steps (%s, batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), "
                  "max_staleness %s)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
                  cfg.minibatch_size, cfg.ppo_epochs,
                  cfg.zero_stage, parallel.world_size(), config.buffer.max_staleness)
+    learner.staleness = StalenessController(config.buffer)
+    learner.offloads = config.colocated and parallel.device().type == "cuda"
+    return learner
 
-    policy_version = 0
-    staleness = StalenessController(config.buffer)
-    if config.resume_from:
-        policy_version = load_state(config.resume_from, actor, critic, kl_controller, carry.moments, staleness)
-        if carry.ptx is not None:  # where the stream would be: one ptx batch per optimizer step
-            carry.ptx.position = (policy_version * cfg.ppo_epochs * (cfg.batch_size // cfg.minibatch_size)
-                                  * carry.ptx.batch_size)
-        publisher.publish(actor, policy_version, client)  # the rollouts start from the SFT weights
-        log.info("resumed from %s at policy version %d", config.resume_from, policy_version)
-    run_started, first_version = time.monotonic(), policy_version
-    stop = StopSignal()
-    snapshot = None  # (version, its weights) for behavior_gap, at max_staleness >= 1
-    # colocated on a GPU the engine generates in the memory the optimizer's state leaves between
-    # steps: from the start (a resumed state, ZeRO's master weights), and a checkpoint saves the
-    # state where it lies, so that no reload happens outside the learner's turn
-    engines = [engine for engine in (actor, critic) if engine is not None]
-    offloads = config.colocated and parallel.device().type == "cuda"
-    for engine in engines if offloads else ():
-        offload_optimizer(engine)
-    while policy_version < cfg.total_steps:
-        wait_started = time.monotonic()
-        max_staleness = staleness.k  # the batch's k: the buffer serves no sample older
-        reply = None if stop.requested() else receive_batch(client, policy_version, config, log, stop, max_staleness)
-        if reply is None:
-            saved = save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
-                               staleness=staleness)
-            message = (f"got {signal_name(stop.number)} at policy version {policy_version}: saved {saved}; "
-                       "`tether run --resume` continues from there")
-            log.warning("%s", message)
-            raise Preempted(message, stop.number)
-        if recorder is not None:
-            recorder.write(policy_version, reply)
-        samples = unpack_samples(reply)
-        if policy_version == first_version:
-            timeline.phase("first batch")  # waiting for the rollout, scorers and buffer to deliver it
-        train_started = time.monotonic()
-        batch = collate(samples, pad_token_id, processor).to(parallel.device())
-        factor = lr_factor(policy_version, cfg.total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
-        set_lr(actor, cfg.actor_lr * factor)
-        if critic is not None:
-            set_lr(critic, cfg.critic_lr * factor)
-        gap = None  # the rollout's logprobs against the learner's, on samples of the version snapshotted
-        if snapshot is not None:
-            gap = behavior_gap(actor, snapshot[1], snapshot[0], samples, batch, config.sampling)
-            snapshot = None
-        if (staleness.k and cfg.behavior_gap_every
-                and (policy_version + 1) % cfg.behavior_gap_every == 0):  # its samples come in the next batches
-            snapshot = (policy_version, snapshot_weights(actor))
-        if offloads:  # unmeasured with vLLM beside it (docs/benchmarks.md, "Not measured")
-            for engine in engines:
-                reload_optimizer(engine)
-        try:
-            stats = ppo_step(actor, critic, samples, batch, config, policy_version, kl_controller.value, carry)
-        except FloatingPointError as error:
-            stop_on_nonfinite(error, actor, config, policy_version, metrics, log)
-        if offloads:  # before the weights are published: that ends the learner's turn
-            for engine in engines:
-                offload_optimizer(engine)
-        stats["skipped_steps_total"] = carry.skipped.total
-        if stats["behavior_logprob_gap"] is None:
-            stats["behavior_logprob_gap"] = gap
-        stats["actor_lr"] = cfg.actor_lr * factor
-        kl_controller.update(stats["kl"], n_steps=cfg.batch_size)  # episodes: a batch may hold parts of them
-        stats["max_staleness"] = max_staleness
-        change = staleness.update(stats)
-        if change is not None:
-            stats["staleness_change"] = change
-            log.info("max_staleness %s after step %d", change, policy_version + 1)
-        policy_version += 1
-        sync_started = time.monotonic()
-        publisher.publish(actor, policy_version, client)
-        if main:
-            stats.update(client.counters)  # heartbeats missed, buffer restarts: 0 on a healthy run
-            write_step_record(metrics, monitor, log, stats, cfg.total_steps, policy_version, len(samples),
-                              int(batch.response_mask.sum()), wait_started, train_started, sync_started, run_started)
-        if policy_version == first_version + 1:
-            timeline.phase("first step")
-        if config.eval.every and policy_version % config.eval.every == 0 and policy_version < cfg.total_steps:
-            # for `tether run` to evaluate beside training (evaluator/); the final policy is evaluated too
-            save_hf_checkpoint(actor, config.models.policy,
-                               os.path.join(checkpoints, f"eval-step-{policy_version:06d}"))
-        if cfg.checkpoint_every and policy_version % cfg.checkpoint_every == 0 and policy_version < cfg.total_steps:
-            save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, f"step-{policy_version:06d}"))
-            save_state(checkpoints, policy_version, actor, critic, kl_controller, carry.moments, client,
-                       staleness=staleness)
 
-    final = save_hf_checkpoint(actor, config.models.policy, os.path.join(checkpoints, "final"))
-    if main:
-        log.info("saved the final policy to %s", final)
-        client.request("finish", {"policy_version": policy_version})
-        metrics.close()
-        client.close()
-    publisher.close()
+def resume(learner: Learner) -> None:
+    """With ``resume_from``: the saved state loaded (engines, KL controller, reward moments,
+    staleness, where the ptx stream was) and its policy published."""
+    config, cfg, carry = learner.config, learner.config.learner, learner.carry
+    if not config.resume_from:
+        return
+    learner.policy_version = load_state(config.resume_from, learner.actor, learner.critic, learner.kl_controller,
+                                        carry.moments, learner.staleness)
+    if carry.ptx is not None:  # where the stream would be: one ptx batch per optimizer step
+        carry.ptx.position = (learner.policy_version * cfg.ppo_epochs * (cfg.batch_size // cfg.minibatch_size)
+                              * carry.ptx.batch_size)
+    # the rollouts start from the SFT weights
+    learner.publisher.publish(learner.actor, learner.policy_version, learner.client)
+    learner.log.info("resumed from %s at policy version %d", config.resume_from, learner.policy_version)
+
+
+def next_batch(learner: Learner, stop: StopSignal, max_staleness: int):
+    """The next batch's message (recorded where ``learner.record_batches``), or, when a stop signal
+    came before or while waiting for it, the whole state saved and ``Preempted`` raised."""
+    reply = None if stop.requested() else receive_batch(learner.client, learner.policy_version, learner.config,
+                                                        learner.log, stop, max_staleness)
+    if reply is None:
+        saved = save_state(learner.checkpoint_dir, learner.policy_version, learner.actor, learner.critic,
+                           learner.kl_controller, learner.carry.moments, learner.client, staleness=learner.staleness)
+        message = (f"got {signal_name(stop.number)} at policy version {learner.policy_version}: saved {saved}; "
+                   "`tether run --resume` continues from there")
+        learner.log.warning("%s", message)
+        raise Preempted(message, stop.number)
+    if learner.recorder is not None:
+        learner.recorder.write(learner.policy_version, reply)
+    return reply
+
+
+def train(learner: Learner, samples: list[Sample], batch: SequenceBatch, max_staleness: int) -> dict:
+    """One learner step on ``batch``: the learning rates of its version, the behavior gap of the
+    version snapshotted before, the PPO step between the optimizer's reload and offload, then the
+    KL controller and ``max_staleness`` updated. Returns the step's statistics."""
+    config, cfg = learner.config, learner.config.learner
+    version, actor, critic = learner.policy_version, learner.actor, learner.critic
+    factor = lr_factor(version, cfg.total_steps, cfg.lr_warmup_steps, cfg.lr_schedule, cfg.lr_min_ratio)
+    set_lr(actor, cfg.actor_lr * factor)
+    if critic is not None:
+        set_lr(critic, cfg.critic_lr * factor)
+    gap = None  # the rollout's logprobs against the learner's, on samples of the version snapshotted
+    if learner.snapshot is not None:
+        gap = behavior_gap(actor, learner.snapshot[1], learner.snapshot[0], samples, batch, config.sampling)
+        learner.snapshot = None
+    if (learner.staleness.k and cfg.behavior_gap_every
+            and (version + 1) % cfg.behavior_gap_every == 0):  # its samples come in the next batches
+        learner.snapshot = (version, snapshot_weights(actor))
+    if learner.offloads:  # unmeasured with vLLM beside it (docs/benchmarks.md, "Not measured")
+        for engine in learner.engines:
+            reload_optimizer(engine)
+    try:
+        stats = ppo_step(actor, critic, samples, batch, config, version, learner.kl_controller.value, learner.carry)
+    except FloatingPointError as error:
+        stop_on_nonfinite(error, actor, config, version, learner.metrics, learner.log)
+    if learner.offloads:  # before the weights are published: that ends the learner's shift
+        for engine in learner.engines:
+            offload_optimizer(engine)
+    stats["skipped_steps_total"] = learner.carry.skipped.total
+    if stats["behavior_logprob_gap"] is None:
+        stats["behavior_logprob_gap"] = gap
+    stats["actor_lr"] = cfg.actor_lr * factor
+    learner.kl_controller.update(stats["kl"], n_steps=cfg.batch_size)  # episodes: a batch may hold parts of them
+    stats["max_staleness"] = max_staleness
+    change = learner.staleness.update(stats)
+    if change is not None:
+        stats["staleness_change"] = change
+        learner.log.info("max_staleness %s after step %d", change, version + 1)
+    return stats
+
+
+def save_due_checkpoints(learner: Learner) -> None:
+    """After a step (the version is the new one's): the policy for ``tether run`` to evaluate beside
+    training every ``eval.every`` versions (the final policy is evaluated too), and the policy with
+    the whole state every ``learner.checkpoint_every``."""
+    config, cfg, version = learner.config, learner.config.learner, learner.policy_version
+    if config.eval.every and version % config.eval.every == 0 and version < cfg.total_steps:
+        save_hf_checkpoint(learner.actor, config.models.policy,
+                           os.path.join(learner.checkpoint_dir, f"eval-step-{version:06d}"))
+    if cfg.checkpoint_every and version % cfg.checkpoint_every == 0 and version < cfg.total_steps:
+        save_hf_checkpoint(learner.actor, config.models.policy,
+                           os.path.join(learner.checkpoint_dir, f"step-{version:06d}"))
+        save_state(learner.checkpoint_dir, version, learner.actor, learner.critic, learner.kl_controller,
+                   learner.carry.moments, learner.client, staleness=learner.staleness)
+
+
+def finish(learner: Learner) -> str:
+    """The final policy saved, the buffer told training is over, everything closed; returns where
+    the final policy is."""
+    final = save_hf_checkpoint(learner.actor, learner.config.models.policy, os.path.join(learner.checkpoint_dir, "final"))
+    if learner.main:
+        learner.log.info("saved the final policy to %s", final)
+        learner.client.request("finish", {"policy_version": learner.policy_version})
+        learner.metrics.close()
+        learner.client.close()
+    learner.publisher.close()
     parallel.barrier()
     return final
 

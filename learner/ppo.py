@@ -19,8 +19,8 @@ r_t = -beta KL_t, + r_RM at T  ``token_rewards`` (RM score at the last real toke
 rho_t = pi_theta / pi_old      ``ppo_policy_loss`` (``ratio``)
 s_i = exp(1/|y_i| sum_t log    ``sequence_ratio``: GSPO (Zheng et al. 2025, eq. 7), clipped per
   rho_t); GSPO-token s_i,t =     sequence; GSPO-token (eq. 13), each token s_i's value with its own
-  sg[s_i] pi_t / sg[pi_t]        logprob's gradient (``ppo_policy_loss(ratio_level="sequence")``)
-L_CISPO = -sg(clip(rho_t, 1-   ``ppo_policy_loss(policy_loss="cispo")`` (MiniMax-M1, Chen et al.
+  sg[s_i] pi_t / sg[pi_t]        logprob's gradient (``PolicyLossOptions(ratio_level="sequence")``)
+L_CISPO = -sg(clip(rho_t, 1-   ``PolicyLossOptions(policy_loss="cispo")`` (MiniMax-M1, Chen et al.
   eps, 1+eps_h)) A_t log pi_t    2025, eq. 4): every token keeps its gradient, the weight is clipped
 w = pi_old / pi_behavior,      ``behavior_weights``: truncated IS (min(w, C); Ionides 2008, Yao et
   truncated or masked, per       al. 2025) or masked IS (w 1[low <= w <= C]: MIS, Liu et al. 2025;
@@ -30,6 +30,7 @@ w = pi_old / pi_behavior,      ``behavior_weights``: truncated IS (min(w, C); Io
   (L a constant)                 length normaliser (Liu et al. 2025, "Understanding R1-Zero")
 L_clip = -E[min(rho A,         ``ppo_policy_loss``; dual clip (Ye et al. 2020) and the decoupled
   clip(rho, 1-eps, 1+eps) A)]    off-policy form (Hilton et al. 2022) are options of it
+                               (``PolicyLossOptions``, ``behavior_weights``)
 delta_t = r_t + gamma V_{t+1}  ``gae_advantages``
   - V_t; A_t = sum (gamma
   lambda)^l delta_{t+l}
@@ -54,6 +55,7 @@ eps 0.2, A = 2 gives min(2.6, 2.4) = 2.4 (a loss of -2.4).
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -605,21 +607,44 @@ def _quantiles(values: torch.Tensor, quantiles: tuple[float, ...]) -> list[float
     return result
 
 
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    """How ``ppo_policy_loss`` clips, weighs and sums: the learner's settings of the same names
+    (``learner.*``), each checked here, where the options are made."""
+    clip_eps: float = 0.2  # eps: rho clipped to [1 - eps, 1 + eps_high] (Schulman et al. 2017)
+    clip_eps_high: float | None = None  # eps_high, None: clip_eps; a larger one is DAPO's "clip-higher"
+    dual_clip: float | None = None  # c > 1: for A < 0 the loss also bounded by -c A (Ye et al. 2020)
+    loss_aggregation: LossAggregation = "token-mean"  # [B, T] losses to a scalar (``aggregate_loss``)
+    ratio_level: RatioLevel = "token"  # sequence: GSPO-token's s_i,t (Zheng et al. 2025, eq. 13)
+    policy_loss: PolicyLoss = "ppo"  # cispo: the clipped ratio as a weight (MiniMax-M1, Chen et al. 2025)
+    norm_length: float | None = None  # seq-mean-token-sum-norm's constant length (Dr. GRPO)
+
+    def __post_init__(self) -> None:
+        if self.clip_eps <= 0 or self.eps_high <= 0:
+            raise ValueError(f"clip ranges must be > 0, got clip_eps={self.clip_eps}, clip_eps_high={self.eps_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1:
+            raise ValueError(f"dual_clip must be > 1, got {self.dual_clip}")
+        if self.policy_loss not in ("ppo", "cispo"):
+            raise ValueError(f"policy_loss must be ppo or cispo, got {self.policy_loss!r}")
+        if self.policy_loss == "cispo" and (self.ratio_level != "token" or self.dual_clip is not None):
+            raise ValueError("cispo clips each token's weight: it takes ratio_level token and no dual_clip")
+        if self.ratio_level not in ("token", "sequence"):
+            raise ValueError(f"ratio_level must be token or sequence, got {self.ratio_level!r}")
+
+    @property
+    def eps_high(self) -> float:
+        return self.clip_eps if self.clip_eps_high is None else self.clip_eps_high
+
+
 def ppo_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    clip_eps_high: float | None = None,
-    dual_clip: float | None = None,
     behavior_weights: torch.Tensor | None = None,
-    loss_aggregation: LossAggregation = "token-mean",
-    ratio_level: RatioLevel = "token",
-    policy_loss: PolicyLoss = "ppo",
-    norm_length: float | None = None,
+    options: PolicyLossOptions = PolicyLossOptions(),
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO clipped surrogate loss with the options tether's learner uses.
+    """PPO clipped surrogate loss with the options tether's learner uses (``PolicyLossOptions``).
 
     logprobs: [B, T] of the policy being trained (carries the gradient);
     old_logprobs: [B, T] of the anchor policy. On-policy this is pi_old; with stale samples it
@@ -649,27 +674,16 @@ def ppo_policy_loss(
     if behavior_weights is not None:
         tensors["behavior_weights"] = behavior_weights
     mask = _check_token_tensors(response_mask, **tensors)
-    eps_low = clip_eps
-    eps_high = clip_eps if clip_eps_high is None else clip_eps_high
-    if eps_low <= 0 or eps_high <= 0:
-        raise ValueError(f"clip ranges must be > 0, got clip_eps={eps_low}, clip_eps_high={eps_high}")
-    if dual_clip is not None and dual_clip <= 1:
-        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if policy_loss not in ("ppo", "cispo"):
-        raise ValueError(f"policy_loss must be ppo or cispo, got {policy_loss!r}")
-    if policy_loss == "cispo" and (ratio_level != "token" or dual_clip is not None):
-        raise ValueError("cispo clips each token's weight: it takes ratio_level token and no dual_clip")
+    eps_low, eps_high, dual_clip = options.clip_eps, options.eps_high, options.dual_clip
 
     old_logprobs, advantages = old_logprobs.detach(), advantages.detach()
     log_ratio = logprobs - old_logprobs
-    if ratio_level == "sequence":
+    if options.ratio_level == "sequence":
         ratio = sequence_ratio(log_ratio.detach(), mask).unsqueeze(-1) * torch.exp(logprobs - logprobs.detach())
-    elif ratio_level == "token":
-        ratio = torch.exp(log_ratio)
     else:
-        raise ValueError(f"ratio_level must be token or sequence, got {ratio_level!r}")
+        ratio = torch.exp(log_ratio)
     clipped_ratio = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
-    if policy_loss == "cispo":
+    if options.policy_loss == "cispo":
         loss_per_token = -advantages * clipped_ratio.detach() * logprobs
         clipped_taken = (clipped_ratio != ratio).float()
     else:
@@ -688,7 +702,7 @@ def ppo_policy_loss(
     if behavior_weights is not None:
         loss_per_token = loss_per_token * behavior_weights.detach()
 
-    loss = aggregate_loss(loss_per_token, mask, loss_aggregation, norm_length)
+    loss = aggregate_loss(loss_per_token, mask, options.loss_aggregation, options.norm_length)
     with torch.no_grad():
         stats = {
             "clipfrac": masked_mean(clipped_taken, mask),

@@ -9,8 +9,9 @@ from contextlib import contextmanager
 import zmq
 
 from common.config import TetherConfig
+from training.lora import merged_named_tensors
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, plan_buckets, without_tied_duplicates
-from weight_sync.lora import adapter_named_tensors, merged_named_tensors
+from weight_sync.lora import adapter_named_tensors
 
 
 def publish_weights(engine, version: int, writer: ShmWeightWriter | None, on_bucket=None,

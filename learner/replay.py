@@ -66,7 +66,7 @@ def read_batch(directory: str, policy_version: int, max_frame_bytes: int) -> Mes
         (size,) = struct.unpack_from("<Q", data, offset)
         frames.append(view[offset + 8:offset + 8 + size])
         offset += 8 + size
-    return decode(frames, max_frame_bytes)
+    return decode(frames, max_frame_bytes, kept=True)
 
 
 class RecordedBuffer:

@@ -15,12 +15,14 @@ import torch
 from common.config import LearnerConfig, SamplingConfig, TetherConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from common.sequences import SequenceBatch, gather_response
-from learner import micro_batches, optimizer_step, parallel, ppo
-from learner.deepspeed_engine import weights_swapped
-from learner.optimizer_step import SkippedSteps
+from learner import ppo
 from learner.ptx import PtxStream, ptx_token_losses
 from learner.staleness import behavior_health
 from protocol.samples import Sample
+from training import micro_batches, optimizer_step, parallel
+from training.deepspeed_engine import weights_swapped
+from training.micro_batches import micro_batches_of
+from training.optimizer_step import SkippedSteps
 
 
 def _finite(name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -49,7 +51,7 @@ def forward_values(engine, batch: SequenceBatch) -> torch.Tensor:
 def as_ranks_run(batch: SequenceBatch) -> SequenceBatch:
     """``batch`` as this rank runs its forward: on one of several ranks, a batch of a policy that
     sees which shows no image gets the blank image's row after its rows (``SequenceBatch.with_blank``;
-    why: ``common.vision.BlankImage``), whose outputs the callers leave out."""
+    why: ``training.blank_image.BlankImage``), whose outputs the callers leave out."""
     if batch.images is None and batch.blank is not None and parallel.world_size() > 1:
         return batch.with_blank()
     return batch
@@ -158,7 +160,7 @@ class Targets:
 def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config: TetherConfig, policy_version: int,
              kl_coef: float, carry: StepCarry | None = None) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
-    the rows (``learner.parallel``); the result is what one rank computes on the whole batch.
+    the rows (``training.parallel``); the result is what one rank computes on the whole batch.
     ``critic``: None unless ``learner.advantage_estimator`` is gae. ``carry``: what the previous
     step left (a fresh one when None)."""
     cfg = config.learner
@@ -322,11 +324,9 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
     logits = forward_logits(actor, minibatch)
     logprobs = logprobs_from_logits(logits, minibatch.response_tokens, sampling)
     norm_length = cfg.loss_norm_length or config.rollout.max_new_tokens  # seq-mean-token-sum-norm's constant
-    policy_loss, policy_stats = ppo.ppo_policy_loss(
-        logprobs, targets.old_logprobs[cut], targets.advantages[cut], mask,
-        clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
-        behavior_weights=targets.behavior_weights[cut], loss_aggregation=cfg.loss_aggregation,
-        ratio_level=cfg.ratio_level, policy_loss=cfg.policy_loss, norm_length=norm_length)
+    policy_loss, policy_stats = ppo.ppo_policy_loss(logprobs, targets.old_logprobs[cut], targets.advantages[cut],
+                                                    mask, targets.behavior_weights[cut],
+                                                    policy_loss_options(cfg, norm_length))
     losses = {"policy_loss": policy_loss}
     if cfg.kl_in == "loss":  # GRPO: the tether as a loss term, with its gradient
         losses["kl_loss"] = kl_coef * ppo.aggregate_loss(
@@ -364,6 +364,14 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
     contributions.update({name: float(value.detach() if torch.is_tensor(value) else value)
                           for name, value in scaled.items()})
     return contributions
+
+
+def policy_loss_options(cfg: LearnerConfig, norm_length: float) -> ppo.PolicyLossOptions:
+    """``ppo_policy_loss``'s settings: ``learner.*`` of the same names, and seq-mean-token-sum-norm's
+    constant length."""
+    return ppo.PolicyLossOptions(clip_eps=cfg.clip_eps, clip_eps_high=cfg.clip_eps_high, dual_clip=cfg.dual_clip,
+                                 loss_aggregation=cfg.loss_aggregation, ratio_level=cfg.ratio_level,
+                                 policy_loss=cfg.policy_loss, norm_length=norm_length)
 
 
 def step_statistics(samples: list[Sample], scores: torch.Tensor, truncated: torch.Tensor, targets: Targets,
@@ -431,16 +439,6 @@ def behavior_gap(actor, snapshot: list[torch.Tensor], version: int, samples: lis
         logprobs = logprobs_from_logits(forward_logits(actor, part), part.response_tokens, sampling)
     behavior = _ragged_to_padded([samples[i].behavior_logprobs for i in chosen], part.response_mask)
     return float(((behavior.to(logprobs.device) - logprobs).abs() * part.response_mask).max())
-
-
-def micro_batches_of(rows: torch.Tensor, lengths: torch.Tensor, cfg: LearnerConfig,
-                     world: int) -> list[torch.Tensor]:
-    """This rank's ``rows`` (indices into the batch, whose sequences are ``lengths`` [B] long) in
-    micro-batches of ``cfg.micro_batch(world)`` rows and ``cfg.max_tokens_per_microbatch`` padded
-    tokens at most, as many as any other rank has (``learner.micro_batches``)."""
-    parts = micro_batches.plan(lengths[rows], cfg.micro_batch(world), cfg.max_tokens_per_microbatch)
-    count = parallel.max_over_ranks(len(parts))
-    return [rows[part] for part in micro_batches.split_to(parts, lengths[rows], count)]
 
 
 def _in_row_order(rows: torch.Tensor, parts: list[torch.Tensor], width: int,

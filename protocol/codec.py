@@ -16,7 +16,7 @@ import numpy as np
 
 from protocol.errors import ProtocolError
 from protocol.message import Message
-from protocol.schema import MESSAGES, SCHEMA_VERSION, string_limit
+from protocol.schema import MESSAGES, SCHEMA_VERSION, UNCHANGED_SINCE, string_limit
 
 __all__ = ["DEFAULT_MAX_FRAME_BYTES", "Message", "ProtocolError", "cut", "decode", "encode"]
 
@@ -33,7 +33,7 @@ def _shown(value: Any) -> str:
     return _REPR.repr(value)
 
 _DTYPES = {name: np.dtype(name) for name in ("int32", "int64", "float32", "float16", "uint8", "bool")}
-_PY_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict}
+_PY_TYPES = {"int": int, "float": (int, float), "str": str, "bool": bool, "dict": dict, "any": object}
 
 
 def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[str, Any] | None = None,
@@ -56,18 +56,20 @@ def encode(msg_type: str, fields: dict[str, Any] | None = None, tensors: dict[st
                                                             for a in arrays.values()]
 
 
-def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES) -> Message:
+def decode(frames: Sequence[Any], max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES, kept: bool = False) -> Message:
     """Validate and decode frames (bytes, memoryviews or zmq.Frame) into a ``Message``. Whatever
-    the frames hold, a bad message is a ``ProtocolError``: the error a receiving loop catches."""
+    the frames hold, a bad message is a ``ProtocolError``: the error a receiving loop catches.
+    ``kept``: a message written earlier (a recorded batch), which an older schema version wrote
+    alike where its type has not changed since (``schema.UNCHANGED_SINCE``)."""
     try:
-        return _decode(frames, max_frame_bytes)
+        return _decode(frames, max_frame_bytes, kept)
     except ProtocolError:
         raise
     except Exception as error:  # RecursionError, MemoryError, ...: a check this codec missed, never a crash
         raise ProtocolError(f"malformed message ({type(error).__name__})") from None
 
 
-def _decode(frames: Sequence[Any], max_frame_bytes: int) -> Message:
+def _decode(frames: Sequence[Any], max_frame_bytes: int, kept: bool = False) -> Message:
     buffers = [frame.buffer if hasattr(frame, "buffer") else frame for frame in frames]
     if not buffers:
         raise ProtocolError("empty message")
@@ -81,10 +83,11 @@ def _decode(frames: Sequence[Any], max_frame_bytes: int) -> Message:
         raise ProtocolError(f"envelope is not valid msgpack ({type(error).__name__})") from None
     if not isinstance(envelope, dict):
         raise ProtocolError("envelope is not a map")
-    schema_version = envelope.get("schema")
-    if schema_version != SCHEMA_VERSION:
-        raise ProtocolError(f"peer speaks schema version {_shown(schema_version)}, this process speaks {SCHEMA_VERSION}")
-    msg_type = envelope.get("type")
+    schema_version, msg_type = envelope.get("schema"), envelope.get("type")
+    since = UNCHANGED_SINCE.get(msg_type, SCHEMA_VERSION) if kept and isinstance(msg_type, str) else SCHEMA_VERSION
+    if not (isinstance(schema_version, int) and since <= schema_version <= SCHEMA_VERSION):
+        raise ProtocolError(f"peer speaks schema version {_shown(schema_version)}, this process speaks {SCHEMA_VERSION}"
+                            + (f" (a kept {msg_type} message: from version {since} on)" if kept else ""))
     schema = MESSAGES.get(msg_type) if isinstance(msg_type, str) else None
     if schema is None:
         raise ProtocolError(f"unknown message type {_shown(msg_type)}")

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 Per = Literal["sample", "prompt token", "response token", "image byte"]
 
 # the field that carries each sample's length of a per-token kind (an image byte's: its images' bytes,
-# ``common.vision.pack_images``; the field is left out of a message where no sample has images)
+# ``common.images.pack_images``; the field is left out of a message where no sample has images)
 LENGTHS: dict[str, str] = {"prompt token": "prompt_lengths", "response token": "response_lengths",
                            "image byte": "image_byte_lengths"}
 _OPTIONAL_LENGTHS = ("image byte",)  # kinds a sample may have none of
@@ -99,7 +99,7 @@ class Sample:
     # an episode's conversation as JSON (a list of {"role", "content"}): what reward functions and an RM
     # with its own chat template read, and what evaluations show
     messages: str | None = column("messages", "sample", "str", optional=True, default=None)
-    # the images its prompt shows (and an episode's observations), encoded, as common.vision packs them
+    # the images its prompt shows (and an episode's observations), encoded, as common.images packs them
     images: np.ndarray | None = column("image_bytes", "image byte", "uint8", optional=True, default=None)
     # an episode's place in its group and its parts: a program that rewrites its context starts a new
     # token stream, a part, of the same episode (None: one part each, as every single response). The

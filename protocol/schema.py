@@ -12,13 +12,17 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-# 12: goodbye (a rollout or scorer stopping on an error); 11: turn_release (placement.mode
-# colocate); 10: samples carry their images (image_bytes); 9: an
-# episode's parts (part_indices, ...)
-SCHEMA_VERSION = 12
+# 13: turn_release renamed shift_end (a device's shift, not a conversation's turn), the agent
+# processes' program_* messages (environments.agent_processes, JSON before); 12: goodbye (a
+# rollout or scorer stopping on an error); 11: turn_release (placement.mode colocate); 10: samples
+# carry their images (image_bytes); 9: an episode's parts (part_indices, ...)
+SCHEMA_VERSION = 13
+# The version at which a message's fields last changed, for a message that is kept (a batch that
+# learner.record_batches wrote): one written at that version or later decodes as it is.
+UNCHANGED_SINCE = {"batch": 10}
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
-FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict")
+FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[float]", "dict", "any")
 
 # The most characters a string field (or each string of a list[str] field) may hold, by the field's
 # name: what no tether process sends past, so a 100 MB worker id or reason is refused at decode, never
@@ -26,7 +30,7 @@ FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[fl
 # directory's name (a file name: 255); a name not listed: STRING_LIMIT.
 STRING_LIMIT = 4096
 STRING_LIMITS = {"role": 32, "worker_id": 64, "run_id": 255, "incarnation": 64, "checksum": 128, "sample_ids": 256,
-                 "finish_reasons": 64, "reasons": 256, "messages": 16 << 20}
+                 "finish_reasons": 64, "reasons": 256, "messages": 16 << 20, "key": 64, "body": 16 << 20}
 
 
 def string_limit(field: str) -> int:
@@ -67,8 +71,8 @@ MESSAGES: dict[str, MessageSchema] = {
     # the engine generates nothing until a load succeeds (the buffer names it among the stalled)
     "weights_refused": MessageSchema(fields={"policy_version": "int", "failures": "int", "reason": "str"}),
     # rollout -> buffer (placement.mode colocate): everything granted is generated and sent, and the
-    # devices are free for the next turn (buffer.turns)
-    "turn_release": MessageSchema(fields={"policy_version": "int"}),
+    # devices are free for the next shift (buffer.shifts)
+    "shift_end": MessageSchema(fields={"policy_version": "int"}),
     # rollout -> buffer: generated, unscored samples
     "samples": MessageSchema(fields=dict(_SAMPLE_FIELDS), tensors=dict(_SAMPLE_TENSORS)),
     # rollout -> buffer: episodes that end without a sample to send (an environment failed before the
@@ -101,6 +105,18 @@ MESSAGES: dict[str, MessageSchema] = {
     "goodbye": MessageSchema(fields={"reason": "str"}),
     "ack": MessageSchema(fields={"accepted": "int"}),
     "error": MessageSchema(fields={"reason": "str"}),
+    # the rollout <-> a process of its agent programs (environments.agent_processes), over a pipe of
+    # their own; ``key`` is the episode's. To the process: run the program on a data row, cancel it
+    # (its episode ended first), a call's answer (the endpoint's status and body). From it: a call of
+    # the program's to the endpoint, its return (the reward: a number, None or a dict of numbers) or
+    # its error ({type, message, traceback, where}; ``deadline``: it ran past agent_deadline_s)
+    "program_run": MessageSchema(fields={"key": "str", "row": "dict"}),
+    "program_cancel": MessageSchema(fields={"key": "str"}),
+    "program_answer": MessageSchema(fields={"key": "str", "id": "int", "status": "int", "answer": "any",
+                                            "streamed": "bool"}),
+    "program_call": MessageSchema(fields={"key": "str", "id": "int", "path": "str", "body": "str"}),
+    "program_return": MessageSchema(fields={"key": "str", "value": "any"}),
+    "program_raise": MessageSchema(fields={"key": "str", "error": "dict"}),
 }
 
 # Who may send each request to the buffer ("hello" says who one is; everything after is checked
@@ -113,7 +129,7 @@ SENDERS: dict[str, tuple[str, ...]] = {
     "weights_refused": ("rollout",),
     "samples": ("rollout",),
     "episodes_dropped": ("rollout",),
-    "turn_release": ("rollout",),
+    "shift_end": ("rollout",),
     "goodbye": ("rollout", "scorer"),
     "score_request": ("scorer",),
     "scored": ("scorer",),

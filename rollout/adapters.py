@@ -21,7 +21,7 @@ def lora_arguments(config: TetherConfig) -> dict:
     holds the rank (vLLM pads to it, and its CPU kernels copy that width a token), one adapter
     active and cached; a policy that sees has adapters on its connector (and its tower, where it
     trains), which vLLM applies with ``enable_tower_connector_lora``."""
-    from common.vision import sees_images
+    from common.processors import sees_images
 
     rank = next(value for value in LORA_RANKS if value >= config.learner.lora_rank)
     return {"enable_lora": True, "max_lora_rank": rank, "max_loras": 1, "max_cpu_loras": 1,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 from common.config import ConfigError, TetherConfig
 from protocol.codec import cut
@@ -70,7 +71,7 @@ def engine_settings(config: TetherConfig, worker_index: int, cuda: bool) -> tupl
     )
     if cuda:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
         arguments["gpu_memory_utilization"] = rollout.gpu_memory_utilization
-        # colocated, the engine sleeps between its turns (rollout.credits.GenerateTurn), freeing the
+        # colocated, the engine sleeps between its shifts (rollout.shifts.GenerateShift), freeing the
         # GPU memory for the scorer and the learner; vLLM refuses sleep mode on the CPU
         arguments["enable_sleep_mode"] = config.colocated
     else:
@@ -96,6 +97,14 @@ def make_vllm_engine(config: TetherConfig, worker_index: int = 0, **overrides):
     from vllm import LLM
 
     return LLM(**{**arguments, **overrides})
+
+
+def image_arguments(images: list[list[bytes]] | None, per_episode: int | None = None) -> dict[str, Any]:
+    """vLLM's arguments for prompts with ``images`` (None: text): the most images one prompt has,
+    or episodes may show (``per_episode``, ``rollout.max_images_per_episode``; None: single responses)."""
+    if images is None:
+        return {}
+    return {"limit_mm_per_prompt": {"image": max(max(map(len, images), default=1), per_episode or 0) or 1}}
 
 
 def banned_words(config: TetherConfig, tokenizer) -> list[str]:

@@ -9,10 +9,9 @@ environment's a mask of 0 and no logprob; a turn's reward sits on its last polic
 ``Episodes`` is the bookkeeping the rollout's loop drives: ``start`` a group (the
 ``samples_per_prompt`` episodes of one prompt), take the turns ``ready`` to generate, hand each
 finished turn to ``turn_finished``, ``advance`` the environment calls between engine steps, and
-send the groups ``finished`` returns. Environment calls run in threads of their own, each with a
-deadline (``rollout.env_step_deadline_s``), so the engine never waits on one; an agent program's
-episode, whose answers come from its program's own thread, is called in the loop and waited on
-as a future (``Environments.answers_later``).
+send the groups ``finished`` returns. Every kind of environment is driven alike, through
+``environments.interface.Environment``: each call returns a future at once, waited on with a
+deadline (``rollout.env_step_deadline_s``), so the engine never waits on one.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ import hashlib
 import json
 import logging
 import math
-import queue
-import threading
 import time
 import traceback
 from array import array
@@ -34,13 +31,14 @@ from typing import Any, Callable
 import numpy as np
 
 from common.config import ConfigError, TetherConfig
+from common.image_prompts import images_shown, template_chat
+from common.images import observation_images, pack_images
+from common.processors import expand_placeholders, expanded_ids
 from common.prompts import chat_of, content_text, text_chat
-from common.vision import (expand_placeholders, expanded_ids, images_shown, observation_images, pack_images,
-                           template_chat)
 from protocol.samples import Sample
-from rollout.environments import (BadStep, Environments, EnvironmentFailing, Observation, Restart, Step, TokenIds,
-                                  Turn, as_step, check_observation)
-from rollout.program_runs import PastDeadline
+from environments.interface import BadStep, Environment, Observation, PastDeadline, Restart, Step, TokenIds, Turn
+from environments.native import Environments
+from environments.threads import in_thread
 
 # a chat both renders of an observation start with, so its ids are the observation's alone (Renderer);
 # the reply is text no template writes itself, so where the assistant's turn ends can be found after it
@@ -159,7 +157,8 @@ class Group:
 @dataclass
 class Episode:
     group: Group
-    environment: Any = None
+    environment: Environment | None = None
+    started: bool = False  # its reset answered: its environment answers turns now
     prompt_tokens: list[int] = field(default_factory=list)
     messages: list[dict] = field(default_factory=list)  # the conversation, for environments and rewards
     tokens: list[int] = field(default_factory=list)  # after the prompt: the policy's and the environment's
@@ -196,127 +195,16 @@ class Episode:
         return len(self.prompt_tokens) + len(self.tokens) + self.image_tokens
 
 
-class _Workers:
-    """Daemon threads that take calls one after another: a call goes to an idle one, or to a new one
-    when none is idle, so one that hangs past its deadline holds only its own thread (a fixed pool's
-    worker would be lost to every later call), none waits for another, and no exit waits for any.
-    Reusing them spares the engine's loop a thread's start a call, which it waits for: 10% of the
-    loop's time on a tool task with both cores busy (bench/against_trl_tools.py). One idle for
-    ``IDLE_S`` ends."""
-
-    IDLE_S = 60.0
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.calls: queue.SimpleQueue = queue.SimpleQueue()
-        self.idle = 0  # threads waiting for a call, less the calls already put for them
-
-    def submit(self, call: Callable[[], None]) -> None:
-        with self.lock:
-            if self.idle:
-                self.idle -= 1
-                self.calls.put(call)
-                return
-        threading.Thread(target=self._serve, args=(call,), daemon=True, name="environment").start()
-
-    def _serve(self, call: Callable[[], None]) -> None:
-        while True:
-            call()
-            call = None  # what the call held (an environment, its result) is not kept while idle
-            with self.lock:
-                self.idle += 1
-            try:
-                call = self.calls.get(timeout=self.IDLE_S)
-            except queue.Empty:
-                with self.lock:  # a call put as the wait ended is this thread's still
-                    try:
-                        call = self.calls.get_nowait()
-                    except queue.Empty:
-                        self.idle -= 1
-                        return
-
-
-_WORKERS = _Workers()
-
-
-def in_thread(function: Callable[..., Any], *arguments: Any) -> Future:
-    """``function(*arguments)`` in a daemon thread that runs nothing else meanwhile (``_Workers``)."""
-    future: Future = Future()
-
-    def call() -> None:
-        try:
-            future.set_result(function(*arguments))
-        except BaseException as error:  # the environment's failure is its episode's, reported there
-            future.set_exception(error)
-
-    _WORKERS.submit(call)
-    return future
-
-
-def _reset(environments: Environments, row: dict, delay_s: float = 0.0) -> tuple[Any, Observation]:
-    """A new environment and its first observation; one whose reset fails is closed (an OpenEnv
-    session, an agent program: nothing else would end them)."""
-    time.sleep(delay_s)  # backing off from an environment that keeps failing (Episodes.backoff_s)
-    environment = environments.make(row)
-    reset = getattr(environment, "reset", None)
-    try:
-        return environment, check_observation(reset()) if reset is not None else None
-    except BaseException:
-        _close(environment)
-        raise
-
-
-def _step(environment: Any, response: str, messages: list[dict], turn: Turn) -> Step:
-    if getattr(environment, "reads_turns", False):  # an agent program's episode: its reply carries the tokens
-        return as_step(environment.step(response, messages, turn))
-    return as_step(environment.step(response, messages))
-
-
 def _shown(observation: str | list[dict] | None) -> list[dict]:
     """An observation of text or messages as the messages the template renders: text as a user's."""
     return [{"role": "user", "content": observation}] if isinstance(observation, str) else list(observation or [])
 
 
-def _close(environment: Any) -> None:
-    """An environment that has a ``close`` (an OpenEnv session, an agent program) closed."""
-    close = getattr(environment, "close", None)
-    if close is not None:
-        close()
-
-
-def _close_once_made(reset: Future) -> None:
-    """The environment a reset under way makes, closed as soon as it is made (the run is over); at
-    once where it was made before its reset began (``_reset_later``'s ``environment``)."""
-    made = getattr(reset, "environment", None)
-    _close(made if made is not None else reset.result(timeout=CLOSE_DEADLINE_S)[0])
-
-
-def _reset_later(environments: Environments, row: dict) -> Future:
-    """``_reset`` of an environment that answers later (an agent program's: its program's thread
-    gives the first observation), made in the caller's thread and waited on with no thread of its
-    own; the future carries the environment (``environment``) from the start."""
-    reset: Future = Future()
-    try:
-        environment = environments.make(row)
-    except BaseException as error:
-        reset.set_exception(error)
-        return reset
-    reset.environment = environment
-    try:
-        first = environment.begin_reset()
-    except BaseException as error:
-        _close(environment)
-        reset.set_exception(error)
-        return reset
-
-    def made(first: Future) -> None:
-        try:
-            reset.set_result((environment, check_observation(first.result())))
-        except BaseException as error:
-            _close(environment)  # as _reset's: nothing else would end it
-            reset.set_exception(error)
-    first.add_done_callback(made)
-    return reset
+def _reset_after(delay_s: float, environment: Environment, deadline_s: float) -> Observation:
+    """``environment``'s reset after ``delay_s`` (backing off from environments that keep failing,
+    ``Episodes.backoff_s``), waited on here for ``deadline_s`` at most."""
+    time.sleep(delay_s)
+    return environment.begin_reset().result(timeout=deadline_s)
 
 
 def _begun(begin: Callable[..., Future], *arguments: Any) -> Future:
@@ -324,9 +212,13 @@ def _begun(begin: Callable[..., Future], *arguments: Any) -> Future:
     try:
         return begin(*arguments)
     except BaseException as error:
-        failed: Future = Future()
-        failed.set_exception(error)
-        return failed
+        return _failed(error)
+
+
+def _failed(error: BaseException) -> Future:
+    failed: Future = Future()
+    failed.set_exception(error)
+    return failed
 
 
 class FailureLog:
@@ -359,6 +251,11 @@ class FailureLog:
 
 # an environment's failures in a row before new episodes wait, and how long at most
 BACKOFF_AFTER, BACKOFF_FIRST_S, BACKOFF_MAX_S = 4, 0.1, 5.0
+class EnvironmentFailing(RuntimeError):
+    """``rollout.env_failure_limit`` episodes in a row ended by their environment: the run ends
+    (exit code 4), since every later episode would fail the same way."""
+
+
 FAILED_ENDINGS = ("env_error", "env_deadline")
 CLOSE_DEADLINE_S = 5.0  # the run's end: how long the environments of episodes under way may take to close
 EXPANSIONS_KEPT = 4096  # images whose expanded ids an engine's episodes keep (4 bytes an id: under 64 MB)
@@ -389,9 +286,8 @@ class Episodes:
         self.failed_in_a_row = 0  # episodes ended by their environment since the last that ended well
 
     def start(self, prompt_index: int, row: int) -> None:
-        """The episodes of the prompt at ``row`` of the kept prompts: each makes its environment
-        and resets it in a thread of its own (an agent program's: here, its program answering, unless
-        it first backs off from failures)."""
+        """The episodes of the prompt at ``row`` of the kept prompts: each makes its environment and
+        begins its reset (in a thread of its own where it first backs off from failures)."""
         group = Group(prompt_index, self.data_rows[row])
         self.groups.append(group)
         data_row = self.rows[group.data_row]
@@ -403,11 +299,14 @@ class Episodes:
                 self._show(episode, self.images[row])
             group.episodes.append(episode)
             delay = self.backoff_s()
-            if self.environments.answers_later and not delay:
-                reset = _reset_later(self.environments, data_row)
-                self._wait_on(episode, reset, getattr(reset, "environment", None))
+            try:
+                episode.environment = self.environments.make(data_row)
+            except Exception as error:
+                self._wait_on(episode, _failed(error))
                 continue
-            self._call(episode, _reset, self.environments, data_row, delay)
+            self._wait_on(episode, in_thread(_reset_after, delay, episode.environment,
+                                             self.config.rollout.env_step_deadline_s + delay) if delay
+                          else _begun(episode.environment.begin_reset))
             episode.deadline += delay
 
     def renderer_for(self, tools: list[dict] | None) -> Renderer:
@@ -443,7 +342,7 @@ class Episodes:
                 episode.behavior_version = version
             ids = episode.prompt_tokens + episode.tokens
             # an agent program's call may ask for fewer tokens than the run's turns have
-            asked = getattr(episode.environment, "turn_max_tokens", None) or self.config.rollout.max_new_tokens
+            asked = episode.environment.turn_max_tokens or self.config.rollout.max_new_tokens
             limit = min(self.config.rollout.max_new_tokens, self.config.rollout.max_model_len - episode.length)
             episode.call_cap = asked if asked < limit else None
             turns.append((episode, ids, self.sampling_for(episode, min(limit, asked))))
@@ -471,15 +370,10 @@ class Episodes:
         episode.cut = completion.finish_reason == "length" and not cut_by_call
         turn = Turn(len(episode.prompt_tokens) + len(episode.tokens) - len(tokens), tokens,
                     episode.logprobs[-len(tokens):], completion.finish_reason or "stop")
-        if episode.cut and not self.environments.answers_later:
-            self._end(episode, "length")
-        elif self.environments.answers_later:
-            # a cut turn still answers an agent program's call (finish_reason "length"): its program
-            # returns the episode's reward, which the episode then ends "length" with
-            begin = episode.environment.begin_last if episode.cut else episode.environment.begin_step
-            self._wait_on(episode, _begun(begin, response, episode.messages, turn), episode.environment)
-        else:
-            self._call(episode, _step, episode.environment, response, episode.messages, turn)
+        # a cut turn is the episode's last; its environment may still answer it (an agent program's
+        # call, finish_reason "length"), and the episode ends "length" with what that says
+        begin = episode.environment.begin_last if episode.cut else episode.environment.begin_step
+        self._wait_on(episode, _begun(begin, response, episode.messages, turn))
 
     def advance(self, now: float, timeout: float = 0.0) -> None:
         """Take in what environments answered, waiting up to ``timeout`` for a first answer (the loop
@@ -494,12 +388,7 @@ class Episodes:
             if episode.pending.done():
                 future, episode.pending = episode.pending, None
                 self._answered(episode, future)
-            elif now >= episode.deadline:
-                if episode.environment is None:  # its reset, late: what it makes is closed once made
-                    if hasattr(episode.pending, "environment"):  # made already (an agent program's)
-                        in_thread(_close_once_made, episode.pending)
-                    else:
-                        episode.pending.add_done_callback(lambda reset: in_thread(_close_once_made, reset))
+            elif now >= episode.deadline:  # its environment is closed as it ends (one still being made, once made)
                 episode.pending = None
                 self._past_deadline(episode, episode.deadline_said)
             else:
@@ -540,16 +429,14 @@ class Episodes:
             part.episode_index, part.part_index, part.episode_parts = episode.index, number, len(parts)
         return parts
 
-    def _call(self, episode: Episode, function: Callable[..., Any], *arguments: Any) -> None:
-        self._wait_on(episode, in_thread(function, *arguments))
-
-    def _wait_on(self, episode: Episode, pending: Future, answering: Any = None) -> None:
+    def _wait_on(self, episode: Episode, pending: Future) -> None:
         """``episode`` waits on its environment's answer ``pending``, for ``env_step_deadline_s`` at
-        most (``answering``: an agent program's environment, whose whole episode has its
-        ``agent_deadline_s`` too)."""
+        most, and no later than its environment's own deadline for the whole episode (an agent
+        program's ``agent_deadline_s``)."""
         episode.pending = pending
         rollout = self.config.rollout
-        step_deadline, whole = time.monotonic() + rollout.env_step_deadline_s, getattr(answering, "deadline", math.inf)
+        whole = episode.environment.deadline if episode.environment is not None else math.inf
+        step_deadline = time.monotonic() + rollout.env_step_deadline_s
         episode.deadline = min(step_deadline, whole)
         episode.deadline_said = (f"the agent program did not return within {rollout.agent_deadline_s:g}s of its start "
                                  "(rollout.agent_deadline_s)" if whole < step_deadline else
@@ -561,7 +448,7 @@ class Episodes:
         """``episode`` ends ``env_deadline``: ``why``, in the failure log (one whose last turn was cut
         ends "length" all the same: ``_end``)."""
         self.failures.report("env_deadline", None, f"{why}; the episode ends", self._row_text(episode),
-                             ("reset" if episode.environment is None else "step",))
+                             ("step" if episode.started else "reset",))
         self._end(episode, "env_deadline")
 
     def _answered(self, episode: Episode, future: Future) -> None:
@@ -569,13 +456,13 @@ class Episodes:
         if isinstance(error, PastDeadline):  # the program's own deadline, seen before the loop's
             self._past_deadline(episode, str(error))
         elif error is not None:
-            call = "reset" if episode.environment is None else "step"
+            call = "step" if episode.started else "reset"
             self.failures.report("env_error", error, f"the environment's {call} failed ({type(error).__name__}: "
                                  f"{error}); the episode ends",
                                  f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", (call,))
             self._end(episode, "env_error")
-        elif episode.environment is None:  # the reset
-            episode.environment, first = future.result()
+        elif not episode.started:  # the reset
+            episode.started, first = True, future.result()
             if first is not None:
                 self._start_from(episode, first)
             else:
@@ -587,7 +474,7 @@ class Episodes:
         episode.messages = self._as_messages(first)
         episode.images, episode.image_tokens, episode.engine_prompt = [], 0, None  # the reset's replace the row's
         try:
-            episode.renderer = self.renderer_for(getattr(episode.environment, "tools", None))
+            episode.renderer = self.renderer_for(episode.environment.tools)
             if isinstance(first, TokenIds):
                 episode.prompt_tokens = episode.renderer.token_ids(list(first))
             else:
@@ -603,7 +490,7 @@ class Episodes:
         self.ready.append(episode)
 
     def _stepped(self, episode: Episode, step: Step) -> None:
-        if getattr(step.observation, "unsaid", 0):
+        if isinstance(step.observation, TokenIds) and step.observation.unsaid:
             self._unsay(episode, step.observation.unsaid)
         if step.reward:
             episode.turn_rewards[-1] += step.reward  # a step answers a turn: the last token is the turn's
@@ -650,7 +537,7 @@ class Episodes:
     def _unsay(episode: Episode, count: int) -> None:
         """The policy's last ``count`` tokens leave the episode's stream: the program's transcript
         left them out (``TokenIds.unsaid``), and the next turn continues that transcript. The turn
-        keeps a token at least (``rollout.agents._unsaid``): its reward has a token to sit on."""
+        keeps a token at least (``environments.agents._unsaid``): its reward has a token to sit on."""
         for column in (episode.tokens, episode.logprobs, episode.loss_mask, episode.turn_rewards):
             del column[-count:]
         episode.last_token = episode.tokens[-1]
@@ -736,9 +623,8 @@ class Episodes:
         a failure would be, and learner.truncation_penalty applies)."""
         reason = "length" if episode.cut else reason
         episode.ended = reason
-        close = getattr(episode.environment, "close", None)
-        if close is not None:  # an agent program's waiting call is refused; in a thread: a close may hang
-            in_thread(close)
+        if episode.environment is not None:  # an agent program's waiting call is refused, a session ended
+            episode.environment.close()
         self.counters[f"ended_{reason}"] += 1
         self.endings[reason] += 1
         self.failed_in_a_row = self.failed_in_a_row + 1 if reason in FAILED_ENDINGS else 0
@@ -779,11 +665,9 @@ class Episodes:
         """The run is over: the environments of the episodes still under way are closed (an OpenEnv
         session ended as its server expects, an agent program's waiting call refused), each in a
         thread of its own, waited on ``CLOSE_DEADLINE_S`` at most in all."""
-        under_way = [episode for group in self.groups for episode in group.episodes if episode.ended is None]
-        closing = [in_thread(close) for episode in under_way
-                   if (close := getattr(episode.environment, "close", None)) is not None]
-        closing += [in_thread(_close_once_made, episode.pending) for episode in under_way
-                    if episode.environment is None and episode.pending is not None]  # its reset under way
+        under_way = [episode.environment for group in self.groups for episode in group.episodes
+                     if episode.ended is None and episode.environment is not None]
+        closing = [future for environment in under_way if (future := environment.close()) is not None]
         wait(closing, timeout=CLOSE_DEADLINE_S)
 
     def record(self) -> dict:

@@ -1,8 +1,8 @@
 """What the rollout's loop drives, whatever makes the tokens: a ``Generator`` turns granted prompts
 into engine requests and finished requests into samples. ``rollout.responses.Responses`` (one
 request a prompt) and ``rollout.episodes.Episodes`` (turns with an environment's observations
-between them) are the two today; a third (agent programs calling an endpoint) implements the same
-eight members, and the loop does not change.
+between them, whatever answers them: ``environments.interface.Environment``, agent programs
+included) are the two.
 
 ``InFlight`` is the engine's side of the cycle every driver repeats: add what a generator has
 ready, step the engine, hand each finished request back to the generator. The rollout's loop runs
@@ -68,7 +68,7 @@ class InFlight:
     def add(self, generator: Generator, version: int, lora_request=None) -> None:
         """Every request ``generator`` has ready joins the engine (between two of its steps), with
         the policy's LoRA adapter where a version is one (``learner.lora_sync: adapters``)."""
-        from common.vision import decoded
+        from common.images import decoded
 
         for what, ids, sampling in generator.take_ready(version):
             request_id = str(self.added)

@@ -5,23 +5,26 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from common.config import TetherConfig
+from common.image_prompts import prompts_with_images
 from common.model_dirs import resolve_models
+from common.processors import banning_placeholder, load_processor
 from common.prompts import dataset_row, read_rows
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from common.vision import banning_placeholder, engine_arguments, load_processor, prompts_with_images
+from environments.agents import agent_programs
+from environments.native import Environments, prompt_tools
+from environments.tools import load_tools
 from protocol.samples import Sample
 from protocol.transport import connect_to_buffer
 from rollout.adapters import PolicyAdapter, lora_arguments
-from rollout.agents import agent_programs
-from rollout.credits import Credits, GenerateTurn, Outbox
-from rollout.engine import WeightLoads, banned_words, make_vllm_engine, sampling_params
-from rollout.environments import Environments, prompt_tools
+from rollout.credits import Credits, Outbox
+from rollout.engine import WeightLoads, banned_words, image_arguments, make_vllm_engine, sampling_params
 from rollout.episodes import Episodes, Renderer
 from rollout.generators import ENVIRONMENT_POLL_S, Generator, InFlight
 from rollout.responses import Responses
-from rollout.tools import load_tools
+from rollout.shifts import GenerateShift
 from weight_sync.lora import lora_sync_logged
 
 
@@ -74,8 +77,56 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     come with a grant and are loaded between steps: requests in flight are recomputed with them
     and keep the version of their first token as ``behavior_version`` (the oldest, docs/design.md), the
     newest as ``last_behavior_version``. With an environment or tools (``rollout.environment``,
-    ``rollout.tools``) a prompt is an episode of turns (``rollout.episodes``), else one request
+    ``environments.tools``) a prompt is an episode of turns (``rollout.episodes``), else one request
     (``rollout.responses``); the loop is the same."""
+    rollout = start(config, worker_index, engine)
+    try:
+        # 1. credits: asked for while the engine has room, waited for only when it has nothing to do
+        while take_credits(rollout):
+            start_granted(rollout)  # 2. granted prompts start; what is ready joins the engine
+            step_engine(rollout)  # 3. one engine step; environments answer beside it
+            send_finished(rollout)  # 4. what finished is sent at once (acks are read as they come)
+            rollout.record_period()  # 5. a record a second, and whenever the engine runs dry
+    except Exception as error:  # the buffer takes back its credits now, not after rollout.deadline_s
+        rollout.client.goodbye(error)
+        raise
+    finish(rollout)
+
+
+@dataclass
+class Rollout:
+    """What one engine's loop carries from one pass to the next."""
+    config: TetherConfig
+    name: str
+    log: Any
+    timeline: StartupTimeline
+    engine: Any
+    own_engine: bool  # built here (not a benchmark's): shut down at the end
+    client: Any
+    source: Generator
+    weights: WeightLoads
+    programs: Any  # the agent programs, if any (closed at the end)
+    prompts: int  # the kept prompts
+    skipped: int  # the prompts that do not fit
+    metrics: Any
+    credits: Credits
+    outbox: Outbox
+    shift: GenerateShift
+    in_flight: InFlight
+    version: int | None = 0  # the policy version the engine holds; None after a failed load: no new prompt joins
+    queued: list[int] = field(default_factory=list)  # prompt indices granted, not started (waiting for a version)
+    period: RolloutPeriod = field(default_factory=lambda: RolloutPeriod(time.monotonic()))
+
+    def record_period(self, last: bool = False) -> None:
+        now = time.monotonic()
+        if last or now - self.period.started >= METRICS_EVERY_S or (not self.in_flight and self.period.samples):
+            self.metrics.write(period_record(self.period, now, self.version, self.outbox, self.in_flight,
+                                             self.skipped, self.source, self.client))
+            self.period = RolloutPeriod(now)
+
+
+def start(config: TetherConfig, worker_index: int, engine) -> Rollout:
+    """The user's code, the prompts, the engine and the buffer's connection, in that order."""
     name = f"rollout{worker_index}"
     log = setup_logging(name, config.log_level)
     timeline = StartupTimeline(config.run_dir, name)
@@ -103,98 +154,102 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     own_engine = engine is None
     adapters = config.learner.lora_rank > 0 and lora_sync_logged(config, log) == "adapters"
     engine = engine or make_vllm_engine(config, worker_index, **(lora_arguments(config) if adapters else {}),
-                                        **engine_arguments(images, rollout_cfg.max_images_per_episode
-                                                           if environments is not None else None))
+                                        **image_arguments(images, rollout_cfg.max_images_per_episode
+                                                          if environments is not None else None))
     timeline.phase("engine init")
     client = connect_to_buffer(config, "rollout", str(worker_index))
     timeline.phase("buffer connect")
     source = generation_source(config, environments, tokenizer, rows, prompts, data_rows, log, images, processor)
-    metrics = metrics_writer(config, name)
     weights = WeightLoads(engine, config, name, log,
                           PolicyAdapter(config, f"{config.weights_dir}-{name}-lora") if adapters else None)
     log.info("generating with %s, %d prompts, %d samples per prompt, up to %d prompts at once%s", config.models.policy,
              len(prompts), rollout_cfg.samples_per_prompt, rollout_cfg.prompts_per_generate,
              "" if environments is None else f"; episodes of up to {rollout_cfg.max_turns} turns with "
              f"{rollout_cfg.environment or 'no environment'} and tools {', '.join(environments.tools) or 'none'}")
+    return Rollout(config, name, log, timeline, engine, own_engine, client, source, weights, programs, len(prompts),
+                   skipped, metrics_writer(config, name), Credits(client, rollout_cfg.samples_per_prompt),
+                   Outbox(client), GenerateShift(client, engine, config.colocated), InFlight(engine))
 
-    version = 0  # the policy version the engine holds; None after a failed load: no new prompt joins then
-    credits, outbox = Credits(client, rollout_cfg.samples_per_prompt), Outbox(client)
-    turn = GenerateTurn(client, engine, config.colocated)
-    in_flight = InFlight(engine)
-    queued: list[int] = []  # prompt indices granted and not yet started (waiting for a whole version)
-    period = RolloutPeriod(time.monotonic())
-    try:
-        while True:
-            # 1. credits: asked for while the engine has room, waited for only when it has nothing to do
-            busy = bool(in_flight) or source.active > 0  # generating, or episodes waiting on their environment
-            if not busy and not queued:
-                turn.release(version)  # colocated: all it was granted is sent, the devices go to the next role
-            grant = take_grant(credits, version, rollout_cfg.prompts_per_generate - source.active - len(queued), busy,
-                               weights.retry_at, period)
-            if grant is not None:
-                if grant.fields["stop"]:
-                    break
-                # positions in the run's prompt stream, each handed out once; a newer version may generate them
-                queued += grant.fields["prompt_indices"]
-                turn.granted(grant)
-                if version is None or grant.fields["policy_version"] > version:
-                    sync_started = time.monotonic()
-                    version = weights.load(grant, client)
-                    period.weight_sync_s += time.monotonic() - sync_started
-            # 2. granted prompts start, and what is ready joins the engine, with the version it holds
-            if version is not None:
-                adding_started = time.monotonic()  # the engine takes each request in: generation work
-                for index in queued:
-                    source.start(index, dataset_row(config.seed, len(prompts), index))
-                queued = []
-                in_flight.add(source, version, weights.lora_request)
-                period.busy_s += time.monotonic() - adding_started
-            # 3. one engine step; environments answer beside it (waited on when the engine is empty)
-            if in_flight:
-                step_started = time.monotonic()
-                period.engine_steps += 1
-                period.requests_stepped += len(in_flight)
-                in_flight.step(source, version)
-                period.busy_s += time.monotonic() - step_started
-            waited = time.monotonic()
-            source.advance(waited, timeout=0.0 if in_flight else ENVIRONMENT_POLL_S)
-            period.waiting_s += time.monotonic() - waited
-            # 4. what finished is sent at once (acks are read as they come)
-            send_started = time.monotonic()
-            samples, dropped = source.finished()
-            if samples and not outbox.sent:
-                timeline.phase("first samples")  # credits, weights and the first groups generated
-            outbox.send(samples, dropped)
-            period.add(samples)
-            period.send_s += time.monotonic() - send_started
-            # 5. a record a second, and whenever the engine runs dry
-            now = time.monotonic()
-            if now - period.started >= METRICS_EVERY_S or (not in_flight and period.samples):
-                metrics.write(period_record(period, now, version, outbox, in_flight, skipped, source, client))
-                period = RolloutPeriod(now)
-    except Exception as error:  # the buffer takes back its credits now, not after rollout.deadline_s
-        client.goodbye(error)
-        raise
-    in_flight.abort()  # the run is over: what is still generating is of no use
-    source.close()
-    # what was sent is acknowledged, and the last period's record written: the totals in the
-    # metrics are the log's
-    unanswered = outbox.settle()
-    metrics.write(period_record(period, time.monotonic(), version, outbox, in_flight, skipped, source, client))
-    log.info("stopping after %d samples at policy version %s%s", outbox.sent, version,
-             f"; {unanswered} messages of samples were not acknowledged before the buffer stopped"
-             if unanswered else "")
-    weights.close()
-    if programs is not None:
-        programs.close()
-    metrics.close()
-    client.close()
+
+def take_credits(rollout: Rollout) -> bool:
+    """A grant taken, if one came (and the weights it names loaded); False when the buffer says stop."""
+    room = rollout.config.rollout.prompts_per_generate - rollout.source.active - len(rollout.queued)
+    busy = bool(rollout.in_flight) or rollout.source.active > 0  # generating, or episodes waiting on their environment
+    if not busy and not rollout.queued:
+        rollout.shift.end(rollout.version)  # colocated: all it was granted is sent, the devices go to the next role
+    grant = take_grant(rollout.credits, rollout.version, room, busy, rollout.weights.retry_at, rollout.period)
+    if grant is None:
+        return True
+    if grant.fields["stop"]:
+        return False
+    # positions in the run's prompt stream, each handed out once; a newer version may generate them
+    rollout.queued += grant.fields["prompt_indices"]
+    rollout.shift.granted(grant)
+    if rollout.version is None or grant.fields["policy_version"] > rollout.version:
+        sync_started = time.monotonic()
+        rollout.version = rollout.weights.load(grant, rollout.client)
+        rollout.period.weight_sync_s += time.monotonic() - sync_started
+    return True
+
+
+def start_granted(rollout: Rollout) -> None:
+    """The granted prompts start, and what is ready joins the engine, with the version it holds."""
+    if rollout.version is None:
+        return
+    adding_started = time.monotonic()  # the engine takes each request in: generation work
+    for index in rollout.queued:
+        rollout.source.start(index, dataset_row(rollout.config.seed, rollout.prompts, index))
+    rollout.queued = []
+    rollout.in_flight.add(rollout.source, rollout.version, rollout.weights.lora_request)
+    rollout.period.busy_s += time.monotonic() - adding_started
+
+
+def step_engine(rollout: Rollout) -> None:
+    """One engine step, and the environments' answers since (waited for when the engine is empty)."""
+    period = rollout.period
+    if rollout.in_flight:
+        step_started = time.monotonic()
+        period.engine_steps += 1
+        period.requests_stepped += len(rollout.in_flight)
+        rollout.in_flight.step(rollout.source, rollout.version)
+        period.busy_s += time.monotonic() - step_started
+    waited = time.monotonic()
+    rollout.source.advance(waited, timeout=0.0 if rollout.in_flight else ENVIRONMENT_POLL_S)
+    period.waiting_s += time.monotonic() - waited
+
+
+def send_finished(rollout: Rollout) -> None:
+    send_started = time.monotonic()
+    samples, dropped = rollout.source.finished()
+    if samples and not rollout.outbox.sent:
+        rollout.timeline.phase("first samples")  # credits, weights and the first groups generated
+    rollout.outbox.send(samples, dropped)
+    rollout.period.add(samples)
+    rollout.period.send_s += time.monotonic() - send_started
+
+
+def finish(rollout: Rollout) -> None:
+    """The run is over: what is still generating is of no use; what was sent is acknowledged, and
+    the last period's record written (the totals in the metrics are the log's)."""
+    rollout.in_flight.abort()
+    rollout.source.close()
+    unanswered = rollout.outbox.settle()
+    rollout.record_period(last=True)
+    rollout.log.info("stopping after %d samples at policy version %s%s", rollout.outbox.sent, rollout.version,
+                     f"; {unanswered} messages of samples were not acknowledged before the buffer stopped"
+                     if unanswered else "")
+    rollout.weights.close()
+    if rollout.programs is not None:
+        rollout.programs.close()
+    rollout.metrics.close()
+    rollout.client.close()
     # vLLM's engine process and workers, where it has them, exit now, reaped by this process rather
     # than left to init. An engine inside this process with one worker has none: its shutdown, a
     # gc.collect over the whole heap (1.4 s here), would only delay the exit that follows.
-    in_this_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0" and rollout_cfg.tensor_parallel_size == 1
-    if own_engine and not in_this_process:
-        engine.llm_engine.engine_core.shutdown()
+    in_this_process = (os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+                       and rollout.config.rollout.tensor_parallel_size == 1)
+    if rollout.own_engine and not in_this_process:
+        rollout.engine.llm_engine.engine_core.shutdown()
 
 
 def take_grant(credits: Credits, version: int | None, room: int, busy: bool, retry_at: float,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from common.vision import pack_images
+from common.images import pack_images
 from protocol.samples import Sample
 
 

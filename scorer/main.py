@@ -16,9 +16,9 @@ from common import models
 from common.config import ConfigError, TetherConfig
 from common.model_dirs import resolve_models
 from common.models import same_tokens
+from common.processors import banning_placeholder, load_processor, sees_images
 from common.prompts import chat_of, read_rows, text_chat
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
-from common.vision import banning_placeholder, load_processor, sees_images
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
 from scorer.rewards import RewardFunction

@@ -76,7 +76,7 @@ def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask:
     """[B] fp32, uncalibrated: the RM's head on the hidden state of each row's last real token
     (``last_positions`` [B]), as the scorer reads it and tether rm trains it; ``images``: the image
     inputs of an RM that sees."""
-    from weight_sync.lora import is_lora
+    from training.lora import is_lora
 
     model = reward_model.get_base_model() if is_lora(reward_model) else reward_model
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **images).last_hidden_state

@@ -10,12 +10,13 @@ import torch
 
 from common import models
 from common.config import TetherConfig
-from learner.optimizer_step import SkippedSteps
-from learner.signals import StopSignal
-from stages import training
+from stages import loop
 from stages.examples import Example, model_inputs, rows_of
 from stages.losses import dpo_loss, sequence_logprobs
-from weight_sync.lora import with_lora
+from training import parallel
+from training.lora import with_lora
+from training.optimizer_step import SkippedSteps
+from training.signals import StopSignal
 
 
 def logprob_sums(module, examples: list[Example], pad_token_id: int, processor=None) -> torch.Tensor:
@@ -28,10 +29,10 @@ def logprob_sums(module, examples: list[Example], pad_token_id: int, processor=N
 
 @torch.no_grad()
 def reference_logprobs(path: str, dtype: str, examples: list[Example], pad_token_id: int,
-                       stage: training.Stage, processor=None) -> None:
+                       stage: loop.Stage, processor=None) -> None:
     """Each example's reference logprobs (chosen, rejected), stored on it as ``reference``."""
-    reference = models.load_causal_lm(path, dtype).eval().to(training.parallel.device())
-    for part in training.forward_parts(examples, stage):
+    reference = models.load_causal_lm(path, dtype).eval().to(parallel.device())
+    for part in loop.forward_parts(examples, stage):
         for example, values in zip(part, logprob_sums(reference, part, pad_token_id, processor).view(-1, 2).cpu()):
             example.reference = values
     del reference
@@ -58,34 +59,34 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``dpo.model`` on ``dpo.data`` against ``dpo.reference``; returns the output directory."""
     from transformers import AutoTokenizer
 
-    stage = training.start(config, "dpo", fresh)
+    stage = loop.start(config, "dpo", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    processor = training.processor_of(stage)  # a model that sees: the rows' images too (the reference's alike)
-    train, evaluation = training.examples_loaded(stage, tokenizer, processor)
+    processor = loop.processor_of(stage)  # a model that sees: the rows' images too (the reference's alike)
+    train, evaluation = loop.examples_loaded(stage, tokenizer, processor)
     model = models.load_causal_lm(cfg.model, cfg.dtype)
     pad_token_id = models.pad_token_id(model)
     reference_logprobs(cfg.reference, cfg.dtype, train + evaluation, pad_token_id, stage, processor)
-    engine = training.engine_of(with_lora(model, cfg), stage)
-    total_steps = training.total_steps(len(train), stage)
+    engine = loop.engine_of(with_lora(model, cfg), stage)
+    total_steps = loop.total_steps(len(train), stage)
     stage.log.info("dpo: %s against %s for %d epoch(s), %d steps of %d pairs, beta %g, ZeRO-%d, %d rank(s)",
                    cfg.model, cfg.reference, cfg.epochs, total_steps, cfg.batch_size, cfg.beta, cfg.zero_stage,
-                   training.parallel.world_size())
-    progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
+                   parallel.world_size())
+    progress, skipped, stop = loop.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
 
     def sums_of(module, part):
         return pair_sums(module, part, pad_token_id, cfg.beta, processor)
 
-    for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
-        sums = training.train_step(engine, training.rank_parts(indices, train, stage), train, sums_of,
-                                   len(indices), skipped, step)
+    for step, epoch, indices, lr in loop.optimizer_steps(engine, stage, len(train)):
+        sums = loop.train_step(engine, loop.rank_parts(indices, train, stage), train, sums_of,
+                               len(indices), skipped, step)
         progress.step(step, epoch, {**figures_of(sums), "lr": lr, "grad_norm": sums["grad_norm"]}, len(indices))
-        if evaluation and training.evaluate_due(step, len(train), stage):
-            progress.held_out(step, figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage)))
-        training.after_step(engine, stage, step, stop)
-    figures = figures_of(training.forward_sums(engine.module, evaluation, sums_of, stage)) if evaluation else {}
+        if evaluation and loop.evaluate_due(step, len(train), stage):
+            progress.held_out(step, figures_of(loop.forward_sums(engine.module, evaluation, sums_of, stage)))
+        loop.after_step(engine, stage, step, stop)
+    figures = figures_of(loop.forward_sums(engine.module, evaluation, sums_of, stage)) if evaluation else {}
     progress.held_out(total_steps, figures)
-    output = training.save_output(engine, cfg.model, stage, figures)
+    output = loop.save_output(engine, cfg.model, stage, figures)
     stage.log.info("dpo: wrote %s (held-out preference accuracy %s)", output,
                    f"{figures['accuracy']:.3f}" if figures else "n/a")
     return output

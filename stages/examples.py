@@ -8,9 +8,9 @@ generation prompt. A response to a text prompt is its text and the end-of-sequen
 rollout's responses end when they stop; a response to a chat is what the template writes for it
 as the assistant's turn. So the reward model scores, and SFT teaches, the tokens PPO generates.
 
-A model that sees images (``common.vision``) reads a row's images as the rollout does: its prompt
-holds each image's tokens as the processor expands them (the ids vLLM reports), and the batch
-carries the images' pixel inputs (``model_inputs``).
+A model that sees images (``common.image_prompts``, ``common.processors``) reads a row's images
+as the rollout does: its prompt holds each image's tokens as the processor expands them (the ids
+vLLM reports), and the batch carries the images' pixel inputs (``model_inputs``).
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ def read_examples(path: str, key: str, tokenizer, form: str, max_len: int,
     passing ``max_len`` tokens (image tokens included). ``form``: "demonstration" (sft), "ranking"
     (rm) or "pair" (dpo). ``processor``: a model that sees (``seen_example``). A row of the wrong
     form, or a bad image, is an error naming the key, the file and the row."""
-    from common.vision import image_paths, read_images
+    from common.images import read_images
+    from common.prompts import image_paths
 
     numbered = numbered_records(path, key, *FORMS[form])
     model_key = f"{key.split('.')[0]}.model"  # rm.data -> rm.model: whose tokenizer reads the rows
@@ -78,10 +79,12 @@ def model_inputs(examples: list[Example], pad_token_id: int, processor, device
     """(the model's inputs, input_ids [B, L], loss_mask [B, L]) of every row of ``examples`` on
     ``device``: ``padded``'s, and with a model's ``processor`` (one that sees) the pixel inputs of
     each row's prompt images. On one of several ranks, rows that show no image have the blank
-    image's row after them (``common.vision.BlankImage``; its loss mask 0): B is one more than the
+    image's row after them (``training.blank_image.BlankImage``; its loss mask 0): B is one more than the
     examples' rows, and a caller that reads a figure a row reads the first ``rows_of(examples)``."""
-    from common.vision import blank_image, decoded, pixel_inputs
-    from learner import parallel
+    from common.images import decoded
+    from common.processors import pixel_inputs
+    from training import parallel
+    from training.blank_image import blank_image
 
     input_ids, attention_mask, loss_mask = padded(examples, pad_token_id)
     shown = processor is not None and any(example.images for example in examples)
@@ -267,7 +270,8 @@ def seen_example(form: str, row: dict[str, Any], processor, images: list[bytes],
     too), with its ``images`` (none: a text row beside them). The prompt is expanded as vLLM
     expands it; a response to a text prompt is its text and the end-of-sequence token, to a chat
     the template's assistant turn."""
-    from common.vision import check_placeholders, expanded_ids, vision_prompt_text
+    from common.image_prompts import vision_prompt_text
+    from common.processors import check_placeholders, expanded_ids
 
     if form == "demonstration" and not _is_text(row.get("response")):
         return seen_chat_demonstration(row, processor, images)
@@ -292,7 +296,8 @@ def seen_chat_demonstration(row: dict[str, Any], processor, images: list[bytes])
     """{"messages"} for a model that sees: the loss on each assistant turn, found as
     ``demonstration`` finds it (the tokens the template adds for the turn after the chat before it
     with the generation prompt), every prefix expanded with the images it shows."""
-    from common.vision import expanded_ids, images_shown, vision_chat
+    from common.image_prompts import images_shown, vision_chat
+    from common.processors import expanded_ids
 
     messages = vision_chat(row, processor)
 

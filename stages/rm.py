@@ -13,12 +13,13 @@ import torch
 
 from common import models
 from common.config import TetherConfig
-from learner.optimizer_step import SkippedSteps
-from learner.signals import StopSignal
-from stages import training
+from stages import loop
 from stages.examples import Example, model_inputs, rows_of
 from stages.losses import kwise_ranking_loss
-from weight_sync.lora import is_lora, with_lora
+from training import parallel
+from training.lora import is_lora, with_lora
+from training.optimizer_step import SkippedSteps
+from training.signals import StopSignal
 
 
 def scores_of(module, examples: list[Example], pad_token_id: int, processor=None) -> torch.Tensor:
@@ -71,17 +72,17 @@ def has_pair(example: Example) -> bool:
 
 
 def held_out_accuracy(module, examples: list[Example], pad_token_id: int,
-                      stage: training.Stage, processor=None) -> dict[str, float]:
+                      stage: loop.Stage, processor=None) -> dict[str, float]:
     if not examples:
         return {}
-    sums = training.forward_sums(module, examples, lambda m, part: ranking_sums(m, part, pad_token_id, processor),
-                                 stage)
+    sums = loop.forward_sums(module, examples, lambda m, part: ranking_sums(m, part, pad_token_id, processor),
+                             stage)
     return {"accuracy": sums["correct"] / max(sums["pairs"], 1.0), "loss": sums["loss"] / max(sums["prompts"], 1.0),
             "pairs": sums["pairs"]}
 
 
 @torch.no_grad()
-def calibration(module, examples: list[Example], pad_token_id: int, how: str, stage: training.Stage,
+def calibration(module, examples: list[Example], pad_token_id: int, how: str, stage: loop.Stage,
                 processor=None) -> dict:
     """The config.json entries that calibrate the model: the mean raw score of the training
     responses (InstructGPT's are the SFT policy's, so the SFT policy scores 0 on average) as the
@@ -93,7 +94,7 @@ def calibration(module, examples: list[Example], pad_token_id: int, how: str, st
     was_training = module.training
     module.eval()
     scores = torch.cat([scores_of(module, part, pad_token_id, processor)
-                        for part in training.forward_parts(examples, stage)])
+                        for part in loop.forward_parts(examples, stage)])
     module.train(was_training)
     offset, scale = float(scores.mean()), float(scores.std()) if how == "normalize" and len(scores) > 1 else 1.0
     return {REWARD_OFFSET_KEY: offset, REWARD_SCALE_KEY: scale if scale > 0 else 1.0}
@@ -103,41 +104,40 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``rm.model`` (a policy: its body, a new score head) on ``rm.data``; returns the output."""
     from transformers import AutoTokenizer
 
-    stage = training.start(config, "rm", fresh)
+    stage = loop.start(config, "rm", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    processor = training.processor_of(stage)  # a model that sees: the rows' images too
-    train, evaluation = training.examples_loaded(stage, tokenizer, processor)
+    processor = loop.processor_of(stage)  # a model that sees: the rows' images too
+    train, evaluation = loop.examples_loaded(stage, tokenizer, processor)
     model = models.load_reward_model(cfg.model, cfg.dtype, tokenizer)
     pad_token_id = models.pad_token_id(model)
     head = models.classification_head(model)
     head_name = next(name for name, module in model.named_modules() if module is head)
     model = with_lora(model, cfg, exclude=[head_name])
     head.requires_grad_(True)  # new: it trains whole, also beside LoRA adapters
-    engine = training.engine_of(model, stage)
-    total_steps = training.total_steps(len(train), stage)
+    engine = loop.engine_of(model, stage)
+    total_steps = loop.total_steps(len(train), stage)
     stage.log.info("rm: %s for %d epoch(s), %d steps of %d rankings (K %d to %d), ZeRO-%d, %d rank(s)", cfg.model,
                    cfg.epochs, total_steps, cfg.batch_size, min(len(e.rows) for e in train),
-                   max(len(e.rows) for e in train), cfg.zero_stage, training.parallel.world_size())
-    progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
-    for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
+                   max(len(e.rows) for e in train), cfg.zero_stage, parallel.world_size())
+    progress, skipped, stop = loop.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
+    for step, epoch, indices, lr in loop.optimizer_steps(engine, stage, len(train)):
         prompts = sum(has_pair(train[int(i)]) for i in indices)
         if not prompts:
             continue  # every ranking in the batch is a tie: nothing to learn
-        sums = training.train_step(engine, training.rank_parts(indices, train, stage), train,
-                                   lambda m, part: ranking_sums(m, part, pad_token_id, processor), prompts, skipped,
-                                   step)
+        sums = loop.train_step(engine, loop.rank_parts(indices, train, stage), train,
+                               lambda m, part: ranking_sums(m, part, pad_token_id, processor), prompts, skipped, step)
         progress.step(step, epoch, {"loss": sums["loss"] / max(sums["prompts"], 1.0), "lr": lr,
                                     "accuracy": sums["correct"] / max(sums["pairs"], 1.0),
                                     "grad_norm": sums["grad_norm"], "pairs": sums["pairs"]}, len(indices))
-        if evaluation and training.evaluate_due(step, len(train), stage):
+        if evaluation and loop.evaluate_due(step, len(train), stage):
             progress.held_out(step, held_out_accuracy(engine.module, evaluation, pad_token_id, stage, processor))
-        training.after_step(engine, stage, step, stop)
+        loop.after_step(engine, stage, step, stop)
     figures = held_out_accuracy(engine.module, evaluation, pad_token_id, stage, processor) if evaluation else {}
     progress.held_out(total_steps, figures)
     calibrated = calibration(engine.module, train, pad_token_id, cfg.calibration, stage, processor)
     stage.log.info("rm: calibration %s", calibrated)
-    output = training.save_output(engine, cfg.model, stage, {**figures, **calibrated}, calibrated)
+    output = loop.save_output(engine, cfg.model, stage, {**figures, **calibrated}, calibrated)
     stage.log.info("rm: wrote %s (held-out pair accuracy %s)", output,
                    f"{figures['accuracy']:.3f}" if figures else "n/a")
     return output

@@ -9,12 +9,13 @@ import torch
 
 from common import models
 from common.config import TetherConfig
-from learner.optimizer_step import SkippedSteps
-from learner.signals import StopSignal
-from stages import training
+from stages import loop
 from stages.examples import Example, model_inputs
 from stages.losses import token_nll
-from weight_sync.lora import with_lora
+from training import parallel
+from training.lora import with_lora
+from training.optimizer_step import SkippedSteps
+from training.signals import StopSignal
 
 
 def nll_sums(module, examples: list[Example], pad_token_id: int,
@@ -32,11 +33,11 @@ def taught_tokens(example: Example) -> int:
     return sum(sum(mask[1:]) for mask in example.loss_masks)
 
 
-def held_out_loss(module, examples: list[Example], pad_token_id: int, stage: training.Stage,
+def held_out_loss(module, examples: list[Example], pad_token_id: int, stage: loop.Stage,
                   processor=None) -> dict[str, float]:
     if not examples:
         return {}
-    sums = training.forward_sums(module, examples, lambda m, part: nll_sums(m, part, pad_token_id, processor), stage)
+    sums = loop.forward_sums(module, examples, lambda m, part: nll_sums(m, part, pad_token_id, processor), stage)
     return {"loss": sums["loss"] / sums["tokens"], "tokens": sums["tokens"]}
 
 
@@ -44,31 +45,31 @@ def run(config: TetherConfig, fresh: bool = False) -> str:
     """Train ``sft.model`` on ``sft.data``; returns the output directory."""
     from transformers import AutoTokenizer
 
-    stage = training.start(config, "sft", fresh)
+    stage = loop.start(config, "sft", fresh)
     cfg = stage.cfg
     tokenizer = AutoTokenizer.from_pretrained(cfg.model)
-    processor = training.processor_of(stage)  # a model that sees: the rows' images too
-    train, evaluation = training.examples_loaded(stage, tokenizer, processor)
+    processor = loop.processor_of(stage)  # a model that sees: the rows' images too
+    train, evaluation = loop.examples_loaded(stage, tokenizer, processor)
     model = with_lora(models.load_causal_lm(cfg.model, cfg.dtype), cfg)
     pad_token_id = models.pad_token_id(model)
-    engine = training.engine_of(model, stage)
-    total_steps = training.total_steps(len(train), stage)
+    engine = loop.engine_of(model, stage)
+    total_steps = loop.total_steps(len(train), stage)
     stage.log.info("sft: %s for %d epoch(s), %d steps of %d examples, ZeRO-%d, %d rank(s)", cfg.model, cfg.epochs,
-                   total_steps, cfg.batch_size, cfg.zero_stage, training.parallel.world_size())
-    progress, skipped, stop = training.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
-    for step, epoch, indices, lr in training.optimizer_steps(engine, stage, len(train)):
-        parts = training.rank_parts(indices, train, stage)
+                   total_steps, cfg.batch_size, cfg.zero_stage, parallel.world_size())
+    progress, skipped, stop = loop.Progress(stage, total_steps), SkippedSteps(5), StopSignal()
+    for step, epoch, indices, lr in loop.optimizer_steps(engine, stage, len(train)):
+        parts = loop.rank_parts(indices, train, stage)
         tokens = sum(taught_tokens(train[int(i)]) for i in indices)
-        sums = training.train_step(engine, parts, train, lambda m, part: nll_sums(m, part, pad_token_id, processor),
-                                   tokens, skipped, step)
+        sums = loop.train_step(engine, parts, train, lambda m, part: nll_sums(m, part, pad_token_id, processor),
+                               tokens, skipped, step)
         progress.step(step, epoch, {"loss": sums["loss"] / sums["tokens"], "lr": lr, "grad_norm": sums["grad_norm"],
                                     "tokens": sums["tokens"]}, len(indices))
-        if evaluation and training.evaluate_due(step, len(train), stage):
+        if evaluation and loop.evaluate_due(step, len(train), stage):
             progress.held_out(step, held_out_loss(engine.module, evaluation, pad_token_id, stage, processor))
-        training.after_step(engine, stage, step, stop)
+        loop.after_step(engine, stage, step, stop)
     figures = held_out_loss(engine.module, evaluation, pad_token_id, stage, processor) if evaluation else {}
     progress.held_out(total_steps, figures)
-    output = training.save_output(engine, cfg.model, stage, figures)
+    output = loop.save_output(engine, cfg.model, stage, figures)
     stage.log.info("sft: wrote %s (held-out loss %s)", output, f"{figures['loss']:.4f}" if figures else "n/a")
     return output
 

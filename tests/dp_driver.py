@@ -67,12 +67,13 @@ def main() -> None:
     from common.config import load_config
     from common.models import load_causal_lm, load_critic
     from common.sequences import collate
-    from learner import parallel
-    from learner.deepspeed_engine import make_deepspeed_engine
-    from learner.parallel import init_distributed
     from learner.publish import publish_weights
     from learner.step import ppo_step
     from tests.helpers import policy_samples, scored_vision_samples
+    from training import parallel
+    from training.blank_image import blank_image
+    from training.deepspeed_engine import make_deepspeed_engine
+    from training.parallel import init_distributed
     from weight_sync.buckets import ShmWeightWriter, read_manifest
 
     with open(args.assets) as file:
@@ -98,7 +99,7 @@ def main() -> None:
     actor = make_deepspeed_engine(load_causal_lm(assets["policy"]), config.learner.actor_lr, config)
     critic_model = load_critic(assets["policy" if args.vision else "reward"])
     critic = make_deepspeed_engine(critic_model, config.learner.critic_lr, config)
-    batch = collate(samples, processor.tokenizer.pad_token_id if processor else 0, processor)
+    batch = collate(samples, processor.tokenizer.pad_token_id if processor else 0, processor, blank_image(processor))
     losses, passes, plan, blanks, as_run = [], [], learner.step.micro_batches_of, [], learner.step.as_ranks_run
 
     def blanked(part):  # each forward of this rank: 1 where it ran with the blank image's row

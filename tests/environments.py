@@ -4,9 +4,11 @@ written in the demo's vocabulary (digits, even, odd, ':') so its tiny policy can
 import asyncio
 import itertools
 import json
+import math
 import time
+from concurrent.futures import Future
 
-from rollout.environments import Step
+from environments.interface import Step
 
 TURNS = 3  # the counting task's episodes
 
@@ -54,7 +56,7 @@ class CompactsOnce(Counting):
     an agent program that compacts its context), so its episode comes in two parts."""
 
     def step(self, response, messages):
-        from rollout.environments import Restart
+        from environments.interface import Restart
 
         if self.turn == 0:
             self.turn += 1
@@ -247,7 +249,7 @@ class CompactsItsContext:
         self.turns = 0
 
     def step(self, response: str, messages: list[dict]) -> Step:
-        from rollout.environments import Restart
+        from environments.interface import Restart
 
         self.turns += 1
         if self.turns == 1:
@@ -256,17 +258,34 @@ class CompactsItsContext:
 
 
 class AsksForTwoTokens:
-    """As an agent program's call with max_tokens 2: its turns are capped there, and a turn cut at the
-    cap is its answer (its finish reason "length"), not the episode's end."""
+    """An ``Environment`` of its own, as an agent program's call with max_tokens 2: its turns are
+    capped there, and a turn cut at the cap is its answer (its finish reason "length"), not the
+    episode's end."""
+    tools = None
+    deadline = math.inf
     turn_max_tokens = 2
-    reads_turns = True
 
     def __init__(self) -> None:
         self.finish_reasons: list[str] = []
 
-    def step(self, response: str, messages: list[dict], turn) -> Step:
+    def begin_reset(self) -> Future:
+        return _answered(None)
+
+    def begin_step(self, response: str, messages: list[dict], turn=None) -> Future:
         self.finish_reasons.append(turn.finish_reason)
-        return Step(None, 1.0, done=True)
+        return _answered(Step(None, 1.0, done=True))
+
+    def begin_last(self, response: str, messages: list[dict], turn=None) -> Future:
+        return _answered(Step(done=True))
+
+    def close(self) -> None:
+        return None
+
+
+def _answered(value) -> Future:
+    future: Future = Future()
+    future.set_result(value)
+    return future
 
 
 def asks_for_two_tokens(row: dict) -> AsksForTwoTokens:
@@ -282,7 +301,7 @@ class CompactsPastTheLimit:
     the episode ends before its new context's first turn."""
 
     def step(self, response: str, messages: list[dict]) -> Step:
-        from rollout.environments import Restart
+        from environments.interface import Restart
 
         return Step(Restart([{"role": "user", "content": "odd 1 " * 100}]), 0.5)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from typing import Any
 
 import numpy as np
@@ -144,7 +145,7 @@ def tether(*args, timeout=400):
 def run_to_the_end(tmp_path, config, mode: str = "split"):
     """`tether run` of a config dict, the roles placed on this machine's two cores (split: the
     rollout on one, the scorer and learner on the other; colocate: all three on both, taking
-    turns); it must succeed."""
+    shifts); it must succeed."""
     config["placement"] = {**TWO_CORES, "mode": mode}
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -399,7 +400,8 @@ def vision_samples(tmp_path, processor) -> list[Sample]:
     one of a prompt without an image, and an episode's with an image in its prompt and one in its
     response, their ids expanded as vLLM reports them, and the behavior and reference logprobs
     still to fill."""
-    from common.vision import decoded, pack_images, vision_prompt_text
+    from common.image_prompts import vision_prompt_text
+    from common.images import decoded, pack_images
 
     write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     write_image(tmp_path / "blue.png", (30, 56), (0, 0, 255))
@@ -439,7 +441,7 @@ def scored_vision_samples(tmp_path, policy: str, behavior_offset: float = 0.0) -
 
     from common.config import SamplingConfig
     from common.models import load_causal_lm
-    from common.vision import load_processor
+    from common.processors import load_processor
     from scorer.scoring import reference_logprobs
 
     processor = load_processor(policy)
@@ -461,3 +463,26 @@ def write_image(path, size: tuple[int, int], colour: tuple[int, int, int]) -> st
 
     Image.new("RGB", size, colour).save(path)
     return str(path)
+
+
+def answer_of(environment, future):
+    """What the rollout's loop takes of an environment's ``future``: its answer, or ``PastDeadline``
+    once the episode's own deadline (``agent_deadline_s``) has passed without one."""
+    try:
+        return future.result(timeout=max(0.0, min(environment.deadline - time.monotonic(), 60.0)))
+    except TimeoutError:
+        if future.done():  # the program's own
+            raise
+        from environments.interface import PastDeadline
+
+        raise PastDeadline("the agent program made no call and did not return in time") from None
+
+
+def first_of(environment):
+    """The episode's first observation, as its reset answers it."""
+    return answer_of(environment, environment.begin_reset())
+
+
+def step_of(environment, response, messages, turn=None):
+    return answer_of(environment, environment.begin_step(response, messages, turn))
+

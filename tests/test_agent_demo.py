@@ -70,7 +70,7 @@ def test_episodes_at_k0_train_exactly_what_vllm_sampled(tmp_path, agent_assets):
 @pytest.mark.slow
 def test_the_agent_demo_runs_colocated_on_two_engines_one_version_off_policy(tmp_path, agent_assets):
     """k = 1 and two rollout engines, colocated (placement.mode colocate): both engines generate
-    episodes in the same generate turns, each on a core of its own, and the turn ends only when both
+    episodes in the same generate shifts, each on a core of its own, and the shift ends only when both
     have sent every episode they were granted, tool calls and all. The run ends, every episode is
     accounted for and none trained past the bound. Each engine runs at most 4 prompts at once: with
     16, the first engine ready could take all 64 episodes of the run before the second had asked."""
@@ -86,7 +86,7 @@ def test_the_agent_demo_runs_colocated_on_two_engines_one_version_off_policy(tmp
     steps = read_metrics(config["run_dir"], "learner")
     assert [record["step"] for record in steps] == list(range(1, STEPS + 1))
     buffer = read_metrics(config["run_dir"], "buffer")[-1]
-    assert buffer["turns_train"] == STEPS and buffer["turns_generate"] >= STEPS // 2, buffer
+    assert buffer["shifts_train"] == STEPS and buffer["shifts_generate"] >= STEPS // 2, buffer
 
 
 @pytest.mark.slow
@@ -120,8 +120,8 @@ class SeededEpisodes:
         from common.config import load_config
         from common.prompts import read_rows
         from rollout.engine import make_vllm_engine
-        from rollout.environments import Environments
-        from rollout.tools import load_tools
+        from environments.native import Environments
+        from environments.tools import load_tools
 
         self.tmp_path, self.assets = tmp_path, assets
         self.tokenizer = AutoTokenizer.from_pretrained(assets["policy"])
@@ -157,8 +157,8 @@ class SeededEpisodes:
 
     def run_programs(self, config, parse_calls: bool = True):
         """The episodes of ``config``'s agent programs (rollout.agent, a verifiers environment)."""
-        from rollout.agents import agent_programs
-        from rollout.environments import Environments
+        from environments.agents import agent_programs
+        from environments.native import Environments
 
         programs = agent_programs(config, self.tokenizer)
         try:

@@ -12,17 +12,17 @@ import time
 import openai
 import pytest
 
-from rollout.environments import BadStep, Step
+from environments.interface import BadStep, PastDeadline, Step
 from tests.environments import ADD
-from tests.helpers import chatml_tokenizer
+from tests.helpers import chatml_tokenizer, first_of, step_of
 from tests.test_episodes import FAMILY_CALLS, FAMILY_MALFORMED
 
 
 @pytest.fixture
 def programs(tmp_path):
     """Each test's AgentPrograms of ``spec``, closed after it (its endpoint with it)."""
-    from rollout.agents import AgentPrograms
-    from rollout.tools import ToolCallParser
+    from environments.agents import AgentPrograms
+    from environments.tools import ToolCallParser
 
     made = []
 
@@ -42,14 +42,14 @@ def programs(tmp_path):
 
 def test_a_programs_calls_are_its_observations_and_its_return_the_reward(programs):
     episode = programs("tests.environments:asks_twice").make({"prompt": "What is 17 plus 25?"})
-    assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
+    assert first_of(episode) == [{"role": "user", "content": "What is 17 plus 25?"}]
     assert episode.tools[0]["function"]["name"] == "add"
-    step = episode.step('<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>', [])
+    step = step_of(episode, '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>', [])
     assert not step.done and [(m["role"], m["content"]) for m in step.observation] == [("tool", "42")]
     assert step.observation[0]["tool_call_id"] == episode.sent[1]["tool_calls"][0]["id"]  # the call it answers
     assert episode.sent[1]["content"] == "" and episode.sent[1]["tool_calls"][0]["function"] == {
         "name": "add", "arguments": '{"a": 17, "b": 25}'}
-    assert episode.step("42", []) == Step(None, 1.0, done=True, metrics={"calls": 2.0})
+    assert step_of(episode, "42", []) == Step(None, 1.0, done=True, metrics={"calls": 2.0})
 
 
 @pytest.mark.parametrize("family", sorted(FAMILY_CALLS))
@@ -57,7 +57,7 @@ def test_a_call_in_each_familys_format_reaches_the_program_as_openai_tool_calls(
     """The policy's call written in its family's format comes back through the endpoint as OpenAI
     ``tool_calls`` read by vLLM's parser for that family; a call begun and left unreadable comes
     back as the turn's text with ``tool_call_error``, and counts as a tool error."""
-    from rollout.environments import Turn
+    from environments.interface import Turn
     from tests.environments import SEEN
 
     agent = programs("tests.environments:calls_add", parser=family)
@@ -67,20 +67,20 @@ def test_a_call_in_each_familys_format_reaches_the_program_as_openai_tool_calls(
         """The policy's turn as the rollout gives it: the engine's ids (the family's markers are
         special tokens, then the end of the turn), their text without special tokens."""
         ids = [*tokenizer(text, add_special_tokens=False)["input_ids"], tokenizer.eos_token_id]
-        return episode.step(tokenizer.decode(ids, skip_special_tokens=True), [], Turn(5, ids, [-0.1] * len(ids)))
+        return step_of(episode, tokenizer.decode(ids, skip_special_tokens=True), [], Turn(5, ids, [-0.1] * len(ids)))
 
     episode = agent.make({"id": f"{family}-call", "prompt": "What is 17 plus 25?"})
-    episode.reset()
+    first_of(episode)
     assert step(episode, FAMILY_CALLS[family]) == Step(None, 1.0, done=True, tool_calls=1)
     assert SEEN[f"{family}-call"]["calls"] == [("add", {"a": 17, "b": 25})]
     assert SEEN[f"{family}-call"]["tool_call_error"] is None
     episode = agent.make({"id": f"{family}-answer", "prompt": "What is 17 plus 25?"})
-    episode.reset()
+    first_of(episode)
     step(episode, "42")
     assert SEEN[f"{family}-answer"] == {"calls": [], "content": "42", "tool_call_error": None, "reasoning": None}
     if family in FAMILY_MALFORMED:
         episode = agent.make({"id": f"{family}-malformed", "prompt": "What is 17 plus 25?"})
-        episode.reset()
+        first_of(episode)
         assert [error.kind for error in step(episode, FAMILY_MALFORMED[family]).tool_errors] == ["malformed"]
         assert SEEN[f"{family}-malformed"] == {
             "calls": [], "content": FAMILY_MALFORMED[family],
@@ -100,8 +100,8 @@ def test_reasoning_is_set_apart_by_vllms_reasoning_parser_before_calls_are_read(
             ("thinks-then-answers", "<think>17 plus 25 is 42</think>42",
              {"calls": [], "content": "42", "reasoning": "17 plus 25 is 42"})]:
         episode = agent.make({"id": name, "prompt": "What is 17 plus 25?"})
-        episode.reset()
-        episode.step(turn, [])
+        first_of(episode)
+        step_of(episode, turn, [])
         assert {key: SEEN[name][key] for key in seen} == seen
     assert agent.parser.parse("<think>17 plus 25 is 42</think>42") == []
     assert [c.name for c in agent.parser.parse(f"<think>17 and 25</think>{call}")] == ["add"]
@@ -110,7 +110,7 @@ def test_reasoning_is_set_apart_by_vllms_reasoning_parser_before_calls_are_read(
 def test_a_streamed_call_gets_the_whole_turn_as_chunks(programs):
     """stream: true is answered as OpenAI's server streams: the turn (its content, its tool calls
     with their indices), the finish reason, the token counts, then [DONE]."""
-    from rollout.environments import Turn
+    from environments.interface import Turn
     from tests.environments import SEEN
 
     agent = programs("tests.environments:streams")
@@ -121,9 +121,9 @@ def test_a_streamed_call_gets_the_whole_turn_as_chunks(programs):
             ("chat-answer", {}, "42", {"content": "42", "calls": [], "finish_reason": "stop"}),
             ("completion", {"completions": True}, " 42", {"content": " 42", "calls": [], "finish_reason": "stop"})]:
         episode = agent.make({"id": name, "prompt": "What is 17 plus 25?", **row})
-        episode.reset()
+        first_of(episode)
         ids = agent.parser.tokenizer(turn, add_special_tokens=False)["input_ids"]
-        episode.step(turn, [], Turn(5, ids, [-0.1] * len(ids)))
+        step_of(episode, turn, [], Turn(5, ids, [-0.1] * len(ids)))
         assert SEEN[name] == {**seen, "usage": len(ids)}
 
 
@@ -132,12 +132,12 @@ def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
     and OPENAI_API_KEY, the reward on stdout's last line; one that fails says why with its stderr."""
     agent = programs([sys.executable, os.path.join(os.path.dirname(__file__), "agent_command.py")])
     episode = agent.make({"prompt": "What is 17 plus 25?"})
-    assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
-    assert episode.step("42", []) == Step(None, 1.0, done=True)
+    assert first_of(episode) == [{"role": "user", "content": "What is 17 plus 25?"}]
+    assert step_of(episode, "42", []) == Step(None, 1.0, done=True)
     assert episode.process.returncode == 0
     failing = agent.make({"prompt": "What is 17 plus 25?", "fail": True})
     with pytest.raises(RuntimeError, match="exited with 3; its stderr ends:\nno model to call today"):
-        failing.reset()
+        first_of(failing)
 
 
 def test_an_agent_commands_output_is_kept_to_its_last_part_and_its_wait_bounded():
@@ -145,7 +145,7 @@ def test_an_agent_commands_output_is_kept_to_its_last_part_and_its_wait_bounded(
     last ones (where its reward is); one that does not end is given up on at its deadline."""
     import subprocess
 
-    from rollout.agents import COMMAND_OUTPUT_KEPT, _communicate
+    from environments.agents import COMMAND_OUTPUT_KEPT, _communicate
 
     writes = ("import sys; row = sys.stdin.readline(); sys.stderr.write('e' * (9 << 20));"
               "[sys.stdout.write('x' * (1 << 20)) for _ in range(16)]; print(); print(row.strip())")
@@ -172,44 +172,43 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
     import signal
     import traceback
 
-    from rollout.agent_processes import ProgramError
+    from environments.agent_processes import ProgramError
 
     agent = programs("tests.environments:in_its_process", processes=1, cores=[0])
     first = agent.make({"prompt": "one"})
-    assert first.reset() == [{"role": "user", "content": "one"}]
-    step = first.step("fine", [])
+    assert first_of(first) == [{"role": "user", "content": "one"}]
+    step = step_of(first, "fine", [])
     assert (step.reward, step.done) == (1.0, True) and step.metrics["cores"] == 1
     pid = int(step.metrics["pid"])
     assert pid != os.getpid()
     failing = agent.make({"prompt": "two", "fail": True})
-    failing.reset()
+    first_of(failing)
     with pytest.raises(ProgramError, match="^ValueError: no luck with two$") as raised:
-        failing.step("fine", [])
+        step_of(failing, "fine", [])
     told = "".join(traceback.format_exception(raised.value))
     assert "in in_its_process" in told and "tests/environments.py" in told  # the program's own frames
     assert raised.value.where[0].endswith("tests/environments.py")  # what the rollout's failure log keys on
     ended = agent.make({"prompt": "three"})
-    ended.reset()
+    first_of(ended)
     process = agent.processes.processes[0]
     assert ended.key in process.running
     ended.close()  # the episode ends under its program: it is cancelled, and the process serves on
     assert ended.key not in process.running
     killed = agent.make({"prompt": "four"})
-    killed.reset()
+    first_of(killed)
     os.kill(pid, signal.SIGKILL)
     with pytest.raises(RuntimeError, match=f"process {pid} exited .*while it ran this episode's program"):
-        killed.step("fine", [])
+        step_of(killed, "fine", [])
     again = agent.make({"prompt": "five"})
-    again.reset()
-    step = again.step("fine", [])
+    first_of(again)
+    step = step_of(again, "fine", [])
     assert step.reward == 1.0 and step.metrics["pid"] not in (pid, os.getpid())
     streamed = agent.make({"prompt": "six", "stream": True})  # the calls come over the process's connection
-    streamed.reset()
-    assert streamed.step("fine", []).metrics["chunks"] == 2  # the turn, then its finish reason
+    first_of(streamed)
+    assert step_of(streamed, "fine", []).metrics["chunks"] == 2  # the turn, then its finish reason
     refused = agent.make({"prompt": "seven", "ask": {"n": 2}})
     with pytest.raises(ProgramError, match="BadRequestError: .*n is 2: an episode's call asks for one completion"):
-        refused.reset()
-    from rollout.program_runs import PastDeadline
+        first_of(refused)
 
     # its process's own deadline ends it as the loop's would (env_deadline), not as the program's error;
     # waited on without the loop's deadline, which would otherwise be seen first
@@ -224,8 +223,8 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
             own.begin_step("fine", []).result(timeout=10.0)
         assert not isinstance(raised.value, PastDeadline)
     plain = programs("tests.environments:in_its_process_plain", processes=1).make({"prompt": "six"})
-    plain.reset()
-    step = plain.step("fine", [])
+    first_of(plain)
+    step = step_of(plain, "fine", [])
     assert step.reward == 1.0 and step.metrics["pid"] != os.getpid()
 
 
@@ -250,7 +249,7 @@ def test_one_agent_program_and_one_that_exists(tmp_path):
 
 
 def test_a_programs_return_is_a_reward_its_figures_or_none_where_others_score():
-    from rollout.agents import _reward
+    from environments.agents import _reward
 
     assert _reward(0.5, False) == (0.5, {}) and _reward({"reward": 1, "calls": 3}, False) == (1.0, {"calls": 3.0})
     assert _reward(None, True) == (0.0, {})  # the reward model or reward functions score the conversation
@@ -269,7 +268,7 @@ def test_an_episodes_client_sends_what_the_sdks_own_copy_sends_without_a_thread_
     import httpx
     import openai._base_client as base_client
 
-    from rollout.program_runs import episode_client
+    from environments.program_runs import episode_client
 
     reply = {"id": "c", "object": "chat.completion", "created": 0, "model": "policy", "choices": [
         {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "4"}}]}
@@ -298,17 +297,17 @@ def test_an_episodes_client_sends_what_the_sdks_own_copy_sends_without_a_thread_
 
 
 def test_a_rewritten_context_starts_over_and_a_reward_that_is_not_a_number_ends_the_episode(programs):
-    from rollout.environments import Restart
+    from environments.interface import Restart
 
     episode = programs("tests.environments:rewrites_its_context").make({"prompt": "hello"})
-    episode.reset()
-    step = episode.step("hi", [])
+    first_of(episode)
+    step = step_of(episode, "hi", [])
     assert step.observation == Restart([{"role": "user", "content": "something else"}])
-    assert episode.step("fine", []) == Step(None, 1.0, done=True)
+    assert step_of(episode, "fine", []) == Step(None, 1.0, done=True)
     episode = programs("tests.environments:says_yes").make({"prompt": "hello"})
-    episode.reset()
+    first_of(episode)
     with pytest.raises(BadStep, match='returned "yes", not a finite number'):
-        episode.step("hi", [])
+        step_of(episode, "hi", [])
 
 
 def test_the_endpoint_refuses_keys_it_did_not_give_and_episodes_that_ended(programs):
@@ -389,17 +388,17 @@ def test_a_call_that_asks_for_another_distribution_or_several_completions_is_ref
 def test_a_reply_carries_the_engines_logprobs_and_token_ids_and_the_call_bounds_the_turn(programs):
     """The turn's logprobs are the engine's (the run's distribution), its tokens decoded one by one;
     a call's max_tokens caps the turn the rollout generates for it."""
-    from rollout.environments import Turn
+    from environments.interface import Turn
     from tests.environments import SEEN
 
     agent = programs("tests.environments:asks_for_logprobs")
     episode = agent.make({"id": "logprobs", "prompt": "What is 17 plus 25?"})
-    episode.reset()
+    first_of(episode)
     assert episode.turn_max_tokens == 5
     tokenizer = agent.parser.tokenizer
     ids = tokenizer("42", add_special_tokens=False)["input_ids"]
     turn = Turn(prompt_length=11, token_ids=ids, logprobs=[-0.25 * (i + 1) for i in range(len(ids))])
-    assert episode.step("42", [], turn) == Step(None, 1.0, done=True)
+    assert step_of(episode, "42", [], turn) == Step(None, 1.0, done=True)
     pieces = [tokenizer.decode([token]) for token in ids]
     assert SEEN["logprobs"] == {"logprobs": [(piece, -0.25 * (i + 1)) for i, piece in enumerate(pieces)],
                                 "token_ids": ids, "usage": (11, len(ids)), "finish_reason": "stop"}
@@ -410,7 +409,7 @@ def test_a_completions_program_adds_its_texts_ids_and_the_engines_are_never_reto
     """The completions API: the first prompt tokenized whole (with the tokenizer's special tokens,
     as vLLM's server does); a later prompt must extend the episode, and only what it adds is
     tokenized (or taken as ids); the turn's own ids stay the engine's."""
-    from rollout.environments import TokenIds, Turn
+    from environments.interface import TokenIds, Turn
     from tests.environments import SEEN
 
     agent = programs("tests.environments:completes_twice")
@@ -421,37 +420,37 @@ def test_a_completions_program_adds_its_texts_ids_and_the_engines_are_never_reto
         row |= {"ids": tokenizer(prompt)["input_ids"], "more_ids": tokenizer(" and then", add_special_tokens=False)[
             "input_ids"]}
     episode = agent.make(row)
-    first = episode.reset()
+    first = first_of(episode)
     assert isinstance(first, TokenIds) and first == tokenizer(prompt)["input_ids"]
     assert episode.turn_max_tokens == 8
     # the engine's ids for " 42", as it might have split them (not as the tokenizer would)
     generated = tokenizer(" 4", add_special_tokens=False)["input_ids"] + tokenizer("2", add_special_tokens=False)[
         "input_ids"]
-    step = episode.step(" 42", [], Turn(len(first), generated, [-0.5] * len(generated)))
+    step = step_of(episode, " 42", [], Turn(len(first), generated, [-0.5] * len(generated)))
     assert isinstance(step.observation, TokenIds)
     assert step.observation == tokenizer(" and then", add_special_tokens=False)["input_ids"]
     assert episode.ids == [*first, *generated, *step.observation]
-    assert episode.step(" 43", [], Turn(len(episode.ids), [7], [-1.0])) == Step(None, 1.0, done=True)
+    assert step_of(episode, " 43", [], Turn(len(episode.ids), [7], [-1.0])) == Step(None, 1.0, done=True)
     assert SEEN[row["id"]] == {"texts": [" 42", " 43"], "logprobs": [-0.5] * len(generated), "token_ids": generated}
 
 
 def test_a_tool_renders_alike_in_native_episodes_and_in_an_agent_programs_calls(programs):
     """The chat template writes each tool's JSON into the prompt (CHATML_TOOLS_TEMPLATE): the native
-    path's schema of a tool (``rollout.tools``) and the schema an agent program passes for the same
+    path's schema of a tool (``environments.tools``) and the schema an agent program passes for the same
     function (transformers' get_json_schema, as vLLM's request model reads it) render to the same
     ids. get_json_schema's ``return`` key, which vLLM's request model drops, is left out natively too."""
     from transformers.utils import get_json_schema
 
     from rollout.episodes import Renderer
-    from rollout.tools import Tool
+    from environments.tools import Tool
     from tests.environments import add
 
     agent = programs("tests.environments:passes_get_json_schema")
     tokenizer = agent.parser.tokenizer
     episode = agent.make({"prompt": "What is 17 plus 25?"})
-    first = episode.reset()
+    first = first_of(episode)
     assert "return" in get_json_schema(add)["function"]
-    native = Renderer(tokenizer, [Tool.load("tests.environments:add", "rollout.tools").schema]).prompt_ids(first)
+    native = Renderer(tokenizer, [Tool.load("tests.environments:add", "environments.tools").schema]).prompt_ids(first)
     theirs = Renderer(tokenizer, episode.tools).prompt_ids(first)
     assert '"name": "add"' in tokenizer.decode(native) and native == theirs
 
@@ -463,7 +462,7 @@ def test_a_completions_program_keeping_its_own_transcript_trains_what_its_transc
     writes it back after the turn writes what the stream holds already, and one that does not
     leaves it out of the stream: either way the episode's stream is, id for id, what the program's
     own transcript tokenizes to (it was once "...<|im_end|><|im_end|>\n...")."""
-    from rollout.environments import Turn
+    from environments.interface import Turn
     from tests.environments import SEEN
 
     agent = programs("tests.environments:keeps_a_chatml_transcript")
@@ -471,11 +470,11 @@ def test_a_completions_program_keeping_its_own_transcript_trains_what_its_transc
     stop = tokenizer.convert_tokens_to_ids("<|im_end|>")
     row = {"id": f"transcript-{writes_stop}", "prompt": "17 plus 25?", "turns": 3, "writes_stop": writes_stop}
     episode = agent.make(row)
-    stream = list(episode.reset())  # as rollout.episodes keeps it: the policy's ids, the observations' after them
+    stream = list(first_of(episode))  # as rollout.episodes keeps it: the policy's ids, the observations' after them
     for number, text in enumerate([" 42", " 43 then", " 44"]):
         generated = tokenizer(text, add_special_tokens=False)["input_ids"] + ([stop] if number < 2 else [])
         stream += generated
-        step = episode.step(text, [], Turn(len(stream) - len(generated), generated, [-0.5] * len(generated)))
+        step = step_of(episode, text, [], Turn(len(stream) - len(generated), generated, [-0.5] * len(generated)))
         if not step.done:
             del stream[len(stream) - step.observation.unsaid:]
             stream += step.observation
@@ -485,14 +484,14 @@ def test_a_completions_program_keeping_its_own_transcript_trains_what_its_transc
 
 
 def test_a_completions_prompt_that_does_not_extend_the_episode_starts_it_over(programs):
-    from rollout.environments import Restart, TokenIds
+    from environments.interface import Restart, TokenIds
 
     agent = programs("tests.environments:rewrites_its_prompt")
     episode = agent.make({"prompt": "17 plus 25 is"})
-    episode.reset()
-    step = episode.step(" 42", [])
+    first_of(episode)
+    step = step_of(episode, " 42", [])
     assert step.observation == Restart(TokenIds(agent.parser.tokenizer("something else")["input_ids"]))
-    assert episode.step(" 43", []) == Step(None, 1.0, done=True)
+    assert step_of(episode, " 43", []) == Step(None, 1.0, done=True)
 
 
 def test_a_completions_prompt_the_engine_could_not_take_is_refused_and_ends_the_episode(programs):
@@ -503,18 +502,18 @@ def test_a_completions_prompt_the_engine_could_not_take_is_refused_and_ends_the_
                          ("", "must be provided and non-empty")]:
         episode = agent.make({"id": "bad-prompt", "prompt": prompt})
         with pytest.raises((BadStep, openai.BadRequestError), match=said):
-            episode.reset()
+            first_of(episode)
 
 
 def test_a_turn_cut_at_its_calls_max_tokens_answers_the_call_with_length(programs):
-    from rollout.environments import Turn
+    from environments.interface import Turn
     from tests.environments import SEEN
 
     agent = programs("tests.environments:asks_for_logprobs")
     episode = agent.make({"id": "cut", "prompt": "What is 17 plus 25?"})
-    episode.reset()
+    first_of(episode)
     ids = agent.parser.tokenizer("17 plus", add_special_tokens=False)["input_ids"]
-    episode.step("17 plus", [], Turn(11, ids, [-0.1] * len(ids), "length"))
+    step_of(episode, "17 plus", [], Turn(11, ids, [-0.1] * len(ids), "length"))
     assert SEEN["cut"]["finish_reason"] == "length"
 
 
@@ -525,8 +524,8 @@ def program_episodes(tmp_path, rows: list[dict], *overrides: str):
 
     from common.config import load_config
     from common.prompts import prompt_token_ids
-    from rollout.agents import agent_programs
-    from rollout.environments import Environments
+    from environments.agents import agent_programs
+    from environments.native import Environments
     from rollout.episodes import Episodes, Renderer
     from tests.helpers import base_config
 
@@ -546,7 +545,7 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
     between them: one that returns ends "done" with its reward, one that raises ends env_error, one
     that makes no call within ``rollout.agent_deadline_s`` ends env_deadline then, long before
     ``env_step_deadline_s``; the run's end closes a reset under way at once, its key refused after."""
-    from rollout.agents import ENDED
+    from environments.agents import ENDED
     from rollout.episodes import CLOSE_DEADLINE_S
     from tests.test_episodes import fake_output, settle
 
@@ -579,7 +578,7 @@ def test_the_rollouts_loop_waits_on_programs_itself_and_ends_one_that_raises_or_
         assert len(programs.idle) == 2
         episodes.start(3, 3)
         (waiting,) = episodes.waiting
-        key = waiting.pending.environment.key
+        key = waiting.environment.key
         closing = time.monotonic()
         episodes.close()
         assert time.monotonic() - closing < CLOSE_DEADLINE_S / 2 and programs.lookup(key) is ENDED
@@ -635,22 +634,21 @@ def test_plain_programs_that_hang_past_their_episodes_hold_a_bounded_number_of_t
     """A plain function cannot be stopped: one that blocks past its episode's end keeps its thread.
     At HELD_THREADS_LIMIT such threads a new episode fails at once, saying why, rather than a
     thread more being made; a program that returns at last frees its thread for the next."""
-    from rollout import agents
-    from rollout.program_runs import PastDeadline
+    from environments import agents
 
     monkeypatch.setattr(agents, "HELD_THREADS_LIMIT", 2)
     agent = programs("tests.environments:sleeps_then_asks", deadline_s=0.3)
     for _ in range(2):
         hung = agent.make({"sleep": 2.0})
         with pytest.raises(PastDeadline):
-            hung.reset()
+            first_of(hung)
         hung.close()  # as the rollout's loop ends it (env_deadline)
     with pytest.raises(RuntimeError, match="2 agent program threads still run programs whose episodes ended"):
-        agent.make({"sleep": 0.0}).reset()
+        first_of(agent.make({"sleep": 0.0}))
     time.sleep(2.5)  # the two return (their late calls refused): their threads are free again
     assert len(agent.idle) == 2
     fresh = agent.make({"sleep": 0.0})
-    assert fresh.reset() == [{"role": "user", "content": "hi"}]
+    assert first_of(fresh) == [{"role": "user", "content": "hi"}]
 
 
 def test_streamed_calls_leave_nothing_pending_when_the_programs_close(tmp_path):
@@ -659,15 +657,15 @@ def test_streamed_calls_leave_nothing_pending_when_the_programs_close(tmp_path):
     import subprocess
 
     script = f"""
-from rollout.agents import AgentPrograms
-from rollout.tools import ToolCallParser
-from tests.helpers import chatml_tokenizer
+from environments.agents import AgentPrograms
+from environments.tools import ToolCallParser
+from tests.helpers import chatml_tokenizer, first_of, step_of
 agent = AgentPrograms("tests.environments:streams", ToolCallParser("hermes", chatml_tokenizer({str(tmp_path)!r}), None),
                       10.0, 10.0)
 for completions in (False, True):
     episode = agent.make({{"id": f"streamed-{{completions}}", "prompt": "17 plus 25", "completions": completions}})
-    episode.reset()
-    episode.step("42", [])
+    first_of(episode)
+    step_of(episode, "42", [])
 agent.close()
 print("closed")
 """
@@ -680,7 +678,7 @@ print("closed")
 def test_a_call_nothing_answers_is_answered_504_at_the_endpoints_deadline():
     """The endpoint's handler never waits without end: a call whose episode neither answers nor
     ends (a bug) gets 504 at ``answer_deadline_s``."""
-    from rollout.endpoint import Endpoint
+    from environments.endpoint import Endpoint
 
     class Silent:
         @staticmethod
@@ -704,7 +702,7 @@ def test_a_program_thread_whose_client_cannot_be_built_fails_its_episodes_saying
     """A program thread that cannot build its OpenAI client (a broken openai install, a bad proxy
     setting) does not die silently, leaving its episodes to their deadline: each fails at once
     (env_error), saying why."""
-    from rollout import agents
+    from environments import agents
 
     def broken(*arguments, **options):
         raise ImportError("no module named 'openai'")
@@ -713,7 +711,7 @@ def test_a_program_thread_whose_client_cannot_be_built_fails_its_episodes_saying
     episode = programs("tests.environments:asks_twice", deadline_s=30.0).make({"prompt": "hi"})
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="OpenAI client could not be built .ImportError: no module named 'openai'"):
-        episode.reset()
+        first_of(episode)
     assert time.monotonic() - started < 5.0
 
 
@@ -724,8 +722,12 @@ def test_a_call_taken_as_its_episode_ends_is_answered_and_a_call_message_of_the_
     message of the protocol."""
     import asyncio
 
-    from rollout.agent_processes import _checked
-    from rollout.endpoint import Call, HTTPError
+    import msgpack
+
+    from environments.agent_processes import pack, unpack
+    from environments.endpoint import Call, HTTPError
+    from protocol.codec import ProtocolError
+    from protocol.schema import SCHEMA_VERSION
 
     episode = programs("tests.environments:asks_twice").make({"prompt": "hi"})
     loop = asyncio.new_event_loop()
@@ -741,7 +743,14 @@ def test_a_call_taken_as_its_episode_ends_is_answered_and_a_call_message_of_the_
     loop.close()
     assert answer == HTTPError(404, "this episode has ended")
     message = {"kind": "call", "key": "k", "id": 1, "path": "/v1/chat/completions", "body": "{}"}
-    assert _checked(message, ("call",)) == message
+    assert unpack(pack(message), ("call",)) == message
+    with pytest.raises(ProtocolError, match="a program_call message where a return or raise message was expected"):
+        unpack(pack(message), ("return", "raise"))
     for field, wrong in [("path", []), ("id", "1"), ("body", {"messages": []})]:
-        with pytest.raises(ValueError, match=f"whose {field} is not"):
-            _checked({**message, field: wrong}, ("call",))
+        with pytest.raises(ProtocolError, match=f"program_call: field '{field}' must be"):
+            pack({**message, field: wrong})  # not sent
+        fields = {name: value for name, value in {**message, field: wrong}.items() if name != "kind"}
+        sent = msgpack.packb({"schema": SCHEMA_VERSION, "type": "program_call", "id": 0, "fields": fields,
+                              "tensors": []})
+        with pytest.raises(ProtocolError, match=f"program_call: field '{field}' must be"):
+            unpack(sent, ("call",))  # nor taken, from a process that sends it anyway

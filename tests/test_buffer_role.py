@@ -101,10 +101,10 @@ def _scored(work: list) -> list:
 
 
 @pytest.mark.buffer_overrides("buffer.max_staleness=1", "transport.max_frame_bytes=65536", "placement.mode=colocate",
-                              "placement.turn_deadline_s=2")
-def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buffer_role):
-    """placement.mode colocate: generate, score and train one after the other, each turn granted by
-    the buffer's own answers; an engine that keeps its turn past placement.turn_deadline_s is
+                              "placement.shift_deadline_s=2")
+def test_colocated_roles_work_in_shifts_and_a_shift_past_its_deadline_is_refused(buffer_role):
+    """placement.mode colocate: generate, score and train one after the other, each shift granted by
+    the buffer's own answers; an engine that keeps its shift past placement.shift_deadline_s is
     refused, and what it held goes back to the pool."""
     config, result, thread = buffer_role
     rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
@@ -115,7 +115,7 @@ def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buff
     # the engine holds the devices until it says it ran dry: its samples wait unscored meanwhile
     assert scorer.reply_to(held_work, "score_request", 0.5) is None
 
-    assert rollout.request("turn_release", {"policy_version": 0}).fields["accepted"] == 1
+    assert rollout.request("shift_end", {"policy_version": 0}).fields["accepted"] == 1
     work = scorer.wait(held_work)
     assert [sample.sample_id for sample in unpack_samples(work)] == ["s0", "s1"]
     # k = 1 allows a second batch of credits, but not while the scorer holds the devices
@@ -133,35 +133,35 @@ def test_colocated_roles_take_turns_and_a_turn_past_its_deadline_is_refused(buff
     assert grant.fields["prompt_indices"] == [2, 3] and grant.fields["policy_version"] == 1
 
     # this engine keeps the devices past the deadline: named, its credits and prompts go back,
-    # and its late release is refused, as is any other grant (it stops; a new process starts clean)
+    # and its late shift_end is refused, as is any other grant (it stops; a new process starts clean)
     time.sleep(2.5)
-    with pytest.raises(RemoteError, match=r"rollout:0 held the generate turn for \ds, past placement.turn_deadline_s"):
-        rollout.request("turn_release", {"policy_version": 1})
-    with pytest.raises(RemoteError, match="past placement.turn_deadline_s"):
+    with pytest.raises(RemoteError, match=r"rollout:0 held the generate shift for \ds, past placement.shift_deadline_s"):
+        rollout.request("shift_end", {"policy_version": 1})
+    with pytest.raises(RemoteError, match="past placement.shift_deadline_s"):
         rollout.request("credit_request", {"policy_version": 1, "wanted": 2})
-    rollout.close()  # the engine the turn ended exits; its restart says hello
+    rollout.close()  # the engine the shift ended exits; its restart says hello
     restarted = BufferClient(config.buffer_address, "rollout", "0")
     restarted.connect(retries=5, interval_s=0.5)
     regrant = restarted.request("credit_request", {"policy_version": 1, "wanted": 2})
     assert regrant.fields["prompt_indices"] == [2, 3]  # the prompts it never generated, to the new process
-    assert restarted.request("turn_release", {"policy_version": 1}).fields["accepted"] == 0  # it owes them
+    assert restarted.request("shift_end", {"policy_version": 1}).fields["accepted"] == 0  # it owes them
     assert restarted.request("samples", *pack_samples(_generated(2, 3, version=1))).fields["accepted"] == 2
     learner.request("finish", {"policy_version": 1})
-    # after the last step no turn holds anything back: what is left is scored (counted, never trained)
-    # although the engine never released its turn
+    # after the last step no shift holds anything back: what is left is scored (counted, never trained)
+    # although the engine never ended its shift
     assert len(unpack_samples(scorer.request("score_request", {"max_samples": 8}))) == 2
     assert restarted.request("credit_request", {"policy_version": 1, "wanted": 2}).fields["stop"] is True
     assert scorer.request("score_request", {"max_samples": 8}).fields["stop"] is True
     thread.join(timeout=10)
     assert result["identity_holds"] and result["credits_returned"] == 2
-    assert read_metrics(config.run_dir, "buffer")[-1]["turns_generate"] == 3
+    assert read_metrics(config.run_dir, "buffer")[-1]["shifts_generate"] == 3
 
 
-@pytest.mark.buffer_overrides("buffer.max_staleness=1", "placement.mode=colocate", "placement.turn_deadline_s=60")
-def test_a_colocated_engine_that_says_goodbye_holds_its_turn_until_its_restart_says_hello(buffer_role):
+@pytest.mark.buffer_overrides("buffer.max_staleness=1", "placement.mode=colocate", "placement.shift_deadline_s=60")
+def test_a_colocated_engine_that_says_goodbye_holds_its_shift_until_its_restart_says_hello(buffer_role):
     """Colocated, an engine that stops on an error says goodbye with its engine still on the devices:
-    the scorer's turn waits for the restart's hello (its old process is gone by then), not for
-    placement.turn_deadline_s."""
+    the scorer's shift waits for the restart's hello (its old process is gone by then), not for
+    placement.shift_deadline_s."""
     config, result, thread = buffer_role
     rollout, scorer, learner = client(config, "rollout"), client(config, "scorer"), client(config, "learner")
     held_work = scorer.send("score_request", {"max_samples": 8})

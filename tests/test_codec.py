@@ -179,7 +179,7 @@ def test_an_episodes_parts_travel_with_their_numbers_and_are_refused_when_they_d
 
 
 def test_a_samples_images_travel_as_bytes_and_a_message_without_any_carries_none():
-    from common.vision import pack_images, unpack_images
+    from common.images import pack_images, unpack_images
 
     text = [random_sample(i, scored=True) for i in range(2)]
     fields, tensors = pack_samples(text, scored=True)
@@ -201,3 +201,27 @@ def test_a_samples_images_travel_as_bytes_and_a_message_without_any_carries_none
     total = sum(fields["image_byte_lengths"])
     with pytest.raises(ProtocolError, match="a negative length"):  # lengths that add up, one of them below 0
         unpack_samples(decode(encode("scored", {**fields, "image_byte_lengths": [-5, total + 5]}, tensors)))
+
+
+def test_a_kept_batch_of_an_older_schema_decodes_where_the_batch_has_not_changed_since():
+    """A recorded batch (learner.record_batches) outlives protocol changes to other messages: it
+    decodes from the version its fields last changed at (``UNCHANGED_SINCE``); a live message of any
+    other version, and a kept one older than that, are refused."""
+    from protocol.samples import pack_samples
+    from protocol.schema import UNCHANGED_SINCE
+
+    fields, tensors = pack_samples([random_sample(0, scored=True)], scored=True)
+    frames = encode("batch", {**fields, "stop": False}, tensors)
+    since = UNCHANGED_SINCE["batch"]
+    for version, kept, taken in [(since, True, True), (SCHEMA_VERSION, True, True), (since - 1, True, False),
+                                 (since, False, SCHEMA_VERSION == since), (SCHEMA_VERSION + 1, True, False)]:
+        envelope = msgpack.unpackb(frames[0])
+        envelope["schema"] = version
+        written = [msgpack.packb(envelope, use_bin_type=True), *frames[1:]]
+        if taken:
+            assert decode(written, kept=kept).fields["sample_ids"] == fields["sample_ids"]
+        else:
+            with pytest.raises(ProtocolError, match=f"peer speaks schema version {version}, "):
+                decode(written, kept=kept)
+    with pytest.raises(ProtocolError, match="a kept ack message: from version"):
+        decode(_envelope(schema=SCHEMA_VERSION - 1), kept=True)  # no message but the batch is kept

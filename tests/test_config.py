@@ -63,7 +63,8 @@ def test_bad_values_name_the_key(tmp_path, overrides, message):
 
 @pytest.mark.parametrize("old, new", [("rollout.temperature=0.7", "sampling.temperature"),
                                       ("rollout.top_p=0.9", "sampling.top_p"), ("rollout.top_k=8", "sampling.top_k"),
-                                      ("learner.dtype=bfloat16", "models.dtype")])
+                                      ("learner.dtype=bfloat16", "models.dtype"),
+                                      ("placement.turn_deadline_s=60", "placement.shift_deadline_s")])
 def test_a_key_that_moved_names_its_new_home(tmp_path, old, new):
     with pytest.raises(ConfigError, match=f"{old.split('=')[0]}: moved to {new}"):
         load_config(write(tmp_path, MINIMAL), [old])

@@ -1,4 +1,4 @@
-"""Episodes (rollout.episodes, rollout.environments, rollout.tools): the bookkeeping of turns and
+"""Episodes (rollout.episodes, environments.native, environments.tools): the bookkeeping of turns and
 observations, token for token, driven here with vLLM's finished requests written by hand; the
 real engine drives the same code in test_rollout_episodes.py."""
 
@@ -23,16 +23,18 @@ def fake_output(tokens, finish_reason="stop", prompt_token_ids=()):
                            prompt_token_ids=list(prompt_token_ids))
 
 
-def make_episodes(tmp_path, tokenizer, environment, rows, *overrides, tools=()):
+def make_episodes(tmp_path, tokenizer, environment, rows, *overrides, tools=(), answering=None):
+    """Episodes of ``environment`` (a factory's spec), or of the ``Environment`` ``answering`` makes of a row."""
     from common.prompts import prompt_token_ids
-    from rollout.environments import Environments
+    from environments.native import Environments
     from rollout.episodes import Episodes, Renderer
-    from rollout.tools import load_tools
+    from environments.tools import load_tools
 
     config = load_config(None, [*([f"rollout.environment={environment}"] if environment else []),
                                 "rollout.max_new_tokens=8", "rollout.max_model_len=64", *overrides],
                          base=base_config(tmp_path, {"policy": "/unused", "reward": "/unused", "prompts": "/unused"}))
-    environments = Environments.load(config.rollout.environment, load_tools(list(tools)))
+    environments = (Environments(None, {}, answering=answering) if answering is not None
+                    else Environments.load(config.rollout.environment, load_tools(list(tools))))
     environments.read_calls_with(config.rollout.tool_parser, tokenizer)
     prompts = [prompt_token_ids(row, tokenizer, None, environments.tool_schemas) for row in rows]
     return Episodes(config, environments, Renderer(tokenizer, environments.tool_schemas), tokenizer, rows, prompts,
@@ -161,7 +163,8 @@ def test_turns_and_tokens_are_bounded(tmp_path, demo_tokenizer):
     settle(episodes)
     (episode, _, _), = episodes.take_ready(0)
     episodes.turn_finished(episode, fake_output([10] * 8, "length"), 0)
-    assert not episodes.waiting  # no step for a cut turn
+    episodes.advance(time.monotonic())  # a native environment answers a cut turn at once: the episode ends
+    assert not episodes.waiting and episode.environment.inner.turn == 0  # no step for a cut turn
     assert [s.finish_reason for s in episodes.finished()[0]] == ["length"]
 
     prompt_length = len(demo_tokenizer("odd 1 :")["input_ids"])  # 4
@@ -183,7 +186,7 @@ def test_turns_and_tokens_are_bounded(tmp_path, demo_tokenizer):
 def test_tool_calls_are_read_by_vllms_parser_and_every_failure_is_a_message(tmp_path):
     """hermes (the default) reads each <tool_call> of a turn; a call that fails in any way is a
     message the policy reads; a turn whose calls cannot be read is one malformed call."""
-    from rollout.tools import ToolCallParser, call_tool, load_tools
+    from environments.tools import ToolCallParser, call_tool, load_tools
 
     tools = load_tools(["tests.environments:add", "tests.environments:broken", "tests.environments:unserialisable"])
     parse = ToolCallParser("hermes", chatml_tokenizer(str(tmp_path)), [tool.schema for tool in tools.values()]).parse
@@ -224,7 +227,7 @@ def test_each_familys_parser_reads_its_own_call_format(tmp_path, family):
     """vLLM's parser named as `vllm serve --tool-call-parser` takes it reads a call written in its
     family's format (on a tokenizer holding the family's special tokens) as the same call, and a
     call begun and left unreadable as one malformed call."""
-    from rollout.tools import ToolCall, ToolCallParser, load_tools
+    from environments.tools import ToolCall, ToolCallParser, load_tools
 
     tokenizer = chatml_tokenizer(str(tmp_path))
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|python_tag|>", "[TOOL_CALLS]"]})
@@ -270,7 +273,7 @@ def test_an_episode_in_each_familys_template_is_what_the_template_renders_of_its
 
 
 def test_a_tool_parser_that_is_not_vllms_or_does_not_fit_the_tokenizer_is_a_config_error(tmp_path):
-    from rollout.tools import ToolCallParser
+    from environments.tools import ToolCallParser
 
     tokenizer = chatml_tokenizer(str(tmp_path))
     with pytest.raises(ConfigError, match="rollout.tool_parser: 'hermez' is not one of vLLM's tool-call parsers "
@@ -284,7 +287,7 @@ def test_a_tool_parser_that_is_not_vllms_or_does_not_fit_the_tokenizer_is_a_conf
 
 
 def test_a_tools_schema_comes_from_its_docstring_or_its_signature():
-    from rollout.tools import json_schema
+    from environments.tools import json_schema
     from tests.environments import add, broken
 
     assert json_schema(add)["function"]["parameters"] == {
@@ -298,7 +301,7 @@ def test_a_tools_schema_comes_from_its_docstring_or_its_signature():
 
 def test_a_tool_name_twice_or_a_missing_tool_is_an_error_naming_the_key():
     from common.config import ConfigError
-    from rollout.tools import load_tools
+    from environments.tools import load_tools
 
     with pytest.raises(ConfigError, match=r"rollout.tools\[1\]: 'tests.environments:add' is named 'add'"):
         load_tools(["tests.environments:add", "tests.environments:add"])
@@ -315,7 +318,7 @@ def test_with_a_chat_template_the_ids_are_the_template_rendering_of_the_whole_co
 
     tok = chatml_tokenizer(str(tmp_path / "tokenizer"))
     end = tok.convert_tokens_to_ids("<|im_end|>")
-    from rollout.tools import load_tools
+    from environments.tools import load_tools
 
     tools = load_tools(["tests.environments:add"])
     schemas = [tool.schema for tool in tools.values()]
@@ -363,7 +366,7 @@ def test_an_environment_that_fails_every_episode_backs_off_is_logged_once_and_en
     failure is logged once with its traceback and data row (its repeats only counted), and
     rollout.env_failure_limit failures in a row end the run with the reason."""
     from rollout import episodes as module
-    from rollout.environments import EnvironmentFailing
+    from rollout.episodes import EnvironmentFailing
 
     monkeypatch.setattr(module, "BACKOFF_FIRST_S", 0.001)
     episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:always_fails_reset",
@@ -462,15 +465,17 @@ def test_the_runs_end_closes_the_environments_of_episodes_under_way_and_of_reset
     assert sorted(CLOSED) == ["even 1 :"]
     episodes.start(1, 1)
     assert len(episodes.waiting) == 1  # its reset sleeps on
-    episodes.close()  # its environment is closed once made (the first's again: a close is idempotent)
-    assert sorted(CLOSED) == ["even 1 :", "even 1 :", "odd 3 :"]
+    episodes.close()  # its environment is closed once made (the first's is not closed twice)
+    assert sorted(CLOSED) == ["even 1 :", "odd 3 :"]
 
 
 def test_a_turn_cut_at_its_calls_own_max_tokens_is_answered_and_one_cut_by_the_run_ends_the_episode(
         tmp_path, demo_tokenizer):
+    from tests.environments import asks_for_two_tokens
+
     for run_cap, answered in [(8, True), (2, False)]:  # the call asks for 2 tokens
-        episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:asks_for_two_tokens",
-                                 [{"prompt": "odd 1 :"}], f"rollout.max_new_tokens={run_cap}")
+        episodes = make_episodes(tmp_path, demo_tokenizer, None, [{"prompt": "odd 1 :"}],
+                                 f"rollout.max_new_tokens={run_cap}", answering=asks_for_two_tokens)
         episodes.start(0, 0)
         settle(episodes)
         (episode, _, max_tokens), = episodes.take_ready(0)
@@ -504,7 +509,7 @@ def test_an_agent_programs_figures_are_averaged_over_the_episodes_that_gave_them
     ({"observation": None, "reward": 0.0, "done": True, "info": 1}, "with unknown keys info"),
 ])
 def test_a_step_of_the_wrong_types_is_refused_not_coerced(answer, reason):
-    from rollout.environments import BadStep, Step, as_step
+    from environments.interface import BadStep, Step, as_step
 
     with pytest.raises(BadStep, match=reason):
         as_step(answer)
@@ -533,7 +538,7 @@ def test_environment_calls_reuse_idle_threads_and_one_that_hangs_holds_only_its_
     thread idle for ``IDLE_S`` ends."""
     import threading
 
-    from rollout.episodes import _Workers
+    from environments.threads import _Workers
 
     def until(condition, what: str) -> None:
         deadline = time.monotonic() + 10

@@ -11,14 +11,14 @@ from common.config import SamplingConfig
 from common.config import load_config
 from common.models import load_causal_lm, load_critic
 from common.sequences import collate
-from learner.checkpoints import save_hf_checkpoint
-from learner.deepspeed_engine import make_deepspeed_engine
-from learner.optimizer_step import SkippedSteps
-from learner.parallel import init_distributed, remove_stale_build_locks
 from learner.publish import publish_weights
 from learner.step import StepCarry, ppo_step
 from protocol.samples import Sample
 from tests.helpers import base_config, with_learner
+from training.checkpoints import save_hf_checkpoint
+from training.deepspeed_engine import make_deepspeed_engine
+from training.optimizer_step import SkippedSteps
+from training.parallel import init_distributed, remove_stale_build_locks
 from weight_sync.buckets import ShmWeightWriter, read_manifest
 
 
@@ -96,7 +96,7 @@ def _nan_gradients_from(module: torch.nn.Module, when=lambda: True):
 
 
 def _weights(engine) -> dict[str, torch.Tensor]:
-    from learner.deepspeed_engine import full_parameters
+    from training.deepspeed_engine import full_parameters
 
     with full_parameters(engine) as module:
         return {name: p.detach().clone() for name, p in module.named_parameters()}
@@ -112,7 +112,7 @@ def test_nan_gradients_from_a_finite_loss_skip_the_step_and_keep_weights_and_ada
     """One good step (so Adam holds moments), then a step whose loss is finite and whose gradients
     are NaN: skipped and counted, the weights and Adam's moments and step count exactly as before;
     the step after it, with good gradients, trains again."""
-    from learner.optimizer_step import SkippedSteps
+    from training.optimizer_step import SkippedSteps
 
     config = load_config(None, [f"learner.zero_stage={zero_stage}", "learner.batch_size=8", "learner.minibatch_size=8",
                                 "learner.ppo_epochs=1", "learner.actor_lr=1e-3"],
@@ -148,7 +148,7 @@ def test_nan_gradients_from_a_finite_loss_skip_the_step_and_keep_weights_and_ada
 
 
 def test_nan_gradients_step_after_step_stop_at_the_limit(tmp_path, tiny_assets, samples, restore_environment):
-    from learner.optimizer_step import NonFiniteGradients, SkippedSteps
+    from training.optimizer_step import NonFiniteGradients, SkippedSteps
 
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=4", "learner.ppo_epochs=2",
                                 "learner.max_skipped_steps=3"], base=base_config(tmp_path, tiny_assets))
@@ -185,7 +185,7 @@ def test_a_nan_value_loss_stops_the_step_before_the_actor_steps(tmp_path, tiny_a
 
 def test_final_is_replaced_whole_and_a_crash_before_the_rename_keeps_the_old_one(
         tmp_path, tiny_assets, samples, restore_environment, monkeypatch):
-    import learner.checkpoints as checkpoints
+    import training.checkpoints as checkpoints
 
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
                                 "learner.actor_lr=1e-2"], base=base_config(tmp_path, tiny_assets))
@@ -224,8 +224,8 @@ def test_the_logprob_gap_is_measured_on_last_versions_samples_with_last_versions
     """At max_staleness >= 1 a batch holds samples of the version before the learner's: it measures
     the rollout's logprobs against its own with that version's weights, kept from a step earlier;
     with its current weights the same samples would show the update, not the sync."""
-    from learner.deepspeed_engine import snapshot_weights
     from learner.step import behavior_gap
+    from training.deepspeed_engine import snapshot_weights
 
     config = load_config(None, [f"learner.zero_stage={zero_stage}", "learner.batch_size=8",
                                 "learner.minibatch_size=8", "learner.ppo_epochs=2", "learner.actor_lr=1e-2"],
@@ -342,16 +342,16 @@ def test_micro_batches_accumulate_to_the_minibatchs_step(tmp_path, tiny_assets, 
 def gradients_at_the_step(monkeypatch) -> list[dict]:
     """Record every engine's accumulated gradients (ZeRO-0: whole, unscaled, on ``p.grad``) just
     before each optimizer step."""
-    import learner.optimizer_step
+    import training.optimizer_step
 
-    recorded, step = [], learner.optimizer_step.step_unless_nonfinite
+    recorded, step = [], training.optimizer_step.step_unless_nonfinite
 
     def recording(engines, *args):
         recorded.append({f"{i}.{name}": p.grad.detach().clone() for i, engine in enumerate(engines)
                          for name, p in engine.module.named_parameters() if p.grad is not None})
         return step(engines, *args)
 
-    monkeypatch.setattr(learner.optimizer_step, "step_unless_nonfinite", recording)
+    monkeypatch.setattr(training.optimizer_step, "step_unless_nonfinite", recording)
     return recorded
 
 
@@ -384,7 +384,7 @@ def test_a_token_budget_gives_the_gradients_of_fixed_micro_batches(tmp_path, tin
 def test_micro_batches_are_cut_by_the_budget_and_trimmed(tmp_path, tiny_assets, samples):
     """What the step above computes: passes of at most 24 padded tokens, each no wider than its
     longest row, against fixed passes as wide as the batch's longest."""
-    from learner.step import micro_batches_of
+    from training.micro_batches import micro_batches_of
 
     batch = collate(samples, pad_token_id=0)
     cfg = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.max_tokens_per_microbatch=24",
@@ -448,7 +448,7 @@ def test_ppo_ptx_adds_the_language_modelling_loss_of_its_text(tmp_path, tiny_ass
 
 
 def test_lora_trains_only_adapters_and_publishes_merged_weights(tmp_path, tiny_assets, samples, restore_environment):
-    from weight_sync.lora import critic_with_lora, with_lora
+    from training.lora import critic_with_lora, with_lora
 
     config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.ppo_epochs=1",
                                 "learner.actor_lr=1e-2", "learner.lora_rank=4"],

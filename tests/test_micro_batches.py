@@ -1,9 +1,9 @@
-"""How a rank's rows become micro-batches (learner.micro_batches): by rows or by token budget,
+"""How a rank's rows become micro-batches (training.micro_batches): by rows or by token budget,
 like lengths together, every row once, as many passes on every rank."""
 
 import torch
 
-from learner.micro_batches import deal, padded_tokens, plan, split_to
+from training.micro_batches import deal, padded_tokens, plan, split_to
 
 # a long-tailed batch: most sequences short, a few long (prompt + response tokens)
 LENGTHS = torch.tensor([12, 70, 9, 14, 11, 40, 10, 13, 9, 66, 12, 10, 15, 11, 9, 30])

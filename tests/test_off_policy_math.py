@@ -67,8 +67,8 @@ def test_gspo_is_the_papers_sequence_objective_in_value_and_gradient():
     logprobs, old, mask, generator = batch(1)
     per_sequence = torch.randn(5, generator=generator)  # GRPO-style: one advantage a sequence
     advantages = per_sequence.unsqueeze(-1) * mask
-    loss, stats = ppo.ppo_policy_loss(logprobs, old, advantages, mask, EPS, EPS_HIGH, ratio_level="sequence",
-                                      loss_aggregation="seq-mean-token-mean")
+    loss, stats = ppo.ppo_policy_loss(logprobs, old, advantages, mask, options=ppo.PolicyLossOptions(
+        EPS, EPS_HIGH, ratio_level="sequence", loss_aggregation="seq-mean-token-mean"))
     ours = value_and_gradient(loss, logprobs)
     assert_same(ours, value_and_gradient(gspo_by_the_paper(logprobs, old, mask, per_sequence), logprobs))
     assert_differs(ours, value_and_gradient(gspo_by_the_paper(logprobs, old, mask, per_sequence, False), logprobs))
@@ -98,8 +98,8 @@ def test_gspo_token_is_its_papers_per_token_formula():
             objective = objective + row / len(tokens)
         return -objective / 5
 
-    loss, _ = ppo.ppo_policy_loss(logprobs, old, advantages, mask, EPS, EPS_HIGH, ratio_level="sequence",
-                                  loss_aggregation="seq-mean-token-mean")
+    loss, _ = ppo.ppo_policy_loss(logprobs, old, advantages, mask, options=ppo.PolicyLossOptions(
+        EPS, EPS_HIGH, ratio_level="sequence", loss_aggregation="seq-mean-token-mean"))
     ours = value_and_gradient(loss, logprobs)
     assert_same(ours, value_and_gradient(by_the_paper(), logprobs))
     # the mutation: s_i's own gradient kept (its value the same, each token's gradient not)
@@ -124,7 +124,8 @@ def cispo_by_the_paper(logprobs, old, mask, advantages, stop_gradient: bool = Tr
 def test_cispo_is_its_papers_objective_and_keeps_every_tokens_gradient():
     logprobs, old, mask, generator = batch(3)
     advantages = torch.randn(5, 7, generator=generator) * mask
-    loss, stats = ppo.ppo_policy_loss(logprobs, old, advantages, mask, EPS, EPS_HIGH, policy_loss="cispo")
+    loss, stats = ppo.ppo_policy_loss(logprobs, old, advantages, mask,
+                                      options=ppo.PolicyLossOptions(EPS, EPS_HIGH, policy_loss="cispo"))
     ours = value_and_gradient(loss, logprobs)
     assert_same(ours, value_and_gradient(cispo_by_the_paper(logprobs, old, mask, advantages), logprobs))
     assert_differs(ours, value_and_gradient(cispo_by_the_paper(logprobs, old, mask, advantages, False), logprobs))
@@ -132,17 +133,17 @@ def test_cispo_is_its_papers_objective_and_keeps_every_tokens_gradient():
     ratio = torch.exp(logprobs.detach() - old)
     dropped = (((ratio > 1 + EPS_HIGH) & (advantages > 0)) | ((ratio < 1 - EPS) & (advantages < 0))) & (mask > 0)
     assert dropped.any() and 0 < float(stats["clipfrac"]) < 1
-    ppo_loss, _ = ppo.ppo_policy_loss(logprobs, old, advantages, mask, EPS, EPS_HIGH)
+    ppo_loss, _ = ppo.ppo_policy_loss(logprobs, old, advantages, mask, options=ppo.PolicyLossOptions(EPS, EPS_HIGH))
     _, ppo_gradient = value_and_gradient(ppo_loss, logprobs)
     assert (ppo_gradient[dropped] == 0).all() and (ours[1][dropped] != 0).all()
 
 
 def test_cispo_refuses_what_it_does_not_define():
-    logprobs, old, mask, _ = batch(4)
+    """The loss's options are checked where they are made."""
     with pytest.raises(ValueError, match="cispo"):
-        ppo.ppo_policy_loss(logprobs, old, mask, mask, policy_loss="cispo", ratio_level="sequence")
+        ppo.PolicyLossOptions(policy_loss="cispo", ratio_level="sequence")
     with pytest.raises(ValueError, match="cispo"):
-        ppo.ppo_policy_loss(logprobs, old, mask, mask, policy_loss="cispo", dual_clip=3.0)
+        ppo.PolicyLossOptions(policy_loss="cispo", dual_clip=3.0)
 
 
 # --------------------------------------------------------------------------- importance weights

@@ -7,15 +7,16 @@ ConfigError before anything runs, and one that refuses a step fails its episode.
 import pytest
 
 from common.config import ConfigError, load_config
-from rollout.environments import Environments, Step, Turn, prompt_tools
-from tests.helpers import chatml_tokenizer
+from environments.interface import Step, Turn
+from environments.native import Environments, prompt_tools
+from tests.helpers import chatml_tokenizer, first_of, step_of
 
 
 @pytest.fixture(scope="module")
 def servers():
     """Both servers' URLs, each uvicorn in a thread of its own on a free port (openenv-core: the
     Makefile installs it; no skip, so a missing install fails here)."""
-    from rollout.endpoint import serve_in_thread
+    from environments.endpoint import serve_in_thread
     from tests import openenv_servers
 
     urls, running = {}, []
@@ -30,12 +31,12 @@ def servers():
 def test_a_text_environments_episodes_each_have_a_session_of_their_own(servers):
     environments = Environments.load(f"openenv:{servers['sums']}", {}, step_deadline_s=5.0)
     first, second = environments.make({"prompt": "-"}), environments.make({"reset": {"a": 1, "b": 2}})
-    assert first.reset() == "What is 17 plus 25?" and second.reset() == "What is 1 plus 2?"
-    assert first.tools is None  # no MCP tools: the run's template renders none
-    assert first.step("41", []) == Step("turn 1: no", 0.0, False)
-    assert second.step("It is 3", []) == Step("right", 1.0, True)  # its own session: its own numbers
-    assert first.step("maybe 40", []) == Step("turn 2: no", 0.0, False)  # the first's turns counted on
-    assert first.step("42", []) == Step("right", 1.0, True)
+    assert first_of(first) == "What is 17 plus 25?" and first_of(second) == "What is 1 plus 2?"
+    assert first.inner.tools is None  # no MCP tools: the run's template renders none
+    assert step_of(first, "41", []) == Step("turn 1: no", 0.0, False)
+    assert step_of(second, "It is 3", []) == Step("right", 1.0, True)  # its own session: its own numbers
+    assert step_of(first, "maybe 40", []) == Step("turn 2: no", 0.0, False)  # the first's turns counted on
+    assert step_of(first, "42", []) == Step("right", 1.0, True)
     first.close(), second.close()
 
 
@@ -44,27 +45,27 @@ def test_an_mcp_servers_tools_are_the_policys_and_its_calls_are_call_tool_steps(
     tokenizer = chatml_tokenizer(str(tmp_path))
     environments.read_calls_with("hermes", tokenizer)
     episode = environments.make({"prompt": "What is 5 plus 7?"})
-    assert sorted(tool["function"]["name"] for tool in episode.tools) == ["add", "fail"]
-    add = next(tool for tool in episode.tools if tool["function"]["name"] == "add")["function"]
-    assert add["description"] == "Add two integers." and add["parameters"]["required"] == ["a", "b"]
     # its first observation says nothing: the row's prompt, rendered with the server's tools
-    assert episode.reset() == [{"role": "user", "content": "What is 5 plus 7?"}]
+    assert first_of(episode) == [{"role": "user", "content": "What is 5 plus 7?"}]
+    assert sorted(tool["function"]["name"] for tool in episode.inner.tools) == ["add", "fail"]
+    add = next(tool for tool in episode.inner.tools if tool["function"]["name"] == "add")["function"]
+    assert add["description"] == "Add two integers." and add["parameters"]["required"] == ["a", "b"]
     turn = '<tool_call>\n{"name": "add", "arguments": {"a": 5, "b": 7}}\n</tool_call>'
     ids = tokenizer(turn, add_special_tokens=False)["input_ids"]
-    step = episode.step(turn, [], Turn(3, ids, [0.0] * len(ids)))
+    step = step_of(episode, turn, [], Turn(3, ids, [0.0] * len(ids)))
     assert step.observation == [{"role": "tool", "name": "add", "content": "12"}] and step.tool_calls == 1
     assert not step.tool_errors and not step.done
-    step = episode.step('<tool_call>\n{"name": "fail", "arguments": {"reason": "no luck"}}\n</tool_call>', [])
+    step = step_of(episode, '<tool_call>\n{"name": "fail", "arguments": {"reason": "no luck"}}\n</tool_call>', [])
     assert step.observation[0]["content"].startswith("error:") and "no luck" in step.observation[0]["content"]
     assert [(error.kind, error.tool) for error in step.tool_errors] == [("raised", "fail")]
-    assert episode.step("The answer is 12.", []) == Step(done=True)  # tools alone: an answer ends it
+    assert step_of(episode, "The answer is 12.", []) == Step(done=True)  # tools alone: an answer ends it
     episode.close()
 
 
 def test_a_server_that_is_down_or_refuses_is_said_so(servers):
     from protocol.transport import free_port
-    from rollout.environments import OpenEnvEnvironment
-    from rollout.openenv import OpenEnv
+    from environments.native import OpenEnvEnvironment
+    from environments.openenv import OpenEnv
 
     with pytest.raises(ConfigError, match="rollout.environment: the OpenEnv server at http://127.0.0.1:[0-9]+ "
                                           "does not answer"):
@@ -78,8 +79,8 @@ def test_a_server_that_is_down_or_refuses_is_said_so(servers):
     episode.close()
     failing = Environments.load(f"openenv:{servers['sums']}", {}).make({"reset": {"a": "seventeen"}})
     with pytest.raises(RuntimeError, match="the OpenEnv server refused reset"):
-        failing.reset()
-    assert failing.session is None  # closed: the server's session does not outlive the episode
+        first_of(failing)
+    assert failing.inner.session is None  # closed: the server's session does not outlive the episode
 
 
 def test_a_send_to_a_server_that_stops_reading_fails_within_the_step_deadline():
@@ -92,7 +93,7 @@ def test_a_send_to_a_server_that_stops_reading_fails_within_the_step_deadline():
     import threading
     import time
 
-    from rollout.openenv import OpenEnv, Session
+    from environments.openenv import OpenEnv, Session
 
     listener = socket.create_server(("127.0.0.1", 0))
     held = []
@@ -135,7 +136,7 @@ def run_of(environment: str):
 def test_an_openenv_servers_tools_count_in_each_prompts_length(servers):
     calculator = Environments.load(f"openenv:{servers['calculator']}", {}, step_deadline_s=5.0)
     tools = prompt_tools(run_of(f"openenv:{servers['calculator']}"), calculator)
-    assert tools == calculator.make({"prompt": "-"}).tools and len(tools) == 2  # what each episode renders
+    assert tools == calculator.server.tools and len(tools) == 2  # what each episode renders
     sums = Environments.load(f"openenv:{servers['sums']}", {}, step_deadline_s=5.0)
     assert prompt_tools(run_of(f"openenv:{servers['sums']}"), sums) is None  # a server without MCP tools
 
@@ -144,7 +145,7 @@ def test_a_verifiers_environments_tools_and_the_runs_own_count_too():
     agent = Environments(lambda row: None, {})  # a verifiers environment's episodes are an agent program's
     tools = prompt_tools(run_of("verifiers:demos.agent_verifiers"), agent)
     assert [tool["function"]["name"] for tool in tools] == ["calculator"]
-    from rollout.tools import load_tools
+    from environments.tools import load_tools
 
     native = Environments.load(None, load_tools(["demos.agent:calculator"]))
     assert prompt_tools(run_of("my_env:make"), native) == native.tool_schemas

@@ -110,7 +110,7 @@ def test_sigterm_to_tether_run_checkpoints_stops_every_role_and_leaves_nothing_b
             os.killpg(pgid, 0)  # nothing of that role's group is left
     assert not os.path.exists(load_config(path).weights_dir)
     assert "asking learner to checkpoint" in stderr
-    from learner.checkpoints import newest_state
+    from training.checkpoints import newest_state
 
     newest = newest_state(run_dir)
     with open(os.path.join(run_dir, "logs", "learner.log")) as file:
@@ -264,8 +264,8 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     `tether run --resume` continues from the newest checkpoint (state-2 or state-4) with the buffer's
     samples and accounting of that moment, and finishes 4 steps past it with the identity holding
     and nothing dropped. The learner that is killed has 2 ranks under ZeRO-2: each rank's partition
-    comes back from the checkpoint; its run is colocated (placement.mode colocate), and the turn it
-    may have held is not part of the checkpoint: the resumed run takes turns from the start. The
+    comes back from the checkpoint; its run is colocated (placement.mode colocate), and the shift it
+    may have held is not part of the checkpoint: the resumed run works in shifts from the start. The
     first run is one that cannot end before the kill (1000 steps, ~5 minutes): at 6 it finished
     between the test seeing step 3 and its kill."""
     import signal
@@ -286,7 +286,7 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
     assert run.returncode == ExitCode.FAILED and f"{victim} exited with code -9" in stderr
     if victim == "buffer":  # no checkpoint can be written without it: the learner is not left to try
         assert "without the buffer the learner cannot checkpoint" in stderr
-    from learner.checkpoints import newest_state
+    from training.checkpoints import newest_state
 
     newest = newest_state(run_dir)
     # state-2 or state-4 where the kill comes at once; on a loaded machine the learner may train on
@@ -314,7 +314,7 @@ def test_a_killed_learner_or_buffer_resumes_from_the_newest_complete_checkpoint(
         partitions = os.listdir(os.path.join(newest, "actor", "state"))
         assert sum("optim_states" in name for name in partitions) == 2, partitions
         assert all(r["ranks"] == 2 for r in read_metrics(run_dir, "learner"))
-        assert read_metrics(run_dir, "buffer")[-1]["turns_train"] == 4  # the resumed run took turns
+        assert read_metrics(run_dir, "buffer")[-1]["shifts_train"] == 4  # the resumed run worked in shifts
 
 
 def test_an_evaluation_past_its_deadline_is_stopped_and_its_export_removed(tmp_path, tiny_assets):

@@ -203,7 +203,8 @@ def test_policy_loss_worked_example_from_the_design_notes():
     # ratio 1.3, eps 0.2, A = 2: min(2.6, 2.4) = 2.4, so the loss is -2.4 and the clip is active
     old = t([[-1.0]])
     current = old + math.log(1.3)
-    loss, stats = ppo.ppo_policy_loss(current, old, t([[2.0]]), t([[1.0]]), clip_eps=0.2)
+    loss, stats = ppo.ppo_policy_loss(current, old, t([[2.0]]), t([[1.0]]),
+                                      options=ppo.PolicyLossOptions(clip_eps=0.2))
     assert loss.item() == pytest.approx(-2.4, abs=1e-6)
     assert stats["clipfrac"].item() == 1.0
     assert stats["ratio_mean"].item() == pytest.approx(1.3, abs=1e-6)
@@ -218,18 +219,20 @@ def test_policy_loss_negative_advantage_dual_clip_and_clip_higher():
     mask = torch.ones(1, 3)
     # ratio 0.5, A=-1: max(0.5, 0.8) = 0.8 (clipped); ratio 5, A=-1: max(5, 1.2) = 5;
     # ratio 1.25, A=2: max(-2.5, -2.4) = -2.4 (clipped)
-    loss, stats = ppo.ppo_policy_loss(current, old, advantages, mask, clip_eps=0.2)
+    loss, stats = ppo.ppo_policy_loss(current, old, advantages, mask, options=ppo.PolicyLossOptions(clip_eps=0.2))
     assert loss.item() == pytest.approx((0.8 + 5.0 - 2.4) / 3, abs=1e-5)
     assert stats["clipfrac"].item() == pytest.approx(2 / 3)
     # dual clip c = 3 bounds the ratio-5 token at 3
-    loss, stats = ppo.ppo_policy_loss(current, old, advantages, mask, clip_eps=0.2, dual_clip=3.0)
+    loss, stats = ppo.ppo_policy_loss(current, old, advantages, mask,
+                                      options=ppo.PolicyLossOptions(clip_eps=0.2, dual_clip=3.0))
     assert loss.item() == pytest.approx((0.8 + 3.0 - 2.4) / 3, abs=1e-5)
     assert stats["dual_clip_frac"].item() == pytest.approx(1 / 3)
     # clip-higher eps_high = 0.28: ratio 1.25 is inside [0.8, 1.28] -> -2.5
-    loss, _ = ppo.ppo_policy_loss(current, old, advantages, mask, clip_eps=0.2, clip_eps_high=0.28)
+    loss, _ = ppo.ppo_policy_loss(current, old, advantages, mask,
+                                  options=ppo.PolicyLossOptions(clip_eps=0.2, clip_eps_high=0.28))
     assert loss.item() == pytest.approx((0.8 + 5.0 - 2.5) / 3, abs=1e-5)
     with pytest.raises(ValueError, match="dual_clip"):
-        ppo.ppo_policy_loss(current, old, advantages, mask, dual_clip=0.5)
+        ppo.PolicyLossOptions(dual_clip=0.5)  # the options are checked where they are made
 
 
 def test_off_policy_loss_equals_ppo_when_behavior_equals_proximal_equals_current():

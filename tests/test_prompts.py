@@ -86,15 +86,16 @@ def test_a_prompt_is_as_long_as_the_tools_its_environment_renders_into_it(tmp_pa
     from openai import AsyncOpenAI
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
-    from common import verifiers_envs
+    from common import verifiers_data
+    from environments import verifiers_envs
     from common.prompts import prompts_within
-    from rollout.agents import _tools_of
+    from environments.agents import _tools_of
     from tests.helpers import chatml_tokenizer
 
     spec = "verifiers:demos.agent_verifiers"
     tools = verifiers_envs.tool_schemas(spec)
     client = verifiers.OpenAIChatCompletionsClient(AsyncOpenAI(api_key="-", base_url="http://127.0.0.1:9/v1"))
-    sent = asyncio.run(client.to_native_tools(verifiers_envs.load("demos.agent_verifiers").tool_defs))
+    sent = asyncio.run(client.to_native_tools(verifiers_data.load("demos.agent_verifiers").tool_defs))
     request = ChatCompletionRequest(model="policy", messages=[{"role": "user", "content": "-"}], tools=sent)
     assert tools == _tools_of(request) and [tool["function"]["name"] for tool in tools] == ["calculator"]
     assert verifiers_envs.tool_schemas(spec, {"tools": False}) is None  # its SingleTurnEnv: no tools

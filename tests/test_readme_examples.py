@@ -1,6 +1,6 @@
-"""The README's examples as a user runs them: the files it gives (``# my_env.py`` as a block's first
-line names the file) written into a directory of their own, and the installed `tether` command
-run from there, so the documentation cannot drift from the code."""
+"""The examples of the README and docs/ (its guides) as a user runs them: the files they give
+(``# my_env.py`` as a block's first line names the file) written into a directory of their own, and
+the installed `tether` command run from there, so the documentation cannot drift from the code."""
 
 import contextlib
 import glob
@@ -17,12 +17,12 @@ import yaml
 
 from common.runlog import read_metrics
 from launch.exit_codes import ExitCode
-from tests.helpers import CHAT_TEMPLATE_WITH_SYSTEM, REPO, TWO_CORES
+from tests.helpers import CHAT_TEMPLATE_WITH_SYSTEM, REPO, TWO_CORES, first_of, step_of
 
 FILE_BLOCK = re.compile(r"```(?:python|yaml)\n# ([\w.]+\.(?:py|yaml))\n(.*?)```", re.S)
 YAML_BLOCK = re.compile(r"^( *)```ya?ml\n(.*?)^\1```", re.S | re.M)  # a list item's block is indented
 DOCS = [os.path.join(REPO, "README.md"), *sorted(glob.glob(os.path.join(REPO, "docs", "**", "*.md"), recursive=True))]
-# the run made small for two cores; the README's own keys (environment, tools, reward) stay its own
+# the run made small for two cores; the docs' own keys (environment, tools, reward) stay their own
 SMALL = ["learner.total_steps=2", "learner.batch_size=8", "learner.minibatch_size=4", "rollout.max_new_tokens=6",
          "rollout.max_model_len=64", "rollout.kv_cache_gib=0.1", "rollout.prompts_per_generate=8",
          "transport.connect_retries=60", "transport.connect_interval_s=0.5",
@@ -33,15 +33,20 @@ ONE_STEP = [*SMALL, "learner.total_steps=1", "learner.batch_size=4", "learner.mi
             "learner.ppo_epochs=1", "rollout.prompts_per_generate=4"]
 
 
-def readme_files() -> dict[str, str]:
-    """Every file the README gives whole, by name; one given twice must be given the same."""
-    with open(os.path.join(REPO, "README.md")) as file:
-        text = file.read()
+def doc_files() -> dict[str, str]:
+    """Every file the README and docs/ give whole, by name; one given twice (in one doc or in two)
+    must be given the same."""
     files: dict[str, str] = {}
-    for name, body in FILE_BLOCK.findall(text):
-        content = f"# {name}\n{body}"
-        assert files.setdefault(name, content) == content, f"the README gives {name} twice, differently"
-        files[name] = content
+    given: dict[str, str] = {}  # name: the doc that gave it first
+    for path in DOCS:
+        with open(path) as file:
+            text = file.read()
+        doc = os.path.relpath(path, REPO)
+        for name, body in FILE_BLOCK.findall(text):
+            content = f"# {name}\n{body}"
+            first = given.setdefault(name, doc)
+            assert files.setdefault(name, content) == content, \
+                f"{name} is given twice, differently: in {first} and in {doc}"
     return files
 
 
@@ -95,7 +100,7 @@ def test_the_readme_verifiers_config_passes_tether_runs_checks(tmp_path, monkeyp
     import launch.runner
     from launch.cli import app
 
-    files = readme_files()
+    files = doc_files()
     for name in ("my_verifiers_env.py", "my_verifiers.yaml"):
         (tmp_path / name).write_text(files[name])
     policy = tmp_path / "policy"
@@ -113,29 +118,28 @@ def test_the_readme_verifiers_config_passes_tether_runs_checks(tmp_path, monkeyp
 
 
 def test_the_readme_gives_its_episode_example_whole():
-    files = readme_files()
+    files = doc_files()
     assert {"my.yaml", "my_env.py", "my_tools.py", "my_rewards.py"} <= set(files)
     assert "my_env:make" in files["my.yaml"] and "my_tools:add" in files["my.yaml"]
 
 
 def test_the_readme_agent_is_answered_through_the_endpoint_and_its_config_holds(tmp_path, monkeypatch):
-    """The README's my_agent.py (with its my_tools.py) as the rollout runs it, the policy's turns
+    """The docs' my_agent.py (with its my_tools.py) as the rollout runs it, the policy's turns
     given by hand: its call's messages are the first observation, its tool's result the next, its
     return the reward; its config keys are tether's."""
     import yaml
 
     from common.config import load_config
-    from rollout.agents import AgentPrograms
-    from rollout.environments import Step
-    from rollout.tools import ToolCallParser
+    from environments.agents import AgentPrograms
+    from environments.interface import Step
+    from environments.tools import ToolCallParser
     from tests.helpers import base_config, chatml_tokenizer
 
-    files = readme_files()
+    files = doc_files()
     for name in ("my_agent.py", "my_tools.py"):
         (tmp_path / name).write_text(files[name])
     monkeypatch.syspath_prepend(str(tmp_path))
-    with open(os.path.join(REPO, "README.md")) as file:
-        block = next(b for b in re.findall(r"```yaml\n(.*?)```", file.read(), re.S) if "my_agent:solve" in b)
+    block = next(body for body, _ in doc_configs().values() if "my_agent:solve" in body)
     config = load_config(None, base={**base_config(tmp_path, {"policy": "/p", "reward": "/r", "prompts": "/q"}),
                                      **yaml.safe_load(block)})
     assert config.rollout.agent == "my_agent:solve" and config.rollout.tool_parser == "hermes"
@@ -145,43 +149,43 @@ def test_the_readme_agent_is_answered_through_the_endpoint_and_its_config_holds(
                              processes=config.rollout.agent_processes, cores=config.placement.cores.get("agent"))
     try:
         episode = programs.make({"prompt": "What is 17 plus 25?", "answer": "42"})
-        assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
-        step = episode.step('<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>', [])
+        assert first_of(episode) == [{"role": "user", "content": "What is 17 plus 25?"}]
+        step = step_of(episode, '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>', [])
         assert [(m["role"], m["content"]) for m in step.observation] == [("tool", "42")]
-        assert episode.step("The answer is 42", []) == Step(None, 1.0, done=True)
+        assert step_of(episode, "The answer is 42", []) == Step(None, 1.0, done=True)
     finally:
         programs.close()
 
 
 def test_the_readme_command_agent_runs_in_a_process_of_its_own(tmp_path):
-    """The README's my_command_agent.py as rollout.agent_command starts it: its call is the first
+    """The docs' my_command_agent.py as rollout.agent_command starts it: its call is the first
     observation, what it prints last its reward."""
-    from rollout.agents import AgentPrograms
-    from rollout.environments import Step
-    from rollout.tools import ToolCallParser
+    from environments.agents import AgentPrograms
+    from environments.interface import Step
+    from environments.tools import ToolCallParser
     from tests.helpers import chatml_tokenizer
 
     script = tmp_path / "my_command_agent.py"
-    script.write_text(readme_files()["my_command_agent.py"])
+    script.write_text(doc_files()["my_command_agent.py"])
     programs = AgentPrograms([sys.executable, str(script)], ToolCallParser(
         "hermes", chatml_tokenizer(str(tmp_path / "tokenizer")), None), 30.0, 30.0)
     try:
         episode = programs.make({"prompt": "What is 17 plus 25?", "answer": "42"})
-        assert episode.reset() == [{"role": "user", "content": "What is 17 plus 25?"}]
-        assert episode.step("The answer is 42", []) == Step(None, 1.0, done=True)
+        assert first_of(episode) == [{"role": "user", "content": "What is 17 plus 25?"}]
+        assert step_of(episode, "The answer is 42", []) == Step(None, 1.0, done=True)
     finally:
         programs.close()
 
 
 @contextlib.contextmanager
-def readme_openenv_server(directory):
-    """The README's my_openenv_server.py, in ``directory``, started as a user starts it (a process of
+def docs_openenv_server(directory):
+    """The docs' my_openenv_server.py, in ``directory``, started as a user starts it (a process of
     its own, its port in PORT); yields its URL once it answers /health."""
     import urllib.request
 
     from protocol.transport import free_port
 
-    (directory / "my_openenv_server.py").write_text(readme_files()["my_openenv_server.py"])
+    (directory / "my_openenv_server.py").write_text(doc_files()["my_openenv_server.py"])
     port = free_port()
     server = subprocess.Popen([sys.executable, "my_openenv_server.py"], cwd=directory,
                               env={**os.environ, "PORT": str(port)}, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -195,7 +199,7 @@ def readme_openenv_server(directory):
                 urllib.request.urlopen(f"{url}/health", timeout=1.0).close()
                 break
             except OSError:
-                assert time.monotonic() < deadline, "the README's OpenEnv server did not answer /health in 60 s"
+                assert time.monotonic() < deadline, "the docs' OpenEnv server did not answer /health in 60 s"
                 time.sleep(0.2)
         yield url
     finally:
@@ -204,37 +208,38 @@ def readme_openenv_server(directory):
 
 
 def test_the_readme_openenv_server_is_played_through_tether(tmp_path):
-    """The README's my_openenv_server.py started as a user starts it and my_openenv.yaml's
+    """The docs' my_openenv_server.py started as a user starts it and my_openenv.yaml's
     environment pointed at it: each episode a session of its own, its reset given the row's
     ``reset``, the server's hints, rewards and ``done`` the turns'."""
     from common.config import load_config
-    from rollout.environments import Environments, Step
+    from environments.interface import Step
+    from environments.native import Environments
 
-    (tmp_path / "my_openenv.yaml").write_text(readme_files()["my_openenv.yaml"])
-    with readme_openenv_server(tmp_path) as url:
+    (tmp_path / "my_openenv.yaml").write_text(doc_files()["my_openenv.yaml"])
+    with docs_openenv_server(tmp_path) as url:
         config = load_config(tmp_path / "my_openenv.yaml", [f"rollout.environment=openenv:{url}"])
         assert (config.rollout.max_turns, config.models.reward) == (4, None)
         environments = Environments.load(config.rollout.environment, {}, step_deadline_s=config.rollout.env_step_deadline_s)
         seven = environments.make({"prompt": "Guess my number, 0 to 9.", "reset": {"answer": 7}})
         three = environments.make({"prompt": "Guess my number, 0 to 9.", "reset": {"answer": 3}})
-        assert seven.reset() == three.reset() == "Guess my number, 0 to 9."
-        assert seven.step("5", []) == Step("higher", 0.0, False)
-        assert three.step("5", []) == Step("lower", 0.0, False)  # a session of its own: its own answer
-        assert seven.step("It is 7", []) == Step("right", 1.0, True)
+        assert first_of(seven) == first_of(three) == "Guess my number, 0 to 9."
+        assert step_of(seven, "5", []) == Step("higher", 0.0, False)
+        assert step_of(three, "5", []) == Step("lower", 0.0, False)  # a session of its own: its own answer
+        assert step_of(seven, "It is 7", []) == Step("right", 1.0, True)
         seven.close(), three.close()
 
 
 def test_the_readme_verifiers_environment_is_played_through_the_endpoint(tmp_path, monkeypatch):
-    """The README's my_verifiers_env.py and my_verifiers.yaml as the rollout runs them, the
+    """The docs' my_verifiers_env.py and my_verifiers.yaml as the rollout runs them, the
     policy's turns given by hand: the environment's dataset is the run's prompts, its system
     prompt and question the first observation, its answers the next, its rubric's score the
     reward, its metrics the episode's."""
     from common.config import load_config
     from common.prompts import read_rows
-    from rollout.agents import agent_programs
+    from environments.agents import agent_programs
     from tests.helpers import chatml_tokenizer
 
-    files = readme_files()
+    files = doc_files()
     for name in ("my_verifiers_env.py", "my_verifiers.yaml"):
         (tmp_path / name).write_text(files[name])
     monkeypatch.syspath_prepend(str(tmp_path))
@@ -244,16 +249,16 @@ def test_the_readme_verifiers_environment_is_played_through_the_endpoint(tmp_pat
     programs = agent_programs(config, chatml_tokenizer(str(tmp_path / "tokenizer")))
     try:
         episode = programs.make(rows[7])
-        assert episode.reset() == [{"role": "system", "content": "Answer with one digit."},
+        assert first_of(episode) == [{"role": "system", "content": "Answer with one digit."},
                                    {"role": "user", "content": "Guess my number, 0 to 9."}]
-        assert [(m["role"], m["content"]) for m in episode.step("5", []).observation] == [("user", "higher")]
-        step = episode.step("7", [])
+        assert [(m["role"], m["content"]) for m in step_of(episode, "5", []).observation] == [("user", "higher")]
+        step = step_of(episode, "7", [])
         assert (step.observation, step.reward, step.done) == (None, 1.0, True)
         assert step.metrics == {"right": 1.0, "num_turns": 2.0}
         missed = programs.make({"prompt": "Guess my number, 0 to 9.", "answer": "3"})  # a row of a file
-        assert missed.reset()[0] == {"role": "system", "content": "Answer with one digit."}
+        assert first_of(missed)[0] == {"role": "system", "content": "Answer with one digit."}
         for guess in "0000":
-            step = missed.step(guess, [])
+            step = step_of(missed, guess, [])
         assert (step.observation, step.reward, step.done) == (None, 0.0, True)
     finally:
         programs.close()
@@ -271,13 +276,13 @@ def tether_from(directory, *args) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_environment_ends_the_run(
         tmp_path, tiny_assets):
-    """The README's my.yaml, my_env.py, my_tools.py and my_rewards.py, run as they are from their
+    """The docs' my.yaml, my_env.py, my_tools.py and my_rewards.py, run as they are from their
     directory (no reward model: the environment's turn rewards and the reward function), train;
     then the same run with an environment whose every reset raises ends with the reason, exit
     code 4 from the rollout, not restarted, a short log and the learner's checkpoint."""
     mine = tmp_path / "mine"
     mine.mkdir()
-    for name, content in readme_files().items():
+    for name, content in doc_files().items():
         (mine / name).write_text(content)
     with open(tiny_assets["prompts"]) as file:
         prompts = [json.loads(line)["prompt"] for line in file][:64]
@@ -327,13 +332,13 @@ def test_the_readme_episode_example_trains_from_its_own_directory_and_a_broken_e
 @pytest.fixture(scope="module")
 def docs_directory(tmp_path_factory, tiny_assets):
     """One directory as a user of the docs has it, shared by their configs' runs: every file the
-    README gives, the tiny policy (with a chat template, as a user's model has) and reward model,
+    docs give, the tiny policy (with a chat template, as a user's model has) and reward model,
     and each data file a config names (the tiny task's prompts, each row with an ``answer`` for the
-    README's environment and reward function and a ``reset`` for its OpenEnv server)."""
+    docs' environment and reward function and a ``reset`` for their OpenEnv server)."""
     from transformers import AutoTokenizer
 
     directory = tmp_path_factory.mktemp("docs")
-    for name, content in readme_files().items():
+    for name, content in doc_files().items():
         (directory / name).write_text(content)
     shutil.copytree(tiny_assets["policy"], directory / "policy")
     tokenizer = AutoTokenizer.from_pretrained(directory / "policy")
@@ -359,8 +364,8 @@ def data_files(config: dict) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def docs_openenv_url(docs_directory):
-    """The README's OpenEnv server, started once for the configs that play against one."""
-    with readme_openenv_server(docs_directory) as url:
+    """The docs' OpenEnv server, started once for the configs that play against one."""
+    with docs_openenv_server(docs_directory) as url:
         yield url
 
 
@@ -370,7 +375,7 @@ def test_every_whole_config_of_the_readme_and_docs_trains_a_step_from_its_direct
                                                                                       request):
     """`tether run -c <config>` of each whole config the README and docs/ give, from the directory a
     user runs it in, its models the tiny ones, made as small as a run gets (ONE_STEP): it exits 0 and
-    the learner trains its step. An OpenEnv config's server is the README's, started for it."""
+    the learner trains its step. An OpenEnv config's server is the docs', started for it."""
     text, config = doc_configs()[name]
     slug = re.sub(r"\W", "_", name)
     path = name if name.endswith((".yaml", ".yml")) else f"{slug}.yaml"

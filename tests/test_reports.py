@@ -106,7 +106,7 @@ def _learner_run(run_dir, mode: str = "split") -> None:
 
 
 def test_profile_advice_on_a_colocated_run_does_not_offer_a_staleness_that_runs_ahead(tmp_path):
-    """Roles that take turns on the same devices overlap nothing: a larger max_staleness lets no
+    """Roles that work in shifts on the same devices overlap nothing: a larger max_staleness lets no
     generation run ahead of training there."""
     from launch.report import profile_run
 
@@ -115,7 +115,7 @@ def test_profile_advice_on_a_colocated_run_does_not_offer_a_staleness_that_runs_
     split, colocated = profile_run(str(tmp_path / "split")), profile_run(str(tmp_path / "colocated"))
     assert split.bottleneck == colocated.bottleneck == "learner"
     assert "raising max_staleness lets generation run further ahead" in split.advice
-    assert "run further ahead" not in colocated.advice and "take turns on the same devices" in colocated.advice
+    assert "run further ahead" not in colocated.advice and "work in shifts on the same devices" in colocated.advice
 
 
 def test_profile_of_a_resumed_run_leaves_out_the_time_between_stop_and_resume(tmp_path):

@@ -195,7 +195,8 @@ def test_a_lora_version_moves_its_adapters_alone_and_vllm_applies_them(tmp_path,
 
     from rollout.adapters import PolicyAdapter, lora_arguments
     from rollout.engine import IncompatibleWeights, apply_weights, make_vllm_engine
-    from weight_sync.lora import adapter_named_tensors, lora_sync, merged_named_tensors, with_lora
+    from training.lora import merged_named_tensors, with_lora
+    from weight_sync.lora import adapter_named_tensors, lora_sync
 
     config = load_config(None, ["rollout.max_model_len=64", "learner.lora_rank=4", "learner.lora_alpha=8"],
                          base=base_config(tmp_path, tiny_assets))

@@ -1,4 +1,4 @@
-"""The learning-rate schedule (learner.schedule): warm-up, then constant, linear or cosine decay."""
+"""The learning-rate schedule (training.schedule): warm-up, then constant, linear or cosine decay."""
 
 import math
 
@@ -12,6 +12,6 @@ import pytest
     (9, "cosine", 0.1),  # the last step (9 of 0..9) runs at lr_min_ratio
 ])
 def test_the_learning_rate_at_a_step_is_its_formula(step, schedule, expected):
-    from learner.schedule import lr_factor
+    from training.schedule import lr_factor
 
     assert lr_factor(step, total_steps=10, warmup_steps=4, schedule=schedule, min_ratio=0.1) == pytest.approx(expected)

@@ -33,7 +33,7 @@ def test_best_split_for_two_devices_balances_the_load():
     costs = {"rollout": 1e-3, "scorer": 0.5e-3, "learner": 2e-3}
     ranked = best_splits(costs, devices=2, top=100)
     # with perfect scaling the total 3.5 ms spread over two devices is the floor, 1.75 ms a token:
-    # every role on both devices, taking turns (the colocated mode, rated apart from the splits)
+    # every role on both devices, working in shifts (the colocated mode, rated apart from the splits)
     assert predict_colocated(costs, 2) == pytest.approx(1 / 1.75e-3)
     assert all(not all(len(s[role]) == 2 for role in s) for _, s in ranked)
     assert ranked[0][0] == pytest.approx(1 / 2e-3)
@@ -77,7 +77,7 @@ def test_the_plan_scales_a_role_as_it_was_measured_to_scale():
 
 
 def test_the_plan_recommends_a_mode_only_where_a_profile_measured_it():
-    """Predicted from a split profile alone, colocated leaves out its hand-overs between turns (one
+    """Predicted from a split profile alone, colocated leaves out its hand-overs between shifts (one
     such plan said 1.02x the best split; colocated measured 8% slower): it is named to measure, not
     recommended. On one device every role shares it either way: no "side by side"."""
     from launch.sweep import format_split, recommendation

@@ -108,8 +108,8 @@ def test_training_on_a_verifiable_reward_alone_raises_it_on_held_out_prompts(spl
 @pytest.mark.slow
 def test_colocated_the_run_reaches_the_split_runs_gold_and_a_killed_engine_loses_nothing(tmp_path, tiny_assets,
                                                                                          split_run):
-    """placement.mode colocate: the rollout, scorer and learner on both cores, taking turns granted
-    by the buffer. kill -9 of the engine while it holds the generate turn: the launcher starts it
+    """placement.mode colocate: the rollout, scorer and learner on both cores, working in shifts
+    granted by the buffer. kill -9 of the engine while it holds the generate shift: the launcher starts it
     again, what it held goes back to the pool, and the run trains every step to the split run's gold."""
     import signal
     import subprocess
@@ -120,7 +120,7 @@ def test_colocated_the_run_reaches_the_split_runs_gold_and_a_killed_engine_loses
 
     from tests.helpers import REPO, TWO_CORES
 
-    # k = 0, on-policy, as a colocated GPU run would train: after each step the engine's turn may
+    # k = 0, on-policy, as a colocated GPU run would train: after each step the engine's shift may
     # bring it only the new weights (the bound allows no credits before it holds them)
     config = gold_config(tmp_path, tiny_assets, launch={"restart_backoff_s": 0.5}, buffer={"max_staleness": 0})
     config["placement"] = {**TWO_CORES, "mode": "colocate"}
@@ -134,17 +134,17 @@ def test_colocated_the_run_reaches_the_split_runs_gold_and_a_killed_engine_loses
         while len(read_metrics(run_dir, "learner")) < 3:
             assert time.monotonic() < deadline and run.poll() is None, "the run did not reach step 3"
             time.sleep(0.05)
-        # the engine frozen (SIGSTOP), the run cannot end without it, and the next generate turn is
-        # granted to it and stays its: kill -9 then lands mid-turn, whatever the machine's speed (a
-        # run of 0.3 s a step had ended between the test seeing a generate turn and its kill)
+        # the engine frozen (SIGSTOP), the run cannot end without it, and the next generate shift is
+        # granted to it and stays its: kill -9 then lands mid-shift, whatever the machine's speed (a
+        # run of 0.3 s a step had ended between the test seeing a generate shift and its kill)
         with open(os.path.join(run_dir, "pids.json")) as file:
             rollout = json.load(file)["rollout0"]
         os.killpg(rollout, signal.SIGSTOP)
         stopped_at = time.time()
-        assert len(read_metrics(run_dir, "learner")) < STEPS, "the run went past its last generate turn"
-        while not any(record["time"] > stopped_at and record["turn"] == "generate"
+        assert len(read_metrics(run_dir, "learner")) < STEPS, "the run went past its last generate shift"
+        while not any(record["time"] > stopped_at and record["shift"] == "generate"
                       for record in read_metrics(run_dir, "buffer")):
-            assert time.monotonic() < deadline and run.poll() is None, "the frozen engine holds no generate turn"
+            assert time.monotonic() < deadline and run.poll() is None, "the frozen engine holds no generate shift"
             time.sleep(0.1)
         os.killpg(rollout, signal.SIGKILL)
         stdout, stderr = run.communicate(timeout=400)
@@ -157,11 +157,12 @@ def test_colocated_the_run_reaches_the_split_runs_gold_and_a_killed_engine_loses
     with open(os.path.join(run_dir, "metrics", "buffer_accounting.json")) as file:
         accounting = json.load(file)
     assert accounting["identity_holds"] and accounting["staleness_violations"] == 0
-    # the roles took turns: a train turn, a score turn and at least one generate turn a step (a
-    # filtered group asks for more, the killed engine's prompts too)
+    # the roles worked in shifts: a train shift, a score shift and at least one generate shift a
+    # step (a filtered group asks for more, the killed engine's prompts too)
     buffer = read_metrics(run_dir, "buffer")[-1]
-    print(f"turns: generate {buffer['turns_generate']}, score {buffer['turns_score']}, train {buffer['turns_train']}")
-    assert buffer["turns_train"] == STEPS and min(buffer["turns_generate"], buffer["turns_score"]) >= STEPS
+    print(f"shifts: generate {buffer['shifts_generate']}, score {buffer['shifts_score']}, "
+          f"train {buffer['shifts_train']}")
+    assert buffer["shifts_train"] == STEPS and min(buffer["shifts_generate"], buffer["shifts_score"]) >= STEPS
     assert all(step["staleness_max"] == 0 for step in read_metrics(run_dir, "learner"))
     _, _, before, split_after = split_run
     after = held_out_gold(os.path.join(run_dir, "checkpoints", "final"), tiny_assets)

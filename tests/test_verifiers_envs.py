@@ -1,4 +1,4 @@
-"""verifiers environments as tether's episodes (common/verifiers_envs.py): their datasets as the
+"""verifiers environments as tether's episodes (common/verifiers_data.py, environments/verifiers_envs.py): their datasets as the
 run's prompt rows, rows given to them as their own datasets give them, and the errors that name
 the key. Their episodes on a real engine, token for token against the native ones:
 tests/test_agent_demo.py; the README's, played by hand: tests/test_readme_examples.py."""
@@ -9,7 +9,8 @@ from common.config import ConfigError
 
 
 def test_the_environments_dataset_is_the_runs_prompts_and_its_rows_go_back_as_they_came():
-    from common import verifiers_envs
+    from common import verifiers_data
+    from environments import verifiers_envs
     from common.prompts import read_rows
 
     rows = read_rows("verifiers:demos.agent_verifiers")
@@ -17,8 +18,8 @@ def test_the_environments_dataset_is_the_runs_prompts_and_its_rows_go_back_as_th
                      "messages": [{"role": "user", "content": "add 1 2 3 + 4 5 6 :"}]},
                     {"question": "add 9 0 0 + 1 0 0 :", "answer": "1000", "example_id": 1,
                      "messages": [{"role": "user", "content": "add 9 0 0 + 1 0 0 :"}]}]
-    environment = verifiers_envs.load("demos.agent_verifiers")
-    assert environment is verifiers_envs.load("demos.agent_verifiers", {})  # once per process
+    environment = verifiers_data.load("demos.agent_verifiers")
+    assert environment is verifiers_data.load("demos.agent_verifiers", {})  # once per process
     dataset_row = dict(environment.get_dataset()[1])
     assert verifiers_envs.rollout_input(environment, rows[1]) == dataset_row
     # a row of a file: its text the user's question, after the environment's system prompt
@@ -33,25 +34,26 @@ def test_the_environments_dataset_is_the_runs_prompts_and_its_rows_go_back_as_th
 
 
 def test_what_cannot_be_loaded_is_named_with_its_key(tmp_path):
-    from common import verifiers_envs
+    from common import verifiers_data
+    from environments import verifiers_envs
     from common.config import load_config
     from common.prompts import read_rows
     from tests.helpers import base_config
 
     with pytest.raises(ConfigError, match=r"rollout.environment: verifiers could not load the environment "
                                           r"'no_such_environment': ValueError: Could not import"):
-        verifiers_envs.load("no_such_environment")
+        verifiers_data.load("no_such_environment")
     with pytest.raises(ConfigError, match=r"data.prompts: .*unexpected keyword argument 'rows'"):
         read_rows("verifiers:demos.agent_verifiers", environment_args={"rows": 3})
     with pytest.raises(ConfigError, match=r"eval.prompts: verifiers:demos.agent_verifiers gives no eval dataset"):
         read_rows("verifiers:demos.agent_verifiers#eval", "eval.prompts")
     with pytest.raises(ConfigError, match=r"TypeError: its load_environment returned a SimpleNamespace, not a "
                                           r"verifiers Environment"):
-        verifiers_envs.load("tests.test_verifiers_envs", {"kind": "not an environment"})
+        verifiers_data.load("tests.test_verifiers_envs", {"kind": "not an environment"})
     with pytest.raises(ConfigError, match=r"its Rubric scores groups of rollouts .*: tether scores each episode"):
-        verifiers_envs.load("tests.test_verifiers_envs", {"kind": "group rubric"})
+        verifiers_data.load("tests.test_verifiers_envs", {"kind": "group rubric"})
     with pytest.raises(ConfigError, match=r"its Rubric has no reward function"):
-        verifiers_envs.load("tests.test_verifiers_envs", {"kind": "no rubric"})
+        verifiers_data.load("tests.test_verifiers_envs", {"kind": "no rubric"})
     base = base_config(tmp_path, {"policy": "/p", "reward": "/r", "prompts": "/q"})
     with pytest.raises(ConfigError, match="rollout.environment_args are a verifiers environment's"):
         load_config(None, ['rollout.environment_args={"tools": false}'], base=base)
@@ -72,7 +74,8 @@ def test_episodes_from_threads_of_their_own_run_in_one_loop_and_keep_the_process
     import httpx
     from openai import AsyncOpenAI
 
-    from common import verifiers_envs
+    from common import verifiers_data
+    from environments import verifiers_envs
     from common.prompts import read_rows
 
     def handler(number, frame):
@@ -80,7 +83,7 @@ def test_episodes_from_threads_of_their_own_run_in_one_loop_and_keep_the_process
 
     before = signal.signal(signal.SIGTERM, handler)
     try:
-        environment = verifiers_envs.load("tests.test_verifiers_envs", {"kind": "loops"})
+        environment = verifiers_data.load("tests.test_verifiers_envs", {"kind": "loops"})
         assert signal.getsignal(signal.SIGTERM) is handler
     finally:
         signal.signal(signal.SIGTERM, before)

@@ -13,7 +13,7 @@ from tests.test_episodes import settle
 
 
 def test_a_rows_images_are_read_as_bytes_and_travel_packed(tmp_path):
-    from common.vision import decoded, pack_images, read_images, unpack_images
+    from common.images import decoded, pack_images, read_images, unpack_images
 
     red = write_image(tmp_path / "red.png", (50, 40), (255, 0, 0))
     blue = write_image(tmp_path / "b.png", (8, 8), (0, 0, 255))
@@ -33,8 +33,10 @@ def test_a_chats_image_parts_are_read_where_they_stand_and_text_models_and_rms_r
     given such a row is told it does not see; an RM of its own tokenizer reads the chat's text."""
     import base64
 
+    from common.image_prompts import vision_prompt_text
+    from common.images import read_images
+    from common.processors import load_processor
     from common.prompts import prompt_token_ids, read_rows, text_chat
-    from common.vision import load_processor, read_images, vision_prompt_text
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
@@ -72,7 +74,7 @@ def test_a_chats_image_parts_are_read_where_they_stand_and_text_models_and_rms_r
     ([3], '"images" must be a list of file paths'),
 ])
 def test_a_bad_image_is_an_error_naming_the_data_file_the_row_and_the_image(tmp_path, images, reason):
-    from common.vision import read_images
+    from common.images import read_images
 
     (tmp_path / "notes.txt").write_text("not an image")
     write_image(tmp_path / "red.png", (4, 4), (255, 0, 0))
@@ -82,15 +84,17 @@ def test_a_bad_image_is_an_error_naming_the_data_file_the_row_and_the_image(tmp_
 
 
 def test_image_prompts_that_do_not_fit_are_named_and_a_vision_policys_adapters_are_the_learners(tmp_path):
+    from common.image_prompts import vision_prompts
     from common.models import load_causal_lm
-    from common.vision import load_processor, sees_images, vision_prompts
+    from common.processors import load_processor, sees_images
 
     policy = tiny_vision_policy(tmp_path / "policy")
     assert sees_images(policy) and not sees_images(str(tmp_path)) and load_processor(str(tmp_path)) is None
     assert type(load_causal_lm(policy)).__name__ == "Idefics3ForConditionalGeneration"
     from common.config import load_config
     from tests.helpers import base_config
-    from weight_sync.lora import adapter_named_tensors, lora_sync, policy_with_lora, zero_adapter
+    from training.lora import policy_with_lora
+    from weight_sync.lora import adapter_named_tensors, lora_sync, zero_adapter
 
     assets = {"policy": policy, "reward": policy, "prompts": "/unused"}
     lora = ["learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2", "learner.lora_rank=4"]
@@ -109,7 +113,8 @@ def test_image_prompts_that_do_not_fit_are_named_and_a_vision_policys_adapters_a
     with pytest.raises(ConfigError, match=f"data.prompts: {data} prompt 1: its 1 image.s. take 6 more tokens .*the 5"):
         vision_prompts(rows, processor, 5, None, "data.prompts", data)
     # the length counted per image is the processor's expansion of the whole prompt: fits at it, not one less
-    from common.vision import expanded_ids, vision_prompt_text
+    from common.image_prompts import vision_prompt_text
+    from common.processors import expanded_ids
 
     two = [{"messages": [{"role": "user", "content": [
         {"type": "image", "image": "red.png"}, {"type": "text", "text": "or"}, {"type": "image", "image": "b.png"}]}]}]
@@ -158,7 +163,10 @@ def test_the_rollout_generates_from_image_prompts_and_episodes_that_show_images_
     import torch
     from transformers import Idefics3ForConditionalGeneration
 
-    from common.vision import decoded, image_paths, load_processor, pixel_inputs, unpack_images, vision_prompt_text
+    from common.image_prompts import vision_prompt_text
+    from common.images import decoded, unpack_images
+    from common.processors import load_processor, pixel_inputs
+    from common.prompts import image_paths
     from tests.environments import OTHER_SQUARE, SQUARE
     from tests.helpers import rollout_one_batch
 
@@ -256,7 +264,7 @@ def test_the_rollout_generates_from_image_prompts_and_episodes_that_show_images_
 
 
 def test_placeholders_expand_in_place_and_their_columns_grow_by_zeros():
-    from common.vision import expand_placeholders
+    from common.processors import expand_placeholders
 
     ids, (logprobs, mask) = expand_placeholders([5, 9, 6, 9], 9, [[1, 2], [3]], ([-0.5, 0.0, -0.25, 0.0], [1, 0, 1, 0]))
     assert ids == [5, 1, 2, 6, 3] and logprobs == [-0.5, 0, 0, -0.25, 0] and mask == [1, 0, 0, 1, 0]
@@ -304,10 +312,12 @@ def test_a_tools_image_is_shown_as_an_image_part_where_its_message_stands(tmp_pa
 
     from PIL import Image
 
-    from common.vision import decoded, load_processor
-    from rollout.environments import BadStep, Environments
+    from common.images import decoded
+    from common.processors import load_processor
+    from environments.interface import BadStep
+    from environments.native import Environments
     from rollout.episodes import Renderer
-    from rollout.tools import Tool, ToolCall, call_tool
+    from environments.tools import Tool, ToolCall, call_tool
 
     def look(colour: str):
         return Image.new("RGB", (20, 20), (0, 0, 255) if colour == "blue" else (255, 0, 0))
@@ -349,8 +359,8 @@ def test_a_reward_model_that_sees_scores_each_sample_on_its_ids_and_images_and_l
 
     from common.config import load_config
     from common.models import HEAD_FILE, ValueModel, load_reward_model
+    from common.processors import load_processor
     from common.sequences import collate
-    from common.vision import load_processor
     from scorer.main import Scorer
     from scorer.scoring import raw_scores, reward_scores
     from tests.helpers import base_config
@@ -380,7 +390,7 @@ def test_a_reward_model_that_sees_scores_each_sample_on_its_ids_and_images_and_l
     # LoRA on it, saved merged as the stages save it: the merged model's scores, read back
     from types import SimpleNamespace
 
-    from weight_sync.lora import merged_named_tensors, with_lora
+    from training.lora import merged_named_tensors, with_lora
 
     adapted = with_lora(load_reward_model(policy, "float32", processor.tokenizer), SimpleNamespace(
         lora_rank=4, lora_alpha=8, lora_target_modules=["all-linear"]), exclude=["head"]).eval()
@@ -460,7 +470,7 @@ def test_tether_rm_on_image_rankings_learns_what_the_image_shows_and_the_scorer_
 
 
 def pack(images: list[bytes]):
-    from common.vision import pack_images
+    from common.images import pack_images
 
     return pack_images(images)
 
@@ -473,8 +483,8 @@ def test_tether_eval_runs_episodes_that_show_images_and_the_scorer_reads_them_as
     import logging
 
     from common.config import load_config
+    from common.images import unpack_images
     from common.model_dirs import resolve_models
-    from common.vision import unpack_images
     from evaluator.main import evaluate
     from tests.helpers import base_config
 
@@ -505,8 +515,9 @@ def vision_episodes(tmp_path, environment: str, sees: bool, *overrides: str):
     import logging
 
     from common.config import load_config
-    from common.vision import load_processor, vision_prompts
-    from rollout.environments import Environments
+    from common.image_prompts import vision_prompts
+    from common.processors import load_processor
+    from environments.native import Environments
     from rollout.episodes import Episodes, Renderer
     from tests.helpers import base_config
 
@@ -545,9 +556,10 @@ def test_either_image_layout_batches_each_row_with_its_own_images(tmp_path, fami
 
     from common.config import SamplingConfig
     from common.distributions import logprobs_from_logits
+    from common.images import decoded, unpack_images
     from common.models import load_causal_lm
+    from common.processors import image_layout, load_processor, pixel_inputs
     from common.sequences import collate
-    from common.vision import decoded, image_layout, load_processor, pixel_inputs, unpack_images
     from learner.step import forward_logits
     from scorer.scoring import reference_logprobs
     from tests.helpers import tiny_llava_policy
@@ -601,15 +613,16 @@ def test_on_several_ranks_a_micro_batch_of_no_image_runs_the_image_path_and_read
     from common.config import SamplingConfig
     from common.distributions import logprobs_from_logits
     from common.models import ValueModel, load_causal_lm
+    from common.processors import load_processor
     from common.sequences import collate
-    from common.vision import load_processor
-    from learner import parallel
     from learner.step import forward_logits, forward_values
     from stages.dpo import logprob_sums
     from stages.examples import answered
     from stages.rm import scores_of
     from stages.sft import nll_sums
     from tests.helpers import tiny_llava_policy
+    from training import parallel
+    from training.blank_image import blank_image
 
     policy = (tiny_vision_policy if family == "idefics3" else tiny_llava_policy)(tmp_path / "policy")
     processor = load_processor(policy)
@@ -620,7 +633,8 @@ def test_on_several_ranks_a_micro_batch_of_no_image_runs_the_image_path_and_read
         next(m for name, m in module.named_modules() if name.endswith(("vision_model", "vision_tower"))
              ).register_forward_hook(
             lambda *_: towers.append(1))
-    part = collate(vision_samples(tmp_path, processor), pad, processor).select(torch.tensor([3]))  # no image
+    blank = blank_image(processor)  # the learner's: a batch of the scorer's has none
+    part = collate(vision_samples(tmp_path, processor), pad, processor, blank).select(torch.tensor([3]))  # no image
     prompt = tokenizer("plain:")["input_ids"]
     demonstration = answered(prompt, [prompt + tokenizer(" yes")["input_ids"]], [0])
     demonstration.loss_masks = [[0] * len(prompt) + [1] * (len(demonstration.rows[0]) - len(prompt))]
@@ -648,7 +662,8 @@ def test_the_blank_image_is_one_tile_where_the_family_cuts_images_into_tiles(tmp
     image into tiles (Idefics3 here: 17 for a 100x80 image at a 224-pixel edge), the blank is one."""
     from PIL import Image
 
-    from common.vision import blank_image, load_processor, pixel_inputs
+    from common.processors import load_processor, pixel_inputs
+    from training.blank_image import blank_image
 
     processor = load_processor(tiny_vision_policy(tmp_path / "policy"))
     processor.image_processor.do_image_splitting, processor.image_processor.size = True, {"longest_edge": 224}
@@ -691,7 +706,7 @@ def test_a_family_whose_images_are_neither_a_row_nor_an_image_each_is_refused_na
     (Its full processor cannot load here: its video processor imports torchvision.)"""
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from common.vision import image_layout
+    from common.processors import image_layout
 
     class Processor:  # the image processor is the real one; the processor around it holds it alone
         image_processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=56 * 56)
@@ -716,14 +731,15 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
 
     from common.config import SamplingConfig, load_config
     from common.distributions import logprobs_from_logits
+    from common.images import decoded, unpack_images
     from common.models import load_causal_lm
+    from common.processors import load_processor, pixel_inputs
     from common.sequences import collate
-    from common.vision import decoded, load_processor, pixel_inputs, unpack_images
     from learner.main import load_engines
-    from learner.parallel import init_distributed
     from learner.step import forward_logits, forward_values, ppo_step
     from tests.helpers import base_config
-    from weight_sync.lora import merged_named_tensors
+    from training.lora import merged_named_tensors
+    from training.parallel import init_distributed
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
@@ -793,7 +809,7 @@ def test_the_learners_logprobs_on_image_prompts_are_each_samples_own_forward_and
         assert all(("lora_" in name) == (lora_rank > 0) for name in moved), sorted(moved)[:4]
         if lora_rank:  # published merged, under the names vLLM loads (the in-place test's)
             assert [name for name, _ in merged_named_tensors(actor.module)] == names
-    from learner.checkpoints import save_hf_checkpoint
+    from training.checkpoints import save_hf_checkpoint
 
     checkpoint = save_hf_checkpoint(actor, policy, str(tmp_path / "final"))  # what eval and a resume load
     assert load_processor(checkpoint).image_seq_len == processor.image_seq_len
@@ -816,14 +832,16 @@ def test_a_vision_policys_published_weights_apply_in_place_and_its_images_are_se
 
     from common.config import SamplingConfig, load_config
     from common.distributions import logprobs_from_logits
+    from common.image_prompts import vision_prompt_ids, vision_prompt_text
+    from common.images import decoded, read_images
     from common.models import load_causal_lm
-    from common.vision import (banning_placeholder, decoded, load_processor, pixel_inputs, read_images,
-                               vision_prompt_ids, vision_prompt_text)
+    from common.processors import banning_placeholder, load_processor, pixel_inputs
     from rollout.adapters import PolicyAdapter, lora_arguments
     from rollout.engine import apply_weights, banned_words, make_vllm_engine
     from tests.helpers import base_config
+    from training.lora import policy_with_lora
     from weight_sync.buckets import ShmWeightWriter
-    from weight_sync.lora import adapter_named_tensors, policy_with_lora
+    from weight_sync.lora import adapter_named_tensors
 
     policy = tiny_vision_policy(tmp_path / "policy")
     processor = load_processor(policy)
@@ -921,8 +939,10 @@ def test_stage_rows_with_images_are_the_prompts_ppo_generates_from_and_batch_as_
     among them) gives each row the loss it has alone; `tether rm`'s rankings are read alike."""
     import torch
 
+    from common.image_prompts import vision_prompt_text
+    from common.images import read_images
     from common.models import load_causal_lm
-    from common.vision import expanded_ids, load_processor, read_images, vision_prompt_text
+    from common.processors import expanded_ids, load_processor
     from stages.examples import model_inputs, read_examples
     from stages.sft import nll_sums
 
@@ -1022,7 +1042,7 @@ def test_tether_sft_with_lora_on_a_policy_that_sees_writes_the_merged_model_of_i
     import torch
 
     from common.models import load_causal_lm
-    from common.vision import load_processor
+    from common.processors import load_processor
     from stages.examples import read_examples
     from stages.sft import nll_sums
     from tests.test_stages import marker
@@ -1054,7 +1074,7 @@ def test_tether_dpo_and_rm_with_lora_on_a_policy_that_sees_write_the_merged_mode
     import torch
 
     from common.models import load_causal_lm, load_reward_model
-    from common.vision import load_processor
+    from common.processors import load_processor
     from stages.dpo import figures_of, logprob_sums, pair_sums
     from stages.examples import read_examples
     from stages.rm import ranking_sums
@@ -1099,7 +1119,7 @@ def test_llavas_stage_rows_and_pairs_batch_each_with_its_own_images(tmp_path):
     import torch
 
     from common.models import load_causal_lm
-    from common.vision import load_processor
+    from common.processors import load_processor
     from stages.dpo import logprob_sums
     from stages.examples import model_inputs, read_examples
     from stages.sft import nll_sums

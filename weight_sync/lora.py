@@ -1,16 +1,16 @@
-"""What LoRA means on the wire and on disk, shared by the learner (which trains and publishes the
-adapters), the rollout (which applies them in vLLM), the scorer and the stages (which unwrap a
-LoRA model to its base): the adapter's name and config, how a model gets its adapters
-(``with_lora``), the tensors a version is made of (the adapters alone, or the merged weights under
-the base model's own names) and which of the two a run moves (``learner.lora_sync``).
+"""What a LoRA run moves on the wire, shared by the learner (which publishes the adapters) and the
+rollout (which applies them in vLLM): the adapter's name and config, the tensors a version is made
+of (the adapters alone, or the merged weights under the base model's own names:
+``training.lora.merged_named_tensors``) and which of the two a run moves (``learner.lora_sync``).
+How a model gets its adapters, which the stages share, is ``training.lora``'s.
 
 ``adapters``: with ``learner.lora_rank`` set, a policy version is its LoRA adapters alone. The
 learner publishes peft's adapter tensors (``base_model.model.<module>.lora_A.weight``, ...)
 through the same checked buckets as whole weights; the rollout writes them as a peft adapter
 directory and vLLM applies it on top of the base weights it loaded at start, which are the
 reference's (``rollout/adapters.py``). Version 0 is a zero adapter (peft starts B at 0), built from
-the same ``with_lora`` as the learner's on a model without memory (``meta``), so its names and
-shapes are the learner's. ``merged`` (the whole model, merged on the learner) stays for the
+the same ``policy_with_lora`` as the learner's on a model without memory (``meta``), so its names
+and shapes are the learner's. ``merged`` (the whole model, merged on the learner) stays for the
 families vLLM's LoRA does not serve (GPT-2, Bloom) and is what ``auto`` picks for them, saying why.
 The HF export is merged; the reference stays the frozen base.
 """
@@ -23,55 +23,11 @@ import os
 import torch
 from torch import nn
 
-from common.config import ConfigError, LearnerConfig, TetherConfig
+from common.config import ConfigError, TetherConfig
+from training.lora import ADAPTER, policy_with_lora
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 POLICY_ADAPTER = "policy"  # the name every rollout request's LoRARequest carries
-ADAPTER = "default"  # peft's name for the one adapter tether trains
-
-
-def with_lora(model: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = None) -> nn.Module:
-    """``model`` with LoRA adapters on ``cfg.lora_target_modules`` ("all-linear": every linear layer
-    but the output head) save the modules named in ``exclude`` (a reward model's score head, which
-    peft takes for one more linear layer), everything else frozen; ``model`` itself when
-    ``cfg.lora_rank`` is 0. ``cfg``: the learner's section or a stage's (same names)."""
-    if cfg.lora_rank == 0:
-        return model
-    from peft import LoraConfig, get_peft_model
-
-    target = "all-linear" if cfg.lora_target_modules == ["all-linear"] else cfg.lora_target_modules
-    return get_peft_model(model, LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=0.0,
-                                            target_modules=target, exclude_modules=exclude or None))
-
-
-def keeps_vision_tower(config: TetherConfig) -> bool:
-    """Whether the run keeps a policy's vision tower as the SFT model has it (frozen, no adapters):
-    a policy that sees, unless ``learner.train_vision_tower``. The actor's and the critic's alike."""
-    from common.vision import sees_images
-
-    return sees_images(config.models.policy) and not config.learner.train_vision_tower
-
-
-def policy_with_lora(model: nn.Module, config: TetherConfig) -> nn.Module:
-    """The policy ``model`` with the run's LoRA (``with_lora`` on ``learner``), its vision tower kept
-    where ``keeps_vision_tower``. The learner's actor and the rollout's zero adapter alike."""
-    from common.vision import freeze_vision_tower
-
-    return with_lora(model, config.learner, freeze_vision_tower(model) if keeps_vision_tower(config) else None)
-
-
-def critic_with_lora(critic: nn.Module, cfg: LearnerConfig, exclude: list[str] | None = None) -> nn.Module:
-    """A ``ValueModel`` with LoRA on its body save the modules named in ``exclude`` (a vision tower
-    left as it is); its value head trains whole (it is new or the RM's)."""
-    if cfg.lora_rank:
-        critic.body = with_lora(critic.body, cfg, exclude)
-    return critic
-
-
-def is_lora(model: nn.Module) -> bool:
-    from peft import PeftModel
-
-    return isinstance(model, PeftModel)
 
 
 @torch.no_grad()
@@ -83,30 +39,6 @@ def adapter_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [(name, tensor.detach()) for name, tensor in get_peft_model_state_dict(model, adapter_name=ADAPTER).items()]
 
 
-@torch.no_grad()
-def merged_named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """The model's tensors as the base model names them, each LoRA layer's weight merged
-    (W + B A x scaling) out of place: merging in place and back would drift the base weights by
-    rounding, version after version. A model without LoRA: its state dict as it is."""
-    if not is_lora(model):
-        return list(model.state_dict(keep_vars=True).items())
-    from peft.tuners.lora import LoraLayer
-
-    base = model.get_base_model()
-    layers = {name: module for name, module in base.named_modules() if isinstance(module, LoraLayer)}
-    merged = []
-    for name, tensor in base.state_dict(keep_vars=True).items():
-        if ".lora_" in name:
-            continue
-        if ".base_layer." in name:
-            layer_name, _, parameter = name.rpartition(".base_layer.")
-            if parameter == "weight":
-                tensor = tensor.detach() + layers[layer_name].get_delta_weight(ADAPTER).to(tensor.dtype)
-            name = f"{layer_name}.{parameter}"
-        merged.append((name, tensor))
-    return merged
-
-
 def lora_not_served(policy: str) -> str | None:
     """Why vLLM cannot apply LoRA adapters to the model in directory ``policy``; None when it can. A
     policy that sees has adapters on its connector too (``policy_with_lora``), which vLLM applies only
@@ -115,7 +47,7 @@ def lora_not_served(policy: str) -> str | None:
     from vllm.model_executor.models.interfaces import supports_lora
     from vllm.model_executor.models.registry import ModelRegistry
 
-    from common.vision import sees_images
+    from common.processors import sees_images
 
     with open(os.path.join(policy, "config.json")) as file:
         architectures = json.load(file).get("architectures") or []
@@ -168,7 +100,7 @@ def zero_adapter(config: TetherConfig) -> tuple[dict, dict]:
     from peft import get_peft_model_state_dict
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
-    from common.vision import sees_images
+    from common.processors import sees_images
 
     family = AutoModelForImageTextToText if sees_images(config.models.policy) else AutoModelForCausalLM
     with torch.device("meta"):

@@ -1,4 +1,5 @@
-"""The learning-rate schedule: a factor on ``actor_lr`` / ``critic_lr`` per learner step.
+"""The learning-rate schedule: a factor on ``actor_lr`` / ``critic_lr`` per learner step (on a stage's
+``lr`` per optimizer step).
 
 Linear warm-up over ``warmup_steps`` steps (step ``s`` < warm-up: ``(s + 1) / warmup_steps``), then
 ``constant``, ``linear`` or ``cosine`` decay from 1 to ``min_ratio`` at the last step:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import signal
 
-from learner import parallel
+from training import parallel
 
 
 class Preempted(RuntimeError):

@@ -1,6 +1,7 @@
-"""What the offline stages share: start-up (process group, seed, logging, metrics), the model in
-the learner's DeepSpeed engine, the batches of each optimizer step dealt to the ranks in
-micro-batches, one optimizer step, and the output written as an HF model directory.
+"""The offline stages' loop, over the training floor (``training``) the learner stands on too:
+start-up (process group, seed, logging, metrics), the model in its DeepSpeed engine, the batches of
+each optimizer step dealt to the ranks in micro-batches, one optimizer step, and the output
+written as an HF model directory.
 
 Every rank draws the same shuffle, so every rank knows the whole batch and each example's weight
 in its loss (tokens taught, pairs): a micro-batch's loss is its examples' summed loss over the
@@ -24,9 +25,9 @@ import torch
 
 from common.config import ConfigError, StageConfig, TetherConfig
 from common.runlog import MetricsWriter, metrics_writer, setup_logging
-from learner import micro_batches, parallel
-from learner.optimizer_step import guarded_step
 from stages.examples import Example
+from training import micro_batches, parallel
+from training.optimizer_step import guarded_step
 
 MARKER = "tether_stage.json"  # in a finished stage's output: the stage, its recipe and held-out figures
 
@@ -105,9 +106,9 @@ def restore(engine, stage: Stage) -> int:
 
 def after_step(engine, stage: Stage, step: int, stop) -> None:
     """Save the stage's state every ``checkpoint_every`` steps, and when a stop signal came (then
-    stop: ``learner.signals.Preempted``, for the exit code 128 + the signal). Every rank calls it."""
-    from learner.checkpoints import fsync_tree, replace_directory
-    from learner.signals import Preempted, signal_name
+    stop: ``training.signals.Preempted``, for the exit code 128 + the signal). Every rank calls it."""
+    from training.checkpoints import fsync_tree, replace_directory
+    from training.signals import Preempted, signal_name
 
     stopping = stop.requested()
     every = stage.cfg.checkpoint_every
@@ -149,8 +150,8 @@ def recipe_of(config: TetherConfig, name: str) -> dict:
 
 
 def engine_of(model, stage: Stage):
-    """``model`` (LoRA-wrapped with ``lora_rank``) in the learner's DeepSpeed engine."""
-    from learner.deepspeed_engine import deepspeed_engine
+    """``model`` (LoRA-wrapped with ``lora_rank``) in its DeepSpeed engine, as the learner's are."""
+    from training.deepspeed_engine import deepspeed_engine
 
     cfg = stage.cfg
     return deepspeed_engine(model, cfg.lr, cfg, cfg.dtype, cfg.batch_size)
@@ -177,19 +178,16 @@ def rank_parts(indices: torch.Tensor, examples: list[Example], stage: Stage) -> 
     """This rank's share of a batch (examples dealt by cost, so the ranks' shares are alike), in
     micro-batches of ``micro_batch_size`` examples and ``max_tokens_per_microbatch`` padded tokens
     at most, as many as every other rank has. An example's rows are never split."""
-    from learner.step import micro_batches_of
-
     costs = _costs([examples[int(i)] for i in indices])  # the batch's alone: positions in ``indices``
     mine = micro_batches.deal(torch.arange(len(indices)), costs, parallel.rank(), parallel.world_size())
-    return [indices[part].tolist() for part in micro_batches_of(mine, costs, stage.cfg, parallel.world_size())]
+    parts = micro_batches.micro_batches_of(mine, costs, stage.cfg, parallel.world_size())
+    return [indices[part].tolist() for part in parts]
 
 
 def forward_parts(examples: list[Example], stage: Stage) -> Iterator[list[Example]]:
     """``examples`` in the micro-batches a forward-only pass over all of them takes, on every rank
     the same (held-out figures, calibration, DPO's reference)."""
-    from learner.step import micro_batches_of
-
-    for part in micro_batches_of(torch.arange(len(examples)), _costs(examples), stage.cfg, 1):
+    for part in micro_batches.micro_batches_of(torch.arange(len(examples)), _costs(examples), stage.cfg, 1):
         yield [examples[int(i)] for i in part]
 
 
@@ -206,7 +204,7 @@ def train_step(engine, parts: list[list[int]], examples: list[Example], loss_sum
     summed statistics)`` for each micro-batch, scaled by the ranks over the batch's ``weight``
     (its tokens or pairs over all ranks), DeepSpeed accumulating to the boundary at the last. A
     step with NaN or inf gradients on any rank is skipped and counted in ``skipped`` (a
-    ``learner.optimizer_step.SkippedSteps``: too many in a row stop the stage). Returns the sums of the
+    ``training.optimizer_step.SkippedSteps``: too many in a row stop the stage). Returns the sums of the
     statistics over all ranks, and the gradient norm (NaN for a skipped step)."""
     world = parallel.world_size()
     sums: dict[str, float] = {}
@@ -257,7 +255,7 @@ def optimizer_steps(engine, stage: Stage, count: int) -> Iterator[tuple[int, int
     """(step, epoch, batch, learning rate) of each optimizer step left of training on ``count``
     examples, the rate set on ``engine`` (``lr_schedule``); the steps before a saved state the
     stage goes on from (``restore``, done here) are passed over."""
-    from learner.schedule import lr_factor, set_lr
+    from training.schedule import lr_factor, set_lr
 
     cfg, total, done = stage.cfg, total_steps(count, stage), restore(engine, stage)
     for step, (epoch, indices) in enumerate(epochs_of(count, stage), 1):
@@ -307,8 +305,8 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
     """The trained model as an HF directory at the stage's output (LoRA merged, as the rollout and
     scorer load it), the tokenizer of ``source`` beside it, ``config_updates`` in its config.json,
     and the marker that says the stage finished with this recipe. Every rank calls it."""
-    from learner.checkpoints import save_hf_checkpoint
-    from weight_sync.lora import is_lora
+    from training.checkpoints import save_hf_checkpoint
+    from training.lora import is_lora
 
     module = engine.module
     model_config = (module.get_base_model() if is_lora(module) else module).config
@@ -325,7 +323,7 @@ def save_output(engine, source: str, stage: Stage, figures: dict[str, float],
 
 def processor_of(stage: Stage):
     """The processor of the stage's model where it sees images (None: a text model)."""
-    from common.vision import load_processor
+    from common.processors import load_processor
 
     return load_processor(stage.cfg.model)
 

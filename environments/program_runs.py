@@ -6,10 +6,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any, Awaitable
 
-
-class PastDeadline(TimeoutError):
-    """An agent program that ran past ``rollout.agent_deadline_s``: its episode ends ``env_deadline``
-    as one whose answer the rollout's loop stops waiting for does, whichever of the two is seen first."""
+from environments.interface import PastDeadline
 
 
 async def within(program: Awaitable[Any], deadline_s: float) -> Any:

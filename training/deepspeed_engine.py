@@ -1,7 +1,7 @@
-"""The DeepSpeed engine of actor or critic: its config from ``learner.*``, the gradient guard that
-lets a step with NaN or inf gradients be skipped, and what the learner does with an engine's
-weights besides training them (a CPU snapshot, a swap for one forward, the whole parameters under
-ZeRO-3)."""
+"""The DeepSpeed engine of actor or critic, or of a stage's model: its config from ``learner.*`` (a
+stage's section, under the same names), the gradient guard that lets a step with NaN or inf
+gradients be skipped, and what the learner does with an engine's weights besides training them
+(a CPU snapshot, a swap for one forward, the whole parameters under ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def deepspeed_engine(model: nn.Module, lr: float, learner, dtype: str, rows_per_
     ds_config = {
         # a minibatch is dealt between the ranks (data parallel; as evenly as its rows allow: a batch of
         # episodes in parts may leave one rank a row fewer), each rank's share into micro-batches
-        # whose count varies (learner.micro_batches): ppo_step marks the last of them as the accumulation
+        # whose count varies (training.micro_batches): ppo_step marks the last of them as the accumulation
         # boundary itself, and scales each one's loss by its share; DeepSpeed averages the ranks' gradients
         "train_micro_batch_size_per_gpu": max(1, rows_per_step // world),
         "gradient_accumulation_steps": 1,

@@ -1,4 +1,6 @@
-"""Environments: what answers the policy's turns in an episode.
+"""Native environments: a user's, the run's tools and an OpenEnv server's sessions, each an
+``environments.interface.Environment`` (``NativeEnvironment``), and ``Environments``, which makes
+the run's kind of environment for each episode (an agent program's too: ``environments.agents``).
 
 ``rollout.environment: my_env:make`` names a factory called with the prompt's data row; it returns
 an object with
@@ -12,146 +14,107 @@ an object with
   (``{"type": "image", "image": <PNG bytes | PIL image | path>}``), which a policy that sees
   images is shown.
 
-Tools (``rollout.tools``) are an environment of their own: a turn with tool calls is answered with
+Tools (``environments.tools``) are an environment of their own: a turn with tool calls is answered with
 the tools' results; a turn without one goes to the configured environment, or ends the episode
-when there is none. Both are called in the rollout's worker threads, never on the engine's loop.
+when there is none. Both are called in threads of their own (``environments.threads``), never on
+the engine's loop.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+import threading
+from concurrent.futures import Future
 from typing import Any, Callable
 
-import numpy as np
-
-from common import verifiers_envs
+from common import verifiers_data
 from common.config import ConfigError, TetherConfig
 from common.functions import load_function
 from common.prompts import chat_of, text_chat
-from rollout import openenv
-from rollout.tools import Tool, ToolCallParser, ToolError, call_tool, is_part
+from environments import openenv, verifiers_envs
+from environments.interface import Observation, Step, Turn, ToolError, as_step, check_observation
+from environments.threads import in_thread
+from environments.tools import Tool, ToolCallParser, call_tool
 
 
-class TokenIds(list):
-    """An observation of token ids, appended as they are, past the chat template (an agent
-    program's completions call: the ids of what it added to its prompt). ``unsaid``: how many of
-    the policy's last ids the program's transcript leaves out (the stop token a completion's text
-    omits, which the program did not write back): they leave the episode's stream, so that the
-    stream is what the program's transcript tokenizes to."""
+class NativeEnvironment:
+    """An environment that answers as it is called (a user's ``reset`` and ``step``, the tools', an
+    OpenEnv session's) as an ``Environment``: each call in a thread of its own, the environment
+    itself made in the first (``make``: a user's factory may take a while). ``gives_turns``: its
+    ``step`` takes the engine's ``Turn`` too (the tools' and a server's: calls are read in its
+    tokens); a user's takes the text and the conversation."""
 
-    def __init__(self, ids=(), unsaid: int = 0) -> None:
-        super().__init__(ids)
-        self.unsaid = unsaid
+    tools = None  # what its prompts render is the run's (a server's tools are the run's: Environments.tool_schemas)
+    deadline = math.inf
+    turn_max_tokens = None
 
+    def __init__(self, make: Callable[[], Any], gives_turns: bool) -> None:
+        self.make, self.gives_turns = make, gives_turns
+        self.inner: Any = None
+        self.lock = threading.Lock()
+        self.made = False  # its first call is over: it made the environment, or failed to
+        self.closing: Future | None = None  # once closed: the close under way, or done
 
-@dataclass
-class Restart:
-    """An observation that starts the episode's context over (an agent program that rewrote or
-    compacted its conversation): ``first`` is the new context's start, rendered as a reset's; the
-    episode's tokens so far become a part of their own and its next part starts there
-    (rollout.episodes, ``episode_splits``)."""
-    first: "str | list[dict] | TokenIds"
+    def begin_reset(self) -> Future:
+        return in_thread(self._reset)
 
+    def begin_step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
+        if self.gives_turns:
+            return in_thread(lambda: as_step(self.inner.step(response, messages, turn)))
+        return in_thread(lambda: as_step(self.inner.step(response, messages)))
 
-Observation = str | list[dict] | TokenIds | Restart | None
+    def begin_last(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
+        """Nothing answers a cut turn: the episode ends with it."""
+        last: Future = Future()
+        last.set_result(Step(done=True))
+        return last
 
+    def close(self) -> Future | None:
+        """Its ``close``, if it has one (an OpenEnv session's), in a thread; one not made yet is
+        closed as soon as it is (the episode ended during its reset)."""
+        with self.lock:
+            if self.closing is not None:
+                return self.closing
+            self.closing = Future() if not self.made else None
+            if self.closing is not None:  # resolved by _reset, once made
+                return self.closing
+            inner = self.inner
+        close = getattr(inner, "close", None)
+        if close is None:
+            return None
+        self.closing = in_thread(close)
+        return self.closing
 
-class EnvironmentFailing(RuntimeError):
-    """``rollout.env_failure_limit`` episodes in a row ended by their environment: the run ends
-    (exit code 4), since every later episode would fail the same way."""
+    def _reset(self) -> Observation:
+        try:
+            inner = self.make()
+        except BaseException:
+            self._made(None)
+            raise
+        if self._made(inner):
+            return None
+        reset = getattr(inner, "reset", None)
+        return check_observation(reset()) if reset is not None else None
 
-
-class BadStep(ValueError):
-    """An environment returned something that is not a step (its episode ends: ``env_error``)."""
-
-
-@dataclass
-class Step:
-    observation: Observation = None
-    reward: float = 0.0
-    done: bool = False
-    tool_calls: int = 0  # calls answered in this step
-    tool_errors: list[ToolError] = field(default_factory=list)  # what went wrong with each call that failed
-    metrics: dict[str, float] = field(default_factory=dict)  # an agent program's figures of its episode
-
-
-@dataclass
-class Turn:
-    """The policy's turn as the engine gave it, for an environment that answers with its tokens (an
-    agent program's, whose reply carries logprobs): the ids it continued, and its own ids and logprobs."""
-    prompt_length: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str = "stop"  # "length": cut at the call's own max_tokens
-
-
-def as_step(value: Any) -> Step:
-    """An environment's answer as a ``Step``; anything else is a ``BadStep`` saying what it was.
-    Types are taken as they are, never coerced: ``done="False"`` would be true and ``reward="0.5"``
-    a string an environment meant as something else, so both are refused, as is a dict that lacks
-    one of the three keys (``{}`` would be a step that says nothing)."""
-    if isinstance(value, Step):
-        step = value
-    elif isinstance(value, dict):
-        keys = {"observation", "reward", "done"}
-        if set(value) != keys:
-            missing, extra = sorted(keys - set(value)), sorted(set(value) - keys)
-            raise BadStep("step returned a dict " + "; ".join(
-                part for part in (f"without {', '.join(missing)}" if missing else "",
-                                  f"with unknown keys {', '.join(map(str, extra))}" if extra else "") if part)
-                          + ": expected the keys observation, reward and done")
-        step = Step(value["observation"], value["reward"], value["done"])
-    elif isinstance(value, tuple) and len(value) == 3:
-        step = Step(*value)
-    else:
-        raise BadStep(f"step returned {type(value).__name__}: expected Step(observation, reward, done), "
-                      "a 3-tuple or a dict of those keys")
-    check_observation(step.observation)
-    # a number is what converts itself (int, float, numpy's, a 0-d tensor); text converts only by parsing
-    if isinstance(step.reward, (bool, np.bool_)) or not hasattr(type(step.reward), "__float__"):
-        raise BadStep(f"step's reward is {step.reward!r} ({type(step.reward).__name__}), not a number")
-    try:
-        step.reward = float(step.reward)
-    except (TypeError, ValueError) as error:  # a tensor of several elements
-        raise BadStep(f"step's reward is {step.reward!r:.80}, not one number ({error})") from None
-    if not math.isfinite(step.reward):
-        raise BadStep(f"step's reward is {step.reward}")
-    if not isinstance(step.done, (bool, np.bool_)):
-        raise BadStep(f"step's done is {step.done!r} ({type(step.done).__name__}), not True or False")
-    step.done = bool(step.done)
-    return step
-
-
-def _is_content(content: Any) -> bool:
-    """Text, or a list of text and image parts (``rollout.tools.is_part``)."""
-    return isinstance(content, str) or isinstance(content, list) and all(map(is_part, content))
-
-
-def check_observation(observation: Any) -> Observation:
-    """Text, a list of ``{"role": str, "content": str | parts}`` messages, ``TokenIds`` or None; else
-    ``BadStep``. A message's content may be a list of text and image parts (a policy that sees
-    images reads the images)."""
-    if observation is None or isinstance(observation, str):
-        return observation
-    if isinstance(observation, TokenIds) and all(isinstance(token, int) for token in observation):
-        return observation
-    if isinstance(observation, Restart) and observation.first is not None:
-        check_observation(observation.first)
-        return observation
-    if isinstance(observation, list) and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and _is_content(m.get("content"))
-            for m in observation):
-        return observation
-    raise BadStep(f"an observation is text or a list of {{'role', 'content'}} messages (content: text or a list of "
-                  f"text and image parts), not {observation!r:.200}")
+    def _made(self, inner: Any) -> bool:
+        """``inner`` is the episode's; True where the episode ended as it was made: it is closed here."""
+        with self.lock:
+            self.inner, self.made, closing = inner, True, self.closing
+        if closing is None:
+            return False
+        try:
+            close = getattr(inner, "close", None)
+            if close is not None:
+                close()
+        finally:
+            closing.set_result(None)
+        return True
 
 
 class ToolEnvironment:
     """Answers a turn's tool calls with the tools' results (one tool message each); a turn without
-    a call is the episode's answer: it goes to ``inner``'s step, or ends the episode."""
-
-    reads_turns = True  # the calls are read in the turn's tokens (ToolCallParser.text_of), special tokens kept
+    a call is the episode's answer: it goes to ``inner``'s step, or ends the episode. The calls are
+    read in the turn's tokens (``ToolCallParser.text_of``), special tokens kept."""
 
     def __init__(self, tools: dict[str, Tool], inner: Any | None, parser: "ToolCallParser",
                  shows_images: bool = False) -> None:
@@ -176,12 +139,10 @@ class ToolEnvironment:
 
 
 class OpenEnvEnvironment:
-    """An episode against an OpenEnv server (``rollout.environment: openenv:<url>``, rollout/openenv.py):
+    """An episode against an OpenEnv server (``rollout.environment: openenv:<url>``, environments/openenv.py):
     a turn's tool calls are steps of ``call_tool`` and their results tool messages; a turn without
     one is a step of the text action (its observation the user's next message), or, on a server of
     tools alone, the episode's end. A data row's ``reset`` object goes with the reset."""
-
-    reads_turns = True  # calls are read in the turn's tokens (ToolCallParser.text_of)
 
     def __init__(self, server: "openenv.OpenEnv", row: dict) -> None:
         self.server, self.row = server, row
@@ -233,15 +194,13 @@ class Environments:
     """Makes one environment per episode, as the config says: the factory's, wrapped with the tools."""
 
     def __init__(self, factory: Callable[[dict], Any] | None, tools: dict[str, Tool],
-                 server: "openenv.OpenEnv | None" = None) -> None:
-        """``server``: the OpenEnv server the factory's episodes play against, whose tools are theirs."""
-        self.factory, self.tools, self.server = factory, tools, server
+                 server: "openenv.OpenEnv | None" = None, answering: Callable[[dict], Any] | None = None) -> None:
+        """``server``: the OpenEnv server the factory's episodes play against, whose tools are theirs;
+        ``answering``: what makes each episode's ``Environment`` itself from its row, in place of a
+        native one (an agent program's, ``AgentPrograms.make``)."""
+        self.factory, self.tools, self.server, self.answering = factory, tools, server, answering
         self.parser: ToolCallParser | None = None  # read_calls_with's, once the tokenizer is there
         self.shows_images = False  # showing_images's
-        # its environments answer by futures (``begin_reset``, ``begin_step``: an agent program's, whose
-        # own thread gives the answer), made and called in the rollout's loop with no thread of their own
-        # (but for a reset after a back-off)
-        self.answers_later = False
 
     def showing_images(self, images: list[list[bytes]]) -> "Environments":
         """For a policy that sees, whose prompts show ``images``: tools' images are shown to it. An
@@ -257,18 +216,16 @@ class Environments:
     def load(environment: str | None, tools: dict[str, Tool], agent=None,
              step_deadline_s: float = 30.0) -> "Environments | None":
         """None where the config names neither: single responses, no episodes. ``agent``: a
-        ``rollout.agents.AgentPrograms``, whose episodes are its program's calls; ``environment``
+        ``environments.agents.AgentPrograms``, whose episodes are its program's calls; ``environment``
         ``openenv:<url>``: an OpenEnv server's episodes, each message's answer awaited at most
         ``step_deadline_s`` (``rollout.env_step_deadline_s``: past it the rollout ends the episode)."""
         if agent is not None:
-            environments = Environments(agent.make, {})
-            environments.answers_later = True
-            return environments
+            return Environments(None, {}, answering=agent.make)
         if environment is None and not tools:
             return None
-        if verifiers_envs.environment_id(environment) is not None:
+        if verifiers_data.environment_id(environment) is not None:
             raise ConfigError("rollout.environment: a verifiers environment's episodes are an agent program's "
-                              "(rollout.agents.agent_programs); give Environments.load its programs")
+                              "(environments.agents.agent_programs); give Environments.load its programs")
         if environment and environment.startswith(openenv.PREFIX):
             if tools:
                 raise ConfigError("rollout.tools: an OpenEnv server's tools are its own (MCP); leave rollout.tools "
@@ -289,12 +246,19 @@ class Environments:
             self.server.parser = ToolCallParser(parser_name, tokenizer, self.server.tools, reasoning)
         return self
 
-    def make(self, row: dict) -> Any:
+    def make(self, row: dict):
+        """The episode's ``Environment`` for its data ``row`` (a native one is made in its reset's
+        thread: a factory may take a while)."""
+        if self.answering is not None:
+            return self.answering(row)
+        if self.tools and self.parser is None:
+            raise RuntimeError("Environments.read_calls_with was not called: tool calls cannot be read")
+        return NativeEnvironment(lambda: self._made(row), gives_turns=bool(self.tools) or self.server is not None)
+
+    def _made(self, row: dict) -> Any:
         inner = self.factory(row) if self.factory is not None else None
         if inner is not None and not self.tools:
             return inner
-        if self.parser is None:
-            raise RuntimeError("Environments.read_calls_with was not called: tool calls cannot be read")
         return ToolEnvironment(self.tools, inner, self.parser, self.shows_images)
 
     @property

@@ -1,5 +1,5 @@
-"""Data parallelism between the learner's ranks: who holds which rows, and the few collectives
-the step needs besides DeepSpeed's own gradient all-reduce.
+"""Data parallelism between the ranks (the learner's, a stage's): who holds which rows, and the few
+collectives a step needs besides DeepSpeed's own gradient all-reduce.
 
 Every rank holds the whole batch (rank 0 receives it from the buffer and broadcasts its message
 frames: the same bytes, decoded by the same codec, nothing pickled). Each rank computes the

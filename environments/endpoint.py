@@ -4,9 +4,9 @@ agent programs (``rollout.agent``), answered by the rollout's own engine.
 Each call carries its episode's key (``Authorization: Bearer <key>``); a key the rollout did not
 give, or whose episode has ended, is refused (401, 404), so one episode never reads another's
 tokens. The request is vLLM's own ``ChatCompletionRequest`` (validated as vLLM's server validates
-it; what an episode's call may not ask for is refused with 400, ``rollout.agents.refusal``) and
+it; what an episode's call may not ask for is refused with 400, ``environments.agents.refusal``) and
 the answer vLLM's ``ChatCompletionResponse``. The handler hands the call to the episode
-(``rollout.agents.AgentEnvironment.offer``) and awaits its answer, which the rollout's loop gives
+(``environments.agents.AgentEnvironment.offer``) and awaits its answer, which the rollout's loop gives
 once the engine has generated the turn, batched with every other request.
 """
 

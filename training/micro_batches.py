@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from common.config import LearnerConfig, StageConfig
+from training import parallel
+
 
 def plan(lengths: torch.Tensor, max_rows: int | None = None, max_tokens: int | None = None) -> list[torch.Tensor]:
     """Micro-batches of the rows whose lengths are ``lengths`` [n] (long): a list of index tensors
@@ -57,6 +60,16 @@ def split_to(parts: list[torch.Tensor], lengths: torch.Tensor, count: int) -> li
         part = parts.pop(costliest)
         parts[costliest:costliest] = [part[:len(part) // 2], part[len(part) // 2:]]
     return parts
+
+
+def micro_batches_of(rows: torch.Tensor, lengths: torch.Tensor, cfg: LearnerConfig | StageConfig,
+                     world: int) -> list[torch.Tensor]:
+    """This rank's ``rows`` (indices into the batch, whose sequences are ``lengths`` [B] long) in
+    micro-batches of ``cfg.micro_batch(world)`` rows and ``cfg.max_tokens_per_microbatch`` padded
+    tokens at most, as many as any other rank has (``plan``, then ``split_to``)."""
+    parts = plan(lengths[rows], cfg.micro_batch(world), cfg.max_tokens_per_microbatch)
+    count = parallel.max_over_ranks(len(parts))
+    return [rows[part] for part in split_to(parts, lengths[rows], count)]
 
 
 def padded_tokens(parts: list[torch.Tensor], lengths: torch.Tensor) -> int:

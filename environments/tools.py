@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 from common.config import ConfigError
 from common.functions import load_function
+from environments.interface import ToolError, is_part
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
@@ -194,23 +195,12 @@ def tool_parser_names() -> list[str]:
     return list(ToolParserManager.list_registered())
 
 
-@dataclass
-class ToolError:
-    """What went wrong with one call: its ``kind`` (``malformed``, ``unknown_tool``, ``raised``,
-    ``unserialisable``: what ``tool_errors`` counts), the tool and arguments, and the detail
-    (a raised error's traceback) for the rollout's log."""
-    kind: str
-    tool: str | None
-    arguments: dict
-    detail: str
-
-
 def call_tool(tools: dict[str, Tool], call: ToolCall, shows_images: bool = False
               ) -> tuple[str | list[dict], ToolError | None]:
     """The tool message's content for ``call``, and what went wrong if anything did (then the
     content is that error, for the policy to read). A result of text is the content; an image (a PIL
     image) or a list of text and image parts (``{"type": "text", "text": ...}``, ``{"type":
-    "image", ...}``: common.vision.part_image) is shown as parts where the policy sees images
+    "image", ...}``: common.images.part_image) is shown as parts where the policy sees images
     (``shows_images``; an image to one that does not is an error it reads); anything else is its
     JSON."""
     if call.name is None:
@@ -239,14 +229,6 @@ def call_tool(tools: dict[str, Tool], call: ToolCall, shows_images: bool = False
         return f"error: {message}", ToolError("unserialisable", call.name, call.arguments, message)
 
 
-def is_part(part: Any) -> bool:
-    """A message part tether shows: ``{"type": "text", "text": str}``, or an image part (``{"type":
-    "image", ...}``, ``{"type": "image_url", ...}``; its image is read where it is rendered,
-    ``common.vision.part_image``)."""
-    return isinstance(part, dict) and (part.get("type") in ("image", "image_url")
-                                       or part.get("type") == "text" and isinstance(part.get("text"), str))
-
-
 def _parts(result: Any) -> list[dict] | None:
     """A tool's result as message parts, where it is an image (a PIL image) or a list of text and
     image parts; else None."""
@@ -258,7 +240,7 @@ def _parts(result: Any) -> list[dict] | None:
 
 
 def load_tools(specs: list[str], schemas: bool = True) -> dict[str, Tool]:
-    """``rollout.tools`` -> the tools by name (``schemas``: with their schemas); two with one name is
+    """``environments.tools`` -> the tools by name (``schemas``: with their schemas); two with one name is
     an error naming both."""
     tools: dict[str, Tool] = {}
     for i, spec in enumerate(specs):

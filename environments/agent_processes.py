@@ -1,4 +1,4 @@
-"""Agent programs in processes of their own (``rollout.agent_processes``), off the engine's core.
+"""Agent programs in processes of their own (``environments.agent_processes``), off the engine's core.
 
 A program run in the rollout's process shares its interpreter with the engine's loop: the openai
 client's work inside a program (building each request, parsing each reply) costs the rollout's
@@ -10,13 +10,12 @@ side; a plain function's reach the endpoint through 127.0.0.1. Each call carries
 key. A program that blocks its process's loop (a tool called without await) holds up every
 episode of that process, not its own alone, as it would in the threads of the rollout's.
 
-The messages are JSON, one a frame, checked on receipt (``_checked``): to a process
-``{"kind": "run", "key", "row"}``, ``{"kind": "cancel", "key"}`` (the episode ended first) and
-``{"kind": "answer", "key", "id", "status", "answer", "streamed"}``; from it ``{"kind": "return",
-"key", "value"}``, ``{"kind": "raise", "key", "error": {"type", "message", "traceback", "where"}}``
-and ``{"kind": "call", "key", "id", "path", "body"}`` (the key: the call's ``Authorization``). A
-process that dies, or sends what is not such a message, fails the episodes it held (env_error)
-and a new one takes the next.
+The messages are ``protocol``'s (``program_run``, ``program_cancel`` and ``program_answer`` to a
+process; ``program_call``, ``program_return`` and ``program_raise`` from it: declared in
+``protocol.schema``), one msgpack envelope a frame, each checked on receipt; here a message is
+the dict ``{"kind": "run", "key": ..., <its fields>}`` (``pack``, ``unpack``). A process that dies,
+or sends what is not such a message, fails the episodes it held (env_error) and a new one takes
+the next.
 """
 
 from __future__ import annotations
@@ -37,11 +36,9 @@ from typing import Any, Callable
 
 import httpx
 
-from rollout.program_runs import PastDeadline, episode_client, within
-
-KINDS = {"run": ("row",), "cancel": (), "return": ("value",), "raise": ("error",), "call": ("id", "path", "body"),
-         "answer": ("id", "status", "answer", "streamed")}
-TYPES = {"call": {"id": int, "path": str, "body": str}, "answer": {"id": int, "status": int, "streamed": bool}}
+from environments.interface import PastDeadline
+from environments.program_runs import episode_client, within
+from protocol.codec import ProtocolError, decode, encode
 
 
 class RemoteTraceback(Exception):
@@ -80,7 +77,7 @@ class ProgramProcess:
         arguments = json.dumps({"program": program, "base_url": base_url, "deadline_s": deadline_s,
                                 "cores": cores, "path": sys.path, "socket": theirs.fileno()})
         environment = {**os.environ, "PYTHONPATH": os.pathsep.join(path for path in sys.path if path)}
-        self.process = subprocess.Popen([sys.executable, "-m", "rollout.agent_processes", arguments],
+        self.process = subprocess.Popen([sys.executable, "-m", "environments.agent_processes", arguments],
                                         pass_fds=(theirs.fileno(),), stdin=subprocess.DEVNULL, env=environment)
         theirs.close()
         self.connection = Connection(ours.detach())
@@ -111,7 +108,7 @@ class ProgramProcess:
     def write(self) -> None:
         while (message := self.outbox.get()) is not None:
             try:
-                self.connection.send_bytes(json.dumps(message).encode())
+                self.connection.send_bytes(pack(message))
             except (OSError, ValueError):  # it died: the reader fails what it held
                 return
 
@@ -119,10 +116,10 @@ class ProgramProcess:
         why = None
         while True:
             try:
-                message = _checked(json.loads(self.connection.recv_bytes()), ("return", "raise", "call"))
+                message = unpack(self.connection.recv_bytes(), ("return", "raise", "call"))
             except (EOFError, OSError):
                 break
-            except (ValueError, TypeError, KeyError, RecursionError) as error:  # not a message of this protocol: it cannot be trusted
+            except ProtocolError as error:  # not a message of this protocol: it cannot be trusted
                 why = f"it sent what is not an answer ({error})"
                 break
             if message["kind"] == "call":
@@ -198,7 +195,7 @@ class ProgramProcesses:
 
     def answer(self, call: dict, send: Callable[[dict], None]) -> None:
         """A program's ``call`` message answered by the endpoint, its answer message to ``send``."""
-        from rollout.endpoint import InProcess
+        from environments.endpoint import InProcess
 
         def reply(status: int, answer: Any, streamed: bool = False) -> None:
             send({"kind": "answer", "key": call["key"], "id": call["id"], "status": status, "answer": answer,
@@ -216,19 +213,20 @@ class ProgramProcesses:
             process.close()
 
 
-def _checked(message: Any, kinds: tuple[str, ...]) -> dict:
-    """``message`` if it is one of ``kinds`` with its fields (``KINDS``), else ``ValueError``."""
-    if not isinstance(message, dict) or message.get("kind") not in kinds or not isinstance(message.get("key"), str):
-        raise ValueError(f"not a {' or '.join(kinds)} message: {str(message)[:200]}")
-    missing = [name for name in KINDS[message["kind"]] if name not in message]
-    if missing or (message["kind"] == "raise" and not isinstance(message["error"], dict)):
-        raise ValueError(f"a {message['kind']} message without {', '.join(missing) or 'its error'}")
-    types = TYPES.get(message["kind"], {})
-    wrong = [name for name, kind in types.items() if type(message[name]) is not kind]
-    if wrong:
-        raise ValueError(f"a {message['kind']} message whose {', '.join(wrong)} "
-                         f"{'is not' if len(wrong) == 1 else 'are not'} {', '.join(types[n].__name__ for n in wrong)}")
-    return message
+def pack(message: dict) -> bytes:
+    """``{"kind": k, ...fields}`` as the one frame of protocol message ``program_<k>``; what the
+    schema refuses is a ``ProtocolError``, what msgpack cannot hold its ``TypeError``."""
+    kind, fields = message["kind"], {name: value for name, value in message.items() if name != "kind"}
+    return bytes(encode(f"program_{kind}", fields)[0])
+
+
+def unpack(data: bytes, kinds: tuple[str, ...]) -> dict:
+    """The message in ``data`` as ``{"kind", ...fields}`` if it is one of ``kinds``, else ``ProtocolError``."""
+    message = decode([data])
+    kind = message.type.removeprefix("program_")
+    if kind not in kinds or not message.type.startswith("program_"):
+        raise ProtocolError(f"a {message.type} message where a {' or '.join(kinds)} message was expected")
+    return {"kind": kind, **message.fields}
 
 
 # the process's side
@@ -279,14 +277,14 @@ async def _serve(connection, function, base_url: str, deadline_s: float) -> None
     def readable() -> None:
         try:
             while connection.poll():
-                message = _checked(json.loads(connection.recv_bytes()), ("run", "cancel", "answer"))
+                message = unpack(connection.recv_bytes(), ("run", "cancel", "answer"))
                 if message["kind"] == "answer":
                     calls.answered(message)
                 elif message["kind"] == "run":
                     tasks[message["key"]] = loop.create_task(episode(message["key"], message["row"]))
                 elif message["key"] in tasks:
                     tasks[message["key"]].cancel()
-        except (EOFError, OSError, ValueError, RecursionError):  # the rollout closed it, or died, or is not the rollout
+        except (EOFError, OSError, ProtocolError):  # the rollout closed it, or died, or is not the rollout
             if not closed.done():
                 closed.set_result(None)
 
@@ -318,7 +316,7 @@ class OverConnection(httpx.AsyncBaseTransport):
             message = await answer
         finally:
             self.waiting.pop(number, None)
-        from rollout.endpoint import http_response
+        from environments.endpoint import http_response
 
         return http_response(request, message["status"], message["answer"], message["streamed"])
 
@@ -330,13 +328,13 @@ class OverConnection(httpx.AsyncBaseTransport):
 
 def _send(connection, message: dict) -> None:
     try:
-        data = json.dumps(message)
-    except (TypeError, ValueError) as error:  # a return JSON cannot hold
-        data = json.dumps({"kind": "raise", "key": message["key"], "error": _described(TypeError(
-            f"the agent program returned {type(message.get('value')).__name__}, which JSON cannot hold ({error}): "
-            "a reward is a number, None or a dict of numbers"))})
+        data = pack(message)
+    except (TypeError, ValueError, OverflowError, ProtocolError) as error:  # a return msgpack cannot hold
+        data = pack({"kind": "raise", "key": message["key"], "error": _described(TypeError(
+            f"the agent program returned {type(message.get('value')).__name__}, which a message cannot hold "
+            f"({error}): a reward is a number, None or a dict of numbers"))})
     try:
-        connection.send_bytes(data.encode())
+        connection.send_bytes(data)
     except (OSError, ValueError):  # the rollout is gone
         pass
 

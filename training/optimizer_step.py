@@ -11,8 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
-from learner import parallel
-from learner.deepspeed_engine import skip_step
+from training import parallel
+from training.deepspeed_engine import skip_step
 
 log = logging.getLogger("learner")
 

@@ -42,7 +42,7 @@ CLOSE_DEADLINE_S = 5.0  # the server's close after ours (the episode's end waits
 class OpenEnv:
     """An OpenEnv server: its action's text field or ``action(text) -> dict``, its tools, checked
     at once (a server that is down or whose action takes no text is a ``ConfigError``); each
-    episode a ``Session`` (``rollout.environments.OpenEnvEnvironment``)."""
+    episode a ``Session`` (``environments.native.OpenEnvEnvironment``)."""
 
     def __init__(self, url: str, action: Callable[[str], dict] | None = None, deadline_s: float = 30.0,
                  key: str = "rollout.environment") -> None:
@@ -57,7 +57,7 @@ class OpenEnv:
                               "the run") from None
         self.tools = self._list_tools()
         self.action = action or _text_action(schema.get("action", {}), self.tools, key, self.url)
-        self.parser = None  # rollout.tools.ToolCallParser of the tools, from Environments.read_calls_with
+        self.parser = None  # environments.tools.ToolCallParser of the tools, from Environments.read_calls_with
 
     def _list_tools(self) -> list[dict] | None:
         """The server's MCP tools as OpenAI function schemas (None without any)."""
@@ -143,7 +143,7 @@ def _text_action(schema: dict, tools: list[dict] | None, key: str, url: str) -> 
         field = texts[0]
         return lambda text: {field: text}
     raise ConfigError(f"{key}: the OpenEnv server at {url} takes actions of {sorted(properties)} (required "
-                      f"{required}), not one text field: make its episodes with rollout.openenv.OpenEnv(url, "
+                      f"{required}), not one text field: make its episodes with environments.openenv.OpenEnv(url, "
                       "action=lambda text: {...}) in a factory of your own")
 
 

@@ -10,9 +10,9 @@ import json
 import os
 import shutil
 
-from learner import parallel
-from learner.deepspeed_engine import full_parameters
-from weight_sync.lora import is_lora, merged_named_tensors
+from training import parallel
+from training.deepspeed_engine import full_parameters
+from training.lora import is_lora, merged_named_tensors
 
 
 
@@ -29,7 +29,7 @@ def save_tokenizer(source: str, directory: str) -> None:
     transformers 5 keeps in ``chat_template.jinja``. The model's ``generation_config.json`` (its
     sampling defaults) comes along where the model's own save did not write one."""
     _tokenizer_of(source).save_pretrained(directory)
-    from common.vision import load_processor
+    from common.processors import load_processor
 
     # a policy that sees: its image processor too, or no role could read it (its layout was checked at start)
     processor = load_processor(source, check_layout=False)

@@ -2,7 +2,7 @@
 
 A program is ``run(client, row) -> reward``: ``client`` an ``openai.AsyncOpenAI`` (an ``openai.
 OpenAI`` for a plain function) with its episode's key, pointed at the rollout's endpoint
-(``rollout.endpoint``: an async client reaches it in this process without HTTP, a plain one
+(``environments.endpoint``: an async client reaches it in this process without HTTP, a plain one
 through 127.0.0.1), ``row`` the prompt's data row; it returns the episode's reward, a number (or a dict
 with ``reward``). Each episode's program runs in a thread of its own, within
 ``rollout.agent_deadline_s``; the threads, their event loops and clients serve one episode after
@@ -16,7 +16,7 @@ ends the episode with its reward on the last token. So the tokens trained are th
 generated and the ids of what came between, never a re-tokenized conversation, and the deadlines,
 failure accounting and groups of episodes hold as they do for environments. A program that
 rewrites its earlier messages (a compacted context) starts a new part of the episode from the
-rewritten conversation (``rollout.environments.Restart``: counted as ``episode_splits``); a
+rewritten conversation (``environments.native.Restart``: counted as ``episode_splits``); a
 program that raises, hangs past ``rollout.env_step_deadline_s`` or returns what is not a reward
 ends it as an environment would (``env_error``, ``env_deadline``).
 """
@@ -39,23 +39,24 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout  # the builtin one from Python 3.11
 from typing import Any, Callable
 
-from common import verifiers_envs
+from common import verifiers_data
 from common.functions import load_function
-from rollout.endpoint import Call, Endpoint, HTTPError
-from rollout.environments import BadStep, Restart, Step, TokenIds, Turn, as_step
-from rollout.program_runs import PastDeadline, episode_client, within
-from rollout.tools import ToolCallParser, ToolError
+from environments import verifiers_envs
+from environments.endpoint import Call, Endpoint, HTTPError
+from environments.interface import (BadStep, PastDeadline, Restart, Step, TokenIds, ToolError, Turn, as_step,
+                                    check_observation)
+from environments.program_runs import episode_client, within
+from environments.tools import ToolCallParser
 
 
 def agent_programs(config, tokenizer) -> "AgentPrograms | None":
     """``rollout.agent``'s (or ``rollout.agent_command``'s, or a verifiers environment's:
-    ``common.verifiers_envs``) programs and their endpoint, or None without one; its calls' tool
+    ``environments.verifiers_envs``) programs and their endpoint, or None without one; its calls' tool
     calls read by vLLM's parser ``rollout.tool_parser`` for the policy's ``tokenizer``."""
     rollout = config.rollout
-    env_id = verifiers_envs.environment_id(rollout.environment)
+    env_id = verifiers_data.environment_id(rollout.environment)
     if not (rollout.agent or rollout.agent_command or env_id):
         return None
     parser = ToolCallParser(rollout.tool_parser, tokenizer, None, rollout.reasoning_parser)
@@ -76,15 +77,15 @@ class AgentPrograms:
         ``sampling``: the run's ``SamplingConfig``, which calls may not ask to change (None: unchecked);
         ``others_score``: a reward model or reward functions score the episodes too (a program may
         then return None); ``processes``: a function's programs run in this many processes of their
-        own, on ``cores`` (``rollout.agent_processes``), else in threads of this one."""
+        own, on ``cores`` (``environments.agent_processes``), else in threads of this one."""
         self.sampling, self.others_score = sampling, others_score
         self.command = program if isinstance(program, list) else None
         self.program = program if callable(program) else None if self.command else load_function(
             program, "rollout.agent", check=lambda function: inspect.signature(function))
-        self.parser = parser  # rollout.tools.ToolCallParser
+        self.parser = parser  # environments.tools.ToolCallParser
         # an episode's program, start to return (its calls wait on a busy engine too); one wait for its next call
         self.deadline_s, self.step_deadline_s = deadline_s, step_deadline_s
-        self.episodes: dict[str, AgentEnvironment] = {}
+        self.under_way: dict[str, AgentEnvironment] = {}
         # the keys of episodes that ended, the last ENDED_KEPT: a late call of one hears 404, not 401
         self.ended: collections.OrderedDict[str, None] = collections.OrderedDict()
         self.lock = threading.Lock()
@@ -96,7 +97,7 @@ class AgentPrograms:
         self.closed = False
         self.processes = None
         if processes and not self.command:
-            from rollout.agent_processes import ProgramProcesses
+            from environments.agent_processes import ProgramProcesses
 
             self.processes = ProgramProcesses(processes, program, self.endpoint.base_url, deadline_s, cores,
                                               self._delivered, self.endpoint.take)
@@ -105,56 +106,56 @@ class AgentPrograms:
         """The episode of ``key``; ``ENDED`` where it ended (its calls are refused with 404); None for
         a key the rollout did not give (401)."""
         with self.lock:
-            return self.episodes.get(key) or (ENDED if key in self.ended else None)
+            return self.under_way.get(key) or (ENDED if key in self.ended else None)
 
     def make(self, row: dict) -> "AgentEnvironment":
         """An episode's environment (``Environments``' factory)."""
-        episode = AgentEnvironment(self, row)
+        environment = AgentEnvironment(self, row)
         with self.lock:
-            self.episodes[episode.key] = episode
-        return episode
+            self.under_way[environment.key] = environment
+        return environment
 
     def forget(self, key: str) -> None:
         with self.lock:
-            if self.episodes.pop(key, None) is not None:
+            if self.under_way.pop(key, None) is not None:
                 self.ended[key] = None
                 if len(self.ended) > ENDED_KEPT:
                     self.ended.popitem(last=False)
         if self.processes is not None:
             self.processes.cancel(key)
 
-    def start(self, episode: "AgentEnvironment") -> None:
-        """``episode``'s program on its row, in a program process (``rollout.agent_processes``) or
+    def start(self, environment: "AgentEnvironment") -> None:
+        """``episode``'s program on its row, in a program process (``environments.agent_processes``) or
         on a program thread of its own (``ProgramThread``): one that blocks (a tool called without
         await) holds up its own episode alone. Its return or error goes to the episode's events."""
         if self.processes is not None:
-            return self.processes.start(episode.key, episode.row)
+            return self.processes.start(environment.key, environment.row)
         with self.lock:
-            held = sum(1 for runner in self.busy if runner.episode is not None and runner.episode.ended)
+            held = sum(1 for runner in self.busy if runner.environment is not None and runner.environment.ended)
             if held < HELD_THREADS_LIMIT:
                 runner = self.idle.pop() if self.idle else ProgramThread(self)
-                runner.episode = episode
+                runner.environment = environment
                 self.busy.add(runner)
         if held >= HELD_THREADS_LIMIT:  # a plain function cannot be stopped: no more threads for programs that hang
-            return episode.event("raise", RuntimeError(
+            return environment.event("raise", RuntimeError(
                 f"{held} agent program threads still run programs whose episodes ended (past rollout.agent_deadline_s: "
                 "a plain function cannot be stopped, and each holds its thread): no thread for another; make the "
                 "program async (it is cancelled at its deadline) or bound its own waits"))
-        runner.jobs.put(episode)
+        runner.jobs.put(environment)
 
     def _delivered(self, key: str, kind: str, value: Any) -> None:
         """A program process's answer for the episode of ``key``: its return or its error."""
         with self.lock:
-            episode = self.episodes.get(key)
-        if episode is not None:  # else it ended first
-            episode.event(kind, value)
+            environment = self.under_way.get(key)
+        if environment is not None:  # else it ended first
+            environment.event(kind, value)
 
     def done(self, runner: "ProgramThread") -> None:
         """``runner``'s program returned: it takes the next episode (one whose program hangs past its
         deadline keeps its thread, and only that one)."""
         with self.lock:
             self.busy.discard(runner)
-            runner.episode = None
+            runner.environment = None
             if not self.closed:
                 self.idle.append(runner)
                 return
@@ -162,10 +163,10 @@ class AgentPrograms:
 
     def close(self) -> None:
         with self.lock:
-            episodes, self.episodes = list(self.episodes.values()), {}
+            under_way, self.under_way = list(self.under_way.values()), {}
             idle, self.idle, self.closed = self.idle, [], True
-        for episode in episodes:
-            episode.close()
+        for environment in under_way:
+            environment.close()
         for runner in idle:
             runner.jobs.put(None)
         if self.processes is not None:
@@ -198,7 +199,7 @@ class ProgramThread:
     def __init__(self, programs: AgentPrograms) -> None:
         self.programs = programs
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()  # episodes, then None
-        self.episode: AgentEnvironment | None = None  # the one its program runs for
+        self.environment: AgentEnvironment | None = None  # the one its program runs for
         threading.Thread(target=self.serve, name="agent-program", daemon=True).start()
 
     def serve(self) -> None:
@@ -213,11 +214,11 @@ class ProgramThread:
                                   f"{error})")
             unmade.__cause__ = error
         try:
-            while (episode := self.jobs.get()) is not None:
+            while (environment := self.jobs.get()) is not None:
                 if unmade is not None:
-                    episode.event("raise", unmade)
+                    environment.event("raise", unmade)
                 else:
-                    _deliver(episode, lambda: self.run(episode, client, loop))
+                    _deliver(environment, lambda: self.run(environment, client, loop))
                 programs.done(self)
         finally:
             if client is not None and programs.asynchronous:
@@ -227,16 +228,16 @@ class ProgramThread:
             if loop is not None:
                 _close_loop(loop)
 
-    def run(self, episode: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop | None) -> Any:
+    def run(self, environment: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop | None) -> Any:
         """``episode``'s program to its return: the function with a copy of ``client`` of the
         episode's key, or the command."""
         programs = self.programs
         if programs.command:
-            return _run_command(programs.command, programs.endpoint.base_url, episode, programs.deadline_s)
-        own = episode_client(client, episode.key)
+            return _run_command(programs.command, programs.endpoint.base_url, environment, programs.deadline_s)
+        own = episode_client(client, environment.key)
         if programs.asynchronous:
-            return loop.run_until_complete(_whole(programs.program(own, episode.row), programs.deadline_s))
-        return programs.program(own, episode.row)
+            return loop.run_until_complete(_whole(programs.program(own, environment.row), programs.deadline_s))
+        return programs.program(own, environment.row)
 
 
 def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
@@ -251,19 +252,19 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
-def _run_command(command: list[str], base_url: str, episode: "AgentEnvironment", deadline_s: float) -> Any:
+def _run_command(command: list[str], base_url: str, environment: "AgentEnvironment", deadline_s: float) -> Any:
     """An agent program in a process of its own (``rollout.agent_command``), as OpenAI's clients
     configure themselves: ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (the episode's key) in its
     environment; the row, a JSON line, on its stdin; its reward on stdout's last line (a number,
     or a JSON object with ``reward``; earlier lines are its own). The episode's end kills it."""
-    environment = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": episode.key}
+    variables = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": environment.key}
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               env=environment, text=True, start_new_session=True)
-    episode.process = process
-    if episode.ended:  # ended while the process started: close() did not see it
+                               env=variables, text=True, start_new_session=True)
+    environment.process = process
+    if environment.ended:  # ended while the process started: close() did not see it
         _kill(process)
     try:
-        out, err = _communicate(process, json.dumps(episode.row) + "\n", deadline_s)
+        out, err = _communicate(process, json.dumps(environment.row) + "\n", deadline_s)
     except subprocess.TimeoutExpired:
         _kill(process)
         raise PastDeadline(f"the agent command {command[0]} ran past rollout.agent_deadline_s {deadline_s:g}") from None
@@ -370,8 +371,6 @@ class AgentEnvironment:
         self.process: subprocess.Popen | None = None  # a command's (rollout.agent_command)
         self.lock = threading.Lock()
 
-    reads_turns = True  # its step is given the turn's tokens and logprobs (rollout.episodes)
-
     def offer(self, call: Call) -> HTTPError | None:
         """From the endpoint: the program's next call, or why it is refused."""
         refused = refusal(call.request, self.programs.sampling)
@@ -432,25 +431,18 @@ class AgentEnvironment:
         """What the call the policy answers next asks for at most (``max_completion_tokens``)."""
         return _max_tokens(self.call.request) if self.call is not None else None
 
-    def reset(self) -> list[dict]:
-        """Starts the program; its first call's messages are the episode's first observation."""
-        return self._wait(self.begin_reset())
-
-    def step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Step:
-        """The policy's turn answers the program's call; then its next call (the observation: what it
-        added to the conversation) or its return (the reward, and the episode's end). ``turn``: the
-        engine's tokens and logprobs of the turn, for a call that asks for them."""
-        return self._wait(self.begin_step(response, messages, turn))
-
     def begin_reset(self) -> Future:
-        """``reset``, its wait left to the caller: a future of the first observation."""
+        """Starts the program: a future of its first call's messages, the episode's first observation."""
         self.deadline = time.monotonic() + self.programs.deadline_s
         future = self._expect(self._first)
         self.programs.start(self)
         return future
 
     def begin_step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
-        """``step``, its wait left to the caller: the call answered now, a future of the ``Step``."""
+        """The policy's turn answers the program's call now: a future of the ``Step``, its next call
+        (the observation: what it added to the conversation) or its return (the reward, and the
+        episode's end). ``turn``: the engine's tokens and logprobs of the turn (None: ``response``
+        tokenized, as a test gives it), for a call that asks for them."""
         call = self.call
         with self.lock:  # before the answer: the program may call again as soon as it has it
             self.unanswered = False
@@ -463,7 +455,7 @@ class AgentEnvironment:
             self.call = None
         return self._expect(functools.partial(self._after, len(tool_calls) + len(errors), errors))
 
-    def begin_last(self, response: str, messages: list[dict], turn: Turn) -> Future:
+    def begin_last(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
         """``begin_step`` for a turn the run cut at ``rollout.max_new_tokens``: the call is answered
         with it (finish_reason "length"), and the program's return is the episode's reward. The
         episode has no more turns: a later call is answered at once with no tokens, finish_reason
@@ -476,7 +468,7 @@ class AgentEnvironment:
         if kind == "return":
             raise BadStep("the agent program returned before it called the model")
         self.tools = _tools_of(value.request)
-        return self._take(value)
+        return check_observation(self._take(value))
 
     def _after(self, tool_calls: int, errors: list[ToolError], kind: str, value: Any) -> Step:
         if kind == "call":  # its messages checked as any environment's observation is
@@ -503,7 +495,8 @@ class AgentEnvironment:
         return tool_calls, [] if unread is None else [ToolError("malformed", None, {}, unread)]
 
     def close(self) -> None:
-        """The episode ended: a call waiting for its turn is refused, and later ones."""
+        """The episode ended: a call waiting for its turn is refused, and later ones (at once: nothing
+        here waits)."""
         with self.lock:
             self.ended = True
         self.programs.forget(self.key)
@@ -519,20 +512,6 @@ class AgentEnvironment:
                 value.answer(HTTPError(404, "this episode has ended"))
         if expecting is not None:
             expecting[0].set_exception(BadStep("the episode ended"))
-
-    def _wait(self, future: Future) -> Any:
-        """``future``'s result, within what is left of the episode's ``agent_deadline_s`` (a wait
-        past ``env_step_deadline_s`` the rollout ends itself: env_deadline; the rollout's loop waits
-        on the future itself, to the same ends, except a reset after a back-off, in a thread)."""
-        left = min(self.deadline - time.monotonic(), self.programs.step_deadline_s + 1.0)
-        try:
-            return future.result(timeout=max(0.0, left))
-        except FutureTimeout:
-            if future.done():  # the program's own
-                raise
-            raise PastDeadline(f"the agent program made no call and did not return in time (rollout.agent_deadline_s "
-                               f"{self.programs.deadline_s:g}, rollout.env_step_deadline_s "
-                               f"{self.programs.step_deadline_s:g})") from None
 
     def _take(self, call: Call) -> list[dict] | TokenIds | Restart:
         """What ``call`` adds to the episode: what it sends past what the program sent before and
@@ -617,15 +596,15 @@ def _tools_of(request) -> list[dict] | None:
     return tools and [tool.model_dump(exclude_none=True) for tool in tools]
 
 
-def _deliver(episode: AgentEnvironment, run) -> None:
+def _deliver(environment: AgentEnvironment, run) -> None:
     """``run()``'s return or error to ``episode``'s events: a program's own failure ends its episode
     (env_error), it never reaches the rollout's loop."""
     try:
         value = run()
     except BaseException as error:
-        episode.event("raise", error)
+        environment.event("raise", error)
     else:
-        episode.event("return", value)
+        environment.event("return", value)
 
 
 def _settle(future: Future, read: Callable[[str, Any], Any], kind: str, value: Any) -> None:
