@@ -179,7 +179,7 @@ def calculator(expression: str) -> str:
 
 def tether_overrides(paths: dict[str, str], run_dir: str, latency: str = "demo") -> dict:
     tools = "[demos.agent:calculator]" if latency == "demo" else "[against_trl_tools:calculator]"
-    return {"run_dir": run_dir, "environments.tools": tools, "models.policy": paths["policy"],
+    return {"run_dir": run_dir, "rollout.tools": tools, "models.policy": paths["policy"],
             "data.prompts": paths["prompts"],
             "rollout.samples_per_prompt": GROUP, "rollout.prompts_per_generate": PROMPTS_PER_STEP * 2,
             "rollout.max_new_tokens": NEW_TOKENS, "rollout.max_turns": TURNS, "learner.total_steps": STEPS,

@@ -12,7 +12,7 @@ they did. The figure compared with is k = 0's: asynchrony should not lose to it.
 ``--openai``: instead, at the config's k, the native episodes against the same task written as an
 agent program against the OpenAI API (``demos.agent.openai_agent`` through the rollout's endpoint;
 limit: >= 0.8x the native trained tokens/s), the same program in a process of its own on the
-learner's core (``environments.agent_processes``), the same program with OpenAI's SDK left out
+learner's core (``rollout.agent_processes``), the same program with OpenAI's SDK left out
 (``sdk_free_agent``: what the endpoint costs in a run without what the SDK costs), and the
 endpoint's own cost per call both ways: one episode's calls answered at once, one after another,
 with no engine (after 20 that warm it up).

@@ -1,4 +1,4 @@
-"""Agent programs in processes of their own (``environments.agent_processes``), off the engine's core.
+"""Agent programs in processes of their own (``rollout.agent_processes``), off the engine's core.
 
 A program run in the rollout's process shares its interpreter with the engine's loop: the openai
 client's work inside a program (building each request, parsing each reply) costs the rollout's
@@ -108,9 +108,25 @@ class ProgramProcess:
     def write(self) -> None:
         while (message := self.outbox.get()) is not None:
             try:
-                self.connection.send_bytes(pack(message))
+                data = pack(message)
+            except UNPACKABLE as error:  # a row or an answer no message holds: its episode fails, the process serves on
+                self._unsent(message, error)
+                continue
+            try:
+                self.connection.send_bytes(data)
             except (OSError, ValueError):  # it died: the reader fails what it held
                 return
+
+    def _unsent(self, message: dict, error: Exception) -> None:
+        why = f"{type(error).__name__}: {error}"
+        if message["kind"] == "run":
+            with self.lock:
+                self.running.discard(message["key"])
+            self.deliver(message["key"], "raise", TypeError(f"the episode's data row cannot go to its program's "
+                                                            f"process ({why})"))
+        elif message["kind"] == "answer":  # the program's call is answered all the same
+            self.outbox.put({**message, "status": 500, "streamed": False,
+                             "answer": {"detail": f"the rollout's answer cannot go to the program's process ({why})"}})
 
     def read(self) -> None:
         why = None
@@ -213,10 +229,19 @@ class ProgramProcesses:
             process.close()
 
 
+# what ``pack`` raises for a message it cannot hold
+UNPACKABLE = (TypeError, ValueError, OverflowError, ProtocolError)
+JSON_FIELDS = ("row", "value")  # the user's data (a data row, a program's return), taken as JSON takes it
+
+
 def pack(message: dict) -> bytes:
-    """``{"kind": k, ...fields}`` as the one frame of protocol message ``program_<k>``; what the
-    schema refuses is a ``ProtocolError``, what msgpack cannot hold its ``TypeError``."""
-    kind, fields = message["kind"], {name: value for name, value in message.items() if name != "kind"}
+    """``{"kind": k, ...fields}`` as the one frame of protocol message ``program_<k>``: one of
+    ``UNPACKABLE`` where it cannot be (the schema refuses it, msgpack cannot hold a value). A data
+    row and a program's return are taken as JSON takes them (a key as text, a tuple as a list), as
+    a row read from a file is, and a reward anywhere."""
+    kind = message["kind"]
+    fields = {name: json.loads(json.dumps(value)) if name in JSON_FIELDS else value
+              for name, value in message.items() if name != "kind"}
     return bytes(encode(f"program_{kind}", fields)[0])
 
 
@@ -327,12 +352,17 @@ class OverConnection(httpx.AsyncBaseTransport):
 
 
 def _send(connection, message: dict) -> None:
+    """``message`` to the rollout; a return no message holds is sent as the program's error (a
+    call's own error is its program's: ``pack`` raises it there)."""
     try:
         data = pack(message)
-    except (TypeError, ValueError, OverflowError, ProtocolError) as error:  # a return msgpack cannot hold
+    except UNPACKABLE as error:
+        if message["kind"] == "call":
+            raise
         data = pack({"kind": "raise", "key": message["key"], "error": _described(TypeError(
             f"the agent program returned {type(message.get('value')).__name__}, which a message cannot hold "
-            f"({error}): a reward is a number, None or a dict of numbers"))})
+            f"({error}): a reward is a number, None or a dict of numbers" if message["kind"] == "return" else
+            f"the agent program's error could not be sent ({type(error).__name__}: {error})"))})
     try:
         connection.send_bytes(data)
     except (OSError, ValueError):  # the rollout is gone

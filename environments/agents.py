@@ -16,7 +16,7 @@ ends the episode with its reward on the last token. So the tokens trained are th
 generated and the ids of what came between, never a re-tokenized conversation, and the deadlines,
 failure accounting and groups of episodes hold as they do for environments. A program that
 rewrites its earlier messages (a compacted context) starts a new part of the episode from the
-rewritten conversation (``environments.native.Restart``: counted as ``episode_splits``); a
+rewritten conversation (``environments.interface.Restart``: counted as ``episode_splits``); a
 program that raises, hangs past ``rollout.env_step_deadline_s`` or returns what is not a reward
 ends it as an environment would (``env_error``, ``env_deadline``).
 """
@@ -77,7 +77,7 @@ class AgentPrograms:
         ``sampling``: the run's ``SamplingConfig``, which calls may not ask to change (None: unchecked);
         ``others_score``: a reward model or reward functions score the episodes too (a program may
         then return None); ``processes``: a function's programs run in this many processes of their
-        own, on ``cores`` (``environments.agent_processes``), else in threads of this one."""
+        own, on ``cores`` (``rollout.agent_processes``), else in threads of this one."""
         self.sampling, self.others_score = sampling, others_score
         self.command = program if isinstance(program, list) else None
         self.program = program if callable(program) else None if self.command else load_function(
@@ -125,7 +125,7 @@ class AgentPrograms:
             self.processes.cancel(key)
 
     def start(self, environment: "AgentEnvironment") -> None:
-        """``episode``'s program on its row, in a program process (``environments.agent_processes``) or
+        """``environment``'s program on its row, in a program process (``rollout.agent_processes``) or
         on a program thread of its own (``ProgramThread``): one that blocks (a tool called without
         await) holds up its own episode alone. Its return or error goes to the episode's events."""
         if self.processes is not None:
@@ -229,7 +229,7 @@ class ProgramThread:
                 _close_loop(loop)
 
     def run(self, environment: "AgentEnvironment", client, loop: asyncio.AbstractEventLoop | None) -> Any:
-        """``episode``'s program to its return: the function with a copy of ``client`` of the
+        """``environment``'s program to its return: the function with a copy of ``client`` of the
         episode's key, or the command."""
         programs = self.programs
         if programs.command:
@@ -597,7 +597,7 @@ def _tools_of(request) -> list[dict] | None:
 
 
 def _deliver(environment: AgentEnvironment, run) -> None:
-    """``run()``'s return or error to ``episode``'s events: a program's own failure ends its episode
+    """``run()``'s return or error to ``environment``'s events: a program's own failure ends its episode
     (env_error), it never reaches the rollout's loop."""
     try:
         value = run()

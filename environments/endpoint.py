@@ -177,8 +177,8 @@ class Endpoint:
         from vllm.entrypoints.openai.completion.protocol import CompletionRequest
         from vllm.exceptions import VLLMValidationError
 
-        episode = self.lookup(authorization.removeprefix("Bearer ").strip())
-        if episode is None:
+        environment = self.lookup(authorization.removeprefix("Bearer ").strip())
+        if environment is None:
             return None, _error(401, "unknown key: each episode calls with the key its program was given")
         try:
             request = (CompletionRequest if completion else ChatCompletionRequest).model_validate_json(body)
@@ -186,7 +186,7 @@ class Endpoint:
             return None, _error(400, f"not a {'completions' if completion else 'chat-completions'} request: "
                                      f"{invalid}")
         call = make(request)
-        refused = episode.offer(call)
+        refused = environment.offer(call)
         return (None, _error(refused.status, refused.message)) if refused is not None else (call, None)
 
     def transport(self) -> "InProcess":

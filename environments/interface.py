@@ -18,7 +18,6 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 
-
 @dataclass
 class ToolError:
     """What went wrong with one call: its ``kind`` (``malformed``, ``unknown_tool``, ``raised``,
@@ -153,7 +152,6 @@ class PastDeadline(TimeoutError):
     whichever of the two is seen first."""
 
 
-
 @runtime_checkable
 class Environment(Protocol):
     """What answers an episode's turns, as ``rollout.episodes`` drives it: one per episode, made by
@@ -177,9 +175,10 @@ class Environment(Protocol):
         answered: a future of the ``Step``. The engine always gives ``turn``; None (a test's) is
         the text alone."""
 
-    def begin_last(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
+    def begin_last(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future | None:
         """A turn the run cut at ``rollout.max_new_tokens``, the episode's last: a future of its
-        ``Step``, whose reward counts and whose episode ends "length" whatever it says."""
+        ``Step``, whose reward counts and whose episode ends "length" whatever it says (an agent
+        program's call is answered with it); None where nothing answers it: the episode ends now."""
 
     def close(self) -> Future | None:
         """The episode is over (or the run): what it holds is let go (a session, a program's waiting

@@ -14,7 +14,7 @@ an object with
   (``{"type": "image", "image": <PNG bytes | PIL image | path>}``), which a policy that sees
   images is shown.
 
-Tools (``environments.tools``) are an environment of their own: a turn with tool calls is answered with
+Tools (``rollout.tools``) are an environment of their own: a turn with tool calls is answered with
 the tools' results; a turn without one goes to the configured environment, or ends the episode
 when there is none. Both are called in threads of their own (``environments.threads``), never on
 the engine's loop.
@@ -22,6 +22,7 @@ the engine's loop.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from concurrent.futures import Future
@@ -32,7 +33,7 @@ from common.config import ConfigError, TetherConfig
 from common.functions import load_function
 from common.prompts import chat_of, text_chat
 from environments import openenv, verifiers_envs
-from environments.interface import Observation, Step, Turn, ToolError, as_step, check_observation
+from environments.interface import BadStep, Observation, Step, ToolError, Turn, as_step, check_observation
 from environments.threads import in_thread
 from environments.tools import Tool, ToolCallParser, call_tool
 
@@ -40,7 +41,7 @@ from environments.tools import Tool, ToolCallParser, call_tool
 class NativeEnvironment:
     """An environment that answers as it is called (a user's ``reset`` and ``step``, the tools', an
     OpenEnv session's) as an ``Environment``: each call in a thread of its own, the environment
-    itself made in the first (``make``: a user's factory may take a while). ``gives_turns``: its
+    itself built in the first (``build``: a user's factory may take a while). ``gives_turns``: its
     ``step`` takes the engine's ``Turn`` too (the tools' and a server's: calls are read in its
     tokens); a user's takes the text and the conversation."""
 
@@ -48,67 +49,77 @@ class NativeEnvironment:
     deadline = math.inf
     turn_max_tokens = None
 
-    def __init__(self, make: Callable[[], Any], gives_turns: bool) -> None:
-        self.make, self.gives_turns = make, gives_turns
+    def __init__(self, build: Callable[[], Any], gives_turns: bool) -> None:
+        self.build, self.gives_turns = build, gives_turns
         self.inner: Any = None
         self.lock = threading.Lock()
-        self.made = False  # its first call is over: it made the environment, or failed to
-        self.closing: Future | None = None  # once closed: the close under way, or done
+        self.resetting = False  # its reset (the environment built, then reset) is under way
+        self.closed = False
+        self.closing: Future | None = None  # its close: under way, or waiting for the reset under way to end
 
     def begin_reset(self) -> Future:
+        with self.lock:
+            self.resetting = True
         return in_thread(self._reset)
 
     def begin_step(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
-        if self.gives_turns:
-            return in_thread(lambda: as_step(self.inner.step(response, messages, turn)))
-        return in_thread(lambda: as_step(self.inner.step(response, messages)))
+        return in_thread(self._step, response, messages, turn)
 
-    def begin_last(self, response: str, messages: list[dict], turn: Turn | None = None) -> Future:
+    def begin_last(self, response: str, messages: list[dict], turn: Turn | None = None) -> None:
         """Nothing answers a cut turn: the episode ends with it."""
-        last: Future = Future()
-        last.set_result(Step(done=True))
-        return last
+        return None
 
     def close(self) -> Future | None:
-        """Its ``close``, if it has one (an OpenEnv session's), in a thread; one not made yet is
-        closed as soon as it is (the episode ended during its reset)."""
+        """Its ``close``, if it has one (an OpenEnv session's), once, in a thread; while its reset is
+        under way, as that reset ends (a session opened after a close would outlive the episode)."""
         with self.lock:
-            if self.closing is not None:
+            if self.closed:
                 return self.closing
-            self.closing = Future() if not self.made else None
-            if self.closing is not None:  # resolved by _reset, once made
+            self.closed = True
+            if self.resetting:  # resolved by _reset_over
+                self.closing = Future()
                 return self.closing
             inner = self.inner
         close = getattr(inner, "close", None)
-        if close is None:
-            return None
-        self.closing = in_thread(close)
+        self.closing = in_thread(close) if close is not None else None
         return self.closing
 
     def _reset(self) -> Observation:
+        failed = True
         try:
-            inner = self.make()
-        except BaseException:
-            self._made(None)
-            raise
-        if self._made(inner):
-            return None
-        reset = getattr(inner, "reset", None)
-        return check_observation(reset()) if reset is not None else None
+            inner = self.build()
+            with self.lock:
+                self.inner, closed = inner, self.closed
+            if closed:  # the episode ended while its environment was built
+                return None
+            reset = getattr(inner, "reset", None)
+            first = check_observation(reset()) if reset is not None else None
+            failed = False
+            return first
+        finally:
+            self._reset_over(failed)
 
-    def _made(self, inner: Any) -> bool:
-        """``inner`` is the episode's; True where the episode ended as it was made: it is closed here."""
+    def _reset_over(self, failed: bool) -> None:
+        """The reset ended. What it built is closed now where it failed (its episode ends before it
+        began: nothing else would close it) or where the episode ended meanwhile (a close waits)."""
         with self.lock:
-            self.inner, self.made, closing = inner, True, self.closing
-        if closing is None:
-            return False
+            self.resetting, closing, inner = False, self.closing, self.inner
+            close_now = closing is not None or (failed and not self.closed)
+            self.closed = self.closed or failed
         try:
-            close = getattr(inner, "close", None)
+            close = getattr(inner, "close", None) if close_now else None
             if close is not None:
                 close()
+        except Exception:  # the episode's failure is its reset's (or its end's), said already
+            pass
         finally:
-            closing.set_result(None)
-        return True
+            if closing is not None:
+                closing.set_result(None)
+
+    def _step(self, response: str, messages: list[dict], turn: Turn | None) -> Step:
+        if self.gives_turns:
+            return as_step(self.inner.step(response, messages, turn))
+        return as_step(self.inner.step(response, messages))
 
 
 class ToolEnvironment:
@@ -253,12 +264,16 @@ class Environments:
             return self.answering(row)
         if self.tools and self.parser is None:
             raise RuntimeError("Environments.read_calls_with was not called: tool calls cannot be read")
-        return NativeEnvironment(lambda: self._made(row), gives_turns=bool(self.tools) or self.server is not None)
+        return NativeEnvironment(functools.partial(self._inner_for, row),
+                                 gives_turns=bool(self.tools) or self.server is not None)
 
-    def _made(self, row: dict) -> Any:
+    def _inner_for(self, row: dict) -> Any:
+        """What answers ``row``'s episode: the factory's environment, wrapped with the tools if any."""
         inner = self.factory(row) if self.factory is not None else None
         if inner is not None and not self.tools:
             return inner
+        if inner is None and not self.tools:
+            raise BadStep("rollout.environment's factory returned None for this row: it returns an environment")
         return ToolEnvironment(self.tools, inner, self.parser, self.shows_images)
 
     @property

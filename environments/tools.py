@@ -240,7 +240,7 @@ def _parts(result: Any) -> list[dict] | None:
 
 
 def load_tools(specs: list[str], schemas: bool = True) -> dict[str, Tool]:
-    """``environments.tools`` -> the tools by name (``schemas``: with their schemas); two with one name is
+    """``rollout.tools`` -> the tools by name (``schemas``: with their schemas); two with one name is
     an error naming both."""
     tools: dict[str, Tool] = {}
     for i, spec in enumerate(specs):

@@ -207,8 +207,8 @@ def _reset_after(delay_s: float, environment: Environment, deadline_s: float) ->
     return environment.begin_reset().result(timeout=deadline_s)
 
 
-def _begun(begin: Callable[..., Future], *arguments: Any) -> Future:
-    """``begin(*arguments)``'s future, or one of its error."""
+def _begun(begin: Callable[..., Future | None], *arguments: Any) -> Future | None:
+    """``begin(*arguments)``'s future (None where it gives none), or one of its error."""
     try:
         return begin(*arguments)
     except BaseException as error:
@@ -249,13 +249,13 @@ class FailureLog:
         return "".join(traceback.format_exception(type(error), error, error.__traceback__))
 
 
-# an environment's failures in a row before new episodes wait, and how long at most
-BACKOFF_AFTER, BACKOFF_FIRST_S, BACKOFF_MAX_S = 4, 0.1, 5.0
 class EnvironmentFailing(RuntimeError):
     """``rollout.env_failure_limit`` episodes in a row ended by their environment: the run ends
     (exit code 4), since every later episode would fail the same way."""
 
 
+# an environment's failures in a row before new episodes wait, and how long at most
+BACKOFF_AFTER, BACKOFF_FIRST_S, BACKOFF_MAX_S = 4, 0.1, 5.0
 FAILED_ENDINGS = ("env_error", "env_deadline")
 CLOSE_DEADLINE_S = 5.0  # the run's end: how long the environments of episodes under way may take to close
 EXPANSIONS_KEPT = 4096  # images whose expanded ids an engine's episodes keep (4 bytes an id: under 64 MB)
@@ -373,7 +373,10 @@ class Episodes:
         # a cut turn is the episode's last; its environment may still answer it (an agent program's
         # call, finish_reason "length"), and the episode ends "length" with what that says
         begin = episode.environment.begin_last if episode.cut else episode.environment.begin_step
-        self._wait_on(episode, _begun(begin, response, episode.messages, turn))
+        pending = _begun(begin, response, episode.messages, turn)
+        if pending is None:  # nothing answers a cut turn (a native environment's): the episode ends with it
+            return self._end(episode, "length")
+        self._wait_on(episode, pending)
 
     def advance(self, now: float, timeout: float = 0.0) -> None:
         """Take in what environments answered, waiting up to ``timeout`` for a first answer (the loop
@@ -623,8 +626,7 @@ class Episodes:
         a failure would be, and learner.truncation_penalty applies)."""
         reason = "length" if episode.cut else reason
         episode.ended = reason
-        if episode.environment is not None:  # an agent program's waiting call is refused, a session ended
-            episode.environment.close()
+        self._close(episode)
         self.counters[f"ended_{reason}"] += 1
         self.endings[reason] += 1
         self.failed_in_a_row = self.failed_in_a_row + 1 if reason in FAILED_ENDINGS else 0
@@ -663,12 +665,23 @@ class Episodes:
 
     def close(self) -> None:
         """The run is over: the environments of the episodes still under way are closed (an OpenEnv
-        session ended as its server expects, an agent program's waiting call refused), each in a
-        thread of its own, waited on ``CLOSE_DEADLINE_S`` at most in all."""
-        under_way = [episode.environment for group in self.groups for episode in group.episodes
-                     if episode.ended is None and episode.environment is not None]
-        closing = [future for environment in under_way if (future := environment.close()) is not None]
+        session ended as its server expects, in a thread; an agent program's waiting call refused),
+        what takes a while waited on ``CLOSE_DEADLINE_S`` at most in all."""
+        under_way = [episode for group in self.groups for episode in group.episodes if episode.ended is None]
+        closing = [future for episode in under_way if (future := self._close(episode)) is not None]
         wait(closing, timeout=CLOSE_DEADLINE_S)
+
+    def _close(self, episode: Episode) -> Future | None:
+        """``episode``'s environment let go (an agent program's waiting call refused, a session
+        ended); a close that raises is the failure log's, not the loop's."""
+        if episode.environment is None:
+            return None
+        try:
+            return episode.environment.close()
+        except Exception as error:
+            self.failures.report("close", error, f"the environment's close failed ({type(error).__name__}: {error})",
+                                 f"{self._row_text(episode)}\n{FailureLog.traceback_of(error)}", ("close",))
+            return None
 
     def record(self) -> dict:
         """The metrics since the last record: episodes ended (by reason), turns and tool calls per

@@ -77,16 +77,16 @@ def run(config: TetherConfig, worker_index: int = 0, engine=None) -> None:
     come with a grant and are loaded between steps: requests in flight are recomputed with them
     and keep the version of their first token as ``behavior_version`` (the oldest, docs/design.md), the
     newest as ``last_behavior_version``. With an environment or tools (``rollout.environment``,
-    ``environments.tools``) a prompt is an episode of turns (``rollout.episodes``), else one request
+    ``rollout.tools``) a prompt is an episode of turns (``rollout.episodes``), else one request
     (``rollout.responses``); the loop is the same."""
     rollout = start(config, worker_index, engine)
     try:
-        # 1. credits: asked for while the engine has room, waited for only when it has nothing to do
+        # credits are asked for while the engine has room, and waited for only when it has nothing to do
         while take_credits(rollout):
-            start_granted(rollout)  # 2. granted prompts start; what is ready joins the engine
-            step_engine(rollout)  # 3. one engine step; environments answer beside it
-            send_finished(rollout)  # 4. what finished is sent at once (acks are read as they come)
-            rollout.record_period()  # 5. a record a second, and whenever the engine runs dry
+            start_granted(rollout)
+            step_engine(rollout)  # environments answer beside it: the engine never waits on one
+            send_finished(rollout)  # at once, not with its grant: no response waits for the longest one
+            rollout.record_period()
     except Exception as error:  # the buffer takes back its credits now, not after rollout.deadline_s
         rollout.client.goodbye(error)
         raise
@@ -118,6 +118,7 @@ class Rollout:
     period: RolloutPeriod = field(default_factory=lambda: RolloutPeriod(time.monotonic()))
 
     def record_period(self, last: bool = False) -> None:
+        """A metrics record a second and whenever the engine runs dry (and the ``last``)."""
         now = time.monotonic()
         if last or now - self.period.started >= METRICS_EVERY_S or (not self.in_flight and self.period.samples):
             self.metrics.write(period_record(self.period, now, self.version, self.outbox, self.in_flight,
@@ -219,6 +220,8 @@ def step_engine(rollout: Rollout) -> None:
 
 
 def send_finished(rollout: Rollout) -> None:
+    """The groups finished since are sent, and the prompts that end without a sample said (acks are
+    read as they come)."""
     send_started = time.monotonic()
     samples, dropped = rollout.source.finished()
     if samples and not rollout.outbox.sent:

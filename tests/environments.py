@@ -363,14 +363,21 @@ CLOSED: list[str] = []  # the rows whose environment was closed
 
 
 class Closes(Counting):
-    """Counting, its close noted in CLOSED; a row with ``slow`` takes 0.3 s to reset."""
+    """Counting, its close noted in CLOSED; a row with ``slow`` takes 0.3 s to reset, and opens a
+    session as its reset ends (as an OpenEnv episode's does), which its close ends: SESSIONS holds
+    the rows whose session is open."""
 
     def reset(self):
         time.sleep(0.3 if self.row.get("slow") else 0.0)
+        SESSIONS.add(self.row["prompt"])
         return None
 
     def close(self) -> None:
         CLOSED.append(self.row["prompt"])
+        SESSIONS.discard(self.row["prompt"])
+
+
+SESSIONS: set[str] = set()
 
 
 def closes(row: dict) -> Closes:

@@ -228,6 +228,18 @@ def test_programs_in_processes_of_their_own_answer_as_in_threads_and_a_dead_proc
     assert step.reward == 1.0 and step.metrics["pid"] != os.getpid()
 
 
+
+def test_a_row_no_message_holds_fails_its_episode_alone_and_the_process_serves_on(programs):
+    """A data row a program process cannot be sent (an integer past msgpack's 64 bits) fails its own
+    episode, saying why; the process's writer goes on, and the next episode is served."""
+    agent = programs("tests.environments:in_its_process", processes=1)
+    with pytest.raises(TypeError, match="the episode's data row cannot go to its program's process "
+                                        r"\(OverflowError"):
+        first_of(agent.make({"prompt": "big", "n": 2 ** 70}))
+    served = agent.make({"prompt": "next", "n": {0: (1, 2)}})  # a key as text, a tuple as a list: as JSON takes them
+    assert first_of(served) == [{"role": "user", "content": "next"}]
+    assert step_of(served, "fine", []).reward == 1.0
+
 def test_one_agent_program_and_one_that_exists(tmp_path):
     from common.config import ConfigError, load_config
     from launch.preflight import check_run_data
@@ -436,7 +448,7 @@ def test_a_completions_program_adds_its_texts_ids_and_the_engines_are_never_reto
 
 def test_a_tool_renders_alike_in_native_episodes_and_in_an_agent_programs_calls(programs):
     """The chat template writes each tool's JSON into the prompt (CHATML_TOOLS_TEMPLATE): the native
-    path's schema of a tool (``environments.tools``) and the schema an agent program passes for the same
+    path's schema of a tool (``rollout.tools``) and the schema an agent program passes for the same
     function (transformers' get_json_schema, as vLLM's request model reads it) render to the same
     ids. get_json_schema's ``return`` key, which vLLM's request model drops, is left out natively too."""
     from transformers.utils import get_json_schema

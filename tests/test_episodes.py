@@ -163,7 +163,6 @@ def test_turns_and_tokens_are_bounded(tmp_path, demo_tokenizer):
     settle(episodes)
     (episode, _, _), = episodes.take_ready(0)
     episodes.turn_finished(episode, fake_output([10] * 8, "length"), 0)
-    episodes.advance(time.monotonic())  # a native environment answers a cut turn at once: the episode ends
     assert not episodes.waiting and episode.environment.inner.turn == 0  # no step for a cut turn
     assert [s.finish_reason for s in episodes.finished()[0]] == ["length"]
 
@@ -452,10 +451,12 @@ def test_a_context_rewritten_past_the_limit_leaves_the_part_before_as_the_episod
 
 def test_the_runs_end_closes_the_environments_of_episodes_under_way_and_of_resets_under_way(tmp_path, demo_tokenizer):
     """An OpenEnv session or an agent program must not outlive the run: close() ends each episode's
-    environment not yet ended, and one whose reset is still making it once it is made."""
-    from tests.environments import CLOSED
+    environment not yet ended, and one whose reset is under way once its reset is over (a session
+    it opens is closed, not left behind by a close that came first)."""
+    from tests.environments import CLOSED, SESSIONS
 
     CLOSED.clear()
+    SESSIONS.clear()
     episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:closes",
                              [{"prompt": "even 1 :"}, {"prompt": "odd 3 :", "slow": True}])
     episodes.start(0, 0)
@@ -465,8 +466,12 @@ def test_the_runs_end_closes_the_environments_of_episodes_under_way_and_of_reset
     assert sorted(CLOSED) == ["even 1 :"]
     episodes.start(1, 1)
     assert len(episodes.waiting) == 1  # its reset sleeps on
-    episodes.close()  # its environment is closed once made (the first's is not closed twice)
-    assert sorted(CLOSED) == ["even 1 :", "odd 3 :"]
+    reset, environment = episodes.waiting[0].pending, episodes.waiting[0].environment
+    while environment.inner is None:  # built, its reset under way
+        time.sleep(0.01)
+    episodes.close()  # its environment is closed once its reset is over (the first's is not closed twice)
+    reset.result(timeout=5.0)
+    assert sorted(CLOSED) == ["even 1 :", "odd 3 :"] and not SESSIONS
 
 
 def test_a_turn_cut_at_its_calls_own_max_tokens_is_answered_and_one_cut_by_the_run_ends_the_episode(

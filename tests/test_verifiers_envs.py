@@ -1,7 +1,7 @@
 """verifiers environments as tether's episodes (common/verifiers_data.py, environments/verifiers_envs.py): their datasets as the
 run's prompt rows, rows given to them as their own datasets give them, and the errors that name
 the key. Their episodes on a real engine, token for token against the native ones:
-tests/test_agent_demo.py; the README's, played by hand: tests/test_readme_examples.py."""
+tests/test_agent_demo.py; the docs', played by hand: tests/test_readme_examples.py."""
 
 import pytest
 
