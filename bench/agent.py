@@ -31,6 +31,7 @@ what an episode costs each way with no engine.
 
     python bench/agent.py [--rounds 2] [--steps 30] [--learn] [--openai | --openenv | --verifiers] [--variants A,B]
                           [-o KEY=VALUE ...]
+    python bench/agent.py ... --baseline DIR   (each variant run by an older checkout too, in turns)
     python bench/agent.py --calls [--rounds 3] [--baseline DIR]
 """
 
@@ -258,7 +259,8 @@ def main() -> None:
                                                                  "verifiers ToolEnv (demos.agent_verifiers)")
     parser.add_argument("--variants", help="a comma-separated subset of the variants to run (default: all)")
     parser.add_argument("--calls", action="store_true", help="no run: an episode's and a call's cost, no engine")
-    parser.add_argument("--baseline", help="with --calls: another tether checkout (a worktree of an older commit)")
+    parser.add_argument("--baseline", help="another tether checkout (a worktree of an older commit): each variant "
+                        "again as base-<name>, run by it (with --calls: its figures)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every variant, as `tether run -o`")
     args = parser.parse_args()
@@ -291,11 +293,14 @@ def main() -> None:
                     ("verifiers", ["rollout.tools=[]", "rollout.environment=verifiers:demos.agent_verifiers"])]
     if args.variants:
         variants = [(name, variant) for name, variant in variants if name in args.variants.split(",")]
-    results: dict[str, list[dict]] = {name: [] for name, _ in variants}
+    sides = [(name, variant, REPO) for name, variant in variants]
+    if args.baseline:  # each variant again, run by the older checkout (its own config of the demo)
+        sides += [(f"base-{name}", variant, os.path.abspath(args.baseline)) for name, variant in variants]
+    results: dict[str, list[dict]] = {name: [] for name, _, _ in sides}
     for round_index in range(args.rounds):
-        for name, variant in variants if round_index % 2 == 0 else reversed(variants):
-            result = figures(run_once(REPO, assets, os.path.join(work, name), overrides + variant, config_path),
-                             batch_size)
+        for name, variant, repo in sides if round_index % 2 == 0 else reversed(sides):
+            result = figures(run_once(repo, assets, os.path.join(work, name), overrides + variant,
+                                      os.path.join(repo, "configs", "demo-agent.yaml")), batch_size)
             results[name].append(result)
             print(f"round {round_index + 1} {name}: trained tokens/s {result['tokens_per_s']:6.0f} (samples/s "
                   f"{result['samples_per_s']:5.1f}); {result['tool_calls']:.2f} tool calls and {result['turns']:.2f} "
@@ -303,9 +308,12 @@ def main() -> None:
                   flush=True)
 
     print(f"\nmedian over {args.rounds} rounds, {args.steps} steps of {batch_size} episodes each:")
-    for name, _ in variants:
+    for name, _, _ in sides:
         print(f"  {name}: trained tokens/s {median(results, name, 'tokens_per_s'):6.0f}, samples/s "
               f"{median(results, name, 'samples_per_s'):5.1f}")
+    for name, _ in variants if args.baseline else ():
+        print(f"  {name}, this / the baseline's: trained tokens/s "
+              f"{median(results, name, 'tokens_per_s') / median(results, f'base-{name}', 'tokens_per_s'):.2f}x")
     if server is not None:
         factor = median(results, "openenv", "tokens_per_s") / median(results, "native", "tokens_per_s")
         print(f"trained tokens/s, the OpenEnv server's tool / tether's own: {factor:.2f}x")

@@ -247,7 +247,8 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     left = asyncio.all_tasks(loop)
     for task in left:
         task.cancel()
-    loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+    if left:  # gather() of nothing asks for the thread's current loop, which a program thread has none of
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
     loop.run_until_complete(loop.shutdown_asyncgens())
     loop.close()
 
