@@ -64,6 +64,17 @@ class CompactsOnce(Counting):
         return super().step(response, messages)
 
 
+class StartsWithMessages(Counting):
+    """Counting, its first messages its own (in place of the row's prompt)."""
+
+    def reset(self):
+        return [{"role": "user", "content": "odd 1 :"}]
+
+
+def starts_with_messages(row: dict) -> StartsWithMessages:
+    return StartsWithMessages(row)
+
+
 MIXED = [Counting] * 5 + [CompactsOnce, Raises, Hangs, Garbage, DoneAtOnce, ResetRaises]
 
 

@@ -575,3 +575,16 @@ def test_environment_calls_reuse_idle_threads_and_one_that_hangs_holds_only_its_
     assert ran["hung"].is_alive() and workers.idle == 0
     hang.set()
     assert hung.wait(5)
+
+
+def test_an_environment_with_the_runs_tools_starts_from_its_own_messages(tmp_path, demo_tokenizer):
+    """rollout.tools beside an environment whose reset gives the first messages: the episode starts
+    from them, rendered with the run's tools (it ended env_error before: the renderer was handed the
+    tools' functions for schemas)."""
+    episodes = make_episodes(tmp_path, demo_tokenizer, "tests.environments:starts_with_messages",
+                             [{"prompt": "even 2 :"}], tools=["tests.environments:add"])
+    episodes.start(0, 0)
+    settle(episodes)
+    (episode, ids, _), = episodes.take_ready(0)
+    assert episode.ended is None and ids == episodes.renderer.prompt_ids([{"role": "user", "content": "odd 1 :"}])
+    assert episode.renderer is episodes.renderer  # the run's, its tools rendered
