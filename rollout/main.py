@@ -121,8 +121,10 @@ class Rollout:
         """A metrics record a second and whenever the engine runs dry (and the ``last``)."""
         now = time.monotonic()
         if last or now - self.period.started >= METRICS_EVERY_S or (not self.in_flight and self.period.samples):
-            self.metrics.write(period_record(self.period, now, self.version, self.outbox, self.in_flight,
-                                             self.skipped, self.source, self.client))
+            self.metrics.write({"step": self.version if self.version is not None else -1,
+                                "generated_total": self.outbox.sent, "in_flight": len(self.in_flight),
+                                "prompts_skipped": self.skipped, **self.period.record(now), **self.source.record(),
+                                **self.client.counters})
             self.period = RolloutPeriod(now)
 
 
@@ -273,13 +275,6 @@ def take_grant(credits: Credits, version: int | None, room: int, busy: bool, ret
             time.sleep(max(0.0, retry_at - time.monotonic()))
         period.waiting_s += time.monotonic() - waited
     return grant
-
-
-def period_record(period: "RolloutPeriod", now: float, version: int | None, outbox: Outbox, in_flight: InFlight,
-                  skipped: int, source: Generator, client) -> dict:
-    return {"step": version if version is not None else -1, "generated_total": outbox.sent,
-            "in_flight": len(in_flight), "prompts_skipped": skipped, **period.record(now), **source.record(),
-            **client.counters}
 
 
 METRICS_EVERY_S = 1.0
