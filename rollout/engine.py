@@ -3,11 +3,12 @@ given, and loading a published policy version into it in place."""
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from common.config import ConfigError, TetherConfig
+from common.engines import EngineSpec, make_engine
+from common.engines import engine_settings as common_engine_settings
 from protocol.codec import cut
 from weight_sync.buckets import ShmWeightWriter, WeightManifest, WeightStreamError, outside, read_manifest
 from weight_sync.stream import WeightPrefetcher
@@ -32,55 +33,21 @@ class WeightsNotLoading(ConfigError):
 
 
 
-def omp_threads_bind(cores: list[int], tensor_parallel_size: int) -> str:
-    """VLLM_CPU_OMP_THREADS_BIND for one engine: its cores split evenly between its tensor-parallel
-    workers, ``|`` between workers ("0|1"); with fewer cores than workers they take turns. vLLM's
-    automatic binding wants a NUMA node per worker and refuses TP > 1 on a one-node machine."""
-    if tensor_parallel_size <= len(cores):
-        per_worker = len(cores) // tensor_parallel_size
-        groups = [cores[i * per_worker:(i + 1) * per_worker] for i in range(tensor_parallel_size)]
-    else:
-        groups = [[cores[i % len(cores)]] for i in range(tensor_parallel_size)]
-    return "|".join(",".join(str(core) for core in group) for group in groups)
-
-
 def engine_settings(config: TetherConfig, worker_index: int, cuda: bool) -> tuple[dict[str, str], dict]:
-    """The environment and ``vllm.LLM`` arguments of engine ``worker_index``, built the fastest way
-    the device allows (measured on CPU, docs/benchmarks.md "Start-up"):
-    - in-process (``rollout.in_process``): vLLM's V1 engine otherwise runs as three processes that
-      each import vLLM (~10 s apiece here); on CPU it runs in the rollout's own. On GPUs vLLM's
-      separate engine process overlaps scheduling with the GPU's work, so it stays the default there.
-    - eager (``rollout.enforce_eager``): on CPU there are no CUDA graphs to capture, and torch.compile
-      only traced vLLM's logprob-rank helper, 2.2 s at the first generate for nothing; with dynamo
-      off it runs as plain torch. On GPUs graphs are much of vLLM's speed: off by default there.
-    - the KV cache: a size in bytes on CPU (``kv_cache_gib``, any fraction), a memory share on GPUs."""
+    """The environment and ``vllm.LLM`` arguments of rollout engine ``worker_index``: the rollout's
+    settings as ``common.engines.engine_settings`` builds any engine, with tether's worker
+    extension (weights loaded in place)."""
     rollout = config.rollout
-    in_process = rollout.in_process if rollout.in_process is not None else (
-        not cuda and rollout.tensor_parallel_size == 1)
-    eager = rollout.enforce_eager if rollout.enforce_eager is not None else not cuda
-    environment = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0" if in_process else "1"}
-    if eager:
-        environment["TORCHDYNAMO_DISABLE"] = "1"  # also for the engine's own processes, when it has them
-    arguments = dict(
-        model=config.models.policy, dtype=rollout.dtype, seed=config.seed, max_model_len=rollout.max_model_len,
-        tensor_parallel_size=rollout.tensor_parallel_size, enforce_eager=eager,
-        worker_extension_cls="rollout.worker_extension.WeightSyncExtension",
-        # Logprobs of the distribution actually sampled (after temperature, top-k, top-p), the one the
-        # learner recomputes; vLLM's default is the raw logits' distribution.
-        logprobs_mode="processed_logprobs",
-    )
-    if cuda:  # unmeasured: no GPU was lent to this project's sessions (docs/benchmarks.md, "Not measured")
-        arguments["gpu_memory_utilization"] = rollout.gpu_memory_utilization
-        # colocated, the engine sleeps between its shifts (rollout.shifts.GenerateShift), freeing the
-        # GPU memory for the scorer and the learner; vLLM refuses sleep mode on the CPU
-        arguments["enable_sleep_mode"] = config.colocated
-    else:
-        arguments["kv_cache_memory_bytes"] = int(rollout.kv_cache_gib * 2**30)
-        cores = config.cores_of("rollout", worker_index)
-        if cores or rollout.tensor_parallel_size > 1:  # vLLM's CPU backend binds its OpenMP threads: tell it where
-            environment["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(cores or sorted(os.sched_getaffinity(0)),
-                                                                        rollout.tensor_parallel_size)
-    return environment, arguments
+    spec = EngineSpec(model=config.models.policy, dtype=rollout.dtype, seed=config.seed,
+                      max_model_len=rollout.max_model_len, kv_cache_gib=rollout.kv_cache_gib,
+                      gpu_memory_utilization=rollout.gpu_memory_utilization,
+                      tensor_parallel_size=rollout.tensor_parallel_size, in_process=rollout.in_process,
+                      enforce_eager=rollout.enforce_eager, cores=config.cores_of("rollout", worker_index),
+                      # colocated, the engine sleeps between its shifts (rollout.shifts.GenerateShift),
+                      # freeing the GPU memory for the scorer and the learner
+                      sleep_mode=config.colocated)
+    environment, arguments = common_engine_settings(spec, cuda)
+    return environment, {**arguments, "worker_extension_cls": "rollout.worker_extension.WeightSyncExtension"}
 
 
 def make_vllm_engine(config: TetherConfig, worker_index: int = 0, **overrides):
@@ -88,15 +55,7 @@ def make_vllm_engine(config: TetherConfig, worker_index: int = 0, **overrides):
     ``overrides`` of its arguments."""
     import torch
 
-    environment, arguments = engine_settings(config, worker_index, torch.cuda.is_available())
-    os.environ.update(environment)
-    if environment.get("TORCHDYNAMO_DISABLE") == "1":  # torch read the variable when it was imported
-        import torch._dynamo
-
-        torch._dynamo.config.disable = True
-    from vllm import LLM
-
-    return LLM(**{**arguments, **overrides})
+    return make_engine(*engine_settings(config, worker_index, torch.cuda.is_available()), **overrides)
 
 
 def image_arguments(images: list[list[bytes]] | None, per_episode: int | None = None) -> dict[str, Any]:

@@ -4,9 +4,10 @@ request a prompt) and ``rollout.episodes.Episodes`` (turns with an environment's
 between them, whatever answers them: ``environments.interface.Environment``, agent programs
 included) are the two.
 
-``InFlight`` is the engine's side of the cycle every driver repeats: add what a generator has
-ready, step the engine, hand each finished request back to the generator. The rollout's loop runs
-it between credit grants; ``generate_to_end`` runs it alone (the evaluator: no buffer, one version).
+``common.engines.InFlight`` is the engine's side of the cycle every driver repeats: add what a
+generator has ready, step the engine, hand each finished request back to the generator. The
+rollout's loop runs it between credit grants; ``generate_to_end`` runs it alone (the evaluator: no
+buffer, one version).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol, runtime_checkable
 
+from common.engines import InFlight
 from protocol.samples import Sample
 
 ENVIRONMENT_POLL_S = 0.05  # with nothing in the engine: the longest wait for an environment's answer
@@ -50,45 +52,6 @@ class Generator(Protocol):
 
     def close(self) -> None:
         """The run is over: what is under way outside the engine ends (an environment's session)."""
-
-
-class InFlight:
-    """The requests in a vLLM engine and, for each, what the generator said it is."""
-
-    def __init__(self, engine) -> None:
-        from vllm import TokensPrompt
-
-        self.engine, self.TokensPrompt = engine, TokensPrompt
-        self.requests: dict[str, Any] = {}
-        self.added = 0
-
-    def __len__(self) -> int:
-        return len(self.requests)
-
-    def add(self, generator: Generator, version: int, lora_request=None) -> None:
-        """Every request ``generator`` has ready joins the engine (between two of its steps), with
-        the policy's LoRA adapter where a version is one (``learner.lora_sync: adapters``)."""
-        from common.images import decoded
-
-        for what, ids, sampling in generator.take_ready(version):
-            request_id = str(self.added)
-            self.added += 1
-            images = getattr(what, "images", None)  # unexpanded placeholders in ids: vLLM expands each image's
-            prompt = (self.TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": decoded(images)}) if images
-                      else self.TokensPrompt(prompt_token_ids=ids))
-            self.engine.llm_engine.add_request(request_id, prompt, sampling, lora_request=lora_request)
-            self.requests[request_id] = what
-
-    def step(self, generator: Generator, version: int) -> None:
-        """One engine step; each request it finishes goes back to ``generator``."""
-        for output in self.engine.llm_engine.step():
-            if output.finished:
-                generator.turn_finished(self.requests.pop(output.request_id), output, version)
-
-    def abort(self) -> None:
-        if self.requests:
-            self.engine.llm_engine.abort_request(list(self.requests))
-            self.requests = {}
 
 
 def generate_to_end(engine, generator: Generator, rows: list[int], version: int = 0) -> tuple[list[Sample], int]:

@@ -22,7 +22,8 @@ from rollout.adapters import PolicyAdapter, lora_arguments
 from rollout.credits import Credits, Outbox
 from rollout.engine import WeightLoads, banned_words, image_arguments, make_vllm_engine, sampling_params
 from rollout.episodes import Episodes, Renderer
-from rollout.generators import ENVIRONMENT_POLL_S, Generator, InFlight
+from common.engines import InFlight
+from rollout.generators import ENVIRONMENT_POLL_S, Generator
 from rollout.responses import Responses
 from rollout.shifts import GenerateShift
 from weight_sync.lora import lora_sync_logged

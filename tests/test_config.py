@@ -154,7 +154,7 @@ def test_cli_refuses_an_unknown_key_and_a_missing_model(tmp_path):
 
 
 def test_an_engine_binds_its_tensor_parallel_workers_to_its_cores():
-    from rollout.engine import omp_threads_bind
+    from common.engines import omp_threads_bind
 
     assert omp_threads_bind([0, 1], 1) == "0,1"
     assert omp_threads_bind([0, 1], 2) == "0|1"
@@ -207,7 +207,7 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions, rollout.environment"),
+    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions, scorer.judges, scorer.reward_url, rollout.environment"),
     (["models.reward=null", "models.critic_init=reward", "scorer.reward_functions=[{function: 'a:b'}]"],
      "models.critic_init is reward but there is no models.reward"),
     (["scorer.reward_functions=[{function: 'a:b', wieght: 2}]"], r"scorer.reward_functions.0.wieght: unknown key"),
@@ -231,7 +231,7 @@ def test_a_reward_function_that_cannot_be_imported_names_its_key():
     # a parameter with a default is the function's own business; only what it names is passed
     tolerant = RewardFunction.load("tests.test_config:_with_a_tolerance", 1.0, "scorer.reward_functions[0]")
     assert tolerant.arguments == ("response",)
-    assert tolerant("s0", {"response": "51", "row": {}}, None) == 1.0
+    assert tolerant.call({"response": "51", "row": {}})() == 1.0
 
 
 def _asks_for_answer(response, answer):
