@@ -82,6 +82,8 @@ class Buffer:
         else:
             self.state = BufferState(batch_size, k, n, staleness_ceiling=ceiling, group_filter=group_filter)
         self.unfiltered_warned = -1  # the batches served when the filtering bound was last said to be reached
+        # a pairwise judge compares the responses of a group: a scorer is given whole groups
+        self.whole_groups = any(judge.mode == "pairwise" for judge in config.scorer.judges)
         self.server = BufferServer(config.buffer_address, config.transport.max_frame_bytes, config.transport.curve,
                                    config.transport.heartbeat_s, config.transport.peer_deadline_s)
         self.metrics = metrics_writer(config, "buffer")
@@ -418,7 +420,7 @@ class Buffer:
             return False
         share = min(wait.amount, self.state.fair_share(len(self.score_waits)))
         work = self.state.take_for_scoring(share, self.workers[wait.identity], time.monotonic(),
-                                           self.config.scorer.deadline_s)
+                                           self.config.scorer.deadline_s, whole_groups=self.whole_groups)
         if not work and not self.state.finished:
             return False
         if work:

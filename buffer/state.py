@@ -152,6 +152,9 @@ class BufferState:
         # filtered since the last batch (at most group_filter.max_ratio x batch_size)
         self.group_filter = group_filter
         self.partial_groups: dict[int, list[Sample]] = {}
+        # groups a scorer said not to train (drop_reason): prompt -> the reason, and its episodes gone so far
+        self.dropped_groups: dict[int, str] = {}
+        self.dropped_episodes: Counter = Counter()
         self.filtered_since_batch = 0
         self.batches_served = 0  # the filtering bound's window is the time between two of them
 
@@ -301,14 +304,28 @@ class BufferState:
     # ------------------------------------------------------------------ scorer side
 
     def take_for_scoring(self, max_samples: int, scorer: str = "scorer", now: float = 0.0,
-                         deadline_s: float = float("inf")) -> list[Sample]:
+                         deadline_s: float = float("inf"), whole_groups: bool = False) -> list[Sample]:
         """Up to ``max_samples`` unscored samples, oldest first, for ``scorer`` to return by
-        ``now + deadline_s``."""
-        work = []
-        while self.unscored and len(work) < max_samples:
-            _, sample = self.unscored.popitem(last=False)
+        ``now + deadline_s``. ``whole_groups`` (a pairwise judge compares a group's responses): only
+        groups all of whose episodes are here (or all that will come: an engine dropped one), each
+        whole, the first even past ``max_samples``."""
+        if whole_groups:
+            groups: dict[int, list[Sample]] = {}
+            for sample in self.unscored.values():
+                groups.setdefault(sample.prompt_index, []).append(sample)
+            coming = {index for lease in self.leases.values() for index in lease}
+            chosen: list[Sample] = []
+            for index, members in groups.items():
+                if index in coming and not group_is_whole(members, self.samples_per_prompt):
+                    continue
+                if chosen and len(chosen) + len(members) > max_samples:
+                    break
+                chosen += members
+            work = [self.unscored.pop(sample.sample_id) for sample in chosen]
+        else:
+            work = [self.unscored.popitem(last=False)[1] for _ in range(min(max_samples, len(self.unscored)))]
+        for sample in work:
             self.in_scoring[sample.sample_id] = (sample, scorer, now + deadline_s)
-            work.append(sample)
         self.scorer_load[scorer] += len(work)
         return work
 
@@ -337,9 +354,29 @@ class BufferState:
                 self._owe(self.owed_at.pop(sample.episode, sample.behavior_version), -1)
             self.accounting.scored += 1
             accepted += 1
-            if self.group_filter is not None:
+            if sample.drop_reason:
+                self.dropped_groups.setdefault(sample.prompt_index, sample.drop_reason)
+            if sample.prompt_index in self.dropped_groups:
+                self._drop_group_of(sample)
+            elif self.group_filter is not None:
                 self._filter_group_of(sample)
         return accepted
+
+    def _drop_group_of(self, sample: Sample) -> None:
+        """A scorer said ``sample``'s group is not to be trained (a reward call failed or a judge's
+        answer did not parse, under drop_group): every scored sample of its prompt goes, now and as
+        the rest of its group comes, each giving its credit back. The prompt is forgotten once its
+        group's episodes are all gone."""
+        prompt_index = sample.prompt_index
+        reason = f"scorer_{self.dropped_groups[prompt_index]}"
+        self.partial_groups.pop(prompt_index, None)
+        for member in [s for s in self.scored.values() if s.prompt_index == prompt_index]:
+            del self.scored[member.sample_id]
+            self._drop(reason, returns_credit=member.final)
+            if member.final:
+                self.dropped_episodes[prompt_index] += 1
+        if self.dropped_episodes[prompt_index] >= self.samples_per_prompt:
+            del self.dropped_groups[prompt_index], self.dropped_episodes[prompt_index]
 
     def _filter_group_of(self, sample: Sample) -> None:
         """Dynamic sampling: once ``sample``'s group is whole, drop it if its outcome rewards are all
@@ -526,6 +563,9 @@ def save_snapshot(state: BufferState, path: str) -> None:
                        "staleness_histogram": {str(k): v for k, v in a.staleness_histogram.items()}},
         "seen": list(state.seen_order),
         "filtered_since_batch": state.filtered_since_batch,
+        # msgpack keys are text: the prompt indices of groups a scorer dropped, with their episodes gone so far
+        "dropped_groups": {str(index): [reason, state.dropped_episodes[index]]
+                           for index, reason in state.dropped_groups.items()},
     }
     messages = [encode("samples", *pack_samples(unscored)), encode("scored", *pack_samples(scored, scored=True))]
     temporary = path + ".tmp"
@@ -579,6 +619,9 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
     state.next_prompt_index, state.returned_prompts = header["next_prompt_index"], list(header["returned_prompts"])
     state.learner_version = header["learner_version"]
     state.filtered_since_batch = header.get("filtered_since_batch", 0)
+    for index, (reason, gone) in header.get("dropped_groups", {}).items():
+        state.dropped_groups[int(index)] = reason
+        state.dropped_episodes[int(index)] = gone
     saved = header["accounting"]
     a = state.accounting
     for name in _COUNTS:

@@ -167,3 +167,19 @@ def gather_response(per_position: torch.Tensor, positions: torch.Tensor) -> torc
         index = index.unsqueeze(-1)
     index = index.expand(*positions.shape, *per_position.shape[2:])
     return torch.gather(per_position, 1, index)
+
+
+def policy_turns(loss_mask, length: int) -> list[tuple[int, int]]:
+    """[start, stop) of each turn of the policy in a response of ``length`` tokens: the runs of 1 in
+    an episode's ``loss_mask`` (between them, the environment's tokens); a single response (no
+    mask) is one turn. A turn's last token, ``stop - 1``, is where its turn reward sits."""
+    if loss_mask is None:
+        return [(0, length)]
+    turns, start = [], None
+    for position, policy in enumerate(list(loss_mask) + [0]):
+        if policy and start is None:
+            start = position
+        elif not policy and start is not None:
+            turns.append((start, position))
+            start = None
+    return turns

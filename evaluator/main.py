@@ -107,7 +107,11 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     samples = last_parts(samples)
     for i, sample in enumerate(samples):
         sample.sample_id = f"eval-{i}"
-    parts = Scorer(config, log).score(samples)  # reads the eval rows: reward functions get their row
+    scorer = Scorer(config, log)
+    try:
+        parts = scorer.score(samples)  # reads the eval rows: reward functions get their row
+    finally:
+        scorer.close()
     if environments is not None:  # what is trained on: the scorer's score plus the environment's turn rewards
         episode_figures.update(environment_rewards(samples))
         for sample in samples:
@@ -118,8 +122,7 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     repetition = np.array([repetition_rate(s.response_tokens.tolist()) for s in samples])
     figures = {
         "reward": float(np.mean([s.reward for s in samples])),  # an episode's: the scorer's and its environment's
-        **{name: value for name, value in parts.items() if name != "reward_function_failures"},
-        "reward_function_failures": parts["reward_function_failures"],
+        **parts,
         "kl_to_reference": float(kl.mean()),
         "response_length": float(np.mean([len(s.response_tokens) for s in samples])),
         "repetition_rate": float(repetition.mean()),

@@ -270,8 +270,17 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
          openenv: bool = typer.Option(False, help="with --agent: the calculator is an OpenEnv server's MCP tool "
                                                   "(demos/agent.py openenv_app, served by the demo)"),
          vision: bool = typer.Option(False, help="the parity read from an image: a policy that sees "
-                                                 "(configs/demo-vision.yaml)")) -> None:
+                                                 "(configs/demo-vision.yaml)"),
+         judge: bool = typer.Option(False, help="an LLM judge on vLLM in the scorer in place of the reward "
+                                                "model (configs/demo-judge.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
+    if judge:
+        if agent or openai or openenv or long_tail or vision:
+            fail("tether demo --judge is a demo of its own: without --agent, --openai, --openenv, --long-tail or "
+                 "--vision", ExitCode.CONFIG_ERROR)
+        from demos.judge import run_demo as run_judge_demo
+
+        raise typer.Exit(run_judge_demo(assets, override or []))
     if vision:
         if agent or openai or openenv or long_tail:
             fail("tether demo --vision is a demo of its own: without --agent, --openai, --openenv or --long-tail",

@@ -17,22 +17,28 @@ from common.config import ConfigError, TetherConfig
 
 
 def check_run_data(config: TetherConfig) -> None:
-    """The files and functions PPO reads: data.prompts, eval.prompts, data.ptx, scorer.reward_functions,
-    rollout.tools, rollout.environment and the agent program. Raises ``ConfigError`` at the first problem."""
+    """The files and functions PPO reads: data.prompts, eval.prompts, data.ptx, scorer.reward_functions
+    and gold_reward, the judges' templates (against the rows), rollout.tools, rollout.environment and
+    the agent program. Raises ``ConfigError`` at the first problem."""
     from common import verifiers_data
     from common.functions import load_function
     from common.prompts import read_rows, read_texts
     from environments.native import Environments
     from environments.tools import load_tools
+    from scorer.judges import check_template
     from scorer.rewards import RewardFunction
 
-    read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
+    rows = read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
     if config.eval.prompts:
         read_rows(config.eval.prompts, "eval.prompts", config.rollout.environment_args)
     if config.data.ptx:
         read_texts(config.data.ptx)
     for i, function in enumerate(config.scorer.reward_functions):
         RewardFunction.load(function.function, function.weight, f"scorer.reward_functions[{i}].function")
+    if config.scorer.gold_reward:
+        RewardFunction.load(config.scorer.gold_reward, 1.0, "scorer.gold_reward")
+    for i, judge in enumerate(config.scorer.judges):
+        check_template(judge, f"scorer.judges[{i}]", rows)
     env_id = verifiers_data.environment_id(config.rollout.environment)
     if env_id is not None:
         verifiers_data.load(env_id, config.rollout.environment_args)

@@ -41,18 +41,25 @@ PANELS = (
 )
 
 
-EPISODES, DYNAMIC_SAMPLING = "episodes", "dynamic sampling"
+EPISODES, DYNAMIC_SAMPLING, SCORING = "episodes", "dynamic sampling", "judges and reward calls"
 
 
 def panels_of(metrics: dict[str, list[dict]]) -> list[tuple]:
     """PPO's panels for a run's metrics: the episodes panel only where the rollouts ran episodes
     (an empty panel on every single-turn dashboard read as something missing), the dynamic sampling
-    panel only where the buffer filtered groups."""
+    panel only where the buffer filtered groups, and the scorers' judges (each one's score) and
+    failures only where there are judges or a reward call failed."""
     episodes = any("turns_per_episode" in record for name, records in metrics.items()
                    if name.startswith("rollout") for record in records)
     filtering = any("groups_filtered" in record for record in metrics.get("buffer", []))
+    scorers = [record for name, records in metrics.items() if name.startswith("scorer") for record in records]
+    judges = sorted({key.split(":", 1)[1] for record in scorers for key in record if key.startswith("judge_unparsed:")})
+    scoring = [(SCORING, (*(("scorer", name, f"judge {name}: score") for name in judges),
+                          ("scorer", "judge_unparsed", "judges' answers unparsed"),
+                          ("scorer", "reward_failed", "reward calls failed")))]
+    failed = any(record.get("reward_failed") for record in scorers)
     return [panel for panel in PANELS if (panel[0] != EPISODES or episodes)
-            and (panel[0] != DYNAMIC_SAMPLING or filtering)]
+            and (panel[0] != DYNAMIC_SAMPLING or filtering)] + (scoring if judges or failed else [])
 
 
 # tether sft / rm / dpo (metrics/<stage>.jsonl): (title, left axis, right axis), each (key, label)
@@ -93,7 +100,9 @@ def plot_run(run_dir: str, output: str | None = None) -> tuple[str, list[str]]:
         series = [(name, key, label.replace(role, name)) for role, key, label in series
                   for name in ([role] if role in metrics else [n for n in metrics if n.rstrip("0123456789") == role])]
         for index, (role, key, label) in enumerate(series):
-            records = [r for r in metrics.get(role, []) if r.get(key) is not None and "step" in r]
+            # a scorer's records: by the policy version that generated what it scored
+            records = [{**r, "step": r.get("step", r.get("policy_version"))} for r in metrics.get(role, [])
+                       if r.get(key) is not None and ("step" in r or "policy_version" in r)]
             if not records:
                 continue
             if key == "gold_reward":  # 0..1, on its own scale beside the RM's

@@ -85,6 +85,9 @@ class Sample:
     reward: float | None = column("rewards", "sample", "float32", scored=True, finite=True, default=None)
     # from the scorer's rule-based gold reward, where the task has one (reported, never trained on)
     gold_reward: float | None = column("gold_rewards", "sample", "float", scored=True, optional=True, default=None)
+    # from the scorer: why the sample's whole group is not to be trained (a reward call that failed, a
+    # judge's answer that did not parse, under drop_group); "" or None: trained
+    drop_reason: str | None = column("drop_reasons", "sample", "str", scored=True, optional=True, default=None)
     data_row: int = column("data_rows", "sample", "int", default=-1)  # the prompt's row in the data file
     # the version that generated its last token: newer than behavior_version when the weights changed
     # while it was generated (a streaming rollout loads them between engine steps); None: the same

@@ -12,13 +12,15 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-# 13: turn_release renamed shift_end (a device's shift, not a conversation's turn), the agent
+# 14: a scored sample may carry a drop_reason (scorer.on_reward_failure, a judge's on_unparsed:
+# drop_group); 13: turn_release renamed shift_end (a device's shift, not a conversation's turn), the agent
 # processes' program_* messages (environments.agent_processes, JSON before); 12: goodbye (a
 # rollout or scorer stopping on an error); 11: turn_release (placement.mode colocate); 10: samples
 # carry their images (image_bytes); 9: an episode's parts (part_indices, ...)
-SCHEMA_VERSION = 13
+SCHEMA_VERSION = 14
 # The version at which a message's fields last changed, for a message that is kept (a batch that
-# learner.record_batches wrote): one written at that version or later decodes as it is.
+# learner.record_batches wrote): one written at that version or later decodes as it is. (14's
+# drop_reasons is optional, and a batch never holds a sample with one: older batches decode.)
 UNCHANGED_SINCE = {"batch": 10}
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.
@@ -30,7 +32,7 @@ FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[fl
 # directory's name (a file name: 255); a name not listed: STRING_LIMIT.
 STRING_LIMIT = 4096
 STRING_LIMITS = {"role": 32, "worker_id": 64, "run_id": 255, "incarnation": 64, "checksum": 128, "sample_ids": 256,
-                 "finish_reasons": 64, "reasons": 256, "messages": 16 << 20, "key": 256, "body": 1 << 28}
+                 "finish_reasons": 64, "reasons": 256, "drop_reasons": 256, "messages": 16 << 20, "key": 256, "body": 1 << 28}
 
 
 def string_limit(field: str) -> int:

@@ -1,13 +1,20 @@
-"""The scorer's loop: ask the buffer for samples, score them, send them back.
+"""The scorer's loop: ask the buffer for samples, score them, send them back, with several
+requests in flight (``scorer.requests_in_flight``) while judges and reward calls answer.
 
-A sample's score, the one trained on, is the reward model's (when there is one) plus the
-weighted reward functions'; the gold reward, where the task has one, is only reported.
+A sample's score, the one trained on, is the reward model's (when there is one) plus the weighted
+values of its reward functions, reward service and judges; those that score each turn
+(``per_turn``) put theirs on the turn's last policy token instead. The gold reward, where the task
+has one, is only reported.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,22 +26,54 @@ from common.models import same_tokens
 from common.processors import banning_placeholder, load_processor, sees_images
 from common.prompts import chat_of, read_rows, text_chat
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
+from common.sequences import policy_turns
 from protocol.samples import Sample, pack_samples, unpack_samples
 from protocol.transport import connect_to_buffer
-from scorer.rewards import RewardFunction
+from scorer.judges import Judge, Judges, Question
+from scorer.rewards import Failed, RemoteReward, RewardCalls, RewardFunction, finite, outcome, unmatched_turns
+
+POLL_S = 0.01  # with requests in flight and the judges idle: the longest wait for a reward call or the buffer
+
+
+@dataclass(eq=False)
+class Job:
+    """One score request's samples while its reward calls and judges' questions are under way.
+    A value's key is (what gave it, the final sample's index, the turn's last token or None)."""
+    samples: list[Sample]
+    finals: list[Sample]
+    arguments: list[dict]
+    totals: np.ndarray  # [finals] the synchronous part of each final's score (RM, overlong shaping)
+    parts: dict[str, float]
+    calls: list[tuple[tuple, concurrent.futures.Future]] = field(default_factory=list)
+    answers: dict[tuple, list] = field(default_factory=dict)  # a judge's key -> [(score or None, answer)]
+    questions: int = 0  # asked and not answered
+
+    @property
+    def done(self) -> bool:
+        return self.questions == 0 and all(future.done() for _, future in self.calls)
 
 
 class Scorer:
     """The frozen models and reward functions of one scorer, and how they score a list of samples."""
 
-    def __init__(self, config: TetherConfig, log) -> None:
+    def __init__(self, config: TetherConfig, log, worker_index: int = 0) -> None:
         from transformers import AutoTokenizer
 
         # the user's code first: a typo there should not wait for the models to load
-        self.functions = [RewardFunction.load(f.function, f.weight, f"scorer.reward_functions[{i}].function")
+        self.functions = [RewardFunction.load(f.function, f.weight, f"scorer.reward_functions[{i}].function",
+                                              f.per_turn)
                           for i, f in enumerate(config.scorer.reward_functions)]
         self.gold = (RewardFunction.load(config.scorer.gold_reward, 1.0, "scorer.gold_reward")
                      if config.scorer.gold_reward else None)
+        scorer = config.scorer
+        self.remote = (RemoteReward(scorer.reward_url, scorer.reward_url_weight, scorer.reward_concurrency)
+                       if scorer.reward_url else None)
+        # the rows, when what scores reads text (an RM with its own tokenizer too: known once it loads)
+        read = lambda: read_rows(config.data.prompts, environment_args=config.rollout.environment_args)  # noqa: E731
+        self.rows = read() if self.functions or self.gold or scorer.judges or self.remote else []
+        # and the judges' tokenizers: a verdict of two tokens should not wait for the models either
+        judges = [Judge(judge, name, f"scorer.judges[{i}]", config.models.policy, self.rows)
+                  for i, (judge, name) in enumerate(zip(scorer.judges, config.judge_names))]
         if config.models.reference and not same_tokens(config.models.policy, config.models.reference):
             raise ConfigError(f"models.reference: {config.models.reference} reads other tokens than the policy; "
                               "the KL tether compares both on the policy's tokens")
@@ -81,26 +120,48 @@ class Scorer:
                                   "single linear head") from None
             if self.rm_tokenizer is not None:
                 self.rm_max_tokens = getattr(self.reward_model.config, "max_position_embeddings", None)
-        scorer = config.scorer
         self.overlong = ((config.overlong_max_length, scorer.overlong_buffer, scorer.overlong_penalty)
                          if scorer.overlong_buffer is not None else None)
-        self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer)
-        self.rows = (read_rows(config.data.prompts, environment_args=config.rollout.environment_args)
-                     if self.needs_text else [])
+        self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer or judges or self.remote)
+        if self.needs_text and not self.rows:
+            self.rows = read()
         self.system_prompt = config.data.system_prompt
+        self.on_failure = scorer.on_reward_failure
+        self.calls = RewardCalls(scorer.reward_concurrency, scorer.reward_deadline_s)
+        self.warned: set[str] = set()  # what gave a failure or an unparsed answer already logged
+        self.judges = Judges(config, judges, worker_index, self._answered) if judges else None
 
     def describe(self) -> str:
         rm = "none" if self.reward_model is None else (
             "its own tokenizer" if self.rm_tokenizer is not None else
             "the policy's tokens and images" if self.rm_processor is not None else "the policy's tokens")
         functions = ", ".join(f"{f.weight:g} x {f.name}" for f in self.functions) or "none"
-        return f"reward model: {rm}; reward functions: {functions}"
+        described = f"reward model: {rm}; reward functions: {functions}"
+        if self.remote is not None:
+            described += f"; reward service: {self.remote.weight:g} x {self.remote.url}"
+        if self.judges is not None:
+            described += "; judges: " + ", ".join(f"{j.weight:g} x {j.name} ({j.config.model})"
+                                                   for j in self.judges.judges)
+        return described
+
+    @property
+    def busy(self) -> bool:
+        """Whether a judge has questions: the loop steps its engine rather than wait."""
+        return self.judges is not None and self.judges.busy
 
     def score(self, samples: list[Sample]) -> dict[str, float]:
-        """Fill in each sample's ``ref_logprobs``, ``reward`` and ``gold_reward``; returns the mean of
-        each part of the score and the count of reward-function failures, for the metrics. An
-        episode's score is its last part's (the conversation as it ended): the parts before it (a
-        program that rewrote its context) get their reference logprobs and a score of 0."""
+        """Score ``samples`` to the end (``begin``, ``advance`` until done, ``finish``): the
+        evaluator's and the tests' way, one request at a time."""
+        job = self.begin(samples)
+        while not job.done:
+            self.advance(timeout=POLL_S)
+        return self.finish(job)
+
+    def begin(self, samples: list[Sample]) -> Job:
+        """Fill in each sample's ``ref_logprobs`` and what is computed at once (the reward model, the
+        overlong shaping), and start its reward calls and judges' questions. An episode's score is its
+        last part's (the conversation as it ended): the parts before it (a program that rewrote its
+        context) get their reference logprobs and a score of 0."""
         from scorer.scoring import reference_logprobs
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
@@ -110,44 +171,208 @@ class Scorer:
             if not sample.final:
                 sample.reward, sample.gold_reward = 0.0, (0.0 if self.gold is not None else None)
         finals = [sample for sample in samples if sample.final]
-        return self._outcomes(finals) if finals else {"reward_function_failures": 0}
+        arguments = [self._arguments(sample) for sample in finals] if self.needs_text else []
+        job = Job(samples, finals, arguments, *self._at_once(finals, arguments))
+        for function in self.functions:
+            for i, turn in self._targets(job, function.per_turn):
+                given = self._turn_arguments(job, i, turn)
+                job.calls.append(((function.name, i, turn), unmatched_turns(given["unmatched"])
+                                  if "unmatched" in given else self.calls.submit(function.call(given))))
+        if self.remote is not None and finals:
+            job.calls.append((("reward_url", None, None), self.calls.submit(self.remote.call(arguments))))
+        if self.gold is not None:
+            job.calls += [(("gold", i, None), self.calls.submit(self.gold.call(a))) for i, a in enumerate(arguments)]
+        for judge in self.judges.judges if self.judges is not None else []:
+            self._ask(job, judge)
+        return job
 
-    def _outcomes(self, samples: list[Sample]) -> dict[str, float]:
-        """``score``'s reward and gold reward of episodes' last parts (every single response is one)."""
+    def advance(self, timeout: float = 0.0) -> None:
+        """Step the judges' engines once, or with nothing in them, wait up to ``timeout`` for a
+        reward call."""
+        if self.busy:
+            self.judges.step()
+        elif timeout:
+            time.sleep(timeout)
+
+    def finish(self, job: Job) -> dict[str, float]:
+        """A done ``job``'s scores into its samples: each final's ``reward`` (and ``turn_rewards``
+        of what scores turns), ``gold_reward``, and a ``drop_reason`` where its group is not to be
+        trained. Returns the mean of each part of the score and the failures, for the metrics."""
+        totals, parts, failed = job.totals.copy(), dict(job.parts), Counter()
+        drops: dict[int, str] = {}
+        values: dict[str, list[float]] = {}
+        for (name, i, turn), future in job.calls:
+            if name == "reward_url":
+                result = outcome(future)
+                for j in range(len(job.finals)):
+                    value = self._value(result if isinstance(result, Failed) else result[j], name, j, job, failed,
+                                        drops)
+                    totals[j] += self.remote.weight * value
+                    values.setdefault(name, []).append(value)
+                continue
+            value = self._value(outcome(future), name, i, job, failed, drops, gold=name == "gold")
+            if name == "gold":
+                job.finals[i].gold_reward = value
+                continue
+            function = next(f for f in self.functions if f.name == name)
+            self._add(job, totals, i, turn, function.weight * value)
+            values.setdefault(name, []).append(value)
+        unparsed = Counter()
+        for (judge, i, turn), answers in job.answers.items():
+            scores = [score for score, _ in answers if score is not None]
+            if not scores:
+                unparsed[judge.name] += 1
+                if judge.name not in self.warned:
+                    self.warned.add(judge.name)
+                    self.log.warning("judge %s's answer to sample %s does not parse (%s): %r; it counts 0%s "
+                                     "(said once)", judge.name, job.finals[i].sample_id, judge.config.model,
+                                     answers[0][1][:300], " and its group is dropped"
+                                     if judge.config.on_unparsed == "drop_group" else "")
+                if judge.config.on_unparsed == "drop_group":
+                    drops.setdefault(i, "judge_unparsed")
+            value = float(np.mean(scores)) if scores else 0.0
+            self._add(job, totals, i, turn, judge.weight * value)
+            values.setdefault(judge.name, []).append(value)
+        for sample, total in zip(job.finals, totals):
+            sample.reward = float(total)
+        if drops:  # the field travels for every sample of the message, or for none
+            for sample in job.samples:
+                sample.drop_reason = ""
+            for i, reason in drops.items():
+                job.finals[i].drop_reason = reason
+        parts.update({name: float(np.mean(v)) for name, v in values.items()})
+        parts["reward_failed"] = sum(failed.values())
+        parts.update({f"reward_failed:{name}:{error}": count for (name, error), count in failed.items()})
+        if self.judges is not None:
+            parts["judge_unparsed"] = sum(unparsed.values())
+            parts.update({f"judge_unparsed:{judge.name}": unparsed[judge.name] for judge in self.judges.judges})
+        return parts
+
+    def close(self) -> None:
+        if self.judges is not None:
+            self.judges.close()
+        self.calls.close(self.remote)
+
+    def _at_once(self, finals: list[Sample], arguments: list[dict]) -> tuple[np.ndarray, dict[str, float]]:
+        """What of the finals' score is computed here and now: the reward model's and the overlong
+        shaping (in ``Job.totals``), with their means."""
         from scorer.scoring import overlong_penalty, reward_model_tokens, reward_scores, reward_scores_of_tokens
 
-        arguments = [self._arguments(sample) for sample in samples] if self.needs_text else []
-        totals = np.zeros(len(samples), dtype=np.float64)
+        totals = np.zeros(len(finals), dtype=np.float64)
         parts: dict[str, float] = {}
-        if self.reward_model is not None:
+        if self.reward_model is not None and finals:
             if self.rm_tokenizer is None:
-                rm = reward_scores(self.reward_model, samples, self.pad_token_id, self.rm_processor)
+                rm = reward_scores(self.reward_model, finals, self.pad_token_id, self.rm_processor)
             else:
                 rows = [reward_model_tokens(a["sequence"], self._conversation(a), self.rm_tokenizer, self.rm_max_tokens)
                         for a in arguments]
                 rm = reward_scores_of_tokens(self.reward_model, rows)
             totals += rm.double().numpy()
             parts["rm_score"] = float(rm.mean())
-        failures = 0
-        for function in self.functions:
-            values = [function(s.sample_id, a, self.log) for s, a in zip(samples, arguments)]
-            failures += sum(value is None for value in values)
-            values = np.array([0.0 if value is None else value for value in values])
-            totals += function.weight * values
-            parts[function.name] = float(values.mean())
-        if self.overlong is not None:  # on the policy's own tokens: an episode's observations do not count
+        if self.overlong is not None and finals:  # on the policy's own tokens: an episode's observations do not count
             lengths = torch.tensor([len(s.response_tokens) if s.loss_mask is None else int(s.loss_mask.sum())
-                                    for s in samples])
+                                    for s in finals])
             penalties = overlong_penalty(lengths, *self.overlong).numpy()
             totals += penalties
             parts.update(overlong_penalty=float(penalties.mean()), overlong_frac=float((penalties < 0).mean()))
-        for sample, total in zip(samples, totals):
-            sample.reward = float(total)
-        if self.gold is not None:
-            for sample, a in zip(samples, arguments):
-                value = self.gold(sample.sample_id, a, self.log)
-                sample.gold_reward = 0.0 if value is None else value
-        return {**parts, "reward_function_failures": failures}
+        return totals, parts
+
+    @staticmethod
+    def _targets(job: Job, per_turn: bool) -> list[tuple[int, int | None]]:
+        """(final's index, turn's last token or None for the outcome) of each value a per-turn or
+        whole-sample scorer gives."""
+        if not per_turn:
+            return [(i, None) for i in range(len(job.finals))]
+        return [(i, stop - 1) for i, s in enumerate(job.finals)
+                for _, stop in policy_turns(s.loss_mask, len(s.response_tokens))]
+
+    def _turn_arguments(self, job: Job, i: int, turn: int | None) -> dict:
+        """A final's arguments, or for a turn (its last token ``turn``): the conversation up to that
+        turn, the turn as the response. The turns are the loss mask's runs of policy tokens, the
+        conversation's last assistant messages, one each."""
+        arguments = job.arguments[i]
+        if turn is None:
+            return arguments
+        sample = job.finals[i]
+        turns = policy_turns(sample.loss_mask, len(sample.response_tokens))
+        number = next(k for k, (_, stop) in enumerate(turns) if stop - 1 == turn)
+        start, stop = turns[number]
+        tokens = sample.response_tokens[start:stop].tolist()
+        messages = arguments["messages"]
+        if messages is not None:
+            spoken = [k for k, message in enumerate(messages) if message.get("role") == "assistant"]
+            if len(spoken) < len(turns):
+                return {**arguments, "unmatched": f"{len(turns)} turns and {len(spoken)} assistant messages"}
+            messages = messages[:spoken[len(spoken) - len(turns) + number] + 1]
+        return {**arguments, "response": self.tokenizer.decode(tokens, skip_special_tokens=True),
+                "response_tokens": tokens, "messages": messages}
+
+    def _ask(self, job: Job, judge: Judge) -> None:
+        """``judge``'s questions about ``job``'s finals: one a sample, a turn, or pairwise, one for
+        each other response of its group in the request (a group alone counts 0.5: no one to beat)."""
+        for i, turn in self._targets(job, judge.per_turn):
+            key = (judge, i, turn)
+            job.answers[key] = []
+            variables = self._turn_arguments(job, i, turn)
+            if "unmatched" in variables:
+                job.answers[key].append((None, variables["unmatched"]))
+                continue
+            others = [j for j, other in enumerate(job.finals)
+                      if judge.pairwise and j != i and other.prompt_index == job.finals[i].prompt_index]
+            if judge.pairwise and not others:
+                job.answers[key].append((0.5, ""))
+            single = judge.same_tokens and job.finals[i].messages is None and turn is None
+            special = set(judge.tokenizer.all_special_ids)
+            ids = [t for t in job.finals[i].response_tokens.tolist() if t not in special] if single else None
+            for other in others if judge.pairwise else [None]:
+                fields = dict(variables) if other is None else {**variables, "other": job.arguments[other]["response"]}
+                try:
+                    question = judge.question(fields, ids)
+                except Exception as error:  # the template over this sample: unrenderable, as an answer unparsed
+                    job.answers[key].append((None, f"the template does not render: {type(error).__name__}: {error}"))
+                    continue
+                job.questions += 1
+                self.judges.ask(Question(job, judge, i, turn, other), question)
+
+    def _answered(self, question: Question, score: float | None, answer: str) -> None:
+        job = question.job
+        job.answers[(question.judge, question.sample, question.turn_end)].append((score, answer))
+        job.questions -= 1
+
+    def _value(self, result: Any, name: str, i: int, job: Job, failed: Counter, drops: dict[int, str],
+               gold: bool = False) -> float:
+        """A reward call's number, or for a failed one 0, counted and logged (its first traceback
+        once), and under drop_group its sample's group is dropped (never for the gold reward, which
+        is not trained on)."""
+        if not isinstance(result, Failed):
+            try:
+                return finite(result)
+            except ValueError as error:
+                result = Failed(type(error).__name__, str(error))
+        failed[(name, result.error)] += 1
+        if name not in self.warned:
+            self.warned.add(name)
+            self.log.warning("reward %s failed on sample %s (response %r): %s: %s; it counts 0%s (the first failure "
+                             "of it, said once)", name, job.finals[i].sample_id, job.arguments[i]["response"][:200],
+                             result.error, result.text, " and its group is dropped"
+                             if self.on_failure == "drop_group" and not gold else "",
+                             exc_info=result.exception)
+        if self.on_failure == "drop_group" and not gold:
+            drops.setdefault(i, "reward_failed")
+        return 0.0
+
+    @staticmethod
+    def _add(job: Job, totals: np.ndarray, i: int, turn: int | None, value: float) -> None:
+        """``value`` into final ``i``'s score, or as a turn reward on token ``turn``."""
+        if turn is None:
+            totals[i] += value
+            return
+        sample = job.finals[i]
+        if sample.turn_rewards is None:
+            sample.turn_rewards = np.zeros(len(sample.response_tokens), dtype=np.float32)
+        elif not sample.turn_rewards.flags.writeable:  # a view into the received message
+            sample.turn_rewards = sample.turn_rewards.copy()
+        sample.turn_rewards[turn] += value
 
     def _arguments(self, sample: Sample) -> dict:
         """What reward functions (and an RM with its own tokenizer) read of one sample."""
@@ -175,36 +400,87 @@ def run(config: TetherConfig, worker_index: int = 0) -> None:
     timeline = StartupTimeline(config.run_dir, f"scorer{worker_index}")
     config = resolve_models(config, "scorer")
     timeline.phase("import")
-    scorer = Scorer(config, log)
+    scorer = Scorer(config, log, worker_index)
     timeline.phase("model load")
     metrics = metrics_writer(config, f"scorer{worker_index}")
     client = connect_to_buffer(config, "scorer", str(worker_index))
     timeline.phase("buffer connect")
     log.info("scoring with reference %s on %s; %s", config.reference_path, scorer.device, scorer.describe())
-
-    scored_total = 0
-    period_started = time.monotonic()  # a period: from one record to the next, so the periods tile the run
+    work = Work(client, scorer, metrics, config.scorer)
     try:
-        while True:
-            work = client.request("score_request", {"max_samples": config.scorer.max_samples_per_request},
-                                  waiting_for="samples to score")
-            if work.fields["stop"]:
-                break
-            samples = unpack_samples(work)
-            busy_started = time.monotonic()
-            parts = scorer.score(samples)
-            busy_s = time.monotonic() - busy_started
-            client.request("scored", *pack_samples(samples, scored=True))
-            scored_total += len(samples)
-            tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in samples)
-            now = time.monotonic()
-            metrics.write({**client.counters, "scored": len(samples), "scored_total": scored_total, "busy_s": busy_s,
-                           "waiting_s": busy_started - period_started, "tokens_per_s": tokens / max(busy_s, 1e-9),
-                           "send_s": now - busy_started - busy_s, "iteration_s": now - period_started, **parts})
-            period_started = now
+        while work.jobs or not work.stopping:
+            work.ask()
+            work.take()
+            scorer.advance(timeout=0.0 if work.asked is not None else POLL_S)
+            work.send_done()
     except Exception as error:  # the samples it holds are scored by another now, not after scorer.deadline_s
         client.goodbye(error)
         raise
-    log.info("stopping after %d scored samples", scored_total)
+    finally:
+        scorer.close()
+    log.info("stopping after %d scored samples", work.scored_total)
     metrics.close()
     client.close()
+
+
+class Work:
+    """The score requests of one scorer: the one asked of the buffer and not answered, the jobs
+    under way (at most ``scorer.requests_in_flight``), and the metrics of those sent back. A
+    period runs from one record to the next, so the periods tile the run; ``busy_s`` is the time
+    in it with a job under way (a judge's, a reward call's time is the scorer's)."""
+
+    def __init__(self, client, scorer: Scorer, metrics, config) -> None:
+        self.client, self.scorer, self.metrics, self.config = client, scorer, metrics, config
+        self.jobs: list[Job] = []
+        self.asked: int | None = None
+        self.stopping = False
+        self.scored_total = 0
+        self.period_started = self.ticked = time.monotonic()
+        self.busy_s = 0.0
+
+    def ask(self) -> None:
+        if self.asked is None and not self.stopping and len(self.jobs) < self.config.requests_in_flight:
+            self.asked = self.client.send("score_request", {"max_samples": self.config.max_samples_per_request})
+
+    def take(self) -> None:
+        """The buffer's answer, if it came: waited for while there is nothing else to do."""
+        if self.asked is None:
+            return
+        if self.jobs:
+            answer = self.client.reply_to(self.asked, "score_request", 0.0)
+        else:
+            answer = self.client.wait(self.asked, waiting_for="samples to score")
+        if answer is None:
+            return
+        self.asked = None
+        if answer.fields["stop"]:
+            self.stopping = True
+            return
+        self._tick()
+        self.jobs.append(self.scorer.begin(unpack_samples(answer)))
+
+    def send_done(self) -> None:
+        self._tick()
+        for job in [job for job in self.jobs if job.done]:
+            self.jobs.remove(job)
+            parts = self.scorer.finish(job)
+            sent = time.monotonic()
+            self.client.request("scored", *pack_samples(job.samples, scored=True))
+            self.scored_total += len(job.samples)
+            tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in job.samples)
+            now = time.monotonic()
+            busy_s, period_s = self.busy_s, now - self.period_started
+            self.metrics.write({**self.client.counters, "scored": len(job.samples), "scored_total": self.scored_total,
+                                "busy_s": busy_s, "waiting_s": max(0.0, period_s - busy_s - (now - sent)),
+                                "tokens_per_s": tokens / max(busy_s, 1e-9), "send_s": now - sent,
+                                "iteration_s": period_s, "in_flight": len(self.jobs),
+                                # the newest weights that generated what it scored: the dashboard's x
+                                "policy_version": max(s.last_behavior_version for s in job.samples), **parts})
+            self.period_started = self.ticked = now
+            self.busy_s = 0.0
+
+    def _tick(self) -> None:
+        now = time.monotonic()
+        if self.jobs:
+            self.busy_s += now - self.ticked
+        self.ticked = now

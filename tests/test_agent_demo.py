@@ -221,6 +221,52 @@ def test_an_openai_client_program_gives_the_native_episodes_tokens(seeded):
         if "malformed tool call" not in ours.messages:
             row = seeded.rows[ours.data_row]
             assert float(theirs.turn_rewards.sum()) == exact_answer(json.loads(ours.messages), "", row)
+    for samples in (seeded.native, agent):
+        turns_rewarded_in_place(seeded, samples)
+
+
+def turn_tokens(response_tokens):
+    return float(len(response_tokens))
+
+
+def assistant_turns(messages):
+    return 1000.0 * sum(message["role"] == "assistant" for message in messages)
+
+
+def turns_rewarded_in_place(seeded, samples) -> None:
+    """Per-turn reward functions (scorer.reward_functions, per_turn) on episodes as the rollout made
+    them: each turn's value sits on its last policy token, and is that turn's own (its token count)
+    given the conversation up to it (its assistant messages: one more each turn)."""
+    import copy
+    import logging
+
+    import numpy as np
+
+    from common.sequences import policy_turns
+    from scorer.main import Scorer
+
+    config = seeded.config('scorer.reward_functions=[{"function": "tests.test_agent_demo:turn_tokens", '
+                           '"per_turn": true}, {"function": "tests.test_agent_demo:assistant_turns", "per_turn": true}]')
+    samples = [copy.copy(sample) for sample in samples]
+    before = [np.array(sample.turn_rewards) for sample in samples]
+    scorer = Scorer(config, logging.getLogger("test"))
+    try:
+        parts = scorer.score(samples)
+    finally:
+        scorer.close()
+    assert parts["reward_failed"] == 0
+    multi_turn = 0
+    for sample, earlier in zip(samples, before):
+        added = sample.turn_rewards - earlier
+        turns = policy_turns(sample.loss_mask, len(sample.response_tokens))
+        multi_turn += len(turns) > 1
+        spoken = sum(message["role"] == "assistant" for message in json.loads(sample.messages))
+        expected = np.zeros(len(added))
+        for number, (start, stop) in enumerate(turns):
+            expected[stop - 1] = (stop - start) + 1000.0 * (spoken - len(turns) + number + 1)
+        np.testing.assert_allclose(added, expected)
+        assert (added[sample.loss_mask == 0] == 0).all()
+    assert multi_turn >= 3
 
 
 @pytest.mark.slow

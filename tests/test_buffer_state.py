@@ -985,3 +985,56 @@ def test_an_episode_whose_last_part_did_not_come_gives_its_credit_back():
     state.credits_for("rollout:0", 0, 1)
     assert state.add_samples(split_episode(0, 0, 0, 0)[:1]) == 0
     assert state.report()["dropped"] == {"episode_incomplete": 1} and state.granted == 0 and not state.owed
+
+
+# --------------------------------------------------------------------------- a scorer's drop_group
+
+
+def test_a_group_a_scorer_drops_goes_whole_as_its_samples_come_its_credits_back_and_the_prompt_is_forgotten():
+    """A reward call failed on one episode under scorer.on_reward_failure: drop_group: that episode
+    and its sibling, scored earlier, later or by another scorer, are none of them trained."""
+    state = BufferState(batch_size=4, max_staleness=0, samples_per_prompt=2)
+    generate_groups(state, "rollout:0", 0, 4, 0)  # prompts 0 and 1, two episodes each: ids 0-3
+    first = scored_by(state.take_for_scoring(1, scorer="scorer:0"), uniform=lambda p: False)  # prompt 0's id 0
+    rest = scored_by(state.take_for_scoring(10, scorer="scorer:1"), uniform=lambda p: False)
+    failed = next(s for s in rest if s.prompt_index == 0)
+    for s in rest:
+        s.drop_reason = "reward_failed" if s is failed else ""
+    state.add_scored(first)  # trained as far as it knows: kept for now
+    assert state.report()["dropped"] == {}
+    state.add_scored(rest)
+    report = state.report()
+    assert report["dropped"] == {"scorer_reward_failed": 2} and report["identity_holds"]
+    assert state.granted == 2 and state.dropped_groups == {}  # both credits back, the prompt forgotten
+    assert state.take_batch(0, 4) is None  # prompt 1's group alone is not a batch
+    assert state.credits_for("rollout:0", 0, 4) == [2]  # prompt 2 takes prompt 0's place
+    state.add_samples([sample(4, 0, 2), sample(5, 0, 2)])
+    state.add_scored(scored_by(state.take_for_scoring(10), uniform=lambda p: False))
+    assert sorted({s.prompt_index for s in state.take_batch(0, 4)}) == [1, 2]
+
+
+def test_a_dropped_group_waits_in_the_snapshot_for_the_rest_of_its_samples(tmp_path):
+    from buffer.state import load_snapshot, save_snapshot
+
+    state = BufferState(batch_size=4, max_staleness=0, samples_per_prompt=2)
+    generate_groups(state, "rollout:0", 0, 4, 0)
+    work = scored_by(state.take_for_scoring(1), uniform=lambda p: False)
+    work[0].drop_reason = "judge_unparsed"
+    state.add_scored(work)
+    path = str(tmp_path / "buffer.snapshot")
+    save_snapshot(state, path)
+    resumed = load_snapshot(path, batch_size=4, max_staleness=0, samples_per_prompt=2)
+    assert resumed.dropped_groups == {0: "judge_unparsed"} and resumed.dropped_episodes[0] == 1
+    resumed.add_scored(scored_by(resumed.take_for_scoring(10), uniform=lambda p: False))
+    assert resumed.report()["dropped"] == {"scorer_judge_unparsed": 2} and resumed.dropped_groups == {}
+
+
+def test_a_pairwise_scorer_is_given_whole_groups_or_all_a_group_will_have():
+    state = BufferState(batch_size=4, max_staleness=0, samples_per_prompt=2)
+    indices = state.credits_for("rollout:0", 0, 4)  # prompts 0 and 1
+    state.add_samples([sample(0, 0, indices[0]), sample(1, 0, indices[1])], "rollout:0")  # one episode of each
+    assert state.take_for_scoring(10, whole_groups=True) == []  # both groups have an episode to come
+    state.add_samples([sample(2, 0, indices[1])], "rollout:0")
+    assert [s.sample_id for s in state.take_for_scoring(1, whole_groups=True)] == ["1", "2"]  # whole, past max
+    state.drop_episodes([indices[0]], ["env_error"], "rollout:0")  # prompt 0's other episode will never come
+    assert [s.sample_id for s in state.take_for_scoring(10, whole_groups=True)] == ["0"]

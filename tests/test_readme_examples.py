@@ -363,6 +363,14 @@ def data_files(config: dict) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def docs_judge(docs_directory):
+    """A tiny judge (demos/judge.py) with Yes and No among its tokens, for the docs' judges."""
+    from demos.judge import build_judge
+
+    return build_judge(str(docs_directory / "judge"), steps=20, log=lambda *_: None)
+
+
+@pytest.fixture(scope="module")
 def docs_openenv_url(docs_directory):
     """The docs' OpenEnv server, started once for the configs that play against one."""
     with docs_openenv_server(docs_directory) as url:
@@ -388,6 +396,10 @@ def test_every_whole_config_of_the_readme_and_docs_trains_a_step_from_its_direct
     overrides += [f"run_dir={run_dir}", *(f"{key}={path}" for key, path in data_files(config).items())]
     if str((config.get("rollout") or {}).get("environment", "")).startswith("openenv:"):
         overrides.append(f"rollout.environment=openenv:{request.getfixturevalue('docs_openenv_url')}")
+    judges = (config.get("scorer") or {}).get("judges")
+    if judges:  # the docs' judges are hub models: the tiny judge in their place, their templates their own
+        judge = request.getfixturevalue("docs_judge")
+        overrides.append("scorer.judges=" + json.dumps([{**entry, "model": judge} for entry in judges]))
     result = tether_from(docs_directory, "run", "-c", path,
                          *(item for override in [*overrides, *ONE_STEP] for item in ("-o", override)))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

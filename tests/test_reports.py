@@ -29,6 +29,21 @@ def test_the_episodes_and_dynamic_sampling_panels_are_drawn_only_for_a_run_with_
     assert plot_run(str(episodes))[1] == every
 
 
+def test_the_judges_panel_draws_each_judges_score_and_the_scorers_failures(tmp_path):
+    from launch.report import SCORING, panels_of, plot_run
+
+    write_metrics(tmp_path, "learner", [{"step": s, "reward": 0.1 * s} for s in (1, 2)])
+    scorer = [{"policy_version": v, "rubric": 0.5 + 0.1 * v, "judge_unparsed": v, "judge_unparsed:rubric": v,
+               "reward_failed": 0} for v in (0, 1, 2)]
+    write_metrics(tmp_path, "scorer0", scorer)
+    assert plot_run(str(tmp_path))[1][-1] == SCORING
+    panel = dict(panels_of({"scorer0": scorer}))[SCORING]
+    assert [key for _, key, _ in panel] == ["rubric", "judge_unparsed", "reward_failed"]
+    # no judge, no failure: no panel; a failed reward call draws it
+    assert SCORING not in dict(panels_of({"scorer0": [{"policy_version": 0, "reward_failed": 0}]}))
+    assert SCORING in dict(panels_of({"scorer0": [{"policy_version": 0, "reward_failed": 3}]}))
+
+
 def test_metrics_read_while_a_role_appends_are_its_whole_lines(tmp_path):
     """`tether run` reads the learner's metrics while the learner appends them: a line caught half
     written is left for the next read, which has it whole."""

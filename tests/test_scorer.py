@@ -185,8 +185,8 @@ def test_reward_functions_are_trained_on_added_to_the_rm_and_a_failing_one_costs
     assert parity == [0.0, 0.0]
     expected = [rm + 2.0 * p + bonus * len(r) for rm, p, bonus, r in zip(rm_scores, parity, (0.5, 2.0), RESPONSES)]
     assert [s.reward for s in samples] == pytest.approx(expected, abs=1e-5)
-    assert parts["reward_function_failures"] == 2 and parts["tests.test_scorer:broken"] == 0.0
-    assert "reward function tests.test_scorer:broken failed on sample s0" in caplog.text
+    assert parts["reward_failed"] == 2 and parts["tests.test_scorer:broken"] == 0.0
+    assert "reward tests.test_scorer:broken failed on sample s0" in caplog.text
     assert "no answer key" in caplog.text
 
 
@@ -210,7 +210,7 @@ def test_verifiable_rewards_alone_need_no_reward_model(tmp_path, tiny_assets):
     parts = scorer.score([cut, *samples])
     assert [s.reward for s in (cut, *samples)] == [0.0, 1.0, 0.5] and cut.ref_logprobs.shape == (2,)
     assert parts["tests.test_scorer:exact_parity"] == 0.75  # over episodes, the cut conversation not among them
-    assert scorer.score([cut]) == {"reward_function_failures": 0} and cut.reward == 0.0
+    assert scorer.score([cut]) == {"reward_failed": 0} and cut.reward == 0.0
 
 
 def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_tokens(tmp_path, tiny_assets):
