@@ -152,9 +152,8 @@ class BufferState:
         # filtered since the last batch (at most group_filter.max_ratio x batch_size)
         self.group_filter = group_filter
         self.partial_groups: dict[int, list[Sample]] = {}
-        # groups a scorer said not to train (drop_reason): prompt -> the reason, and its episodes gone so far
+        # groups a scorer said not to train (drop_reason): prompt -> the reason, while any of it may come
         self.dropped_groups: dict[int, str] = {}
-        self.dropped_episodes: Counter = Counter()
         self.filtered_since_batch = 0
         self.batches_served = 0  # the filtering bound's window is the time between two of them
 
@@ -365,18 +364,23 @@ class BufferState:
     def _drop_group_of(self, sample: Sample) -> None:
         """A scorer said ``sample``'s group is not to be trained (a reward call failed or a judge's
         answer did not parse, under drop_group): every scored sample of its prompt goes, now and as
-        the rest of its group comes, each giving its credit back. The prompt is forgotten once its
-        group's episodes are all gone."""
+        the rest of its group comes, each giving its credit back."""
         prompt_index = sample.prompt_index
         reason = f"scorer_{self.dropped_groups[prompt_index]}"
         self.partial_groups.pop(prompt_index, None)
         for member in [s for s in self.scored.values() if s.prompt_index == prompt_index]:
             del self.scored[member.sample_id]
             self._drop(reason, returns_credit=member.final)
-            if member.final:
-                self.dropped_episodes[prompt_index] += 1
-        if self.dropped_episodes[prompt_index] >= self.samples_per_prompt:
-            del self.dropped_groups[prompt_index], self.dropped_episodes[prompt_index]
+        self._forget_dropped_groups([prompt_index])
+
+    def _forget_dropped_groups(self, prompt_indices) -> None:
+        """Dropped groups of which nothing is still to come (no engine holds their prompt, no sample
+        of it waits for a scorer or is out with one: an episode's earlier part may come after its
+        last) are forgotten."""
+        coming = ({index for lease in self.leases.values() for index in lease}
+                  | {s.prompt_index for s in self.unscored.values()} | {s.prompt_index for s in self.in_scoring_samples()})
+        for index in [i for i in prompt_indices if i in self.dropped_groups and i not in coming]:
+            del self.dropped_groups[index]
 
     def _filter_group_of(self, sample: Sample) -> None:
         """Dynamic sampling: once ``sample``'s group is whole, drop it if its outcome rewards are all
@@ -424,6 +428,8 @@ class BufferState:
         version g must be trained by batch g + k. With a pool, a slow engine's samples would
         otherwise be overtaken by a fast engine's newer ones and go stale."""
         self.learner_version = policy_version
+        if self.dropped_groups:  # one whose last episode an engine dropped: nothing brought it back here
+            self._forget_dropped_groups(list(self.dropped_groups))
         stale = {sample.prompt_index for sample in self.scored.values()
                  if policy_version - sample.behavior_version > self.max_staleness}
         for sample_id, sample in list(self.scored.items()):
@@ -563,9 +569,8 @@ def save_snapshot(state: BufferState, path: str) -> None:
                        "staleness_histogram": {str(k): v for k, v in a.staleness_histogram.items()}},
         "seen": list(state.seen_order),
         "filtered_since_batch": state.filtered_since_batch,
-        # msgpack keys are text: the prompt indices of groups a scorer dropped, with their episodes gone so far
-        "dropped_groups": {str(index): [reason, state.dropped_episodes[index]]
-                           for index, reason in state.dropped_groups.items()},
+        # msgpack keys are text: the prompt indices of groups a scorer dropped
+        "dropped_groups": {str(index): reason for index, reason in state.dropped_groups.items()},
     }
     messages = [encode("samples", *pack_samples(unscored)), encode("scored", *pack_samples(scored, scored=True))]
     temporary = path + ".tmp"
@@ -619,9 +624,7 @@ def load_snapshot(path: str, batch_size: int, max_staleness: int, samples_per_pr
     state.next_prompt_index, state.returned_prompts = header["next_prompt_index"], list(header["returned_prompts"])
     state.learner_version = header["learner_version"]
     state.filtered_since_batch = header.get("filtered_since_batch", 0)
-    for index, (reason, gone) in header.get("dropped_groups", {}).items():
-        state.dropped_groups[int(index)] = reason
-        state.dropped_episodes[int(index)] = gone
+    state.dropped_groups = {int(index): reason for index, reason in header.get("dropped_groups", {}).items()}
     saved = header["accounting"]
     a = state.accounting
     for name in _COUNTS:

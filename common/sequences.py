@@ -175,11 +175,7 @@ def policy_turns(loss_mask, length: int) -> list[tuple[int, int]]:
     mask) is one turn. A turn's last token, ``stop - 1``, is where its turn reward sits."""
     if loss_mask is None:
         return [(0, length)]
-    turns, start = [], None
-    for position, policy in enumerate(list(loss_mask) + [0]):
-        if policy and start is None:
-            start = position
-        elif not policy and start is not None:
-            turns.append((start, position))
-            start = None
-    return turns
+    import numpy as np
+
+    edges = np.diff(np.concatenate([[0], np.asarray(loss_mask, dtype=np.int8), [0]]))
+    return list(zip(np.flatnonzero(edges == 1).tolist(), np.flatnonzero(edges == -1).tolist()))

@@ -54,7 +54,7 @@ def panels_of(metrics: dict[str, list[dict]]) -> list[tuple]:
     filtering = any("groups_filtered" in record for record in metrics.get("buffer", []))
     scorers = [record for name, records in metrics.items() if name.startswith("scorer") for record in records]
     judges = sorted({key.split(":", 1)[1] for record in scorers for key in record if key.startswith("judge_unparsed:")})
-    scoring = [(SCORING, (*(("scorer", name, f"judge {name}: score") for name in judges),
+    scoring = [(SCORING, (*(("scorer", f"judge:{name}", f"judge {name}: score") for name in judges),
                           ("scorer", "judge_unparsed", "judges' answers unparsed"),
                           ("scorer", "reward_failed", "reward calls failed")))]
     failed = any(record.get("reward_failed") for record in scorers)
@@ -265,7 +265,7 @@ def _role_profile(name: str, records: list[dict], starts: list[float]) -> RolePr
     rate = tokens / wall if tokens and wall > 0 else None
     if kind == "scorer":
         busy = seconds["scoring"]
-        rate = sum(r["tokens_per_s"] * r["busy_s"] for r in records) / wall if busy > 0 else None
+        rate = sum(r.get("tokens", r.get("tokens_per_s", 0.0) * r["busy_s"]) for r in records) / wall if busy > 0 else None
     return RoleProfile(name, wall, seconds, rate, startup)
 
 

@@ -20,7 +20,7 @@ from protocol.samples import sample_fields, sample_tensors
 SCHEMA_VERSION = 14
 # The version at which a message's fields last changed, for a message that is kept (a batch that
 # learner.record_batches wrote): one written at that version or later decodes as it is. (14's
-# drop_reasons is optional, and a batch never holds a sample with one: older batches decode.)
+# drop_reasons is optional, and no sample of a batch has one but "": older batches decode.)
 UNCHANGED_SINCE = {"batch": 10}
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.

@@ -101,15 +101,24 @@ class Judge:
         tokens, a single response) stand where the template shows the response. A question longer
         than the engine takes keeps its end, where the verdict is asked for."""
         fields = {**(variables["row"] or {}), **variables}
-        if response_ids is not None:
-            fields["response"] = _RESPONSE
-        text = self.tokenizer.apply_chat_template([{"role": "user", "content": self.template.render(**fields)}],
-                                                  tokenize=False, add_generation_prompt=True)
+        text = self._text({**fields, "response": _RESPONSE} if response_ids is not None else fields)
+        if response_ids is not None and _RESPONSE not in text:  # a filter changed it ({{ response | upper }})
+            text = self._text(fields)
         pieces = [self.tokenizer.encode(piece, add_special_tokens=False) for piece in text.split(_RESPONSE)]
         ids = pieces[0]
         for piece in pieces[1:]:
             ids = ids + list(response_ids) + piece
         return ids[-self.max_question:] if self.max_question and len(ids) > self.max_question else ids
+
+    def _text(self, fields: dict[str, Any]) -> str:
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": self.template.render(**fields)}],
+                                                  tokenize=False, add_generation_prompt=True)
+
+    @property
+    def engine(self) -> tuple:
+        """What its engine is: judges that agree on all of it share one."""
+        judge = self.config
+        return judge.model, judge.dtype, judge.max_model_len, judge.kv_cache_gib, judge.gpu_memory_utilization
 
     def sampling(self, seed: int):
         from vllm import SamplingParams
@@ -187,22 +196,28 @@ class Judges:
 
         self.judges, self.answered, self.seed = judges, answered, config.seed
         cuda = torch.cuda.is_available()
-        self.engines: dict[str, InFlight] = {}
-        for judge, key in zip(judges, (j.key for j in judges)):
-            if judge.config.model in self.engines:
+        self.engines: dict[tuple, InFlight] = {}
+        for judge in judges:
+            if judge.engine in self.engines:
                 continue
             spec = judge_engine_spec(config, judge.config, worker_index)
-            check_fits(spec, key, cuda)
+            check_fits(spec, judge.key, cuda)
             environment, arguments = engine_settings(spec, cuda)
-            self.engines[judge.config.model] = InFlight(make_engine(environment, arguments))
+            self.engines[judge.engine] = InFlight(make_engine(environment, arguments))
         for judge in judges:
             room = judge.config.max_tokens if judge.pattern is not None else 1
-            judge.max_question = self.engines[judge.config.model].engine.llm_engine.model_config.max_model_len - room
-        self.ready: dict[str, list[tuple[Question, list[int], Any]]] = {model: [] for model in self.engines}
+            judge.max_question = self.engines[judge.engine].engine.llm_engine.model_config.max_model_len - room
+            if judge.max_question < 1:
+                raise ConfigError(f"{judge.key}.max_tokens: {judge.config.model} reads "
+                                  f"{judge.max_question + room} tokens, which leaves no room for a question "
+                                  f"beside {room} of answer")
+        self.ready: dict[tuple, list[tuple[Question, list[int], Any]]] = {engine: [] for engine in self.engines}
+        self.asked = 0  # each question is sampled with a seed of its own, from the run's
 
     def ask(self, question: Question, ids: list[int]) -> None:
         judge = question.judge
-        self.ready[judge.config.model].append((question, ids, judge.sampling(self.seed)))
+        self.ready[judge.engine].append((question, ids, judge.sampling(self.seed + self.asked)))
+        self.asked += 1
 
     @property
     def busy(self) -> bool:
@@ -210,8 +225,8 @@ class Judges:
 
     def step(self) -> None:
         """Every question asked joins its engine, and each engine with questions in it steps once."""
-        for model, in_flight in self.engines.items():
-            in_flight.add(_Ready(self.ready, model))
+        for engine, in_flight in self.engines.items():
+            in_flight.add(_Ready(self.ready, engine))
             if len(in_flight):
                 in_flight.step(self)
 
@@ -221,16 +236,19 @@ class Judges:
 
     def close(self) -> None:
         for in_flight in self.engines.values():
-            in_flight.abort()
-            in_flight.engine.llm_engine.engine_core.shutdown()
+            try:
+                in_flight.abort()
+                in_flight.engine.llm_engine.engine_core.shutdown()
+            except Exception:  # an engine that fails to shut down is not the run's error
+                pass
 
 
 @dataclass
 class _Ready:
     """``InFlight``'s requester for one engine: the questions asked of it since its last step."""
-    ready: dict[str, list]
-    model: str
+    ready: dict[tuple, list]
+    engine: tuple
 
     def take_ready(self, version: int) -> list:
-        taken, self.ready[self.model] = self.ready[self.model], []
+        taken, self.ready[self.engine] = self.ready[self.engine], []
         return taken

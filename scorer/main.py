@@ -232,7 +232,7 @@ class Scorer:
                     drops.setdefault(i, "judge_unparsed")
             value = float(np.mean(scores)) if scores else 0.0
             self._add(job, totals, i, turn, judge.weight * value)
-            values.setdefault(judge.name, []).append(value)
+            values.setdefault(f"judge:{judge.name}", []).append(value)  # its own word: a name is the user's
         for sample, total in zip(job.finals, totals):
             sample.reward = float(total)
         if drops:  # the field travels for every sample of the message, or for none
@@ -310,6 +310,7 @@ class Scorer:
     def _ask(self, job: Job, judge: Judge) -> None:
         """``judge``'s questions about ``job``'s finals: one a sample, a turn, or pairwise, one for
         each other response of its group in the request (a group alone counts 0.5: no one to beat)."""
+        special = set(judge.tokenizer.all_special_ids)
         for i, turn in self._targets(job, judge.per_turn):
             key = (judge, i, turn)
             job.answers[key] = []
@@ -322,7 +323,6 @@ class Scorer:
             if judge.pairwise and not others:
                 job.answers[key].append((0.5, ""))
             single = judge.same_tokens and job.finals[i].messages is None and turn is None
-            special = set(judge.tokenizer.all_special_ids)
             ids = [t for t in job.finals[i].response_tokens.tolist() if t not in special] if single else None
             for other in others if judge.pairwise else [None]:
                 fields = dict(variables) if other is None else {**variables, "other": job.arguments[other]["response"]}
@@ -347,7 +347,7 @@ class Scorer:
         if not isinstance(result, Failed):
             try:
                 return finite(result)
-            except ValueError as error:
+            except Exception as error:
                 result = Failed(type(error).__name__, str(error))
         failed[(name, result.error)] += 1
         if name not in self.warned:
@@ -446,15 +446,19 @@ class Work:
         """The buffer's answer, if it came: waited for while there is nothing else to do."""
         if self.asked is None:
             return
-        if self.jobs:
-            answer = self.client.reply_to(self.asked, "score_request", 0.0)
+        if self.jobs:  # while the judges have nothing to step, the wait for the buffer is the loop's pause
+            answer = self.client.reply_to(self.asked, "score_request", 0.0 if self.scorer.busy else POLL_S)
         else:
             answer = self.client.wait(self.asked, waiting_for="samples to score")
         if answer is None:
             return
         self.asked = None
-        if answer.fields["stop"]:
+        if answer.fields["stop"]:  # the run is over: what is still being scored would never be trained
             self.stopping = True
+            if self.jobs:
+                self.scorer.log.info("the run is over: %d samples still being scored are left",
+                                     sum(len(job.samples) for job in self.jobs))
+                self.jobs.clear()
             return
         self._tick()
         self.jobs.append(self.scorer.begin(unpack_samples(answer)))
@@ -470,9 +474,11 @@ class Work:
             tokens = sum(len(s.prompt_tokens) + len(s.response_tokens) for s in job.samples)
             now = time.monotonic()
             busy_s, period_s = self.busy_s, now - self.period_started
+            # two jobs done at once: the second's period is its send alone, with no busy time of its own
+            rate = {"tokens_per_s": tokens / busy_s} if busy_s > 0 else {}
             self.metrics.write({**self.client.counters, "scored": len(job.samples), "scored_total": self.scored_total,
                                 "busy_s": busy_s, "waiting_s": max(0.0, period_s - busy_s - (now - sent)),
-                                "tokens_per_s": tokens / max(busy_s, 1e-9), "send_s": now - sent,
+                                "tokens": tokens, **rate, "send_s": now - sent,
                                 "iteration_s": period_s, "in_flight": len(self.jobs),
                                 # the newest weights that generated what it scored: the dashboard's x
                                 "policy_version": max(s.last_behavior_version for s in job.samples), **parts})

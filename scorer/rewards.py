@@ -65,8 +65,8 @@ def finite(value: Any) -> float:
     """``value`` as a float, or ``NotANumber``."""
     try:
         number = float(value)
-    except (TypeError, ValueError):
-        raise NotANumber(f"returned {value!r}, not a number") from None
+    except Exception:  # not a number, an integer past a float (OverflowError), a __float__ that raises
+        raise NotANumber(f"returned {str(value)[:100]!r}, not a number") from None
     if not math.isfinite(number):
         raise NotANumber(f"returned {number}")
     return number
@@ -162,17 +162,38 @@ class RewardCalls:
 
     async def _guarded(self, call: Callable[[], Any]) -> Any:
         async with self.semaphore:
-            if inspect.iscoroutinefunction(call):  # it sees through a partial
-                return await asyncio.wait_for(call(), self.deadline_s)
-            # a plain call that hangs keeps its thread; the sample goes on without it
-            return await asyncio.wait_for(self.loop.run_in_executor(self.pool, call), self.deadline_s)
+            try:
+                if inspect.iscoroutinefunction(call):  # it sees through a partial
+                    return await asyncio.wait_for(call(), self.deadline_s)
+                # a plain call that hangs keeps its thread; the sample goes on without it
+                return await asyncio.wait_for(self.loop.run_in_executor(self.pool, partial(_plain, call)),
+                                              self.deadline_s)
+            except (SystemExit, KeyboardInterrupt, GeneratorExit) as error:  # would end the loop's thread
+                raise UserExit(f"raised {type(error).__name__}: {error}") from None
 
     def close(self, remote: RemoteReward | None = None) -> None:
-        if remote is not None:
-            asyncio.run_coroutine_threadsafe(remote.aclose(), self.loop).result(timeout=5.0)
+        """Close the service's connections and stop the loop; what fails here is not the run's error."""
+        try:
+            if remote is not None:
+                asyncio.run_coroutine_threadsafe(remote.aclose(), self.loop).result(timeout=5.0)
+        except Exception:
+            pass
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=5.0)
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+class UserExit(RuntimeError):
+    """A reward call raised what ends a thread or a process (SystemExit, KeyboardInterrupt): its
+    call failed, the scorer goes on."""
+
+
+def _plain(call: Callable[[], Any]) -> Any:
+    """A plain call in a pool thread, its SystemExit a failure of its own."""
+    try:
+        return call()
+    except (SystemExit, KeyboardInterrupt, GeneratorExit) as error:
+        raise UserExit(f"raised {type(error).__name__}: {error}") from None
 
 
 def unmatched_turns(text: str) -> concurrent.futures.Future:
@@ -189,6 +210,8 @@ class TurnsUnmatched(ValueError):
 
 def outcome(future: concurrent.futures.Future) -> Any:
     """A finished call's value, or ``Failed`` with its error."""
+    if future.cancelled():
+        return Failed("CancelledError", "cancelled")
     error = future.exception()
     if error is None:
         return future.result()

@@ -50,6 +50,11 @@ def test_a_verdict_of_more_than_one_token_and_a_pattern_without_a_group_are_refu
         JudgeConfig(model=judge_dir, prompt=VERDICT, pattern=r"(\d)")
     with pytest.raises(ValueError, match="by verdict or by pattern"):
         JudgeConfig(model=judge_dir, prompt=VERDICT)
+    with pytest.raises(ValueError, match=r"max_model_len \(128\) leaves no room for the question beside the answer's "
+                                         "256 tokens"):
+        JudgeConfig(model=judge_dir, prompt=VERDICT, pattern=r"(\d)", range=[0, 9], max_model_len=128)
+    with pytest.raises(ValueError, match="21 verdicts; vLLM gives the logprobs of at most 20 tokens"):
+        JudgeConfig(model=judge_dir, prompt=VERDICT, verdict=[str(i) for i in range(21)])
 
 
 def test_a_judge_that_does_not_fit_the_scorers_memory_is_refused_naming_its_key(judge_dir):
@@ -73,6 +78,9 @@ def test_a_judge_of_the_policys_tokens_reads_a_response_as_the_ids_the_policy_sa
     assert same.question(variables, ids) == same.question(variables)  # this text tokenizes to those ids
     swapped = same.question(variables, ids[::-1])
     assert swapped != same.question(variables) and ids[::-1] == swapped[-len(ids) - 3:-3]  # then "right ? <assistant>"
+    # a template that filters the response reads its text: the ids could not stand where it was
+    filtered = judge(judge_dir, prompt="{{ prompt }} {{ response | upper }} right ?")
+    assert filtered.question(variables, ids[::-1]) == filtered.question(variables)
 
 
 class Output:
@@ -162,7 +170,7 @@ def test_a_judges_verdicts_scores_and_win_rates_from_the_scorers_engine_equal_a_
     wins = transformers_yes(judge_dir, [f"{p} {r} {responses[o]} right ?"
                                         for p, r, o in zip(prompts, responses, other)])
     np.testing.assert_allclose([s.reward for s in samples], np.array(verdicts) + 2.0 * np.array(wins), atol=1e-4)
-    assert parts["verdict"] == pytest.approx(np.mean(verdicts), abs=1e-4)
+    assert parts["judge:verdict"] == pytest.approx(np.mean(verdicts), abs=1e-4)
     for sample, prompt, response in zip(samples, prompts, responses):
         answer = transformers_greedy(judge_dir, f"{prompt} {response} right ?", 6)
         found = re.findall(r"(\d)", answer)

@@ -33,12 +33,12 @@ def test_the_judges_panel_draws_each_judges_score_and_the_scorers_failures(tmp_p
     from launch.report import SCORING, panels_of, plot_run
 
     write_metrics(tmp_path, "learner", [{"step": s, "reward": 0.1 * s} for s in (1, 2)])
-    scorer = [{"policy_version": v, "rubric": 0.5 + 0.1 * v, "judge_unparsed": v, "judge_unparsed:rubric": v,
+    scorer = [{"policy_version": v, "judge:rubric": 0.5 + 0.1 * v, "judge_unparsed": v, "judge_unparsed:rubric": v,
                "reward_failed": 0} for v in (0, 1, 2)]
     write_metrics(tmp_path, "scorer0", scorer)
     assert plot_run(str(tmp_path))[1][-1] == SCORING
     panel = dict(panels_of({"scorer0": scorer}))[SCORING]
-    assert [key for _, key, _ in panel] == ["rubric", "judge_unparsed", "reward_failed"]
+    assert [key for _, key, _ in panel] == ["judge:rubric", "judge_unparsed", "reward_failed"]
     # no judge, no failure: no panel; a failed reward call draws it
     assert SCORING not in dict(panels_of({"scorer0": [{"policy_version": 0, "reward_failed": 0}]}))
     assert SCORING in dict(panels_of({"scorer0": [{"policy_version": 0, "reward_failed": 3}]}))

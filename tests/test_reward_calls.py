@@ -51,6 +51,29 @@ def fails_on_short(response_tokens):
     return 1.0
 
 
+def exits_on_short(response_tokens):
+    if len(response_tokens) == 2:
+        raise SystemExit(3)
+    return 1.0
+
+
+async def huge_on_long(response_tokens):
+    return 10 ** 400 if len(response_tokens) == 5 else 1.0
+
+
+def test_a_reward_that_exits_or_answers_past_a_float_fails_its_sample_and_the_scorer_goes_on(tmp_path, tiny_assets):
+    scorer = make_scorer(tmp_path, tiny_assets, prompts_rows=ROWS, models={"reward": None}, scorer={
+        "reward_functions": [{"function": "tests.test_reward_calls:exits_on_short"},
+                             {"function": "tests.test_reward_calls:huge_on_long"}]})
+    for _ in range(2):  # and again: its event loop still runs
+        samples = four_samples()
+        parts = scorer.score(samples)
+        assert [s.reward for s in samples] == [1.0, 2.0, 1.0, 2.0]
+        assert parts["reward_failed:tests.test_reward_calls:exits_on_short:UserExit"] == 1
+        assert parts["reward_failed:tests.test_reward_calls:huge_on_long:NotANumber"] == 1
+    scorer.close()
+
+
 def test_async_reward_functions_run_together_up_to_the_limit_and_one_past_its_deadline_counts_0(
         tmp_path, tiny_assets, caplog):
     RUNNING.update(now=0, most=0)
@@ -242,3 +265,85 @@ def test_a_per_turn_function_scores_each_turn_on_its_last_policy_token_given_the
     # a single response is one turn: its reward on its last token; the outcome's is its reward
     text = scorer.tokenizer.decode(PAIRS[1][1], skip_special_tokens=True)
     assert single.turn_rewards.tolist() == [0.0, 0.0, 2.0 * len(text.split())]  # messages None: 100 x 0 failed
+
+
+# --------------------------------------------------------------------------- requests in flight
+
+
+class HeldClient:
+    """The buffer's side of a scorer's requests, answered when the test says (a fake of the
+    transport alone: the loop's order of asking, taking and sending is what is tested)."""
+
+    def __init__(self):
+        self.sent, self.answers, self.counters = [], {}, {}
+
+    def send(self, msg_type, fields=None, tensors=None):
+        self.sent.append((msg_type, fields, tensors))
+        return len(self.sent)
+
+    def reply_to(self, request_id, msg_type, wait_s):
+        return self.answers.pop(request_id, None)
+
+    def wait(self, request_id, waiting_for=None):
+        return self.answers.pop(request_id)
+
+    def request(self, msg_type, fields=None, tensors=None):
+        self.send(msg_type, fields, tensors)
+
+    def work(self, request_id, samples=None):
+        from protocol.message import Message
+        from protocol.samples import pack_samples
+
+        fields, tensors = pack_samples(samples or [])
+        self.answers[request_id] = Message("score_work", {**fields, "stop": not samples}, tensors)
+
+
+class SlowScorer:
+    """A scorer whose jobs finish when the test says: a slow judge's or reward call's."""
+
+    busy = False
+    log = logging.getLogger("test")
+
+    def begin(self, samples):
+        job = type("Job", (), {"samples": samples, "done": False})()
+        self.jobs = [*getattr(self, "jobs", []), job]
+        return job
+
+    def finish(self, job):
+        for sample in job.samples:
+            sample.ref_logprobs, sample.reward = np.zeros(len(sample.response_tokens), np.float32), 1.0
+        return {"reward_failed": 0}
+
+
+def test_a_scorer_asks_for_more_while_a_request_is_under_way_and_sends_each_as_it_finishes():
+    from common.config import ScorerConfig
+    from scorer.main import Work
+
+    client, scorer, written = HeldClient(), SlowScorer(), []
+    work = Work(client, scorer, type("Metrics", (), {"write": lambda self, record: written.append(record)})(),
+                ScorerConfig(requests_in_flight=2))
+    first, second = four_samples()[:2], four_samples()[2:]
+    work.ask()
+    client.work(1, first)
+    work.take()
+    work.ask()  # the first is under way: the second request goes out now
+    assert [m for m, _, _ in client.sent] == ["score_request", "score_request"]
+    client.work(2, second)
+    work.take()
+    work.ask()  # two under way: no third
+    assert len(client.sent) == 2 and len(work.jobs) == 2
+    scorer.jobs[1].done = True  # the later one finishes first and goes first
+    work.send_done()
+    assert client.sent[2][0] == "scored" and client.sent[2][1]["sample_ids"] == ["s2", "s3"]
+    scorer.jobs[0].done = True
+    work.send_done()
+    assert client.sent[-1][1]["sample_ids"] == ["s0", "s1"] and not work.jobs and work.scored_total == 4
+    assert [record["scored"] for record in written] == [2, 2] and written[-1]["in_flight"] == 0
+    work.ask()
+    client.work(len(client.sent), four_samples()[:1])
+    work.take()
+    work.ask()
+    assert client.sent[-1][0] == "score_request"
+    client.work(len(client.sent))  # the run is over: what is still being scored would never be trained
+    work.take()
+    assert work.stopping and not work.jobs and [m for m, _, _ in client.sent].count("scored") == 2
