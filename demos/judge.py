@@ -10,8 +10,8 @@ import random
 import time
 from pathlib import Path
 
-from demos.parity import (ASSETS_VERSION, PARITIES, VOCAB, build_assets, built_once, held_out_figures,
-                          make_prompt, run_and_compare)
+from demos.parity import (ASSETS_VERSION, PARITIES, VOCAB, build_assets, built_once, make_prompt,
+                          run_and_report_gold)
 
 JUDGE_VOCAB = VOCAB + ["Yes", "No", "<user>", "<assistant>", "right", "?"]
 JUDGE_PROMPT = "{{ prompt }} {{ response }} right ?"  # scorer.judges[0].prompt in configs/demo-judge.yaml
@@ -110,9 +110,4 @@ def run_demo(assets: Path, overrides: list[str]) -> int:
     config_path = Path(__file__).resolve().parent.parent / "configs" / "demo-judge.yaml"
     built = [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}",
              f"scorer.judges={json.dumps([{'model': paths['judge'], 'prompt': JUDGE_PROMPT, 'verdict': ['Yes', 'No']}])}"]
-    return run_and_compare(
-        config_path, [*built, *overrides], paths["policy"],
-        lambda config, policy: held_out_figures(policy, paths["policy"], paths["reward"], paths["eval_prompts"],
-                                                config.rollout.max_new_tokens),
-        [("gold_reward", "gold", ".3f"), ("rm_score", "rm", "+.3f"), ("kl_to_reference", "kl", ".3f"),
-         ("response_length", "length", ".2f")], "gold_reward", 0.2, paths["eval_prompts"], started)
+    return run_and_report_gold(config_path, [*built, *overrides], paths, started)

@@ -382,9 +382,15 @@ def run_demo(assets: Path, overrides: list[str], long_tail: bool = False) -> int
     config_path = Path(__file__).resolve().parent.parent / "configs" / ("demo-long-tail.yaml" if long_tail
                                                                          else "demo.yaml")
     built = [f"models.policy={paths['policy']}", f"models.reward={paths['reward']}", f"data.prompts={paths['prompts']}"]
+    return run_and_report_gold(config_path, [*built, *overrides], paths, started)
+
+
+def run_and_report_gold(config_path: Path, overrides: list[str], paths: dict[str, str], started: float) -> int:
+    """``run_and_compare`` of a parity demo's config: gold, RM score, KL and length on the held-out
+    prompts of ``paths`` (``build_assets``'), for the SFT policy and the PPO one; the gain in gold."""
     return run_and_compare(
-        config_path, [*built, *overrides], paths["policy"],
+        config_path, overrides, paths["policy"],
         lambda config, policy: held_out_figures(policy, paths["policy"], paths["reward"], paths["eval_prompts"],
-                                        config.rollout.max_new_tokens),
+                                                config.rollout.max_new_tokens),
         [("gold_reward", "gold", ".3f"), ("rm_score", "rm", "+.3f"), ("kl_to_reference", "kl", ".3f"),
          ("response_length", "length", ".2f")], "gold_reward", 0.2, paths["eval_prompts"], started)
