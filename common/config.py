@@ -36,6 +36,9 @@ class ModelsConfig(_Strict):
     reward: str | None = Field(None, description="reward model: a sequence-classification model with one label "
                                                  "(directory or hub id), with its own tokenizer if it has one; "
                                                  "None: train on scorer.reward_functions alone")
+    teacher: str | None = Field(None, description="on-policy distillation (learner.distill_coef): a model of the "
+                                                  "policy's tokenizer whose logprobs of the policy's own tokens, from "
+                                                  "the scorer, reward each token; None: no teacher")
     critic_init: Literal["auto", "reward", "policy"] = Field(
         "auto", description="initialise the critic's body from; auto: the reward model when there is one and it "
                             "reads the policy's tokens, else the policy")
@@ -424,6 +427,12 @@ class LearnerConfig(_Strict):
     gamma: float = Field(1.0, ge=0, le=1, description="GAE's discount per token")
     lam: float = Field(0.95, ge=0, le=1, description="GAE's lambda: 0 is one-step TD, 1 the Monte-Carlo return")
     kl_coef: float = Field(0.05, ge=0, description="beta, the strength of the tether")
+    distill_coef: float = Field(1.0, ge=0, description="with models.teacher: each policy token's reward gains "
+                                "-distill_coef x (log pi_old - log pi_teacher), the reverse KL to the teacher on the "
+                                "token sampled (GKD, on-policy distillation)")
+    distill_only: bool = Field(False, description="pure on-policy distillation: each token's advantage is "
+                               "-distill_coef x its reverse KL to the teacher, not discounted across tokens; no "
+                               "score, reward model, reward function or critic")
     kl_controller: Literal["fixed", "adaptive"] = Field("fixed", description="fixed: kl_coef throughout; "
                                                         "adaptive: kl_coef moved toward kl_target (Ziegler et al. 2019)")
     kl_target: float = Field(6.0, gt=0, description="the KL per response the adaptive controller aims at")
@@ -799,11 +808,15 @@ class TetherConfig(_Strict):
                                  "config for tether sft, rm or dpo alone has that section instead)")
             return self
         learner, rollout = self.learner, self.rollout
+        if learner.distill_only and self.models.teacher is None:
+            raise ValueError("learner.distill_only: distillation needs models.teacher")
+        if learner.distill_only and learner.distill_coef <= 0:
+            raise ValueError("learner.distill_only: learner.distill_coef must be over 0 (it scales the advantages)")
         if (self.models.reward is None and not self.scorer.reward_functions and not self.scorer.judges
                 and self.scorer.reward_url is None and rollout.environment is None
-                and not rollout.agent and not rollout.agent_command):
+                and not rollout.agent and not rollout.agent_command and self.models.teacher is None):
             raise ValueError("nothing to train on: set models.reward, scorer.reward_functions, scorer.judges, "
-                             "scorer.reward_url, rollout.environment "
+                             "scorer.reward_url, models.teacher, rollout.environment "
                              "(its turn rewards) or rollout.agent / rollout.agent_command (its returns), alone or "
                              "together")
         if learner.lora_rank and learner.zero_stage == 3:

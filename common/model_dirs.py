@@ -64,7 +64,8 @@ def resolve_models(config: TetherConfig, role: str) -> TetherConfig:
     models = config.models
     keys = {
         "rollout": ["policy"],
-        "scorer": ["policy", *(["reference"] if models.reference else []), *(["reward"] if models.reward else [])],
+        "scorer": ["policy", *(["reference"] if models.reference else []), *(["reward"] if models.reward else []),
+                   *(["teacher"] if models.teacher else [])],
         "learner": ["policy", *(["reward"] if models.reward and models.critic_init != "policy" else [])],
         "buffer": [],
     }[role]

@@ -343,11 +343,9 @@ def quiet_evaluation() -> None:
     transformers_logging.set_verbosity_error()
 
 
-def run_and_compare(config_path: Path, overrides: list[str], sft: str, evaluate_policy, columns, gain: str,
-                    target: float, eval_prompts: str, started: float) -> int:
-    """`tether run` of a demo's config, then held-out figures of its SFT policy and its final PPO
-    policy (``evaluate_policy(config, checkpoint) -> dict``) side by side in ``demo_report.json`` and
-    printed (``columns``: (key, header, format) each), with the gain in ``gain`` against ``target``."""
+def run_config(config_path: Path, overrides: list[str]):
+    """`tether run` of a demo's config with ``overrides``: the config it ran, or the exit code of a
+    config refused (said) or a run that failed. The evaluation after it is quiet."""
     from common.config import ConfigError, load_config
     from launch.runner import run_roles
 
@@ -360,6 +358,17 @@ def run_and_compare(config_path: Path, overrides: list[str], sft: str, evaluate_
     if code != 0:
         return code
     quiet_evaluation()
+    return config
+
+
+def run_and_compare(config_path: Path, overrides: list[str], sft: str, evaluate_policy, columns, gain: str,
+                    target: float, eval_prompts: str, started: float) -> int:
+    """`tether run` of a demo's config, then held-out figures of its SFT policy and its final PPO
+    policy (``evaluate_policy(config, checkpoint) -> dict``) side by side in ``demo_report.json`` and
+    printed (``columns``: (key, header, format) each), with the gain in ``gain`` against ``target``."""
+    config = run_config(config_path, overrides)
+    if isinstance(config, int):
+        return config
     final = os.path.join(config.run_dir, "checkpoints", "final")
     report = {"sft": evaluate_policy(config, sft), "ppo": evaluate_policy(config, final)}
     report[f"{gain}_gain"] = report["ppo"][gain] - report["sft"][gain]

@@ -272,15 +272,21 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
          vision: bool = typer.Option(False, help="the parity read from an image: a policy that sees "
                                                  "(configs/demo-vision.yaml)"),
          judge: bool = typer.Option(False, help="an LLM judge on vLLM in the scorer in place of the reward "
-                                                "model (configs/demo-judge.yaml)")) -> None:
+                                                "model (configs/demo-judge.yaml)"),
+         distill: bool = typer.Option(False, help="on-policy distillation: the SFT policy learns from the PPO "
+                                                  "policy's logprobs (configs/demo-distill.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
-    if judge:
-        if agent or openai or openenv or long_tail or vision:
-            fail("tether demo --judge is a demo of its own: without --agent, --openai, --openenv, --long-tail or "
-                 "--vision", ExitCode.CONFIG_ERROR)
-        from demos.judge import run_demo as run_judge_demo
+    if judge or distill:
+        if agent or openai or openenv or long_tail or vision or (judge and distill):
+            fail(f"tether demo --{'judge' if judge else 'distill'} is a demo of its own: without --agent, --openai, "
+                 "--openenv, --long-tail, --vision, --judge or --distill", ExitCode.CONFIG_ERROR)
+        if judge:
+            from demos.judge import run_demo as run_judge_demo
 
-        raise typer.Exit(run_judge_demo(assets, override or []))
+            raise typer.Exit(run_judge_demo(assets, override or []))
+        from demos.distill import run_demo as run_distill_demo
+
+        raise typer.Exit(run_distill_demo(assets, override or []))
     if vision:
         if agent or openai or openenv or long_tail:
             fail("tether demo --vision is a demo of its own: without --agent, --openai, --openenv or --long-tail",

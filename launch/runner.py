@@ -308,7 +308,8 @@ def _progress_line(record: dict, total_steps: int) -> str:
     """One learner step on the console; the bound k too (it moves under buffer.max_staleness: auto),
     and why it moved at the step it did."""
     line = (f"step {record['step']}/{total_steps} | reward {record['reward']:+.3f} | kl {record['kl']:.4f} | "
-            f"len {record['response_length']:.1f} | samples/s {record['samples_per_s']:.1f} | "
+            + (f"teacher kl {record['teacher_kl']:.4f} | " if record.get("teacher_kl") is not None else "")
+            + f"len {record['response_length']:.1f} | samples/s {record['samples_per_s']:.1f} | "
             f"staleness {record['staleness']:.2f}")
     if record.get("max_staleness") is not None:
         line += f" (k {record['max_staleness']})"

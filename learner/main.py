@@ -126,7 +126,8 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     critic-free estimators take their baseline from the rewards."""
     cfg, dtype = config.learner, config.models.dtype
     sees = sees_images(config.models.policy)
-    source = critic_source(config) if cfg.advantage_estimator == "gae" else None
+    # pure distillation trains no critic: each token's advantage is its own reverse KL to the teacher
+    source = critic_source(config) if cfg.advantage_estimator == "gae" and not cfg.distill_only else None
     if source is not None and sees and not sees_images(source):
         raise ConfigError(f"models.critic_init: the critic of a policy that sees images ({config.models.policy}) "
                           f"starts from a model that sees them too; {source} does not (critic_init: policy)")

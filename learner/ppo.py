@@ -42,6 +42,10 @@ R_e = sum over e's parts of     ``episode_totals``: an episode in parts (a rewri
   sum_t r_t                      outcome for GRPO/RLOO, its advantage on every part's tokens
 r_last(part) += sum of later   ``rewards_across_parts``: each part's return still to come, so
   parts' sum_t r_t               GAE and reward-to-go run per row as on the whole episode (gamma 1)
+r_t += -beta_d (log pi_old -    ``distill_rewards``: on-policy distillation's reward per token, the
+  log pi_teacher)                reverse KL to the teacher on the token sampled (GKD, Agarwal et al.
+                                 2024); ``distill_advantages``: A_t = that alone, undiscounted
+                                 (Thinking Machines, "On-Policy Distillation", 2025)
 beta <- max(0, beta (1 + clip  ``learner.kl_control.adaptive_kl_coef`` (Ziegler et al. 2019)
   ((KL-target)/target, ±0.2)
   n/horizon))
@@ -257,6 +261,29 @@ def token_rewards(
             raise ValueError("turn_rewards has a reward on a token response_mask leaves out: GAE would skip it")
         rewards = rewards + turn_rewards.detach().float()
     return rewards, kl
+
+
+def distill_rewards(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                    distill_coef: float) -> torch.Tensor:
+    """On-policy distillation's token rewards: -distill_coef (log pi_old(y_t) - log pi_teacher(y_t))
+    at every policy token, the sampled-token estimate of the reverse KL to the teacher (GKD, Agarwal
+    et al. 2024), added to the token rewards as the KL tether is. logprobs, teacher_logprobs,
+    response_mask: [B, T] (the mask 1 at the policy's tokens: an episode's environment tokens and
+    padding get 0). Returns [B, T]."""
+    mask = _check_token_tensors(response_mask, logprobs=logprobs, teacher_logprobs=teacher_logprobs)
+    if distill_coef < 0 or not math.isfinite(distill_coef):
+        raise ValueError(f"distill_coef must be a finite number >= 0, got {distill_coef}")
+    return -distill_coef * (logprobs.detach().float() - teacher_logprobs.float()) * mask
+
+
+def distill_advantages(logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                       distill_coef: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pure on-policy distillation (learner.distill_only): each token's advantage is its own
+    negative reverse KL to the teacher times distill_coef, not discounted across tokens and not
+    whitened (Thinking Machines, "On-Policy Distillation", 2025). Shapes as ``distill_rewards``.
+    Returns (advantages [B, T], returns [B, T]: the same; no critic reads them)."""
+    advantages = distill_rewards(logprobs, teacher_logprobs, response_mask, distill_coef)
+    return advantages, advantages
 
 
 def episode_totals(row_totals: torch.Tensor, episode_ids: torch.Tensor, episodes: int) -> torch.Tensor:

@@ -174,6 +174,13 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     turn_rewards = (_ragged_to_padded([s.turn_rewards if s.turn_rewards is not None else [] for s in samples],
                                       mask).to(device)
                     if any(s.turn_rewards is not None for s in samples) else None)
+    teacher_logprobs = None
+    if config.models.teacher:  # on-policy distillation: every sample carries the teacher's, from the scorer
+        missing = [s.sample_id for s in samples if s.teacher_logprobs is None]
+        if missing:
+            raise ValueError(f"models.teacher is set and samples {missing[:3]} carry no teacher_logprobs: were they "
+                             "scored without the teacher (a scorer of another config)?")
+        teacher_logprobs = _ragged_to_padded([s.teacher_logprobs for s in samples], mask).to(device)
 
     episodes = episodes_of(samples, device)
     # 1. proximal logprobs and old values, at the start of the step
@@ -183,7 +190,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     kl, advantages, returns = rewards_and_advantages(samples, old_logprobs, old_values, ref_logprobs, scores,
                                                      truncated, mask, cfg, kl_coef, carry.moments,
                                                      config.rollout.samples_per_prompt, turn_rewards,
-                                                     behavior_logprobs, episodes)
+                                                     behavior_logprobs, episodes, teacher_logprobs)
     weights, correction = ppo.behavior_weights(old_logprobs, behavior_logprobs, mask, cfg.behavior_correction,
                                                cfg.behavior_correction_level, cfg.behavior_weight_cap,
                                                cfg.behavior_weight_floor)
@@ -196,6 +203,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     # the batch's off-policy health, over all its tokens (buffer.max_staleness: auto reads it)
     stats.update(behavior_health(old_logprobs, behavior_logprobs, mask, cfg.behavior_weight_cap))
     stats.update(correction)  # what the correction did, over all the batch's tokens: computed once per step
+    if teacher_logprobs is not None:  # the mean reverse KL to the teacher per policy token (k1, sampled)
+        stats["teacher_kl"] = float(ppo.masked_mean(old_logprobs - teacher_logprobs, mask))
     return stats
 
 
@@ -231,7 +240,8 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
                            mask: torch.Tensor, cfg: LearnerConfig, kl_coef: float,
                            moments: ppo.RunningMoments | None, group_size: int,
                            turn_rewards: torch.Tensor | None = None,
-                           behavior_logprobs: torch.Tensor | None = None, episodes: Episodes | None = None
+                           behavior_logprobs: torch.Tensor | None = None, episodes: Episodes | None = None,
+                           teacher_logprobs: torch.Tensor | None = None
                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Part 2: (kl, advantages, returns), each [B, T]. The scores [B] (normalised by ``moments``
     when kept) become token rewards with ``-kl_coef * KL`` at every token when the KL is in the
@@ -240,7 +250,9 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
     contiguous in the batch. ``mask`` is 1 at the policy's tokens only. ``behavior_logprobs``: the
     rollout's [B, T], for V-trace's value targets (``learner.value_targets``). ``episodes``: which
     rows are parts of one episode (default: one row each); an episode's score is its last part's
-    (the conversation as it ended), the parts before carry their turn rewards and KL only."""
+    (the conversation as it ended), the parts before carry their turn rewards and KL only.
+    ``teacher_logprobs`` [B, T] (models.teacher): each token's reward gains
+    ``-distill_coef x (old - teacher)``; with ``distill_only`` that alone is each token's advantage."""
     episodes = episodes if episodes is not None else episodes_of(samples, scores.device)
     trained_scores = scores
     if moments is not None:
@@ -251,6 +263,10 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
     reward_kl_coef = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, reward_kl_coef,
                                     cfg.kl_estimator, truncated, cfg.truncation_penalty, cfg.score_clip, turn_rewards)
+    if teacher_logprobs is not None and cfg.distill_only:
+        return (kl, *ppo.distill_advantages(old_logprobs, teacher_logprobs, mask, cfg.distill_coef))
+    if teacher_logprobs is not None:
+        rewards = rewards + ppo.distill_rewards(old_logprobs, teacher_logprobs, mask, cfg.distill_coef)
     if cfg.advantage_estimator in ("grpo", "rloo"):  # the buffer serves whole groups, each together
         prompts = torch.tensor([s.prompt_index for s in samples])
         of_episode = torch.zeros(episodes.count, dtype=prompts.dtype).index_copy(0, episodes.ids.cpu(), prompts)

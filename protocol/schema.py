@@ -12,15 +12,17 @@ from dataclasses import dataclass, field
 
 from protocol.samples import sample_fields, sample_tensors
 
-# 14: a scored sample may carry a drop_reason (scorer.on_reward_failure, a judge's on_unparsed:
-# drop_group); 13: turn_release renamed shift_end (a device's shift, not a conversation's turn), the agent
+# 15: a scored sample may carry its teacher_logprobs (models.teacher); 14: a scored sample may
+# carry a drop_reason (scorer.on_reward_failure, a judge's on_unparsed: drop_group); 13:
+# turn_release renamed shift_end (a device's shift, not a conversation's turn), the agent
 # processes' program_* messages (environments.agent_processes, JSON before); 12: goodbye (a
 # rollout or scorer stopping on an error); 11: turn_release (placement.mode colocate); 10: samples
 # carry their images (image_bytes); 9: an episode's parts (part_indices, ...)
-SCHEMA_VERSION = 14
+SCHEMA_VERSION = 15
 # The version at which a message's fields last changed, for a message that is kept (a batch that
 # learner.record_batches wrote): one written at that version or later decodes as it is. (14's
-# drop_reasons is optional, and no sample of a batch has one but "": older batches decode.)
+# drop_reasons is optional, and no sample of a batch has one but ""; 15's teacher_logprobs is
+# optional: older batches decode.)
 UNCHANGED_SINCE = {"batch": 10}
 
 # Field type names the codec knows how to check. A trailing "?" means the value may be None.

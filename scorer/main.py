@@ -88,6 +88,16 @@ class Scorer:
         self.log, self.sampling = log, banning_placeholder(config, self.processor).sampling.without_truncation()
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
         self.reference = models.load_causal_lm(config.reference_path, config.models.dtype).to(self.device).eval()
+        self.teacher = None
+        if config.models.teacher:  # on-policy distillation: the teacher's logprobs of the policy's tokens
+            if self.processor is not None:
+                raise ConfigError(f"models.teacher: the policy ({config.models.policy}) sees images; distillation "
+                                  "from a teacher is for text policies for now")
+            if not same_tokens(config.models.policy, config.models.teacher):
+                raise ConfigError(f"models.teacher: {config.models.teacher} reads other tokens than the policy "
+                                  f"({config.models.policy}): a teacher grades the policy's own tokens, so it needs "
+                                  "the policy's tokenizer")
+            self.teacher = models.load_causal_lm(config.models.teacher, config.models.dtype).to(self.device).eval()
         self.pad_token_id = models.pad_token_id(self.reference)
         self.tokenizer = AutoTokenizer.from_pretrained(config.models.policy)
         self.reward_model = self.rm_tokenizer = self.rm_processor = None
@@ -137,6 +147,8 @@ class Scorer:
             "the policy's tokens and images" if self.rm_processor is not None else "the policy's tokens")
         functions = ", ".join(f"{f.weight:g} x {f.name}" for f in self.functions) or "none"
         described = f"reward model: {rm}; reward functions: {functions}"
+        if self.teacher is not None:
+            described += "; a teacher's logprobs (distillation)"
         if self.remote is not None:
             described += f"; reward service: {self.remote.weight:g} x {self.remote.url}"
         if self.judges is not None:
@@ -167,6 +179,10 @@ class Scorer:
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
                                                            self.sampling, self.processor)):
             sample.ref_logprobs = ref.numpy()
+        if self.teacher is not None:  # at the same distribution as the reference's: the rollout's sampling
+            for sample, taught in zip(samples, reference_logprobs(self.teacher, samples, self.pad_token_id,
+                                                                  self.sampling)):
+                sample.teacher_logprobs = taught.numpy()
         for sample in samples:
             if not sample.final:
                 sample.reward, sample.gold_reward = 0.0, (0.0 if self.gold is not None else None)

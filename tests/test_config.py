@@ -207,7 +207,7 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions, scorer.judges, scorer.reward_url, rollout.environment"),
+    (["models.reward=null"], "nothing to train on: set models.reward, scorer.reward_functions, scorer.judges, scorer.reward_url, models.teacher, rollout.environment"),
     (["models.reward=null", "models.critic_init=reward", "scorer.reward_functions=[{function: 'a:b'}]"],
      "models.critic_init is reward but there is no models.reward"),
     (["scorer.reward_functions=[{function: 'a:b', wieght: 2}]"], r"scorer.reward_functions.0.wieght: unknown key"),
@@ -215,6 +215,9 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
     (["learner.ptx_coef=0.5"], "learner.ptx_coef > 0 and data.ptx go together"),
     (["learner.lora_rank=8", "learner.zero_stage=3"], "learner.lora_rank with learner.zero_stage 3"),
     (["learner.advantage_estimator=grpo"], "rollout.samples_per_prompt must be >= 2"),
+    (["learner.distill_only=true"], "learner.distill_only: distillation needs models.teacher"),
+    (["learner.distill_only=true", "models.teacher=t", "learner.distill_coef=0"],
+     "learner.distill_coef must be over 0"),
 ])
 def test_what_is_trained_on_is_checked_at_load(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

@@ -268,7 +268,7 @@ def one_step(tmp_path, tiny_assets, samples, *overrides, ptx=None):
     torch.manual_seed(0)
     actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"], config.models.dtype), config.learner.actor_lr, config)
     critic = (make_deepspeed_engine(load_critic(tiny_assets["reward"], config.models.dtype), config.learner.critic_lr, config)
-              if config.learner.advantage_estimator == "gae" else None)
+              if config.learner.advantage_estimator == "gae" and not config.learner.distill_only else None)
     stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config,
                      policy_version=0, kl_coef=0.05,
                      carry=StepCarry(SkippedSteps(config.learner.max_skipped_steps), ptx=ptx))
@@ -571,3 +571,72 @@ def test_the_off_policy_options_reach_the_step(tmp_path, tiny_assets, samples, r
     assert 0 < masked["correction_masked_frac"] <= 1 and masked["correction_seq_masked_frac"] > 0
     assert masked["behavior_ratio_p95"] == pytest.approx(truncated["behavior_ratio_p95"], rel=1e-6)  # the same batch
     assert not all(torch.allclose(truncated_weights[k], masked_weights[k], atol=1e-6) for k in truncated_weights)
+
+
+def taught(samples, teacher_dir):
+    """``samples`` with a teacher's logprobs of their tokens, as the scorer gives them."""
+    import dataclasses
+
+    from scorer.scoring import reference_logprobs
+
+    teacher = AutoModelForCausalLM.from_pretrained(teacher_dir).eval()
+    out = [dataclasses.replace(s) for s in samples]
+    for s, logprobs in zip(out, reference_logprobs(teacher, out, 0, SamplingConfig())):
+        s.teacher_logprobs = logprobs.numpy()
+    return out
+
+
+def test_pure_distillation_trains_each_token_on_its_reverse_kl_to_the_teacher_without_a_critic(
+        tmp_path, tiny_assets, samples, restore_environment):
+    """On-policy samples (ratio 1): the policy loss is minus the mean advantage, each token's
+    advantage -distill_coef x (log pi_old - log pi_teacher): the formula's value, and teacher_kl the
+    mean of that difference; no critic, no score."""
+    students = taught(samples, tiny_assets["base"])
+    stats, weights, _ = one_step(tmp_path, tiny_assets, students, "models.teacher=" + tiny_assets["base"],
+                                 "learner.distill_only=true", "learner.distill_coef=0.5")
+    difference = np.concatenate([s.ref_logprobs - s.teacher_logprobs for s in students])  # old = ref = behavior
+    assert stats["teacher_kl"] == pytest.approx(float(difference.mean()), abs=1e-4)
+    assert stats["policy_loss"] == pytest.approx(0.5 * float(difference.mean()), abs=1e-4)
+    assert stats["advantage_mean"] == pytest.approx(-0.5 * float(difference.mean()), abs=1e-4)
+    assert "value_loss" not in stats and stats["grad_norm"] > 0
+    plain, plain_weights, _ = one_step(tmp_path, tiny_assets, students, "models.teacher=" + tiny_assets["base"],
+                                       "learner.distill_only=true", "learner.distill_coef=1.0")
+    assert any(not torch.equal(weights[k], plain_weights[k]) for k in weights)  # the coefficient reaches the step
+
+
+def test_distillation_adds_its_token_rewards_to_the_score_and_the_tether_before_gae(tiny_assets, samples):
+    from learner import ppo
+    from learner.step import rewards_and_advantages
+
+    students = taught(samples, tiny_assets["base"])
+    config = load_config(None, ["learner.batch_size=8", "learner.minibatch_size=8", "learner.distill_coef=0.3",
+                                "models.teacher=/t"], base={"models": {"policy": "/p", "reward": "/r"},
+                                                            "data": {"prompts": "/d"}})
+    batch = collate(students, pad_token_id=0)
+    mask = batch.response_mask
+    pad = lambda column: torch.nn.utils.rnn.pad_sequence(  # noqa: E731
+        [torch.tensor(getattr(s, column)) for s in students], batch_first=True)[:, :mask.shape[1]]
+    old, ref, teacher = pad("behavior_logprobs") + 0.01, pad("ref_logprobs"), pad("teacher_logprobs")
+    values = torch.linspace(-1, 1, mask.numel()).view_as(mask) * mask
+    scores = torch.tensor([s.reward for s in students])
+    truncated = torch.zeros(len(students), dtype=torch.bool)
+    kl, advantages, returns = rewards_and_advantages(students, old, values, ref, scores, truncated, mask,
+                                                     config.learner, 0.05, None, 1, teacher_logprobs=teacher)
+    # by hand: the score at the last token, -0.05 x KL and -0.3 x (old - teacher) at every token, then GAE
+    rewards = -0.05 * (old - ref) * mask - 0.3 * (old - teacher) * mask
+    last = mask.sum(dim=1).long() - 1
+    rewards[torch.arange(len(students)), last] += scores
+    expected, expected_returns = ppo.gae_advantages(rewards, values, mask, config.learner.gamma, config.learner.lam)
+    expected = ppo.masked_whiten(expected, mask) if config.learner.whiten_advantages else expected
+    torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
+    torch.testing.assert_close(returns, expected_returns, atol=1e-5, rtol=0)
+
+
+def test_distillation_trains_a_lora_policy(tmp_path, tiny_assets, samples, restore_environment):
+    """The teacher's logprobs come with the samples: a LoRA student trains its adapters on them."""
+    students = taught(samples, tiny_assets["base"])
+    stats, weights, actor = one_step(tmp_path, tiny_assets, students, "models.teacher=" + tiny_assets["base"],
+                                     "learner.distill_only=true", "learner.lora_rank=4", "learner.actor_lr=1e-2")
+    base = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).state_dict()
+    assert np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0 and stats["teacher_kl"] > 0
+    assert any(not torch.equal(weights[k], base[k]) for k in weights)  # merged: the adapters moved the weights

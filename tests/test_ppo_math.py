@@ -610,3 +610,19 @@ def test_a_batch_of_one_part_episodes_comes_out_bit_for_bit_as_samples_without_p
         plain = rewards_and_advantages(*whole[:1], *whole[1:7], cfg, 0.05, None, 2, whole[7])
         parted = rewards_and_advantages(numbered, *whole[1:7], cfg, 0.05, None, 2, whole[7])
         assert all(torch.equal(a, b) for a, b in zip(plain, parted)), estimator
+
+
+def test_distillation_rewards_each_policy_token_by_its_reverse_kl_to_the_teacher():
+    """-beta (log pi_old - log pi_teacher) per token, 0 at an episode's environment tokens and at
+    padding; pure distillation takes it as the advantage, undiscounted."""
+    old = torch.tensor([[-1.0, -2.0, -0.5, -3.0], [-0.2, -0.4, 0.0, 0.0]])
+    teacher = torch.tensor([[-1.5, -1.0, -0.5, -9.0], [-0.2, -1.4, -7.0, -7.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0, 1.0], [1.0, 1.0, 0.0, 0.0]])  # an environment token, then padding
+    rewards = ppo.distill_rewards(old, teacher, mask, 0.5)
+    assert rewards.tolist() == [[-0.25, 0.5, 0.0, -3.0], [0.0, -0.5, 0.0, 0.0]]
+    advantages, returns = ppo.distill_advantages(old, teacher, mask, 0.5)
+    assert advantages.tolist() == rewards.tolist() == returns.tolist()
+    with pytest.raises(ValueError, match="distill_coef must be a finite number >= 0"):
+        ppo.distill_rewards(old, teacher, mask, -1.0)
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        ppo.distill_rewards(old, teacher[:, :3], mask, 0.5)

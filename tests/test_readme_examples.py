@@ -389,7 +389,7 @@ def test_every_whole_config_of_the_readme_and_docs_trains_a_step_from_its_direct
     path = name if name.endswith((".yaml", ".yml")) else f"{slug}.yaml"
     (docs_directory / path).write_text(text)
     models = {"policy": str(docs_directory / "policy"), "reference": str(docs_directory / "policy"),
-              "reward": tiny_assets["reward"]}
+              "reward": tiny_assets["reward"], "teacher": tiny_assets["base"]}  # a teacher of the policy's tokens
     overrides = [f"models.{key}={models[key]}" for key, value in config["models"].items() if key in models and value]
     # each its own run directory (two configs may share one, or name a cluster's), its files in this one
     run_dir = f"runs/{slug}"

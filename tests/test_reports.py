@@ -78,6 +78,8 @@ def test_the_console_progress_line_shows_the_bound_and_why_it_moved():
     assert _progress_line(record, 40).endswith("staleness 0.80 (k 2) | k changed: 2 -> 4: 4 healthy steps")
     del record["staleness_change"]
     assert _progress_line(record, 40).endswith("staleness 0.80 (k 2)")
+    assert "teacher kl" not in _progress_line(record, 40)
+    assert "| kl 0.0100 | teacher kl 0.2500 | len 4.0 |" in _progress_line({**record, "teacher_kl": 0.25}, 40)
 
 
 def test_vllms_warnings_that_say_nothing_wrong_are_dropped_and_colour_codes_stripped():

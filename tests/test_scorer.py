@@ -260,3 +260,30 @@ def test_the_overlong_shaping_is_a_reward_term_the_scorer_adds_and_reports(tmp_p
     samples, parts = scored_samples(shaped)
     assert [s.reward for s in samples] == pytest.approx([base[0] - 1.0, base[1] - 2.0], abs=1e-5)
     assert parts["overlong_penalty"] == pytest.approx(-1.5) and parts["overlong_frac"] == 1.0
+
+
+def test_a_teachers_logprobs_from_the_scorer_equal_a_plain_forward_at_the_rollouts_sampling(tmp_path, tiny_assets):
+    """On-policy distillation: the scorer's teacher_logprobs are the teacher's log-softmax at the
+    rollout's temperature on each response token, as a plain transformers pass gives them."""
+    scorer = make_scorer(tmp_path, tiny_assets, models={"teacher": tiny_assets["base"]},
+                         sampling={"temperature": 0.7})
+    samples, _ = scored_samples(scorer)
+    teacher = AutoModelForCausalLM.from_pretrained(tiny_assets["base"]).eval()
+    for sample in samples:
+        ids = torch.tensor([sample.prompt_tokens.tolist() + sample.response_tokens.tolist()])
+        with torch.no_grad():
+            logits = teacher(input_ids=ids).logits[0, len(sample.prompt_tokens) - 1:-1] / 0.7
+        expected = torch.log_softmax(logits, dim=-1)[torch.arange(len(sample.response_tokens)),
+                                                     torch.tensor(sample.response_tokens.tolist())]
+        np.testing.assert_allclose(sample.teacher_logprobs, expected.numpy(), atol=1e-5, rtol=0)
+        assert not np.allclose(sample.teacher_logprobs, sample.ref_logprobs, atol=1e-3)  # another model's
+    assert "a teacher's logprobs" in scorer.describe()
+
+
+def test_a_teacher_that_reads_other_tokens_is_refused_naming_both_models(tmp_path, tiny_assets):
+    from common.config import ConfigError
+
+    rm_dir = str(tmp_path / "rm")
+    own_tokenizer_reward_model(rm_dir)
+    with pytest.raises(ConfigError, match=rf"models.teacher: {rm_dir} reads other tokens than the policy \(.*sft\)"):
+        make_scorer(tmp_path, tiny_assets, models={"teacher": rm_dir})
