@@ -808,10 +808,7 @@ class TetherConfig(_Strict):
                                  "config for tether sft, rm or dpo alone has that section instead)")
             return self
         learner, rollout = self.learner, self.rollout
-        if learner.distill_only and self.models.teacher is None:
-            raise ValueError("learner.distill_only: distillation needs models.teacher")
-        if learner.distill_only and learner.distill_coef <= 0:
-            raise ValueError("learner.distill_only: learner.distill_coef must be over 0 (it scales the advantages)")
+        self._distillation_consistent()
         if (self.models.reward is None and not self.scorer.reward_functions and not self.scorer.judges
                 and self.scorer.reward_url is None and rollout.environment is None
                 and not rollout.agent and not rollout.agent_command and self.models.teacher is None):
@@ -923,6 +920,35 @@ class TetherConfig(_Strict):
         most policy tokens a response may have, over every turn of an episode."""
         rollout = self.rollout
         return self.scorer.overlong_max_length or rollout.max_new_tokens * (rollout.max_turns if rollout.episodes else 1)
+
+    def _distillation_consistent(self) -> None:
+        """models.teacher and the learner's distillation keys, as they work together."""
+        learner, scorer, teacher = self.learner, self.scorer, self.models.teacher
+        if teacher is None:
+            idle = [f"learner.{key}" for key in ("distill_only", "distill_coef") if _set(learner, key)]
+            if idle:
+                raise ValueError(f"{' and '.join(idle)}: distillation needs models.teacher")
+            return
+        if learner.distill_coef <= 0:
+            raise ValueError(f"learner.distill_coef must be over 0 with models.teacher ({teacher}): at 0 the "
+                             "teacher is loaded and graded for nothing")
+        sampling = self.sampling
+        if sampling.top_p < 1 or sampling.top_k > 0:
+            raise ValueError("models.teacher with sampling.top_p < 1 or sampling.top_k: the student's logprobs are "
+                             "of its truncated distribution and the teacher's of its whole one, so each token's "
+                             "reverse KL would carry the truncation's log mass; distill from the whole "
+                             "distribution (top_p 1, top_k 0)")
+        if self.buffer.filter_groups:
+            raise ValueError("buffer.filter_groups with models.teacher: a group of equal scores still differs in "
+                             "its tokens' distillation rewards; dynamic sampling would drop its signal")
+        if learner.distill_only:
+            scoring = [key for key, on in (("models.reward", self.models.reward), ("scorer.reward_functions",
+                       scorer.reward_functions), ("scorer.judges", scorer.judges),
+                       ("scorer.reward_url", scorer.reward_url)) if on]
+            if scoring:
+                raise ValueError(f"learner.distill_only trains on the teacher alone: {', '.join(scoring)} would be "
+                                 "computed and never trained on (drop distill_only to add them to the "
+                                 "distillation rewards)")
 
     @property
     def judge_names(self) -> list[str]:

@@ -63,7 +63,8 @@ def agent_programs(config, tokenizer) -> "AgentPrograms | None":
     program = verifiers_envs.program(env_id, rollout.environment_args) if env_id else None
     return AgentPrograms(program or rollout.agent or rollout.agent_command, parser,
                          rollout.agent_deadline_s, rollout.env_step_deadline_s, config.sampling,
-                         bool(config.models.reward or config.scorer.reward_functions),
+                         bool(config.models.reward or config.scorer.reward_functions or config.scorer.judges
+                              or config.scorer.reward_url or config.models.teacher),
                          rollout.agent_processes, config.placement.cores.get("agent"))
 
 
@@ -784,6 +785,6 @@ def _reward(value: Any, others_score: bool) -> tuple[float, dict[str, float]]:
         return 0.0, metrics
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise BadStep(f"the agent program returned {json.dumps(value, default=repr)[:200]}, not a finite number"
-                      + ("" if others_score else " (None is for runs where models.reward or scorer.reward_functions "
-                                                 "score the conversation)"))
+                      + ("" if others_score else " (None is for runs where models.reward, scorer.reward_functions, "
+                                                 "judges, reward_url or a teacher score the conversation)"))
     return float(value), {name: float(figure) for name, figure in metrics.items()}

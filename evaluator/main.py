@@ -107,7 +107,8 @@ def evaluate(config: TetherConfig, checkpoint: str, log) -> tuple[dict, list[Sam
     samples = last_parts(samples)
     for i, sample in enumerate(samples):
         sample.sample_id = f"eval-{i}"
-    scorer = Scorer(config, log)
+    # an evaluation reports rewards: a teacher's logprobs would be computed for nothing
+    scorer = Scorer(config.model_copy(update={"models": config.models.model_copy(update={"teacher": None})}), log)
     try:
         parts = scorer.score(samples)  # reads the eval rows: reward functions get their row
     finally:

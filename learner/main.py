@@ -122,7 +122,7 @@ def write_step_record(metrics, monitor, log, stats: dict, total_steps: int, poli
 
 def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     """(actor, critic, pad_token_id): both models loaded (LoRA-wrapped with ``learner.lora_rank``),
-    then each in its DeepSpeed engine. The critic is None unless the estimator is gae: the
+    then each in its DeepSpeed engine. The critic is None unless the estimator is gae (and not pure distillation): the
     critic-free estimators take their baseline from the rewards."""
     cfg, dtype = config.learner, config.models.dtype
     sees = sees_images(config.models.policy)
@@ -166,7 +166,7 @@ class Learner:
     log: logging.Logger
     timeline: StartupTimeline
     actor: object  # its DeepSpeed engine, as the critic's
-    critic: object | None  # None unless learner.advantage_estimator is gae
+    critic: object | None  # None unless learner.advantage_estimator is gae (and not distill_only)
     pad_token_id: int
     processor: object | None  # a policy that sees: its samples' images become its inputs
     kl_controller: object
@@ -263,7 +263,8 @@ def start(config: TetherConfig, recorded: str | None) -> Learner:
         if cfg.record_batches:
             learner.recorder = BatchRecorder(config.run_dir)
         log.info("training %s for %d steps (%s, batch %d, minibatch %d, %d epochs, ZeRO-%d, %d rank(s), "
-                 "max_staleness %s)", config.models.policy, cfg.total_steps, cfg.advantage_estimator, cfg.batch_size,
+                 "max_staleness %s)", config.models.policy, cfg.total_steps,
+                 "distillation alone" if cfg.distill_only else cfg.advantage_estimator, cfg.batch_size,
                  cfg.minibatch_size, cfg.ppo_epochs,
                  cfg.zero_stage, parallel.world_size(), config.buffer.max_staleness)
     learner.staleness = StalenessController(config.buffer)

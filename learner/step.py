@@ -161,7 +161,7 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
              kl_coef: float, carry: StepCarry | None = None) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
     the rows (``training.parallel``); the result is what one rank computes on the whole batch.
-    ``critic``: None unless ``learner.advantage_estimator`` is gae. ``carry``: what the previous
+    ``critic``: None unless ``learner.advantage_estimator`` is gae (and not ``distill_only``). ``carry``: what the previous
     step left (a fresh one when None)."""
     cfg = config.learner
     carry = carry if carry is not None else StepCarry(SkippedSteps(cfg.max_skipped_steps))
@@ -252,7 +252,8 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
     rows are parts of one episode (default: one row each); an episode's score is its last part's
     (the conversation as it ended), the parts before carry their turn rewards and KL only.
     ``teacher_logprobs`` [B, T] (models.teacher): each token's reward gains
-    ``-distill_coef x (old - teacher)``; with ``distill_only`` that alone is each token's advantage."""
+    ``-distill_coef x (old - teacher)``; with ``distill_only`` that (and ``-kl_coef x KL`` when the
+    KL is in the reward) is each token's advantage, undiscounted."""
     episodes = episodes if episodes is not None else episodes_of(samples, scores.device)
     trained_scores = scores
     if moments is not None:
@@ -263,8 +264,10 @@ def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, ol
     reward_kl_coef = kl_coef if cfg.kl_in == "reward" else 0.0
     rewards, kl = ppo.token_rewards(old_logprobs, ref_logprobs, trained_scores, mask, reward_kl_coef,
                                     cfg.kl_estimator, truncated, cfg.truncation_penalty, cfg.score_clip, turn_rewards)
-    if teacher_logprobs is not None and cfg.distill_only:
-        return (kl, *ppo.distill_advantages(old_logprobs, teacher_logprobs, mask, cfg.distill_coef))
+    if teacher_logprobs is not None and cfg.distill_only:  # with the tether per token too, where it is a reward
+        advantages, _ = ppo.distill_advantages(old_logprobs, teacher_logprobs, mask, cfg.distill_coef)
+        advantages = advantages - reward_kl_coef * kl
+        return kl, advantages, advantages
     if teacher_logprobs is not None:
         rewards = rewards + ppo.distill_rewards(old_logprobs, teacher_logprobs, mask, cfg.distill_coef)
     if cfg.advantage_estimator in ("grpo", "rloo"):  # the buffer serves whole groups, each together

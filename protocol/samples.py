@@ -82,8 +82,9 @@ class Sample:
     ref_logprobs: np.ndarray | None = column("ref_logprobs", "response token", "float32", scored=True, finite=True,
                                              default=None)  # the frozen reference's, from the scorer
     # the teacher's (models.teacher, on-policy distillation), from the scorer, at the rollout's sampling
+    # (a message where some samples lack it is refused: a logprob of 0, probability 1, would be trained)
     teacher_logprobs: np.ndarray | None = column("teacher_logprobs", "response token", "float32", scored=True,
-                                                 optional=True, finite=True, default=None)
+                                                 optional=True, finite=True, absent=math.nan, default=None)
     # from the scorer: the reward model's score plus the reward functions' (what is trained on)
     reward: float | None = column("rewards", "sample", "float32", scored=True, finite=True, default=None)
     # from the scorer's rule-based gold reward, where the task has one (reported, never trained on)

@@ -225,3 +225,21 @@ def test_a_kept_batch_of_an_older_schema_decodes_where_the_batch_has_not_changed
                 decode(written, kept=kept)
     with pytest.raises(ProtocolError, match="a kept ack message: from version"):
         decode(_envelope(schema=SCHEMA_VERSION - 1), kept=True)  # no message but the batch is kept
+
+
+def test_a_message_where_some_samples_lack_teacher_logprobs_is_refused_not_trained_as_probability_1():
+    """A teacher's logprob of 0 is a probability of 1: a sample without the column beside one with it
+    (a buffer resumed with models.teacher added) must not travel as zeros."""
+    import numpy as np
+
+    from protocol.message import Message
+    from protocol.samples import pack_samples, unpack_samples
+    from tests.helpers import sample_of
+
+    taught, untaught = sample_of([1, 2], [3, 4, 5], "a", reward=0.0), sample_of([1, 2], [6, 2], "b", reward=0.0)
+    taught.teacher_logprobs = np.array([-0.5, -0.25, -1.0], np.float32)
+    fields, tensors = pack_samples([taught, untaught], scored=True)
+    with pytest.raises(ProtocolError, match="teacher_logprobs holds NaN"):
+        unpack_samples(Message("scored", fields, tensors))
+    fields, tensors = pack_samples([taught], scored=True)
+    assert unpack_samples(Message("scored", fields, tensors))[0].teacher_logprobs.tolist() == [-0.5, -0.25, -1.0]

@@ -216,8 +216,13 @@ def test_the_minibatch_must_split_evenly_between_learner_ranks():
     (["learner.lora_rank=8", "learner.zero_stage=3"], "learner.lora_rank with learner.zero_stage 3"),
     (["learner.advantage_estimator=grpo"], "rollout.samples_per_prompt must be >= 2"),
     (["learner.distill_only=true"], "learner.distill_only: distillation needs models.teacher"),
-    (["learner.distill_only=true", "models.teacher=t", "learner.distill_coef=0"],
-     "learner.distill_coef must be over 0"),
+    (["learner.distill_coef=0.5"], "learner.distill_coef: distillation needs models.teacher"),
+    (["models.teacher=t", "learner.distill_coef=0"], "learner.distill_coef must be over 0 with models.teacher"),
+    (["models.teacher=t", "sampling.top_p=0.9"], "models.teacher with sampling.top_p < 1 or sampling.top_k"),
+    (["models.teacher=t", "buffer.filter_groups=true", "learner.advantage_estimator=grpo",
+      "rollout.samples_per_prompt=2"], "buffer.filter_groups with models.teacher"),
+    (["models.teacher=t", "learner.distill_only=true"],
+     "learner.distill_only trains on the teacher alone: models.reward would be computed and never trained on"),
 ])
 def test_what_is_trained_on_is_checked_at_load(tmp_path, overrides, message):
     with pytest.raises(ConfigError, match=message):

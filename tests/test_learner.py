@@ -592,15 +592,14 @@ def test_pure_distillation_trains_each_token_on_its_reverse_kl_to_the_teacher_wi
     advantage -distill_coef x (log pi_old - log pi_teacher): the formula's value, and teacher_kl the
     mean of that difference; no critic, no score."""
     students = taught(samples, tiny_assets["base"])
-    stats, weights, _ = one_step(tmp_path, tiny_assets, students, "models.teacher=" + tiny_assets["base"],
-                                 "learner.distill_only=true", "learner.distill_coef=0.5")
+    distill = ["models.teacher=" + tiny_assets["base"], "models.reward=null", "learner.distill_only=true"]
+    stats, weights, _ = one_step(tmp_path, tiny_assets, students, *distill, "learner.distill_coef=0.5")
     difference = np.concatenate([s.ref_logprobs - s.teacher_logprobs for s in students])  # old = ref = behavior
     assert stats["teacher_kl"] == pytest.approx(float(difference.mean()), abs=1e-4)
     assert stats["policy_loss"] == pytest.approx(0.5 * float(difference.mean()), abs=1e-4)
     assert stats["advantage_mean"] == pytest.approx(-0.5 * float(difference.mean()), abs=1e-4)
     assert "value_loss" not in stats and stats["grad_norm"] > 0
-    plain, plain_weights, _ = one_step(tmp_path, tiny_assets, students, "models.teacher=" + tiny_assets["base"],
-                                       "learner.distill_only=true", "learner.distill_coef=1.0")
+    plain, plain_weights, _ = one_step(tmp_path, tiny_assets, students, *distill, "learner.distill_coef=1.0")
     assert any(not torch.equal(weights[k], plain_weights[k]) for k in weights)  # the coefficient reaches the step
 
 
@@ -630,13 +629,19 @@ def test_distillation_adds_its_token_rewards_to_the_score_and_the_tether_before_
     expected = ppo.masked_whiten(expected, mask) if config.learner.whiten_advantages else expected
     torch.testing.assert_close(advantages, expected, atol=1e-5, rtol=0)
     torch.testing.assert_close(returns, expected_returns, atol=1e-5, rtol=0)
+    # pure distillation: each token's own reverse KL, and the tether where it is a reward; no score, no GAE
+    only = config.learner.model_copy(update={"distill_only": True})
+    _, advantages, _ = rewards_and_advantages(students, old, None, ref, scores, truncated, mask, only, 0.05, None, 1,
+                                              teacher_logprobs=teacher)
+    torch.testing.assert_close(advantages, (-0.3 * (old - teacher) - 0.05 * (old - ref)) * mask, atol=1e-6, rtol=0)
 
 
 def test_distillation_trains_a_lora_policy(tmp_path, tiny_assets, samples, restore_environment):
     """The teacher's logprobs come with the samples: a LoRA student trains its adapters on them."""
     students = taught(samples, tiny_assets["base"])
     stats, weights, actor = one_step(tmp_path, tiny_assets, students, "models.teacher=" + tiny_assets["base"],
-                                     "learner.distill_only=true", "learner.lora_rank=4", "learner.actor_lr=1e-2")
+                                     "models.reward=null", "learner.distill_only=true", "learner.lora_rank=4",
+                                     "learner.actor_lr=1e-2")
     base = AutoModelForCausalLM.from_pretrained(tiny_assets["policy"]).state_dict()
     assert np.isfinite(stats["policy_loss"]) and stats["grad_norm"] > 0 and stats["teacher_kl"] > 0
     assert any(not torch.equal(weights[k], base[k]) for k in weights)  # merged: the adapters moved the weights
