@@ -71,9 +71,9 @@ def task_samples(paths: dict, count: int, seed: int = 0):
 
 def scorer_config(paths: dict, judge: bool, worker: int, workers: int):
     from common.config import load_config
-    from demos.judge import JUDGE_PROMPT
+    from demos.judge import demo_judges
 
-    judges = [{"model": paths["judge"], "prompt": JUDGE_PROMPT, "verdict": ["Yes", "No"]}] if judge else []
+    judges = demo_judges(paths["judge"]) if judge else []
     cores = "[0, 1]" if workers == 2 else "[1]"
     return load_config(os.path.join(REPO, "configs", "demo-judge.yaml"),
                        [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}",
@@ -143,9 +143,9 @@ VARIANTS = {
 
 def run_part(paths: dict, rounds: int, steps: int, variants: list[str]) -> dict:
     from common.runlog import read_metrics
-    from demos.judge import JUDGE_PROMPT
+    from demos.judge import demo_judges
 
-    judge = json.dumps([{"model": paths["judge"], "prompt": JUDGE_PROMPT, "verdict": ["Yes", "No"]}])
+    judge = json.dumps(demo_judges(paths["judge"]))
     figures: dict[str, dict[str, list[float]]] = {}
     for _ in range(rounds):
         for name, overrides in ((name, VARIANTS[name]) for name in variants):

@@ -312,7 +312,7 @@ class BufferState:
             groups: dict[int, list[Sample]] = {}
             for sample in self.unscored.values():
                 groups.setdefault(sample.prompt_index, []).append(sample)
-            coming = {index for lease in self.leases.values() for index in lease}
+            coming = self._leased_prompts()
             chosen: list[Sample] = []
             for index, members in groups.items():
                 if index in coming and not group_is_whole(members, self.samples_per_prompt):
@@ -373,12 +373,16 @@ class BufferState:
             self._drop(reason, returns_credit=member.final)
         self._forget_dropped_groups([prompt_index])
 
+    def _leased_prompts(self) -> set[int]:
+        """The prompts some engine still owes episodes of."""
+        return {index for lease in self.leases.values() for index in lease}
+
     def _forget_dropped_groups(self, prompt_indices) -> None:
         """Dropped groups of which nothing is still to come (no engine holds their prompt, no sample
         of it waits for a scorer or is out with one: an episode's earlier part may come after its
         last) are forgotten."""
-        coming = ({index for lease in self.leases.values() for index in lease}
-                  | {s.prompt_index for s in self.unscored.values()} | {s.prompt_index for s in self.in_scoring_samples()})
+        coming = (self._leased_prompts() | {s.prompt_index for s in self.unscored.values()}
+                  | {s.prompt_index for s in self.in_scoring_samples()})
         for index in [i for i in prompt_indices if i in self.dropped_groups and i not in coming]:
             del self.dropped_groups[index]
 

@@ -14,7 +14,7 @@ from demos.parity import (ASSETS_VERSION, PARITIES, VOCAB, build_assets, built_o
                           run_and_report_gold)
 
 JUDGE_VOCAB = VOCAB + ["Yes", "No", "<user>", "<assistant>", "right", "?"]
-JUDGE_PROMPT = "{{ prompt }} {{ response }} right ?"  # scorer.judges[0].prompt in configs/demo-judge.yaml
+CONFIG = Path(__file__).resolve().parent.parent / "configs" / "demo-judge.yaml"  # its judge's prompt and verdicts
 CHAT_TEMPLATE = ("{% for message in messages %}<{{ message['role'] }}> {{ message['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
@@ -73,13 +73,17 @@ def build_judge(directory: str, steps: int = 400, seed: int = 0, log=print) -> s
                          num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=128,
                          bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
     model = LlamaForCausalLM(config)
-    verdicts = tokenizer.convert_tokens_to_ids(["Yes", "No"])
+    import jinja2
+
+    judge = demo_judges()[0]  # asked as the scorer asks it, answered in its verdicts
+    template = jinja2.Template(judge["prompt"])
+    verdicts = tokenizer.convert_tokens_to_ids(judge["verdict"])
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     rng = random.Random(seed)
     started = time.monotonic()
     for step in range(steps):
         batch = judge_examples(64, rng)
-        questions = [question_ids(tokenizer, f"{p} {r} right ?") for p, r, _ in batch]
+        questions = [question_ids(tokenizer, template.render(prompt=p, response=r)) for p, r, _ in batch]
         longest = max(map(len, questions))
         ids = torch.tensor([q + [0] * (longest - len(q)) for q in questions])
         mask = (torch.arange(longest)[None] < torch.tensor([len(q) for q in questions])[:, None]).long()
@@ -104,10 +108,17 @@ def judge_assets(assets: Path, log=print) -> dict[str, str]:
     return {**paths, **judge}
 
 
+def demo_judges(model: str | None = None) -> list[dict]:
+    """configs/demo-judge.yaml's judges, each of ``model`` (where the demo built it) when given."""
+    import yaml
+
+    judges = yaml.safe_load(CONFIG.read_text())["scorer"]["judges"]
+    return [{**judge, "model": model} for judge in judges] if model else judges
+
+
 def run_demo(assets: Path, overrides: list[str]) -> int:
     started = time.monotonic()
     paths = judge_assets(assets)
-    config_path = Path(__file__).resolve().parent.parent / "configs" / "demo-judge.yaml"
     built = [f"models.policy={paths['policy']}", f"data.prompts={paths['prompts']}",
-             f"scorer.judges={json.dumps([{'model': paths['judge'], 'prompt': JUDGE_PROMPT, 'verdict': ['Yes', 'No']}])}"]
-    return run_and_report_gold(config_path, [*built, *overrides], paths, started)
+             f"scorer.judges={json.dumps(demo_judges(paths['judge']))}"]
+    return run_and_report_gold(CONFIG, [*built, *overrides], paths, started)

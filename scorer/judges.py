@@ -59,12 +59,12 @@ def check_template(judge: JudgeConfig, key: str, rows: list[dict]) -> None:
 
 @dataclass
 class Question:
-    """One question to a judge: whose sample (``job``, ``sample``), which turn's last token gets the
-    answer (None: the outcome), and pairwise, the response compared with."""
+    """One question to a judge: whose sample (``job``, ``sample``), which of its turns the answer
+    scores (its number; None: the outcome), and pairwise, the response compared with."""
     job: Any
     judge: "Judge"
     sample: int
-    turn_end: int | None = None
+    turn: int | None = None
     other: int | None = None
 
 

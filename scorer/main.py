@@ -38,12 +38,13 @@ POLL_S = 0.01  # with requests in flight and the judges idle: the longest wait f
 @dataclass(eq=False)
 class Job:
     """One score request's samples while its reward calls and judges' questions are under way.
-    A value's key is (what gave it, the final sample's index, the turn's last token or None)."""
+    A value's key is (what gave it, the final sample's index, its turn's number or None)."""
     samples: list[Sample]
     finals: list[Sample]
     arguments: list[dict]
     totals: np.ndarray  # [finals] the synchronous part of each final's score (RM, overlong shaping)
     parts: dict[str, float]
+    turns: list[list[tuple[int, int]]]  # each final's [start, stop) of the policy's turns
     calls: list[tuple[tuple, concurrent.futures.Future]] = field(default_factory=list)
     answers: dict[tuple, list] = field(default_factory=dict)  # a judge's key -> [(score or None, answer)]
     questions: int = 0  # asked and not answered
@@ -188,16 +189,17 @@ class Scorer:
                 sample.reward, sample.gold_reward = 0.0, (0.0 if self.gold is not None else None)
         finals = [sample for sample in samples if sample.final]
         arguments = [self._arguments(sample) for sample in finals] if self.needs_text else []
-        job = Job(samples, finals, arguments, *self._at_once(finals, arguments))
+        job = Job(samples, finals, arguments, *self._at_once(finals, arguments),
+                  [policy_turns(s.loss_mask, len(s.response_tokens)) for s in finals])
         for function in self.functions:
             for i, turn in self._targets(job, function.per_turn):
                 given = self._turn_arguments(job, i, turn)
-                job.calls.append(((function.name, i, turn), unmatched_turns(given["unmatched"])
+                job.calls.append(((function, i, turn), unmatched_turns(given["unmatched"])
                                   if "unmatched" in given else self.calls.submit(function.call(given))))
         if self.remote is not None and finals:
-            job.calls.append((("reward_url", None, None), self.calls.submit(self.remote.call(arguments))))
+            job.calls.append(((self.remote, None, None), self.calls.submit(self.remote.call(arguments))))
         if self.gold is not None:
-            job.calls += [(("gold", i, None), self.calls.submit(self.gold.call(a))) for i, a in enumerate(arguments)]
+            job.calls += [((self.gold, i, None), self.calls.submit(self.gold.call(a))) for i, a in enumerate(arguments)]
         for judge in self.judges.judges if self.judges is not None else []:
             self._ask(job, judge)
         return job
@@ -217,22 +219,22 @@ class Scorer:
         totals, parts, failed = job.totals.copy(), dict(job.parts), Counter()
         drops: dict[int, str] = {}
         values: dict[str, list[float]] = {}
-        for (name, i, turn), future in job.calls:
-            if name == "reward_url":
+        for (source, i, turn), future in job.calls:
+            if source is self.remote:  # one call for the request: a value a final
                 result = outcome(future)
                 for j in range(len(job.finals)):
-                    value = self._value(result if isinstance(result, Failed) else result[j], name, j, job, failed,
-                                        drops)
-                    totals[j] += self.remote.weight * value
-                    values.setdefault(name, []).append(value)
+                    value = self._value(result if isinstance(result, Failed) else result[j], source.name, j, job,
+                                        failed, drops)
+                    totals[j] += source.weight * value
+                    values.setdefault(source.name, []).append(value)
                 continue
-            value = self._value(outcome(future), name, i, job, failed, drops, gold=name == "gold")
-            if name == "gold":
+            gold = source is self.gold
+            value = self._value(outcome(future), "gold" if gold else source.name, i, job, failed, drops, gold=gold)
+            if gold:
                 job.finals[i].gold_reward = value
                 continue
-            function = next(f for f in self.functions if f.name == name)
-            self._add(job, totals, i, turn, function.weight * value)
-            values.setdefault(name, []).append(value)
+            self._add(job, totals, i, turn, source.weight * value)
+            values.setdefault(source.name, []).append(value)
         unparsed = Counter()
         for (judge, i, turn), answers in job.answers.items():
             scores = [score for score, _ in answers if score is not None]
@@ -295,25 +297,22 @@ class Scorer:
 
     @staticmethod
     def _targets(job: Job, per_turn: bool) -> list[tuple[int, int | None]]:
-        """(final's index, turn's last token or None for the outcome) of each value a per-turn or
+        """(final's index, turn's number or None for the outcome) of each value a per-turn or
         whole-sample scorer gives."""
         if not per_turn:
             return [(i, None) for i in range(len(job.finals))]
-        return [(i, stop - 1) for i, s in enumerate(job.finals)
-                for _, stop in policy_turns(s.loss_mask, len(s.response_tokens))]
+        return [(i, number) for i, turns in enumerate(job.turns) for number in range(len(turns))]
 
-    def _turn_arguments(self, job: Job, i: int, turn: int | None) -> dict:
-        """A final's arguments, or for a turn (its last token ``turn``): the conversation up to that
-        turn, the turn as the response. The turns are the loss mask's runs of policy tokens, the
+    def _turn_arguments(self, job: Job, i: int, number: int | None) -> dict:
+        """A final's arguments, or for its turn ``number``: the conversation up to that turn, the
+        turn as the response. The turns are the loss mask's runs of policy tokens, the
         conversation's last assistant messages, one each."""
         arguments = job.arguments[i]
-        if turn is None:
+        if number is None:
             return arguments
-        sample = job.finals[i]
-        turns = policy_turns(sample.loss_mask, len(sample.response_tokens))
-        number = next(k for k, (_, stop) in enumerate(turns) if stop - 1 == turn)
+        turns = job.turns[i]
         start, stop = turns[number]
-        tokens = sample.response_tokens[start:stop].tolist()
+        tokens = job.finals[i].response_tokens[start:stop].tolist()
         messages = arguments["messages"]
         if messages is not None:
             spoken = [k for k, message in enumerate(messages) if message.get("role") == "assistant"]
@@ -352,7 +351,7 @@ class Scorer:
 
     def _answered(self, question: Question, score: float | None, answer: str) -> None:
         job = question.job
-        job.answers[(question.judge, question.sample, question.turn_end)].append((score, answer))
+        job.answers[(question.judge, question.sample, question.turn)].append((score, answer))
         job.questions -= 1
 
     def _value(self, result: Any, name: str, i: int, job: Job, failed: Counter, drops: dict[int, str],
@@ -379,7 +378,8 @@ class Scorer:
 
     @staticmethod
     def _add(job: Job, totals: np.ndarray, i: int, turn: int | None, value: float) -> None:
-        """``value`` into final ``i``'s score, or as a turn reward on token ``turn``."""
+        """``value`` into final ``i``'s score, or as a turn reward on the last token of its turn
+        ``turn``."""
         if turn is None:
             totals[i] += value
             return
@@ -388,7 +388,7 @@ class Scorer:
             sample.turn_rewards = np.zeros(len(sample.response_tokens), dtype=np.float32)
         elif not sample.turn_rewards.flags.writeable:  # a view into the received message
             sample.turn_rewards = sample.turn_rewards.copy()
-        sample.turn_rewards[turn] += value
+        sample.turn_rewards[job.turns[i][turn][1] - 1] += value
 
     def _arguments(self, sample: Sample) -> dict:
         """What reward functions (and an RM with its own tokenizer) read of one sample."""

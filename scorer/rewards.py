@@ -85,10 +85,6 @@ class RewardFunction:
         function = load_function(spec, key, check=wanted_arguments)
         return RewardFunction(spec, function, weight, wanted_arguments(function), per_turn)
 
-    @property
-    def is_async(self) -> bool:
-        return inspect.iscoroutinefunction(self.function)
-
     def call(self, arguments: dict[str, Any]) -> Callable[[], Any]:
         """The call of it on one sample's ``arguments``, for ``RewardCalls.submit``."""
         return partial(self.function, **{name: arguments[name] for name in self.arguments})
@@ -102,7 +98,6 @@ class RemoteReward:
     again, backing off, until the call's deadline; any other error fails the call at once."""
 
     name = "reward_url"
-    per_turn = False
 
     def __init__(self, url: str, weight: float, concurrency: int) -> None:
         self.url, self.weight, self.concurrency = url, weight, concurrency
