@@ -266,7 +266,8 @@ def _role_profile(name: str, records: list[dict], starts: list[float]) -> RolePr
     rate = tokens / wall if tokens and wall > 0 else None
     if kind == "scorer":
         busy = seconds["scoring"]
-        rate = sum(r.get("tokens", r.get("tokens_per_s", 0.0) * r["busy_s"]) for r in records) / wall if busy > 0 else None
+        scored = sum(r.get("tokens", r.get("tokens_per_s", 0.0) * r["busy_s"]) for r in records)
+        rate = scored / wall if busy > 0 else None
     return RoleProfile(name, wall, seconds, rate, startup)
 
 

@@ -161,8 +161,8 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
              kl_coef: float, carry: StepCarry | None = None) -> dict[str, float]:
     """One step on one batch. Every rank calls it with the whole batch and computes its share of
     the rows (``training.parallel``); the result is what one rank computes on the whole batch.
-    ``critic``: None unless ``learner.advantage_estimator`` is gae (and not ``distill_only``). ``carry``: what the previous
-    step left (a fresh one when None)."""
+    ``critic``: None unless ``learner.advantage_estimator`` is gae (and not ``distill_only``).
+    ``carry``: what the previous step left (a fresh one when None)."""
     cfg = config.learner
     carry = carry if carry is not None else StepCarry(SkippedSteps(cfg.max_skipped_steps))
     device = batch.input_ids.device

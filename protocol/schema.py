@@ -34,7 +34,8 @@ FIELD_TYPES = ("int", "float", "str", "bool", "list[int]", "list[str]", "list[fl
 # directory's name (a file name: 255); a name not listed: STRING_LIMIT.
 STRING_LIMIT = 4096
 STRING_LIMITS = {"role": 32, "worker_id": 64, "run_id": 255, "incarnation": 64, "checksum": 128, "sample_ids": 256,
-                 "finish_reasons": 64, "reasons": 256, "drop_reasons": 256, "messages": 16 << 20, "key": 256, "body": 1 << 28}
+                 "finish_reasons": 64, "reasons": 256, "drop_reasons": 256, "messages": 16 << 20, "key": 256,
+                 "body": 1 << 28}
 
 
 def string_limit(field: str) -> int:

@@ -45,8 +45,8 @@ def test_the_sample_messages_carry_the_columns_the_sample_declares():
     assert MESSAGES["scored"].fields["gold_rewards"] == "list[float]?"
     assert MESSAGES["scored"].tensors == {"prompt_tokens": "int32", "response_tokens": "int32",
                                           "behavior_logprobs": "float32", "ref_logprobs": "float32",
-                                          "teacher_logprobs": "float32?", "rewards": "float32", "loss_mask": "uint8?", "turn_rewards": "float32?",
-                                          "image_bytes": "uint8?"}
+                                          "teacher_logprobs": "float32?", "rewards": "float32", "loss_mask": "uint8?",
+                                          "turn_rewards": "float32?", "image_bytes": "uint8?"}
     assert MESSAGES["scored"].fields["part_indices"] == "list[int]?"
 
 
