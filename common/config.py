@@ -299,6 +299,12 @@ class ScorerConfig(_Strict):
                                                              "trained")
     requests_in_flight: int = Field(2, ge=1, description="score requests a scorer works on at once: it asks for "
                                                          "more while its judges and reward calls answer")
+    packing: Literal["none", "pack", "tree"] = Field(
+        "none", description="how the reference, teacher and reward-model passes lay out their rows, as "
+                            "learner.packing does")
+    max_tokens_per_pass: int = Field(4096, ge=1, description="tokens (padded, or packed) a forward pass of the "
+                                     "reference, teacher or reward model computes at most; a longer row goes "
+                                     "alone")
     overlong_buffer: int | None = Field(None, ge=1, description="DAPO's overlong shaping: a response longer than "
                                         "overlong_max_length - overlong_buffer policy tokens loses up to "
                                         "overlong_penalty, linearly, all of it at the limit and past it; None: off")
@@ -369,6 +375,11 @@ class LearnerConfig(_Strict):
         None, ge=1, description="padded tokens (rows x longest prompt + response) per forward/backward pass on each "
                                 "rank; rows of like length go together, and each pass is trimmed to its longest "
                                 "row. None: micro_batch_size rows a pass")
+    packing: Literal["none", "pack", "tree"] = Field(
+        "none", description="how a pass lays out its rows: none (each padded to the longest), pack (one after "
+                            "another, no padding) or tree (rows that begin alike share one copy of that prefix: "
+                            "a prompt's responses, an episode's parts); the same logprobs, values and steps. A "
+                            "family that cannot take it falls back to none with a line saying why")
     ppo_epochs: int = Field(2, ge=1, description="passes over each batch, all within one step")
     actor_lr: float = Field(1e-4, gt=0, description="the policy's learning rate (AdamW), before lr_schedule")
     critic_lr: float = Field(1e-4, gt=0, description="the critic's learning rate (AdamW), before lr_schedule")

@@ -81,12 +81,14 @@ class ValueModel(nn.Module):
         return self.body
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                output_hidden_states: bool = False, **images):
+                output_hidden_states: bool = False, position_ids: torch.Tensor | None = None, **images):
         """``images``: a body that sees images takes their inputs (``SequenceBatch.model_inputs``);
-        ``output_hidden_states``: the body's last hidden states too, as ``hidden_states[-1]``."""
+        ``output_hidden_states``: the body's last hidden states too, as ``hidden_states[-1]``;
+        ``position_ids``: a packed pass's (``common.packing``)."""
         from transformers.modeling_outputs import TokenClassifierOutput
 
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **images,
+        positions = {} if position_ids is None else {"position_ids": position_ids}
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **positions, **images,
                            **self.no_cache).last_hidden_state
         return TokenClassifierOutput(logits=self.head(hidden),
                                      hidden_states=(hidden,) if output_hidden_states else None)
@@ -194,8 +196,13 @@ def disable_dropout(model: nn.Module) -> nn.Module:
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0
-    for key in ("attention_dropout", "hidden_dropout", "classifier_dropout", "resid_pdrop", "embd_pdrop"):
-        if getattr(model.config, key, None):
+        # a family that calls functional dropout keeps its rate as a float of its own (OPT's layers:
+        # ``self.dropout = config.dropout``), which no nn.Dropout holds
+        for name, value in vars(module).items():
+            if ("dropout" in name or name.endswith("pdrop")) and isinstance(value, float):
+                setattr(module, name, 0.0)
+    for key, value in model.config.to_dict().items():
+        if ("dropout" in key or key.endswith("pdrop")) and isinstance(value, float) and value:
             setattr(model.config, key, 0.0)
     return model
 

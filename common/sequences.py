@@ -39,17 +39,23 @@ class SequenceBatch:
     # a policy that sees, in the learner: its ``training.blank_image.BlankImage``, the row a
     # data-parallel rank adds to a micro-batch that shows no image (``with_blank``)
     blank: Any = None
+    # a packed pass (``common.packing.packed``): [1, N] each node's position in its row; the
+    # attention_mask is then [1, 1, N, N] and the positions above index the N nodes
+    position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self)
                                if f.name not in _NOT_TENSORS),
                              images=_each(self.images, lambda tensor: tensor.to(device)), seen=self.seen,
-                             image_counts=self.image_counts, blank=self.blank)
+                             image_counts=self.image_counts, blank=self.blank,
+                             position_ids=None if self.position_ids is None else self.position_ids.to(device))
 
     @property
     def model_inputs(self) -> dict[str, torch.Tensor]:
-        """What the model's forward takes: the ids, their mask and any image inputs."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **(self.images or {})}
+        """What the model's forward takes: the ids, their mask, a packed pass's positions and any image
+        inputs."""
+        positions = {} if self.position_ids is None else {"position_ids": self.position_ids}
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **positions, **(self.images or {})}
 
     def select(self, rows: torch.Tensor) -> "SequenceBatch":
         """The batch of ``rows`` only, its padding trimmed to their longest sequence and response
@@ -97,7 +103,7 @@ class SequenceBatch:
         return self.last_positions + 1
 
 
-_NOT_TENSORS = ("images", "seen", "image_counts", "blank")
+_NOT_TENSORS = ("images", "seen", "image_counts", "blank", "position_ids")
 
 
 def _row_more(tensor: torch.Tensor) -> torch.Tensor:
@@ -160,8 +166,11 @@ def pad_rows(rows: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor
 
 
 def gather_response(per_position: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """per_position: [B, L, ...] (logits [B, L, V] or values [B, L]); positions: [B, T].
-    Returns [B, T, ...]: the entries that score each response token."""
+    """per_position: [B, L, ...] (logits [B, L, V] or values [B, L]), or a packed pass's [1, N, ...]
+    read for every row; positions: [B, T]. Returns [B, T, ...]: the entries that score each response
+    token."""
+    if len(per_position) == 1 and len(positions) > 1:  # a packed pass: one row holds every row's nodes
+        per_position = per_position.expand(len(positions), *per_position.shape[1:])
     index = positions
     for _ in range(per_position.dim() - 2):
         index = index.unsqueeze(-1)

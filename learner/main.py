@@ -17,6 +17,7 @@ from common import models
 from common.config import ConfigError, TetherConfig
 from common.model_dirs import resolve_models
 from common.models import critic_source
+from common.packing import checked
 from common.processors import banning_placeholder, load_processor, sees_images
 from common.runlog import MetricsWriter, StartupTimeline, metrics_writer, setup_logging
 from common.sequences import SequenceBatch, collate
@@ -27,7 +28,7 @@ from learner.ptx import PtxStream, read_ptx
 from learner.publish import WeightPublisher
 from learner.replay import BatchRecorder, RecordedBuffer
 from learner.staleness import StalenessController
-from learner.step import StepCarry, behavior_gap, ppo_step
+from learner.step import StepCarry, behavior_gap, model_dtype, ppo_step
 from protocol.codec import decode, encode
 from protocol.samples import Sample, unpack_samples
 from protocol.transport import connect_to_buffer
@@ -146,6 +147,19 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
     return actor, critic, pad_token_id
 
 
+def packing_taken(config: TetherConfig, engines: list, log) -> TetherConfig:
+    """``config`` with ``learner.packing`` as both models take it: ``none`` where either cannot
+    (``common.packing.checked`` says why in a line)."""
+    packing = config.learner.packing
+    for engine, what in zip(engines, ("the actor", "the critic")):
+        if engine is not None:
+            packing = checked(engine.module, packing, config.rollout.max_model_len, log, what,
+                              model_dtype(engine))
+    if packing == config.learner.packing:
+        return config
+    return config.model_copy(update={"learner": config.learner.model_copy(update={"packing": packing})})
+
+
 def ptx_stream(config: TetherConfig) -> PtxStream | None:
     """PPO-ptx's text, a batch per optimizer step, or None without ``data.ptx``."""
     if not config.data.ptx:
@@ -245,6 +259,7 @@ def start(config: TetherConfig, recorded: str | None) -> Learner:
     timeline.phase("distributed init")
     main = parallel.rank() == 0
     actor, critic, pad_token_id = load_engines(config, timeline)
+    config = packing_taken(config, [actor, critic], log)
     processor = load_processor(config.models.policy)  # a policy that sees: its samples' images become its inputs
     config = banning_placeholder(config, processor)  # as the rollout samples
     kl_controller = make_kl_controller(cfg.kl_controller, cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)

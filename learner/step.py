@@ -14,6 +14,7 @@ import torch
 
 from common.config import LearnerConfig, SamplingConfig, TetherConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
+from common.packing import Packing, packed, prefix_order
 from common.sequences import SequenceBatch, gather_response
 from learner import ppo
 from learner.ptx import PtxStream, ptx_token_losses
@@ -217,22 +218,29 @@ def recompute(actor, critic, batch: SequenceBatch, cfg: LearnerConfig,
     rows_total = len(lengths)
     with torch.no_grad():  # in micro-batches too: [b, T, V] logits are what memory peaks on
         mine = torch.arange(rows_total, device=device)[parallel.local_rows(rows_total)]
-        parts = micro_batches_of(mine, lengths, cfg, parallel.world_size())
+        parts = micro_batches_of(mine, lengths, cfg, parallel.world_size(), batch.input_ids, cfg.packing)
         old_logprobs = parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
             logprobs_from_logits(forward_logits(actor, part), part.response_tokens, sampling)
-            for part in _passes(batch, parts)]), rows_total)
+            for part in _passes(batch, parts, cfg.packing, model_dtype(actor))]), rows_total)
         old_values = (parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
-            forward_values(critic, part) for part in _passes(batch, parts)]), rows_total)
-                      if critic is not None else None)
+            forward_values(critic, part) for part in _passes(batch, parts, cfg.packing, model_dtype(critic))]),
+            rows_total) if critic is not None else None)
     return old_logprobs, old_values
 
 
-def _passes(batch: SequenceBatch, parts: list[torch.Tensor]):
-    """The micro-batches of ``parts``; an empty part (a filler: this rank has fewer rows than
+def _passes(batch: SequenceBatch, parts: list[torch.Tensor], packing: Packing = "none",
+            dtype: torch.dtype = torch.float32):
+    """The micro-batches of ``parts``, each laid out as ``packing`` says (``common.packing``: its
+    4-D mask in the model's ``dtype``); an empty part (a filler: this rank has fewer rows than
     another has passes) is the batch's first row, computed because a ZeRO-3 forward is collective
     and then left out."""
     for part in parts:
-        yield batch.select(part if len(part) else part.new_zeros(1))
+        yield packed(batch.select(part if len(part) else part.new_zeros(1)), packing, dtype)
+
+
+def model_dtype(engine) -> torch.dtype:
+    """The dtype ``engine`` computes in: a packed pass's additive mask is of it."""
+    return next(engine.parameters()).dtype
 
 
 def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, old_values: torch.Tensor | None,
@@ -302,9 +310,11 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
     # parts has more rows than episodes, its minibatches as many more
     minibatches = cfg.batch_size // cfg.minibatch_size
     for _ in range(cfg.ppo_epochs):
+        # the same rows in each minibatch whatever learner.packing: a tree shares the prefixes of the
+        # rows a minibatch drew (a prompt's every row when minibatch_size is batch_size)
         for all_rows in torch.randperm(len(lengths), generator=shuffle).to(device).tensor_split(minibatches):
-            parts = micro_batches_of(micro_batches.deal(all_rows, lengths, parallel.rank(), world), lengths, cfg,
-                                     world)
+            parts = micro_batches_of(dealt(batch, all_rows, cfg.packing, world), lengths, cfg, world,
+                                     batch.input_ids, cfg.packing)
             ptx = carry.ptx if cfg.ptx_coef > 0 else None
             ptx_parts = _ptx_parts(ptx, len(parts), device) if ptx is not None else [None] * len(parts)
             for index, rows in enumerate(parts):
@@ -326,6 +336,18 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
     return totals, updates, grad_norms
 
 
+def dealt(batch: SequenceBatch, rows: torch.Tensor, packing: Packing, world: int) -> torch.Tensor:
+    """This rank's share of a minibatch's ``rows``: dealt by length (``micro_batches.deal``), or for a
+    tree in runs of the rows' tokens' order of like packed cost (``micro_batches.deal_in_order``),
+    which keeps a prompt's rows on one rank."""
+    if packing != "tree":
+        return micro_batches.deal(rows, batch.lengths, parallel.rank(), world)
+    lengths = batch.lengths[rows]
+    order, shared = prefix_order(batch.input_ids[rows], lengths)
+    order, shared = order.to(rows.device), shared.to(rows.device)
+    return micro_batches.deal_in_order(rows[order], lengths[order] - shared, parallel.rank(), world)
+
+
 def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, all_rows: torch.Tensor,
                       targets: Targets, config: TetherConfig, kl_coef: float, policy_version: int,
                       ptx_part: tuple | None, weight: float = 1.0) -> dict[str, float]:
@@ -340,7 +362,7 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
     share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], cfg.loss_aggregation, world)
     token_share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], "token-mean", world)
 
-    logits = forward_logits(actor, minibatch)
+    logits = forward_logits(actor, packed(minibatch, cfg.packing, model_dtype(actor)))
     logprobs = logprobs_from_logits(logits, minibatch.response_tokens, sampling)
     norm_length = cfg.loss_norm_length or config.rollout.max_new_tokens  # seq-mean-token-sum-norm's constant
     policy_loss, policy_stats = ppo.ppo_policy_loss(logprobs, targets.old_logprobs[cut], targets.advantages[cut],
@@ -369,7 +391,7 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
 
     value_stats = {}
     if critic is not None:  # its loss is checked before either engine steps
-        values = forward_values(critic, minibatch)
+        values = forward_values(critic, packed(minibatch, cfg.packing, model_dtype(critic)))
         value_loss, value_stats = ppo.value_loss(values, targets.old_values[cut], targets.returns[cut], mask,
                                                  cfg.value_clip, cfg.loss_aggregation, norm_length)
         if parallel.any_rank(not bool(torch.isfinite(value_loss))):

@@ -23,6 +23,7 @@ from common import models
 from common.config import ConfigError, TetherConfig
 from common.model_dirs import resolve_models
 from common.models import same_tokens
+from common.packing import checked
 from common.processors import banning_placeholder, load_processor, sees_images
 from common.prompts import chat_of, read_rows, text_chat
 from common.runlog import StartupTimeline, metrics_writer, setup_logging
@@ -131,6 +132,12 @@ class Scorer:
                                   "single linear head") from None
             if self.rm_tokenizer is not None:
                 self.rm_max_tokens = getattr(self.reward_model.config, "max_position_embeddings", None)
+        # one layout for every pass, none where any of the models cannot take scorer.packing
+        self.packing, self.max_tokens = scorer.packing, scorer.max_tokens_per_pass
+        for model, what in ((self.reference, "the reference"), (self.teacher, "the teacher"),
+                            (self.reward_model if self.rm_tokenizer is None else None, "the reward model")):
+            if model is not None:
+                self.packing = checked(model, self.packing, config.rollout.max_model_len, log, what)
         self.overlong = ((config.overlong_max_length, scorer.overlong_buffer, scorer.overlong_penalty)
                          if scorer.overlong_buffer is not None else None)
         self.needs_text = bool(self.functions or self.gold or self.rm_tokenizer or judges or self.remote)
@@ -178,11 +185,13 @@ class Scorer:
         from scorer.scoring import reference_logprobs
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
-                                                           self.sampling, self.processor)):
+                                                           self.sampling, self.processor, self.packing,
+                                                           self.max_tokens)):
             sample.ref_logprobs = ref.numpy()
         if self.teacher is not None:  # at the same distribution as the reference's: the rollout's sampling
             for sample, taught in zip(samples, reference_logprobs(self.teacher, samples, self.pad_token_id,
-                                                                  self.sampling)):
+                                                                  self.sampling, None, self.packing,
+                                                                  self.max_tokens)):
                 sample.teacher_logprobs = taught.numpy()
         for sample in samples:
             if not sample.final:
@@ -280,7 +289,8 @@ class Scorer:
         parts: dict[str, float] = {}
         if self.reward_model is not None and finals:
             if self.rm_tokenizer is None:
-                rm = reward_scores(self.reward_model, finals, self.pad_token_id, self.rm_processor)
+                rm = reward_scores(self.reward_model, finals, self.pad_token_id, self.rm_processor, self.packing,
+                                   self.max_tokens)
             else:
                 rows = [reward_model_tokens(a["sequence"], self._conversation(a), self.rm_tokenizer, self.rm_max_tokens)
                         for a in arguments]

@@ -8,8 +8,10 @@ from torch import nn
 from common.config import SamplingConfig
 from common.distributions import logprobs_from_logits
 from common.models import classification_head
-from common.sequences import collate, gather_response, pad_rows
+from common.packing import Packing, packed
+from common.sequences import SequenceBatch, collate, gather_response, pad_rows
 from protocol.samples import Sample
+from training.micro_batches import passes
 
 # in the RM's config.json (tether rm's calibration): a score is (raw - offset) / scale
 REWARD_OFFSET_KEY = "tether_reward_offset"
@@ -18,15 +20,29 @@ REWARD_SCALE_KEY = "tether_reward_scale"
 
 @torch.no_grad()
 def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id: int,
-                       sampling: SamplingConfig, processor=None) -> list[torch.Tensor]:
+                       sampling: SamplingConfig, processor=None, packing: Packing = "none",
+                       max_tokens: int | None = None) -> list[torch.Tensor]:
     """Per-token log pi_ref of each sample's response, under ``sampling`` (the scorer passes the
     rollout's sampling without its truncation: ``SamplingConfig.without_truncation``); a reference
-    that sees reads each sample's images through its ``processor``."""
+    that sees reads each sample's images through its ``processor``. Forward passes of at most
+    ``max_tokens`` tokens (None: one pass), laid out as ``packing`` (``common.packing``)."""
     batch = collate(samples, pad_token_id, processor).to(next(reference.parameters()).device)
-    logits = reference(**batch.model_inputs, use_cache=False).logits
-    logprobs = logprobs_from_logits(gather_response(logits, batch.response_positions), batch.response_tokens,
-                                    sampling)
-    return [logprobs[i, :len(s.response_tokens)].float().cpu() for i, s in enumerate(samples)]
+    out: list[torch.Tensor | None] = [None] * len(samples)
+    for rows, run in _passes(reference, batch, packing, max_tokens):
+        logits = reference(**run.model_inputs, use_cache=False).logits
+        logprobs = logprobs_from_logits(gather_response(logits, run.response_positions), run.response_tokens,
+                                        sampling)
+        for k, i in enumerate(rows.tolist()):
+            out[i] = logprobs[k, :len(samples[i].response_tokens)].float().cpu()
+    return out
+
+
+def _passes(model: nn.Module, batch: SequenceBatch, packing: Packing, max_tokens: int | None):
+    """(rows, the pass of those rows) for each forward pass over ``batch``: of at most ``max_tokens``
+    tokens, as ``packing`` lays them out (a row longer than that goes alone)."""
+    dtype = next(model.parameters()).dtype
+    for rows in passes(batch.lengths, batch.input_ids, packing, None, max_tokens):
+        yield rows, packed(batch.select(rows), packing, dtype)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:
@@ -40,14 +56,19 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalt
 
 
 @torch.no_grad()
-def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: int, processor=None) -> torch.Tensor:
+def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: int, processor=None,
+                  packing: Packing = "none", max_tokens: int | None = None) -> torch.Tensor:
     """One scalar per sample, from the samples' own token ids (an RM that reads the policy's
     tokens): the RM head on the last real token of prompt + response, minus the offset stored
     with the RM. Pooling is done here, not by the HF head, so padding side and pad-token
     conventions of the RM cannot change a score. An RM that sees reads each sample's images
-    through its ``processor``."""
+    through its ``processor``. Passes as ``reference_logprobs`` makes them."""
     batch = collate(samples, pad_token_id, processor).to(next(reward_model.parameters()).device)
-    return _pooled_scores(reward_model, batch.input_ids, batch.attention_mask, batch.last_positions, batch.images)
+    scores = torch.zeros(len(samples))
+    for rows, run in _passes(reward_model, batch, packing, max_tokens):
+        scores[rows.cpu()] = _pooled_scores(reward_model, run.input_ids, run.attention_mask, run.last_positions,
+                                            run.images, run.position_ids)
+    return scores
 
 
 @torch.no_grad()
@@ -61,26 +82,30 @@ def reward_scores_of_tokens(reward_model: nn.Module, rows: list[list[int]]) -> t
 
 
 def _pooled_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   last_positions: torch.Tensor, images: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """input_ids, attention_mask: [B, L] right-padded; last_positions: [B]; ``images``: the rows'
-    image inputs (an RM that sees). Returns [B] on the CPU, calibrated by the offset and scale
-    stored with the RM."""
+                   last_positions: torch.Tensor, images: dict[str, torch.Tensor] | None = None,
+                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """input_ids, attention_mask: [B, L] right-padded (or a packed pass's, with its ``position_ids``);
+    last_positions: [B]; ``images``: the rows' image inputs (an RM that sees). Returns [B] on the
+    CPU, calibrated by the offset and scale stored with the RM."""
     offset = float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))
     scale = float(getattr(reward_model.config, REWARD_SCALE_KEY, 1.0))
-    return ((raw_scores(reward_model, input_ids, attention_mask, last_positions, **(images or {})) - offset)
-            / scale).cpu()
+    positions = {} if position_ids is None else {"position_ids": position_ids}
+    return ((raw_scores(reward_model, input_ids, attention_mask, last_positions, **positions, **(images or {}))
+             - offset) / scale).cpu()
 
 
 def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-               last_positions: torch.Tensor, **images: torch.Tensor) -> torch.Tensor:
+               last_positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
     """[B] fp32, uncalibrated: the RM's head on the hidden state of each row's last real token
-    (``last_positions`` [B]), as the scorer reads it and tether rm trains it; ``images``: the image
-    inputs of an RM that sees."""
+    (``last_positions`` [B]), as the scorer reads it and tether rm trains it; ``inputs``: the image
+    inputs of an RM that sees, a packed pass's position_ids (its one row holds every row's tokens)."""
     from training.lora import is_lora
 
     model = reward_model.get_base_model() if is_lora(reward_model) else reward_model
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **images).last_hidden_state
-    last_hidden = hidden[torch.arange(len(input_ids), device=hidden.device), last_positions]
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **inputs).last_hidden_state
+    rows = torch.zeros_like(last_positions) if len(input_ids) == 1 else torch.arange(len(input_ids),
+                                                                                      device=hidden.device)
+    last_hidden = hidden[rows, last_positions]
     return classification_head(model)(last_hidden).squeeze(-1).float()
 
 

@@ -3,7 +3,7 @@ like lengths together, every row once, as many passes on every rank."""
 
 import torch
 
-from training.micro_batches import deal, padded_tokens, plan, split_to
+from training.micro_batches import deal, deal_in_order, padded_tokens, plan, split_to
 
 # a long-tailed batch: most sequences short, a few long (prompt + response tokens)
 LENGTHS = torch.tensor([12, 70, 9, 14, 11, 40, 10, 13, 9, 66, 12, 10, 15, 11, 9, 30])
@@ -57,3 +57,32 @@ def test_dealing_gives_each_rank_as_many_rows_of_like_lengths():
     # rows that do not split evenly (episodes in parts): shares differ by one row, each row dealt once
     uneven = [deal(rows[:15], LENGTHS, rank, 4) for rank in range(4)]
     assert sorted(map(len, uneven)) == [3, 4, 4, 4] and sorted(torch.cat(uneven).tolist()) == sorted(rows[:15].tolist())
+
+
+def test_a_packed_budget_counts_the_tokens_a_pass_computes():
+    """Packed (``shared`` zeros) a pass holds rows up to the budget's sum of lengths; as a tree, a row
+    costs only the tokens past what it shares with the row before it."""
+    order = torch.argsort(LENGTHS, descending=True, stable=True)
+    packed = plan(LENGTHS, max_tokens=80, shared=torch.zeros_like(LENGTHS), order=order)
+    assert rows_of(packed) == list(range(len(LENGTHS)))
+    assert all(int(LENGTHS[part].sum()) <= 80 or len(part) == 1 for part in packed)
+    # each pass as full as the next row allows: it would pass the budget
+    assert all(int(LENGTHS[a].sum() + LENGTHS[b[0]]) > 80 for a, b in zip(packed, packed[1:]))
+    # a tree: four rows of 30 tokens, each sharing 25 with the one before it, cost 30 + 3 x 5
+    tree = plan(torch.full((4,), 30), max_tokens=45, shared=torch.tensor([0, 25, 25, 25]), order=torch.arange(4))
+    assert [part.tolist() for part in tree] == [[0, 1, 2, 3]]
+    tree = plan(torch.full((4,), 30), max_tokens=44, shared=torch.tensor([0, 25, 25, 25]), order=torch.arange(4))
+    assert [part.tolist() for part in tree] == [[0, 1, 2], [3]]  # a pass's first row shares with nothing
+
+
+def test_rows_in_order_are_dealt_to_ranks_in_runs_of_like_cost():
+    rows = torch.arange(10, 20)
+    costs = torch.tensor([30, 5, 5, 5, 30, 5, 5, 5, 10, 10])  # two prompts of 4 rows, then two rows alone
+    shares = [deal_in_order(rows, costs, rank, 2) for rank in range(2)]
+    assert torch.equal(torch.cat(shares), rows)  # in order, every row once
+    # a row goes where the middle of its cost falls: the cut at 55 of 110 tokens falls between the prompts
+    assert shares[0].tolist() == [10, 11, 12, 13] and shares[1].tolist() == [14, 15, 16, 17, 18, 19]
+    assert [int(costs[share - 10].sum()) for share in shares] == [45, 65]
+    three = [deal_in_order(rows, costs, rank, 3).tolist() for rank in range(3)]
+    assert three == [[10, 11], [12, 13, 14], [15, 16, 17, 18, 19]]  # cuts among a prompt's rows where they must
+    assert deal_in_order(rows, costs, 0, 1).tolist() == rows.tolist()

@@ -1,0 +1,221 @@
+"""Packed and prefix-shared forward passes: a micro-batch's rows as one sequence, so that no padding
+and no shared prompt is computed twice. The same in the learner (actor and critic) and the scorer
+(reference, teacher, reward model).
+
+- ``none``: each row right-padded to the longest (``common.sequences.collate``).
+- ``pack``: the rows one after another, without padding. Each row's position ids restart at 0 and
+  its tokens attend only its own earlier tokens (a block-diagonal causal mask).
+- ``tree``: the rows as a prefix tree (AReaL's tree training): rows that begin with the same tokens
+  (the n responses to one prompt; an episode's parts, each extending the last) share one copy of
+  that prefix. Each token attends its ancestors and itself, at its depth as its position.
+
+A tree's nodes are laid out in depth-first order: the rows sorted by their tokens, each adding the
+tokens past what it shares with the row before it (in sorted order, no earlier row shares more).
+Token ``j`` of a row is then one node, and the logits (or values) that score response token ``t``
+are read at the node of position ``P + t - 1``, as ``common.sequences`` reads them from a padded row.
+
+Built on what transformers offers for custom attention: a 4-D additive mask [1, 1, N, N] with
+explicit ``position_ids``, which transformers passes to the eager and SDPA kernels as it is. A
+family whose positions or attention a 4-D mask cannot steer (ALiBi from the 2-D mask, sliding
+windows shorter than the sequences, a model that sees) is refused by ``refusal``, and a learner or
+scorer that finds one falls back to ``none`` with a line saying why (``checked``), after comparing a
+packed pass with a padded one on the model itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from common.sequences import SequenceBatch
+
+Packing = Literal["none", "pack", "tree"]
+PACKINGS: tuple[str, ...] = ("none", "pack", "tree")
+
+
+def prefix_order(input_ids: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``input_ids`` [B, L] (right-padded, row i ``lengths[i]`` long) sorted by their
+    tokens, and each one's common prefix with the row before it in that order (0 for the first).
+    Returns (order [B] long, shared [B] long)."""
+    rows = [input_ids[i, :int(lengths[i])].tolist() for i in range(len(lengths))]
+    order = sorted(range(len(rows)), key=rows.__getitem__)
+    shared = [0] + [_common_prefix(rows[a], rows[b]) for a, b in zip(order, order[1:])]
+    return torch.tensor(order, dtype=torch.long), torch.tensor(shared, dtype=torch.long)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each row's tokens are in a packed sequence of ``len(input_ids)`` nodes."""
+    input_ids: torch.Tensor  # [N] long
+    position_ids: torch.Tensor  # [N] long: each node's position in its rows
+    node: torch.Tensor  # [B, L] long: the node of row i's token j (0 past its length)
+    allowed: torch.Tensor  # [N, N] bool: node a attends node b (b an ancestor of a, or a itself)
+
+
+def layout(input_ids: torch.Tensor, lengths: torch.Tensor, packing: Packing) -> Layout:
+    """The rows of ``input_ids`` [B, L] (row i ``lengths[i]`` tokens long) packed (``pack``: one after
+    another) or as a prefix tree (``tree``: depth-first, each shared prefix once)."""
+    if packing == "tree":
+        order, shared = prefix_order(input_ids, lengths)
+    elif packing == "pack":
+        order, shared = torch.arange(len(lengths)), torch.zeros(len(lengths), dtype=torch.long)
+    else:
+        raise ValueError(f"packing must be pack or tree to lay rows out, got {packing!r}")
+    lengths = lengths.cpu()
+    node = torch.zeros(input_ids.shape, dtype=torch.long)
+    total = int((lengths[order] - shared).sum())
+    allowed = torch.zeros((total, total), dtype=torch.bool)
+    ids, positions = torch.zeros(total, dtype=torch.long), torch.zeros(total, dtype=torch.long)
+    start, previous = 0, None
+    for row, common in zip(order.tolist(), shared.tolist()):
+        length = int(lengths[row])
+        new = length - common  # the nodes this row adds, after the prefix it shares with the previous row
+        if common:
+            node[row, :common] = node[previous, :common]
+        node[row, common:length] = torch.arange(start, start + new)
+        ids[start:start + new] = input_ids[row, common:length].cpu()
+        positions[start:start + new] = torch.arange(common, length)
+        # a node attends the row's path up to itself: the causal mask of the row, its new nodes' rows
+        path = node[row, :length]
+        allowed[start:start + new, path] = torch.ones(length, length, dtype=torch.bool).tril()[common:]
+        start, previous = start + new, row
+    return Layout(ids, positions, node, allowed)
+
+
+def packed(batch: SequenceBatch, packing: Packing, dtype: torch.dtype = torch.float32) -> SequenceBatch:
+    """``batch`` (right-padded rows, no images) as one packed row of ``packing``: input_ids and
+    position_ids [1, N], a 4-D additive attention mask [1, 1, N, N] in ``dtype`` (the model's), and
+    response_positions [B, T] and last_positions [B] that index the N nodes
+    (``common.sequences.gather_response`` reads a packed row's outputs for every row). ``none``:
+    ``batch`` as it is."""
+    if packing == "none":
+        return batch
+    if batch.images is not None:
+        raise ValueError("a batch with images cannot be packed: its image tokens are placed by the model "
+                         "from the padded rows")
+    device = batch.input_ids.device
+    lay = layout(batch.input_ids, batch.lengths, packing)
+    mask = torch.zeros(lay.allowed.shape, dtype=dtype).masked_fill_(~lay.allowed, torch.finfo(dtype).min)
+    node = lay.node.to(device)
+    return replace(batch, input_ids=lay.input_ids[None].to(device), attention_mask=mask[None, None].to(device),
+                   position_ids=lay.position_ids[None].to(device),
+                   response_positions=torch.gather(node, 1, batch.response_positions),
+                   last_positions=node[torch.arange(len(node), device=device), batch.last_positions])
+
+
+def packed_tokens(input_ids: torch.Tensor, lengths: torch.Tensor, packing: Packing) -> int:
+    """What a forward pass of these rows computes, in tokens: rows x longest (``none``), their sum
+    (``pack``), or the prefix tree's nodes (``tree``)."""
+    if not len(lengths):
+        return 0
+    if packing == "none":
+        return len(lengths) * int(lengths.max())
+    if packing == "pack":
+        return int(lengths.sum())
+    order, shared = prefix_order(input_ids, lengths)
+    return int(lengths.sum() - shared.sum())
+
+
+def shares(input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
+    """What packing would save on a pass of these rows: ``padding_share``, the padded pass's tokens
+    that are padding, and ``prefix_share``, the real tokens that repeat a prefix another row has
+    (what ``tree`` computes once)."""
+    padded = packed_tokens(input_ids, lengths, "none")
+    real = packed_tokens(input_ids, lengths, "pack")
+    tree = packed_tokens(input_ids, lengths, "tree")
+    return {"padding_share": 1.0 - real / padded if padded else 0.0,
+            "prefix_share": 1.0 - tree / real if real else 0.0}
+
+
+def refusal(model_config, max_length: int | None) -> str | None:
+    """Why a model of ``model_config`` cannot take a packed pass, or None: a family whose positions
+    come from the 2-D mask (ALiBi), a sliding window shorter than the sequences (the 4-D mask would
+    let a token see past it), a model that sees (its image tokens are placed in the padded rows)."""
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    family = getattr(model_config, "model_type", "?")
+    if text is not model_config or getattr(model_config, "vision_config", None) is not None:
+        return f"{family} sees images, whose tokens the model places in padded rows"
+    if family in _ALIBI:
+        return f"{family} computes its ALiBi positions from the 2-D attention mask"
+    window = getattr(text, "sliding_window", None)
+    uses_window = getattr(text, "use_sliding_window", True) and window is not None
+    if uses_window and (max_length is None or max_length > window):
+        return (f"{family} attends within a sliding window of {window} tokens, shorter than the "
+                f"sequences ({max_length or 'unbounded'}), which a 4-D mask does not apply")
+    return None
+
+
+_ALIBI = ("bloom", "mpt", "falcon", "baichuan")
+
+
+def probe_mismatch(model, packing: Packing, vocab: int, device, dtype: torch.dtype) -> float:
+    """The largest difference of the last hidden states between a padded pass and a ``packing`` pass
+    of the same three short rows (two sharing a prefix) on ``model`` itself: what ``checked``
+    compares."""
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (5,), generator=generator)
+    rows = [torch.cat([prefix, torch.randint(0, vocab, (n,), generator=generator)]) for n in (3, 6)]
+    rows.append(torch.randint(0, vocab, (4,), generator=generator))
+    lengths = torch.tensor([len(row) for row in rows])
+    input_ids = torch.zeros((len(rows), int(lengths.max())), dtype=torch.long)
+    for i, row in enumerate(rows):
+        input_ids[i, :len(row)] = row
+    attention_mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()
+    positions = torch.arange(1, input_ids.shape[1])[None].expand(len(rows), -1).clone()
+    batch = SequenceBatch(input_ids, attention_mask, input_ids[:, 1:], positions - 1,
+                          (positions < lengths[:, None]).float(), lengths - 1).to(device)
+    with torch.no_grad():
+        padded = _outputs(model, batch)
+        pack = _outputs(model, packed(batch, packing, dtype))
+    from common.sequences import gather_response
+
+    mask = batch.response_mask.bool()
+    return float((gather_response(padded, batch.response_positions)[mask]
+                  - gather_response(pack, packed(batch, packing, dtype).response_positions)[mask]).abs().max())
+
+
+def _outputs(model, batch: SequenceBatch) -> torch.Tensor:
+    """The last hidden states [B, L, H] of ``model``'s transformer body, which every head reads
+    (a causal LM's, a critic's, a reward model's alike; a LoRA model's through its base)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.base_model(**batch.model_inputs).last_hidden_state.float()
+
+
+def checked(model, packing: Packing, max_length: int | None, log, what: str,
+            dtype: torch.dtype = torch.float32) -> Packing:
+    """``packing`` for ``model`` (``what``: "the learner's actor", ...), or ``none`` with a line
+    saying why where the family cannot take it (``refusal``), or where a packed pass of three short
+    rows differs from a padded one by more than bf16's rounding allows (a family transformers builds
+    its own mask for, whatever it is handed: never silently wrong)."""
+    if packing == "none":
+        return packing
+    config = getattr(model, "config", None)
+    reason = refusal(config, max_length) if config is not None else None
+    if reason is None:
+        vocab = int(config.get_text_config().vocab_size)
+        device = next(model.parameters()).device
+        try:
+            gap = probe_mismatch(model, packing, vocab, device, dtype)
+        except Exception as error:  # noqa: BLE001 - a family whose forward refuses the 4-D mask or positions
+            reason = f"a {packing} pass fails on {config.model_type}: {type(error).__name__}: {error}"
+        else:
+            if not gap <= _PROBE_TOLERANCE[dtype]:
+                reason = f"a {packing} pass differs from a padded one by {gap:.2e} on {config.model_type}"
+    if reason is None:
+        return packing
+    log.warning("packing %s is off for %s (none): %s", packing, what, reason)
+    return "none"
+
+
+_PROBE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 0.1, torch.float16: 0.05}
