@@ -36,8 +36,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def build_models(directory: str, hidden: int, layers: int) -> tuple[str, str]:
-    """A randomly initialised Llama policy and reward model of the demo's vocabulary."""
+def build_models(directory: str, hidden: int, layers: int, max_positions: int = 128) -> tuple[str, str]:
+    """A randomly initialised Llama policy and reward model of the demo's vocabulary, of sequences up
+    to ``max_positions`` tokens."""
     import torch
     from transformers import LlamaForCausalLM, LlamaForSequenceClassification
 
@@ -46,7 +47,7 @@ def build_models(directory: str, hidden: int, layers: int) -> tuple[str, str]:
     torch.manual_seed(0)
     config = tiny_llama_config(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                                num_attention_heads=hidden // 32, num_key_value_heads=hidden // 32,
-                               max_position_embeddings=128)
+                               max_position_embeddings=max_positions)
     paths = []
     for name, cls in (("policy", LlamaForCausalLM), ("rm", LlamaForSequenceClassification)):
         path = os.path.join(directory, name)

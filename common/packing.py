@@ -54,6 +54,20 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def prompt_units(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor) -> list[torch.Tensor]:
+    """The rows [B, L] (row i ``lengths[i]`` tokens, its prompt the first ``prompt_lengths[i]``) in
+    units of rows that share a prompt: each unit's rows in their tokens' order, each sharing at
+    least a whole prompt with the row before it (a prompt's responses; an episode's parts, each
+    beginning with the one before). Returns each unit's row indices, the units in the order of
+    their first rows in the batch (rows that share nothing are then units in the batch's order)."""
+    order, shared = prefix_order(input_ids, lengths)
+    prompts = prompt_lengths.cpu()[order]
+    joins = shared[1:] >= torch.minimum(prompts[1:], prompts[:-1])
+    starts = [0] + (torch.nonzero(~joins).flatten() + 1).tolist()
+    units = [order[a:b] for a, b in zip(starts, starts[1:] + [len(order)])]
+    return sorted(units, key=lambda unit: int(unit.min()))
+
+
 @dataclass(frozen=True)
 class Layout:
     """Where each row's tokens are in a packed sequence of ``len(input_ids)`` nodes."""
@@ -93,12 +107,12 @@ def layout(input_ids: torch.Tensor, lengths: torch.Tensor, packing: Packing) -> 
     return Layout(ids, positions, node, allowed)
 
 
-def packed(batch: SequenceBatch, packing: Packing, dtype: torch.dtype = torch.float32) -> SequenceBatch:
-    """``batch`` (right-padded rows, no images) as one packed row of ``packing``: input_ids and
-    position_ids [1, N], a 4-D additive attention mask [1, 1, N, N] in ``dtype`` (the model's), and
-    response_positions [B, T] and last_positions [B] that index the N nodes
-    (``common.sequences.gather_response`` reads a packed row's outputs for every row). ``none``:
-    ``batch`` as it is."""
+def packed(batch: SequenceBatch, packing: Packing, model=None) -> SequenceBatch:
+    """``batch`` (right-padded rows, no images) as one packed row of ``packing``, for ``model`` (its
+    module, DeepSpeed engine or None: float32 and SDPA): input_ids and position_ids [1, N], a 4-D
+    additive attention mask [1, 1, N, N] in the model's dtype, and response_positions [B, T] and
+    last_positions [B] that index the N nodes (``common.sequences.gather_response`` reads a packed
+    row's outputs for every row). ``none``: ``batch`` as it is."""
     if packing == "none":
         return batch
     if batch.images is not None:
@@ -106,12 +120,25 @@ def packed(batch: SequenceBatch, packing: Packing, dtype: torch.dtype = torch.fl
                          "from the padded rows")
     device = batch.input_ids.device
     lay = layout(batch.input_ids, batch.lengths, packing)
-    mask = torch.zeros(lay.allowed.shape, dtype=dtype).masked_fill_(~lay.allowed, torch.finfo(dtype).min)
+    if packing == "pack" and _attention(model).startswith("flash"):
+        # unmeasured (no GPU was lent to this project's sessions): flash-attn's varlen kernel, whose
+        # sequences transformers reads from the position ids restarting at 0; it takes no 4-D mask
+        mask = None
+    else:
+        dtype = next(model.parameters()).dtype if model is not None else torch.float32
+        mask = torch.zeros(lay.allowed.shape, dtype=dtype).masked_fill_(~lay.allowed,
+                                                                        torch.finfo(dtype).min)[None, None].to(device)
     node = lay.node.to(device)
-    return replace(batch, input_ids=lay.input_ids[None].to(device), attention_mask=mask[None, None].to(device),
+    return replace(batch, input_ids=lay.input_ids[None].to(device), attention_mask=mask,
                    position_ids=lay.position_ids[None].to(device),
                    response_positions=torch.gather(node, 1, batch.response_positions),
                    last_positions=node[torch.arange(len(node), device=device), batch.last_positions])
+
+
+def _attention(model) -> str:
+    """The attention implementation ``model`` (a module or a DeepSpeed engine) runs: sdpa, eager..."""
+    config = getattr(getattr(model, "module", model), "config", None)
+    return str(getattr(config, "_attn_implementation", None) or "sdpa")
 
 
 def packed_tokens(input_ids: torch.Tensor, lengths: torch.Tensor, packing: Packing) -> int:
@@ -127,23 +154,15 @@ def packed_tokens(input_ids: torch.Tensor, lengths: torch.Tensor, packing: Packi
     return int(lengths.sum() - shared.sum())
 
 
-def shares(input_ids: torch.Tensor, lengths: torch.Tensor) -> dict[str, float]:
-    """What packing would save on a pass of these rows: ``padding_share``, the padded pass's tokens
-    that are padding, and ``prefix_share``, the real tokens that repeat a prefix another row has
-    (what ``tree`` computes once)."""
-    padded = packed_tokens(input_ids, lengths, "none")
-    real = packed_tokens(input_ids, lengths, "pack")
-    tree = packed_tokens(input_ids, lengths, "tree")
-    return {"padding_share": 1.0 - real / padded if padded else 0.0,
-            "prefix_share": 1.0 - tree / real if real else 0.0}
-
-
-def refusal(model_config, max_length: int | None) -> str | None:
+def refusal(model_config, max_length: int | None, packing: Packing = "tree") -> str | None:
     """Why a model of ``model_config`` cannot take a packed pass, or None: a family whose positions
     come from the 2-D mask (ALiBi), a sliding window shorter than the sequences (the 4-D mask would
     let a token see past it), a model that sees (its image tokens are placed in the padded rows)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     family = getattr(model_config, "model_type", "?")
+    attention = str(getattr(model_config, "_attn_implementation", None) or "sdpa")
+    if packing == "tree" and attention.startswith("flash"):
+        return f"{family} runs {attention}, which takes no tree's mask (sdpa does)"
     if text is not model_config or getattr(model_config, "vision_config", None) is not None:
         return f"{family} sees images, whose tokens the model places in padded rows"
     if family in _ALIBI:
@@ -159,10 +178,13 @@ def refusal(model_config, max_length: int | None) -> str | None:
 _ALIBI = ("bloom", "mpt", "falcon", "baichuan")
 
 
-def probe_mismatch(model, packing: Packing, vocab: int, device, dtype: torch.dtype) -> float:
+def probe_mismatch(model, packing: Packing) -> float:
     """The largest difference of the last hidden states between a padded pass and a ``packing`` pass
     of the same three short rows (two sharing a prefix) on ``model`` itself: what ``checked``
     compares."""
+    from common.sequences import gather_response
+
+    vocab = int(model.config.get_text_config().vocab_size)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (5,), generator=generator)
     rows = [torch.cat([prefix, torch.randint(0, vocab, (n,), generator=generator)]) for n in (3, 6)]
@@ -174,15 +196,13 @@ def probe_mismatch(model, packing: Packing, vocab: int, device, dtype: torch.dty
     attention_mask = (torch.arange(input_ids.shape[1])[None] < lengths[:, None]).long()
     positions = torch.arange(1, input_ids.shape[1])[None].expand(len(rows), -1).clone()
     batch = SequenceBatch(input_ids, attention_mask, input_ids[:, 1:], positions - 1,
-                          (positions < lengths[:, None]).float(), lengths - 1).to(device)
+                          (positions < lengths[:, None]).float(), lengths - 1).to(next(model.parameters()).device)
+    run = packed(batch, packing, model)
     with torch.no_grad():
-        padded = _outputs(model, batch)
-        pack = _outputs(model, packed(batch, packing, dtype))
-    from common.sequences import gather_response
-
+        padded, pack = _outputs(model, batch), _outputs(model, run)
     mask = batch.response_mask.bool()
     return float((gather_response(padded, batch.response_positions)[mask]
-                  - gather_response(pack, packed(batch, packing, dtype).response_positions)[mask]).abs().max())
+                  - gather_response(pack, run.response_positions)[mask]).abs().max())
 
 
 def _outputs(model, batch: SequenceBatch) -> torch.Tensor:
@@ -192,25 +212,22 @@ def _outputs(model, batch: SequenceBatch) -> torch.Tensor:
     return inner.base_model(**batch.model_inputs).last_hidden_state.float()
 
 
-def checked(model, packing: Packing, max_length: int | None, log, what: str,
-            dtype: torch.dtype = torch.float32) -> Packing:
-    """``packing`` for ``model`` (``what``: "the learner's actor", ...), or ``none`` with a line
+def checked(model, packing: Packing, max_length: int | None, log, what: str) -> Packing:
+    """``packing`` for ``model`` (a module: ``what`` names it in the line), or ``none`` with a line
     saying why where the family cannot take it (``refusal``), or where a packed pass of three short
-    rows differs from a padded one by more than bf16's rounding allows (a family transformers builds
-    its own mask for, whatever it is handed: never silently wrong)."""
+    rows differs from a padded one by more than its dtype's rounding allows (a family that builds
+    its own mask whatever it is handed: never silently wrong)."""
     if packing == "none":
         return packing
-    config = getattr(model, "config", None)
-    reason = refusal(config, max_length) if config is not None else None
+    config = model.config
+    reason = refusal(config, max_length, packing)
     if reason is None:
-        vocab = int(config.get_text_config().vocab_size)
-        device = next(model.parameters()).device
         try:
-            gap = probe_mismatch(model, packing, vocab, device, dtype)
+            gap = probe_mismatch(model, packing)
         except Exception as error:  # noqa: BLE001 - a family whose forward refuses the 4-D mask or positions
             reason = f"a {packing} pass fails on {config.model_type}: {type(error).__name__}: {error}"
         else:
-            if not gap <= _PROBE_TOLERANCE[dtype]:
+            if not gap <= _PROBE_TOLERANCE.get(next(model.parameters()).dtype, 0.1):
                 reason = f"a {packing} pass differs from a padded one by {gap:.2e} on {config.model_type}"
     if reason is None:
         return packing

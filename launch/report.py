@@ -159,6 +159,9 @@ class RoleProfile:
     seconds: dict[str, float] = field(default_factory=dict)  # category -> seconds
     tokens_per_s: float | None = None
     startup_s: float = 0.0
+    # a learner's or scorer's passes, averaged over its records: padding_share and prefix_share
+    # (``training.micro_batches.pass_shares``), what learner.packing / scorer.packing saves or would
+    shares: dict[str, float] = field(default_factory=dict)
 
     @property
     def accounted_s(self) -> float:
@@ -228,6 +231,7 @@ class Profile:
     bottleneck: str
     advice: str
     startup: Startup = field(default_factory=lambda: Startup([], None, None))
+    packing: dict[str, str] = field(default_factory=dict)  # learner.packing and scorer.packing of the run
 
 
 def run_starts(run_dir: str) -> list[float]:
@@ -268,7 +272,9 @@ def _role_profile(name: str, records: list[dict], starts: list[float]) -> RolePr
         busy = seconds["scoring"]
         scored = sum(r.get("tokens", r.get("tokens_per_s", 0.0) * r["busy_s"]) for r in records)
         rate = scored / wall if busy > 0 else None
-    return RoleProfile(name, wall, seconds, rate, startup)
+    shares = {key: sum(r[key] for r in records if key in r) / count
+              for key in ("padding_share", "prefix_share") if (count := sum(key in r for r in records))}
+    return RoleProfile(name, wall, seconds, rate, startup, shares)
 
 
 def _buffer_profile(records: list[dict], starts: list[float]) -> RoleProfile | None:
@@ -302,13 +308,19 @@ def advice(bottleneck: str, colocated: bool) -> str:
 
 def _colocated(run_dir: str) -> bool:
     """Whether the run's config.yaml says ``placement.mode: colocate`` (roles started by hand: none)."""
+    return _configured(run_dir, "placement", "mode") == "colocate"
+
+
+def _configured(run_dir: str, section: str, key: str, default=None):
+    """``section.key`` of the run's config.yaml, or ``default`` where it says none (or there is none:
+    roles started by hand)."""
     import yaml
 
     path = os.path.join(run_dir, "config.yaml")
     if not os.path.exists(path):
-        return False
+        return default
     with open(path) as file:
-        return ((yaml.safe_load(file) or {}).get("placement") or {}).get("mode") == "colocate"
+        return ((yaml.safe_load(file) or {}).get(section) or {}).get(key, default)
 
 
 def profile_run(run_dir: str) -> Profile:
@@ -326,8 +338,9 @@ def profile_run(run_dir: str) -> Profile:
         raise FileNotFoundError(f"{run_dir}/metrics/learner.jsonl has no step yet")
     trained_tokens = sum(r.get("response_tokens", 0) for r in metrics["learner"])
     bottleneck = max(roles, key=lambda r: r.busy_fraction)
+    packing = {kind: _configured(run_dir, kind, "packing", "none") for kind in ("learner", "scorer")}
     return Profile(roles, trained_tokens / learner.wall_s if learner.wall_s > 0 else 0.0, bottleneck.role,
-                   advice(bottleneck.role, _colocated(run_dir)), startup_timeline(run_dir))
+                   advice(bottleneck.role, _colocated(run_dir)), startup_timeline(run_dir), packing)
 
 
 def format_profile(profile: Profile) -> str:
@@ -346,10 +359,28 @@ def format_profile(profile: Profile) -> str:
                  "wall time, as is the time between a stop and its resume")
     lines.append(f"pipeline: {profile.pipeline_tokens_per_s:,.0f} trained tokens/s")
     lines.append(f"bottleneck: {profile.bottleneck} ({profile.advice})")
+    lines += format_passes(profile)
     if profile.startup.phases:
         lines += ["", "start-up, every process on one clock (seconds since `tether run` started):",
                   format_startup(profile.startup)]
     return "\n".join(lines)
+
+
+def format_passes(profile: Profile) -> list[str]:
+    """What the learner's and the scorers' passes compute for nothing: the padding (``pack`` skips it)
+    and the prefixes rows repeat (``tree`` computes each once), with the packing each ran."""
+    rows = [role for role in profile.roles if role.shares]
+    if not rows:
+        return []
+    lines = ["", "passes: of the tokens padded passes compute, the padding; of the real ones, those that repeat "
+                 "another row's prefix (learner.packing / scorer.packing: pack skips the padding, tree the "
+                 "repeats too)"]
+    for role in rows:
+        kind = role.role.rstrip("0123456789")
+        lines.append(f"{role.role:<9}padding {role.shares.get('padding_share', 0.0):>4.0%}   repeated prefixes "
+                     f"{role.shares.get('prefix_share', 0.0):>4.0%}   ({kind}.packing: "
+                     f"{profile.packing.get(kind, 'none')})")
+    return lines
 
 
 def status_table(run_dir: str):

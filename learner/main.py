@@ -28,7 +28,7 @@ from learner.ptx import PtxStream, read_ptx
 from learner.publish import WeightPublisher
 from learner.replay import BatchRecorder, RecordedBuffer
 from learner.staleness import StalenessController
-from learner.step import StepCarry, behavior_gap, model_dtype, ppo_step
+from learner.step import StepCarry, behavior_gap, ppo_step
 from protocol.codec import decode, encode
 from protocol.samples import Sample, unpack_samples
 from protocol.transport import connect_to_buffer
@@ -153,8 +153,7 @@ def packing_taken(config: TetherConfig, engines: list, log) -> TetherConfig:
     packing = config.learner.packing
     for engine, what in zip(engines, ("the actor", "the critic")):
         if engine is not None:
-            packing = checked(engine.module, packing, config.rollout.max_model_len, log, what,
-                              model_dtype(engine))
+            packing = checked(engine.module, packing, config.rollout.max_model_len, log, what)
     if packing == config.learner.packing:
         return config
     return config.model_copy(update={"learner": config.learner.model_copy(update={"packing": packing})})

@@ -14,7 +14,7 @@ import torch
 
 from common.config import LearnerConfig, SamplingConfig, TetherConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
-from common.packing import Packing, packed, prefix_order
+from common.packing import Packing, packed, prefix_order, prompt_units
 from common.sequences import SequenceBatch, gather_response
 from learner import ppo
 from learner.ptx import PtxStream, ptx_token_losses
@@ -204,6 +204,9 @@ def ppo_step(actor, critic, samples: list[Sample], batch: SequenceBatch, config:
     # the batch's off-policy health, over all its tokens (buffer.max_staleness: auto reads it)
     stats.update(behavior_health(old_logprobs, behavior_logprobs, mask, cfg.behavior_weight_cap))
     stats.update(correction)  # what the correction did, over all the batch's tokens: computed once per step
+    # what learner.packing saves (or would): the padding and repeated prefixes of the batch's passes
+    stats.update(micro_batches.pass_shares(batch.input_ids, batch.lengths, cfg.micro_batch(parallel.world_size()),
+                                           cfg.max_tokens_per_microbatch))
     if teacher_logprobs is not None:  # the mean reverse KL to the teacher per policy token (k1, sampled)
         stats["teacher_kl"] = float(ppo.masked_mean(old_logprobs - teacher_logprobs, mask))
     return stats
@@ -221,26 +224,20 @@ def recompute(actor, critic, batch: SequenceBatch, cfg: LearnerConfig,
         parts = micro_batches_of(mine, lengths, cfg, parallel.world_size(), batch.input_ids, cfg.packing)
         old_logprobs = parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
             logprobs_from_logits(forward_logits(actor, part), part.response_tokens, sampling)
-            for part in _passes(batch, parts, cfg.packing, model_dtype(actor))]), rows_total)
+            for part in _passes(batch, parts, cfg.packing, actor)]), rows_total)
         old_values = (parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
-            forward_values(critic, part) for part in _passes(batch, parts, cfg.packing, model_dtype(critic))]),
+            forward_values(critic, part) for part in _passes(batch, parts, cfg.packing, critic)]),
             rows_total) if critic is not None else None)
     return old_logprobs, old_values
 
 
-def _passes(batch: SequenceBatch, parts: list[torch.Tensor], packing: Packing = "none",
-            dtype: torch.dtype = torch.float32):
-    """The micro-batches of ``parts``, each laid out as ``packing`` says (``common.packing``: its
-    4-D mask in the model's ``dtype``); an empty part (a filler: this rank has fewer rows than
-    another has passes) is the batch's first row, computed because a ZeRO-3 forward is collective
-    and then left out."""
+def _passes(batch: SequenceBatch, parts: list[torch.Tensor], packing: Packing = "none", engine=None):
+    """The micro-batches of ``parts``, each laid out as ``packing`` says for ``engine``
+    (``common.packing.packed``); an empty part (a filler: this rank has fewer rows than another has
+    passes) is the batch's first row, computed because a ZeRO-3 forward is collective and then left
+    out."""
     for part in parts:
-        yield packed(batch.select(part if len(part) else part.new_zeros(1)), packing, dtype)
-
-
-def model_dtype(engine) -> torch.dtype:
-    """The dtype ``engine`` computes in: a packed pass's additive mask is of it."""
-    return next(engine.parameters()).dtype
+        yield packed(batch.select(part if len(part) else part.new_zeros(1)), packing, engine)
 
 
 def rewards_and_advantages(samples: list[Sample], old_logprobs: torch.Tensor, old_values: torch.Tensor | None,
@@ -309,10 +306,9 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
     # batch_size / minibatch_size optimizer steps an epoch, whatever the rows: a batch of episodes in
     # parts has more rows than episodes, its minibatches as many more
     minibatches = cfg.batch_size // cfg.minibatch_size
+    units = prompt_units(batch.input_ids, lengths, batch.response_positions[:, 0] + 1)
     for _ in range(cfg.ppo_epochs):
-        # the same rows in each minibatch whatever learner.packing: a tree shares the prefixes of the
-        # rows a minibatch drew (a prompt's every row when minibatch_size is batch_size)
-        for all_rows in torch.randperm(len(lengths), generator=shuffle).to(device).tensor_split(minibatches):
+        for all_rows in shuffled(units, shuffle).to(device).tensor_split(minibatches):
             parts = micro_batches_of(dealt(batch, all_rows, cfg.packing, world), lengths, cfg, world,
                                      batch.input_ids, cfg.packing)
             ptx = carry.ptx if cfg.ptx_coef > 0 else None
@@ -334,6 +330,16 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
                     totals[name] = totals.get(name, 0.0) + value
             updates += 1
     return totals, updates, grad_norms
+
+
+def shuffled(units: list[torch.Tensor], generator: torch.Generator) -> torch.Tensor:
+    """The batch's rows in a random order of ``generator``, unit by unit (``prompt_units``: the rows of
+    one prompt), each unit's rows side by side: the minibatches cut from it hold a prompt's rows
+    together (as verl's do), but where a cut falls among them, so a tree shares their prompt
+    (learner.packing) and a group's advantages train together. Units of one row each (one response
+    a prompt) are ``torch.randperm`` of the rows. The same whatever learner.packing: every packing
+    trains the same minibatches."""
+    return torch.cat([units[i] for i in torch.randperm(len(units), generator=generator).tolist()])
 
 
 def dealt(batch: SequenceBatch, rows: torch.Tensor, packing: Packing, world: int) -> torch.Tensor:
@@ -362,7 +368,7 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
     share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], cfg.loss_aggregation, world)
     token_share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], "token-mean", world)
 
-    logits = forward_logits(actor, packed(minibatch, cfg.packing, model_dtype(actor)))
+    logits = forward_logits(actor, packed(minibatch, cfg.packing, actor))
     logprobs = logprobs_from_logits(logits, minibatch.response_tokens, sampling)
     norm_length = cfg.loss_norm_length or config.rollout.max_new_tokens  # seq-mean-token-sum-norm's constant
     policy_loss, policy_stats = ppo.ppo_policy_loss(logprobs, targets.old_logprobs[cut], targets.advantages[cut],
@@ -391,7 +397,7 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
 
     value_stats = {}
     if critic is not None:  # its loss is checked before either engine steps
-        values = forward_values(critic, packed(minibatch, cfg.packing, model_dtype(critic)))
+        values = forward_values(critic, packed(minibatch, cfg.packing, critic))
         value_loss, value_stats = ppo.value_loss(values, targets.old_values[cut], targets.returns[cut], mask,
                                                  cfg.value_clip, cfg.loss_aggregation, norm_length)
         if parallel.any_rank(not bool(torch.isfinite(value_loss))):

@@ -182,7 +182,7 @@ class Scorer:
         overlong shaping), and start its reward calls and judges' questions. An episode's score is its
         last part's (the conversation as it ended): the parts before it (a program that rewrote its
         context) get their reference logprobs and a score of 0."""
-        from scorer.scoring import reference_logprobs
+        from scorer.scoring import pass_shares_of, reference_logprobs
 
         for sample, ref in zip(samples, reference_logprobs(self.reference, samples, self.pad_token_id,
                                                            self.sampling, self.processor, self.packing,
@@ -200,6 +200,7 @@ class Scorer:
         arguments = [self._arguments(sample) for sample in finals] if self.needs_text else []
         job = Job(samples, finals, arguments, *self._at_once(finals, arguments),
                   [policy_turns(s.loss_mask, len(s.response_tokens)) for s in finals])
+        job.parts.update(pass_shares_of(samples, self.max_tokens))  # what scorer.packing saves (or would)
         for function in self.functions:
             for i, turn in self._targets(job, function.per_turn):
                 given = self._turn_arguments(job, i, turn)

@@ -11,7 +11,7 @@ from common.models import classification_head
 from common.packing import Packing, packed
 from common.sequences import SequenceBatch, collate, gather_response, pad_rows
 from protocol.samples import Sample
-from training.micro_batches import passes
+from training.micro_batches import pass_shares, passes
 
 # in the RM's config.json (tether rm's calibration): a score is (raw - offset) / scale
 REWARD_OFFSET_KEY = "tether_reward_offset"
@@ -40,9 +40,14 @@ def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id
 def _passes(model: nn.Module, batch: SequenceBatch, packing: Packing, max_tokens: int | None):
     """(rows, the pass of those rows) for each forward pass over ``batch``: of at most ``max_tokens``
     tokens, as ``packing`` lays them out (a row longer than that goes alone)."""
-    dtype = next(model.parameters()).dtype
     for rows in passes(batch.lengths, batch.input_ids, packing, None, max_tokens):
-        yield rows, packed(batch.select(rows), packing, dtype)
+        yield rows, packed(batch.select(rows), packing, model)
+
+
+def pass_shares_of(samples: list[Sample], max_tokens: int | None) -> dict[str, float]:
+    """``training.micro_batches.pass_shares`` of the samples' rows in passes of ``max_tokens``."""
+    batch = collate(samples, 0)
+    return pass_shares(batch.input_ids, batch.lengths, None, max_tokens)
 
 
 def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer: int, penalty: float = 1.0) -> torch.Tensor:

@@ -12,10 +12,11 @@ import torch
 from common.config import SamplingConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from common.models import ValueModel, disable_dropout
-from common.packing import checked, layout, packed, packed_tokens, prefix_order, refusal, shares
+from common.packing import checked, layout, packed, packed_tokens, prefix_order, prompt_units, refusal
 from common.sequences import SequenceBatch, collate, gather_response
 from demos.parity import VOCAB as PARITY_VOCAB
 from protocol.samples import Sample
+from training.micro_batches import pass_shares
 
 VOCAB = 40
 TOLERANCE = 1e-5
@@ -87,10 +88,10 @@ def test_pack_lays_rows_one_after_another_each_attending_its_own_past():
     assert lay.position_ids.tolist() == [j for n in lengths for j in range(n)]
 
 
-def test_shares_and_units_read_what_a_tree_would_save():
+def test_pass_shares_and_the_prefix_order_read_what_a_tree_would_save():
     rows = grouped_rows(seed=2, prompts=2, responses=4)
     batch = collate(samples_of(rows), 0)
-    measured = shares(batch.input_ids, batch.lengths)
+    measured = pass_shares(batch.input_ids, batch.lengths, None, None)  # one pass of all rows
     real = sum(len(p) + len(r) for p, r in rows)
     padded = len(rows) * max(len(p) + len(r) for p, r in rows)
     tree = len({tuple((p + r)[:j + 1]) for p, r in rows for j in range(len(p) + len(r))})
@@ -106,6 +107,23 @@ def test_shares_and_units_read_what_a_tree_would_save():
     assert all(int(shared[k]) >= len(rows[i][0]) for k, i in enumerate(order.tolist())
                if k and rows[order[k - 1]][0] == rows[i][0])
     assert packed_tokens(batch.input_ids, batch.lengths, "tree") == int(batch.lengths.sum() - shared.sum())
+    units = prompt_units(batch.input_ids, batch.lengths, batch.response_positions[:, 0] + 1)
+    # each prompt's four responses one unit, the episode's two parts another, in the batch's order
+    assert [sorted(unit.tolist()) for unit in units] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+def test_the_minibatches_hold_a_prompts_rows_together_and_one_response_a_prompt_is_a_plain_shuffle():
+    from learner.step import shuffled
+
+    rows = grouped_rows(seed=4, prompts=4, responses=2)[:8]
+    batch = collate(samples_of(rows), 0)
+    units = prompt_units(batch.input_ids, batch.lengths, batch.response_positions[:, 0] + 1)
+    order = shuffled(units, torch.Generator().manual_seed(7))
+    assert sorted(order.tolist()) == list(range(8))
+    assert all({int(a) // 2 for a in pair} == {int(pair[0]) // 2} for pair in order.split(2))  # a group side by side
+    singles = [torch.tensor([i]) for i in range(8)]
+    assert torch.equal(shuffled(singles, torch.Generator().manual_seed(7)),
+                       torch.randperm(8, generator=torch.Generator().manual_seed(7)))
 
 
 # --------------------------------------------------------------------------- every family

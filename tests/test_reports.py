@@ -160,3 +160,24 @@ def test_profile_of_a_resumed_run_leaves_out_the_time_between_stop_and_resume(tm
     assert profile.pipeline_tokens_per_s == pytest.approx(600 / 11)
     buffer = next(role for role in profile.roles if role.role == "buffer")
     assert buffer.wall_s == pytest.approx(33.0) and buffer.seconds["handling"] == pytest.approx(3.0)
+
+
+def test_profile_shows_what_packing_saves_on_the_learners_and_the_scorers_passes(tmp_path):
+    """The padding and repeated prefixes of each role's passes, averaged over its records, beside the
+    packing it ran: what a user reads before turning learner.packing on."""
+    from launch.report import format_profile, profile_run
+
+    _learner_run(tmp_path)
+    (tmp_path / "config.yaml").write_text("placement: {mode: split}\nscorer: {packing: tree}\n")
+    learner = [json.loads(line) for line in (tmp_path / "metrics" / "learner.jsonl").read_text().splitlines()]
+    write_metrics(tmp_path, "learner", [{**r, "padding_share": 0.3 + 0.1 * i, "prefix_share": 0.5}
+                                        for i, r in enumerate(learner)])
+    write_metrics(tmp_path, "scorer0", [{"time": 100.0 + 2.2 * s, "iteration_s": 2.2, "waiting_s": 1.0, "busy_s": 1.2,
+                                         "tokens": 500, "padding_share": 0.2, "prefix_share": 0.6} for s in (1, 2)])
+    profile = profile_run(str(tmp_path))
+    shares = {role.role: role.shares for role in profile.roles}
+    assert shares["learner"] == pytest.approx({"padding_share": 0.4, "prefix_share": 0.5})
+    assert shares["rollout0"] == {}
+    text = format_profile(profile)
+    assert "learner  padding  40%   repeated prefixes  50%   (learner.packing: none)" in text
+    assert "scorer0  padding  20%   repeated prefixes  60%   (scorer.packing: tree)" in text

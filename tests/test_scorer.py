@@ -210,7 +210,9 @@ def test_verifiable_rewards_alone_need_no_reward_model(tmp_path, tiny_assets):
     parts = scorer.score([cut, *samples])
     assert [s.reward for s in (cut, *samples)] == [0.0, 1.0, 0.5] and cut.ref_logprobs.shape == (2,)
     assert parts["tests.test_scorer:exact_parity"] == 0.75  # over episodes, the cut conversation not among them
-    assert scorer.score([cut]) == {"reward_failed": 0} and cut.reward == 0.0
+    # nothing but the pass's shares (one row: no padding, no prefix another row has)
+    assert scorer.score([cut]) == {"reward_failed": 0, "padding_share": 0.0, "prefix_share": 0.0}
+    assert cut.reward == 0.0
 
 
 def test_the_critic_starts_from_the_reward_model_only_when_it_reads_the_policys_tokens(tmp_path, tiny_assets):

@@ -128,3 +128,16 @@ def passes(lengths: torch.Tensor, input_ids: torch.Tensor | None, packing: Packi
 def padded_tokens(parts: list[torch.Tensor], lengths: torch.Tensor) -> int:
     """What a forward pass computes over ``parts``: the sum of rows x longest row."""
     return sum(len(part) * int(lengths[part].max()) for part in parts)
+
+
+def pass_shares(input_ids: torch.Tensor, lengths: torch.Tensor, max_rows: int | None,
+                max_tokens: int | None) -> dict[str, float]:
+    """What packing would save on passes over these rows [n, L] (``lengths`` [n]), as padded passes
+    of ``max_rows`` rows and ``max_tokens`` tokens cut them (``plan``): ``padding_share``, the share
+    of the tokens they compute that is padding (what ``pack`` skips), and ``prefix_share``, the
+    share of the real tokens that repeat a prefix another row has (what ``tree`` computes once)."""
+    padded = padded_tokens(plan(lengths, max_rows, max_tokens), lengths)
+    real = int(lengths.sum())
+    tree = packed_tokens(input_ids, lengths, "tree")
+    return {"padding_share": 1.0 - real / padded if padded else 0.0,
+            "prefix_share": 1.0 - tree / real if real else 0.0}

@@ -1,0 +1,185 @@
+"""Packed and prefix-shared passes: the learner's PPO step and the scorer's passes with
+``packing`` none, pack and tree, taking turns in one process, on three tasks of groups of 4:
+
+- ``long-tail``: the long-tail demo's shape, prompts of 6 tokens and responses of 4 to 64 (most short);
+- ``agent``: the agent demo's shape with 4 episodes a prompt: a prompt of 20 tokens, then 1 to 3
+  turns of a 16-token tool call, the tool's 6 tokens (masked: the environment's) and a 6-token answer;
+- ``episode``: a 160-token prompt (tool schemas, instructions) and 4 responses of 40 to 150 tokens.
+
+Each turn times one whole learner step (``learner.step.ppo_step`` on DeepSpeed engines of the same
+Llama actor and critic, one engine pair per packing, the same weights) and one scorer pass (the
+reference's logprobs and the reward model's scores, ``scorer.scoring``) on the task's batch. It
+prints trained tokens/s (the policy's response tokens a step trains, as the learner's metrics count
+them), every token/s (prompt + response), and the memory a step adds at its peak (the process's
+resident memory sampled every 2 ms: CPU tensors this large are mapped and unmapped whole). The
+goal: tree >= 1.5x none in the learner's trained tokens/s on the episode task.
+
+    python bench/packing.py [--rounds 3] [--tasks long-tail,agent,episode] [--hidden 256] [--layers 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+
+GOAL = 1.5
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+PACKINGS = ("none", "pack", "tree")
+
+
+def task_samples(task: str, prompts: int, vocab: int, seed: int = 0) -> list:
+    """``prompts`` groups of 4 samples of ``task`` (see the module's docstring), scored at random."""
+    import numpy as np
+
+    from protocol.samples import Sample
+
+    rng = np.random.default_rng(seed)
+
+    def tokens(n):
+        return rng.integers(3, vocab, n).astype(np.int32)
+
+    samples = []
+    for p in range(prompts):
+        prompt = tokens({"long-tail": 6, "agent": 20, "episode": 160}[task])
+        for _ in range(4):
+            mask = None
+            if task == "long-tail":
+                response = tokens(int(min(64, 4 + rng.geometric(1 / 10))))
+            elif task == "episode":
+                response = tokens(int(rng.integers(40, 151)))
+            else:  # turns of a call, the tool's answer (the environment's tokens) and an answer
+                turns = int(rng.integers(1, 4))
+                parts, masks = [], []
+                for _ in range(turns):
+                    parts += [tokens(16), tokens(6), tokens(6)]
+                    masks += [np.ones(16, np.uint8), np.zeros(6, np.uint8), np.ones(6, np.uint8)]
+                response, mask = np.concatenate(parts), np.concatenate(masks)
+            logprobs = (-rng.random(len(response)) * 3).astype(np.float32)
+            sample = Sample(f"s{len(samples)}", p, 0, prompt, response, logprobs, "stop", loss_mask=mask)
+            sample.ref_logprobs, sample.reward = logprobs.copy(), float(rng.normal())
+            samples.append(sample)
+    return samples
+
+
+class PeakMemory:
+    """The process's resident memory at its highest while in the block, less what it was before."""
+
+    def __enter__(self):
+        import psutil
+
+        self.process, self.stop = psutil.Process(), threading.Event()
+        self.before = self.peak = self.process.memory_info().rss
+        self.thread = threading.Thread(target=self._watch, daemon=True)
+        self.thread.start()
+        return self
+
+    def _watch(self):
+        while not self.stop.wait(0.002):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
+        self.grown = self.peak - self.before
+
+
+def median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tasks", default="long-tail,agent,episode")
+    parser.add_argument("--prompts", type=int, default=16, help="prompts a batch (4 responses each)")
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--minibatch", type=int, default=16)
+    args = parser.parse_args()
+
+    import torch
+
+    import learner.step
+    from bench.learner_overhead import build_models
+    from common.config import SamplingConfig, load_config
+    from common.models import load_causal_lm, load_critic, load_reward_model
+    from common.sequences import collate
+    from demos.parity import VOCAB
+    from scorer.scoring import reference_logprobs, reward_scores
+    from training.deepspeed_engine import make_deepspeed_engine
+    from training.micro_batches import pass_shares
+    from training.parallel import init_distributed
+
+    torch.manual_seed(0)
+    directory = tempfile.mkdtemp(prefix="tether-bench-packing-")
+    policy, rm = build_models(directory, args.hidden, args.layers, max_positions=512)
+    batch_size = 4 * args.prompts
+    common = [f"learner.batch_size={batch_size}", f"learner.minibatch_size={args.minibatch}", "learner.ppo_epochs=2",
+              "rollout.max_model_len=512", "learner.actor_lr=1e-5", "learner.critic_lr=1e-5"]
+    base = {"run_dir": os.path.join(directory, "run"), "models": {"policy": policy, "reward": rm},
+            "data": {"prompts": "/unused"}}
+    configs = {packing: load_config(None, [*common, f"learner.packing={packing}"], base=base) for packing in PACKINGS}
+    init_distributed(configs["none"])
+    engines = {packing: (make_deepspeed_engine(load_causal_lm(policy), 1e-5, config),
+                         make_deepspeed_engine(load_critic(rm), 1e-5, config)) for packing, config in configs.items()}
+    reference = load_causal_lm(policy).eval()
+    reward_model = load_reward_model(rm, "float32", None, new_head=False).eval()
+    sampling = SamplingConfig()
+
+    def learner_step(packing, samples, batch):
+        actor, critic = engines[packing]
+        learner.step.ppo_step(actor, critic, samples, batch, configs[packing], policy_version=0, kl_coef=0.05)
+
+    def scorer_pass(packing, samples, batch):
+        reference_logprobs(reference, samples, 0, sampling, packing=packing, max_tokens=4096)
+        reward_scores(reward_model, samples, 0, packing=packing, max_tokens=4096)
+
+    print(f"model: Llama hidden {args.hidden}, {args.layers} layers (actor + critic, reference + reward model); "
+          f"{args.prompts} prompts x 4 a batch, minibatch {args.minibatch}, 2 epochs; {torch.get_num_threads()} "
+          "threads", flush=True)
+    results = {}
+    for task in args.tasks.split(","):
+        samples = task_samples(task, args.prompts, len(VOCAB))
+        batch = collate(samples, pad_token_id=0)
+        trained = int(batch.response_mask.sum())
+        every = int(batch.lengths.sum())
+        shares = pass_shares(batch.input_ids, batch.lengths, args.minibatch, None)
+        print(f"\n{task}: {trained} trained tokens, {every} tokens a batch; padding {shares['padding_share']:.0%} of "
+              f"padded passes, repeated prefixes {shares['prefix_share']:.0%} of the tokens", flush=True)
+        for part, work in (("learner", learner_step), ("scorer", scorer_pass)):
+            for packing in PACKINGS:  # warm-up: the first calls allocate and build DeepSpeed's buffers
+                work(packing, samples, batch)
+            times = {packing: [] for packing in PACKINGS}
+            memory = {packing: [] for packing in PACKINGS}
+            for round_index in range(args.rounds):
+                for packing in PACKINGS if round_index % 2 == 0 else reversed(PACKINGS):
+                    with PeakMemory() as peak:
+                        started = time.perf_counter()
+                        work(packing, samples, batch)
+                        times[packing].append(time.perf_counter() - started)
+                    memory[packing].append(peak.grown)
+                print(f"  {part} round {round_index + 1}: "
+                      + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in PACKINGS), flush=True)
+            results[task, part] = {p: (median(times[p]), median(memory[p])) for p in PACKINGS}
+            tokens = trained if part == "learner" else every
+            label = "trained tokens/s" if part == "learner" else "tokens/s"
+            print(f"  {part:<8}{'packing':<8}{'median s':>10}{label:>18}{'of none':>9}{'peak MiB':>10}")
+            none_s = results[task, part]["none"][0]
+            for packing in PACKINGS:
+                seconds, grown = results[task, part][packing]
+                print(f"  {'':<8}{packing:<8}{seconds:>10.3f}{tokens / seconds:>18,.0f}{none_s / seconds:>8.2f}x"
+                      f"{grown / 2**20:>10.0f}", flush=True)
+    if ("episode", "learner") in results:
+        none_s, tree_s = results["episode", "learner"]["none"][0], results["episode", "learner"]["tree"][0]
+        ratio = none_s / tree_s
+        print(f"\nepisode task, learner: tree / none {ratio:.2f}x trained tokens/s (goal >= {GOAL}x): "
+              f"{'met' if ratio >= GOAL else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
