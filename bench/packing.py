@@ -10,9 +10,10 @@ Each turn times one whole learner step (``learner.step.ppo_step`` on DeepSpeed e
 Llama actor and critic, one engine pair per packing, the same weights) and one scorer pass (the
 reference's logprobs and the reward model's scores, ``scorer.scoring``) on the task's batch. It
 prints trained tokens/s (the policy's response tokens a step trains, as the learner's metrics count
-them), every token/s (prompt + response), and the memory a step adds at its peak (the process's
-resident memory sampled every 2 ms: CPU tensors this large are mapped and unmapped whole). The
-goal: tree >= 1.5x none in the learner's trained tokens/s on the episode task.
+them) and every token/s (prompt + response). Then, in a process of its own (``--memory``), the
+memory a step adds at its peak: the process's resident memory sampled every 2 ms, glibc told to map
+each block of 128 KiB or more on its own, so that a freed tensor leaves it. The goal: tree >= 1.5x
+none in the learner's trained tokens/s on the episode task.
 
     python bench/packing.py [--rounds 3] [--tasks long-tail,agent,episode] [--hidden 256] [--layers 4]
 """
@@ -23,6 +24,7 @@ import argparse
 import os
 import sys
 import tempfile
+import subprocess
 import threading
 import time
 
@@ -66,7 +68,7 @@ def task_samples(task: str, prompts: int, vocab: int, seed: int = 0) -> list:
     return samples
 
 
-class PeakMemory:
+class PeakMemory:  # psutil: a dependency of tether's (the scorer's memory check)
     """The process's resident memory at its highest while in the block, less what it was before."""
 
     def __enter__(self):
@@ -100,7 +102,14 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--minibatch", type=int, default=16)
+    parser.add_argument("--memory", action="store_true", help="the peak memory of each variant alone (what the "
+                        "timed run starts in a process of its own at its end)")
     args = parser.parse_args()
+    if args.memory and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # glibc serves large blocks from memory it keeps after a free unless each is mapped on its own:
+        # then resident memory falls when a tensor is freed, and its peak in a step is the step's. Every
+        # block mapped makes each step slower: the timed run leaves glibc as it is
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"})
 
     import torch
 
@@ -154,31 +163,39 @@ def main() -> None:
         for part, work in (("learner", learner_step), ("scorer", scorer_pass)):
             for packing in PACKINGS:  # warm-up: the first calls allocate and build DeepSpeed's buffers
                 work(packing, samples, batch)
+            if args.memory:
+                grown = {}
+                for packing in PACKINGS:
+                    with PeakMemory() as peak:
+                        work(packing, samples, batch)
+                    grown[packing] = peak.grown / 2**20
+                print(f"  {part:<8} peak MiB a step adds: " + ", ".join(f"{p} {grown[p]:.0f}" for p in PACKINGS),
+                      flush=True)
+                continue
             times = {packing: [] for packing in PACKINGS}
-            memory = {packing: [] for packing in PACKINGS}
             for round_index in range(args.rounds):
                 for packing in PACKINGS if round_index % 2 == 0 else reversed(PACKINGS):
-                    with PeakMemory() as peak:
-                        started = time.perf_counter()
-                        work(packing, samples, batch)
-                        times[packing].append(time.perf_counter() - started)
-                    memory[packing].append(peak.grown)
+                    started = time.perf_counter()
+                    work(packing, samples, batch)
+                    times[packing].append(time.perf_counter() - started)
                 print(f"  {part} round {round_index + 1}: "
                       + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in PACKINGS), flush=True)
-            results[task, part] = {p: (median(times[p]), median(memory[p])) for p in PACKINGS}
+            results[task, part] = {p: median(times[p]) for p in PACKINGS}
             tokens = trained if part == "learner" else every
             label = "trained tokens/s" if part == "learner" else "tokens/s"
-            print(f"  {part:<8}{'packing':<8}{'median s':>10}{label:>18}{'of none':>9}{'peak MiB':>10}")
-            none_s = results[task, part]["none"][0]
+            print(f"  {part:<8}{'packing':<8}{'median s':>10}{label:>18}{'of none':>9}")
+            none_s = results[task, part]["none"]
             for packing in PACKINGS:
-                seconds, grown = results[task, part][packing]
-                print(f"  {'':<8}{packing:<8}{seconds:>10.3f}{tokens / seconds:>18,.0f}{none_s / seconds:>8.2f}x"
-                      f"{grown / 2**20:>10.0f}", flush=True)
+                seconds = results[task, part][packing]
+                print(f"  {'':<8}{packing:<8}{seconds:>10.3f}{tokens / seconds:>18,.0f}{none_s / seconds:>8.2f}x",
+                      flush=True)
     if ("episode", "learner") in results:
-        none_s, tree_s = results["episode", "learner"]["none"][0], results["episode", "learner"]["tree"][0]
-        ratio = none_s / tree_s
+        ratio = results["episode", "learner"]["none"] / results["episode", "learner"]["tree"]
         print(f"\nepisode task, learner: tree / none {ratio:.2f}x trained tokens/s (goal >= {GOAL}x): "
-              f"{'met' if ratio >= GOAL else 'NOT met'}")
+              f"{'met' if ratio >= GOAL else 'NOT met'}", flush=True)
+    if not args.memory:
+        print("\nthe peak memory of each, in a process of its own (bench/packing.py --memory):", flush=True)
+        subprocess.run([sys.executable, *sys.argv, "--memory"], check=True)
 
 
 if __name__ == "__main__":

@@ -300,7 +300,7 @@ class ScorerConfig(_Strict):
     requests_in_flight: int = Field(2, ge=1, description="score requests a scorer works on at once: it asks for "
                                                          "more while its judges and reward calls answer")
     packing: Literal["none", "pack", "tree"] = Field(
-        "none", description="how the reference, teacher and reward-model passes lay out their rows, as "
+        "tree", description="how the reference, teacher and reward-model passes lay out their rows, as "
                             "learner.packing does")
     max_tokens_per_pass: int = Field(4096, ge=1, description="tokens (padded, or packed) a forward pass of the "
                                      "reference, teacher or reward model computes at most; a longer row goes "
@@ -372,11 +372,11 @@ class LearnerConfig(_Strict):
                                                                  "at most, gradients accumulated over the "
                                                                  "minibatch; default: minibatch_size / ranks")
     max_tokens_per_microbatch: int | None = Field(
-        None, ge=1, description="padded tokens (rows x longest prompt + response) per forward/backward pass on each "
-                                "rank; rows of like length go together, and each pass is trimmed to its longest "
-                                "row. None: micro_batch_size rows a pass")
+        None, ge=1, description="tokens a forward/backward pass computes on each rank: padded (rows x longest "
+                                "prompt + response; rows of like length go together, each pass trimmed to its "
+                                "longest row), or packed (learner.packing). None: micro_batch_size rows a pass")
     packing: Literal["none", "pack", "tree"] = Field(
-        "none", description="how a pass lays out its rows: none (each padded to the longest), pack (one after "
+        "tree", description="how a pass lays out its rows: none (each padded to the longest), pack (one after "
                             "another, no padding) or tree (rows that begin alike share one copy of that prefix: "
                             "a prompt's responses, an episode's parts); the same logprobs, values and steps. A "
                             "family that cannot take it falls back to none with a line saying why")

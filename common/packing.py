@@ -24,6 +24,7 @@ packed pass with a padded one on the model itself.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, replace
 from typing import Literal
 
@@ -108,31 +109,79 @@ def layout(input_ids: torch.Tensor, lengths: torch.Tensor, packing: Packing) -> 
 
 
 def packed(batch: SequenceBatch, packing: Packing, model=None) -> SequenceBatch:
-    """``batch`` (right-padded rows, no images) as one packed row of ``packing``, for ``model`` (its
-    module, DeepSpeed engine or None: float32 and SDPA): input_ids and position_ids [1, N], a 4-D
-    additive attention mask [1, 1, N, N] in the model's dtype, and response_positions [B, T] and
-    last_positions [B] that index the N nodes (``common.sequences.gather_response`` reads a packed
-    row's outputs for every row). ``none``: ``batch`` as it is."""
-    if packing == "none":
+    """``batch`` (right-padded rows) laid out as ``packing`` for ``model`` (its module,
+    DeepSpeed engine or None: float32 and SDPA): its rows in packed rows (``bins``), each a
+    ``layout`` of whole rows, right-padded to the longest: input_ids and position_ids [R, W], a 4-D
+    additive attention mask [R, 1, W, W] in the model's dtype, and response_positions [B, T] and
+    last_positions [B] that index the R x W nodes one after another (``SequenceBatch.gather``).
+    ``none``, or a batch of a policy that sees (its images, or the learner's blank image: the model
+    places image tokens in padded rows, and ``checked`` turns packing off for it with a line):
+    ``batch`` as it is."""
+    if packing == "none" or batch.images is not None or batch.blank is not None:
         return batch
-    if batch.images is not None:
-        raise ValueError("a batch with images cannot be packed: its image tokens are placed by the model "
-                         "from the padded rows")
-    device = batch.input_ids.device
-    lay = layout(batch.input_ids, batch.lengths, packing)
+    device, lengths = batch.input_ids.device, batch.lengths.cpu()
+    input_ids = batch.input_ids.cpu()
+    groups = bins(input_ids, lengths, batch.response_positions[:, 0].cpu() + 1, packing)
+    lays = [layout(input_ids[group], lengths[group], packing) for group in groups]
+    width = max(len(lay.input_ids) for lay in lays)
+    ids = torch.zeros((len(lays), width), dtype=torch.long)
+    positions = torch.zeros((len(lays), width), dtype=torch.long)
+    allowed = torch.eye(width, dtype=torch.bool).repeat(len(lays), 1, 1)  # padding attends itself alone
+    node = torch.zeros(input_ids.shape, dtype=torch.long)
+    for r, (group, lay) in enumerate(zip(groups, lays)):
+        n = len(lay.input_ids)
+        ids[r, :n], positions[r, :n], allowed[r, :n, :n] = lay.input_ids, lay.position_ids, lay.allowed
+        node[group, :lay.node.shape[1]] = lay.node + r * width
     if packing == "pack" and _attention(model).startswith("flash"):
         # unmeasured (no GPU was lent to this project's sessions): flash-attn's varlen kernel, whose
         # sequences transformers reads from the position ids restarting at 0; it takes no 4-D mask
         mask = None
     else:
         dtype = next(model.parameters()).dtype if model is not None else torch.float32
-        mask = torch.zeros(lay.allowed.shape, dtype=dtype).masked_fill_(~lay.allowed,
-                                                                        torch.finfo(dtype).min)[None, None].to(device)
-    node = lay.node.to(device)
-    return replace(batch, input_ids=lay.input_ids[None].to(device), attention_mask=mask,
-                   position_ids=lay.position_ids[None].to(device),
+        mask = torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+        mask = mask.to(device)
+    node = node.to(device)
+    return replace(batch, input_ids=ids.to(device), attention_mask=mask, position_ids=positions.to(device),
                    response_positions=torch.gather(node, 1, batch.response_positions),
                    last_positions=node[torch.arange(len(node), device=device), batch.last_positions])
+
+
+def bins(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.Tensor,
+         packing: Packing) -> list[torch.Tensor]:
+    """The rows of a pass [B, L] (``lengths`` [B], prompts ``prompt_lengths`` [B] long) in packed rows:
+    first fit, largest first, of the rows (``pack``) or of the units of rows that share a prompt
+    (``tree``: ``prompt_units``, a unit larger than a packed row cut in runs of rows in their tokens'
+    order). A packed row's attention is dense over it, so one row of every token would cost the
+    square of the pass's tokens where padded rows cost each the square of its own: packed rows are
+    as long as the longest row (``pack``: no row attends over more than a padded row does), or
+    twice that (``tree``: a prompt and its responses). Returns each packed row's row indices."""
+    capacity = (2 if packing == "tree" else 1) * int(lengths.max())
+    if packing == "pack":
+        items = [(torch.tensor([row]), int(lengths[row])) for row in range(len(lengths))]
+    else:
+        items = []
+        for unit in prompt_units(input_ids, lengths, prompt_lengths):
+            # in their tokens' order, a run of rows is a tree of its first row and what each adds
+            tokens = [input_ids[row, :int(lengths[row])].tolist() for row in unit.tolist()]
+            added = [len(b) - _common_prefix(a, b) for a, b in zip(tokens, tokens[1:])]
+            start = 0
+            while start < len(unit):
+                size, end = len(tokens[start]), start + 1
+                while end < len(unit) and size + added[end - 1] <= capacity:
+                    size, end = size + added[end - 1], end + 1
+                items.append((unit[start:end], size))
+                start = end
+    rows: list[list[torch.Tensor]] = []
+    room: list[int] = []
+    for item, size in sorted(items, key=lambda entry: -entry[1]):
+        fits = next((b for b, left in enumerate(room) if left >= size), None)
+        if fits is None:
+            rows.append([item])
+            room.append(capacity - size)
+        else:
+            rows[fits].append(item)
+            room[fits] -= size
+    return [torch.cat(items) for items in rows]
 
 
 def _attention(model) -> str:
@@ -182,8 +231,6 @@ def probe_mismatch(model, packing: Packing) -> float:
     """The largest difference of the last hidden states between a padded pass and a ``packing`` pass
     of the same three short rows (two sharing a prefix) on ``model`` itself: what ``checked``
     compares."""
-    from common.sequences import gather_response
-
     vocab = int(model.config.get_text_config().vocab_size)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (5,), generator=generator)
@@ -201,8 +248,7 @@ def probe_mismatch(model, packing: Packing) -> float:
     with torch.no_grad():
         padded, pack = _outputs(model, batch), _outputs(model, run)
     mask = batch.response_mask.bool()
-    return float((gather_response(padded, batch.response_positions)[mask]
-                  - gather_response(pack, run.response_positions)[mask]).abs().max())
+    return float((batch.gather(padded)[mask] - run.gather(pack)[mask]).abs().max())
 
 
 def _outputs(model, batch: SequenceBatch) -> torch.Tensor:
@@ -231,7 +277,7 @@ def checked(model, packing: Packing, max_length: int | None, log, what: str) -> 
                 reason = f"a {packing} pass differs from a padded one by {gap:.2e} on {config.model_type}"
     if reason is None:
         return packing
-    log.warning("packing %s is off for %s (none): %s", packing, what, reason)
+    (log or logging.getLogger(__name__)).warning("packing %s is off for %s (none): %s", packing, what, reason)
     return "none"
 
 

@@ -39,8 +39,9 @@ class SequenceBatch:
     # a policy that sees, in the learner: its ``training.blank_image.BlankImage``, the row a
     # data-parallel rank adds to a micro-batch that shows no image (``with_blank``)
     blank: Any = None
-    # a packed pass (``common.packing.packed``): [1, N] each node's position in its row; the
-    # attention_mask is then [1, 1, N, N] and the positions above index the N nodes
+    # a packed pass (``common.packing.packed``): [R, W] each node's position in its row; the
+    # attention_mask is then [R, 1, W, W] (or None: flash-attn's varlen), and the positions above
+    # index the R x W nodes one after another (``gather``)
     position_ids: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
@@ -96,6 +97,15 @@ class SequenceBatch:
         index = torch.tensor([i for row in chosen for i in range(starts[row], starts[row + 1])], dtype=torch.long)
         return (_each(self.images, lambda tensor: tensor[index.to(tensor.device)]), self.seen[rows.cpu()],
                 [self.image_counts[row] for row in chosen])
+
+    def gather(self, per_position: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...]: of a forward's outputs over this batch ([rows, L, ...]: logits, values), the
+        entries that score each response token. A packed pass's rows hold the B rows' tokens among
+        them: its positions index its rows' nodes one after another."""
+        if self.position_ids is not None:
+            flat = per_position.reshape(1, -1, *per_position.shape[2:])
+            per_position = flat.expand(len(self.response_positions), *flat.shape[1:])
+        return gather_response(per_position, self.response_positions)
 
     @property
     def lengths(self) -> torch.Tensor:
@@ -166,11 +176,8 @@ def pad_rows(rows: list[list[int]], pad_token_id: int = 0) -> tuple[torch.Tensor
 
 
 def gather_response(per_position: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """per_position: [B, L, ...] (logits [B, L, V] or values [B, L]), or a packed pass's [1, N, ...]
-    read for every row; positions: [B, T]. Returns [B, T, ...]: the entries that score each response
-    token."""
-    if len(per_position) == 1 and len(positions) > 1:  # a packed pass: one row holds every row's nodes
-        per_position = per_position.expand(len(positions), *per_position.shape[1:])
+    """per_position: [B, L, ...] (logits [B, L, V] or values [B, L]); positions: [B, T]. Returns
+    [B, T, ...]: the entries that score each response token."""
     index = positions
     for _ in range(per_position.dim() - 2):
         index = index.unsqueeze(-1)

@@ -15,7 +15,7 @@ import torch
 from common.config import LearnerConfig, SamplingConfig, TetherConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from common.packing import Packing, packed, prefix_order, prompt_units
-from common.sequences import SequenceBatch, gather_response
+from common.sequences import SequenceBatch
 from learner import ppo
 from learner.ptx import PtxStream, ptx_token_losses
 from learner.staleness import behavior_health
@@ -39,14 +39,14 @@ def forward_logits(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T, V] logits that score each response token."""
     # use_cache: no KV cache, which transformers builds at every forward otherwise (a concat per layer)
     logits = engine(**as_ranks_run(batch).model_inputs, use_cache=False).logits[:len(batch.input_ids)]
-    return _finite("actor logits", gather_response(logits, batch.response_positions))
+    return _finite("actor logits", batch.gather(logits))
 
 
 def forward_values(engine, batch: SequenceBatch) -> torch.Tensor:
     """[B, T] V(s_t) for each response token: the critic at the position before the token."""
     # a critic that sees: the images too
     values = engine(**as_ranks_run(batch).model_inputs).logits[:len(batch.input_ids)].squeeze(-1)
-    return _finite("critic values", gather_response(values, batch.response_positions).float())
+    return _finite("critic values", batch.gather(values).float())
 
 
 def as_ranks_run(batch: SequenceBatch) -> SequenceBatch:

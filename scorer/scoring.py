@@ -9,7 +9,7 @@ from common.config import SamplingConfig
 from common.distributions import logprobs_from_logits
 from common.models import classification_head
 from common.packing import Packing, packed
-from common.sequences import SequenceBatch, collate, gather_response, pad_rows
+from common.sequences import SequenceBatch, collate, pad_rows
 from protocol.samples import Sample
 from training.micro_batches import pass_shares, passes
 
@@ -30,7 +30,7 @@ def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id
     out: list[torch.Tensor | None] = [None] * len(samples)
     for rows, run in _passes(reference, batch, packing, max_tokens):
         logits = reference(**run.model_inputs, use_cache=False).logits
-        logprobs = logprobs_from_logits(gather_response(logits, run.response_positions), run.response_tokens,
+        logprobs = logprobs_from_logits(run.gather(logits), run.response_tokens,
                                         sampling)
         for k, i in enumerate(rows.tolist()):
             out[i] = logprobs[k, :len(samples[i].response_tokens)].float().cpu()
@@ -108,9 +108,10 @@ def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask:
 
     model = reward_model.get_base_model() if is_lora(reward_model) else reward_model
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, **inputs).last_hidden_state
-    rows = torch.zeros_like(last_positions) if len(input_ids) == 1 else torch.arange(len(input_ids),
-                                                                                      device=hidden.device)
-    last_hidden = hidden[rows, last_positions]
+    if "position_ids" in inputs:  # a packed pass: last_positions index its rows' nodes one after another
+        last_hidden = hidden.reshape(-1, hidden.shape[-1])[last_positions]
+    else:
+        last_hidden = hidden[torch.arange(len(input_ids), device=hidden.device), last_positions]
     return classification_head(model)(last_hidden).squeeze(-1).float()
 
 

@@ -1,7 +1,7 @@
 """Data parallelism, checked by computing the same thing two ways: two PPO steps on the same
 batches with 1 DeepSpeed rank and with 2 (gloo, started by torch.distributed's launcher), under
 ZeRO-2 and ZeRO-3, end with the same actor weights (as published, bucket by bucket) and the same
-logged losses."""
+logged losses. The passes are prefix trees (learner.packing's default) unless a test says none."""
 
 
 import pytest
@@ -9,9 +9,13 @@ import pytest
 from tests.helpers import train_data_parallel
 
 # float32 on both sides; the ranks' forward passes see other row counts and their gradients are
-# summed in another order. Measured here: 3.5e-7 (ZeRO-2) and 3.8e-7 (ZeRO-3) after two steps
-# of 2 epochs x 2 minibatches at lr 1e-3; without the data-parallel loss scale the gap is 1.2e-2.
-WEIGHT_TOLERANCE = 1e-5
+# summed in another order. Measured here with padded passes: 3.5e-7 (ZeRO-2) and 3.8e-7 (ZeRO-3)
+# after two steps of 2 epochs x 2 minibatches at lr 1e-3; without the data-parallel loss scale the
+# gap is 1.2e-2. With prefix trees (the default) each rank packs other rows together, so the
+# attention kernel's shapes differ too, and Adam moves a weight by about lr whatever its gradient's
+# size: measured 1.1e-5 and 1.2e-5 (1% of one step). The passes themselves agree within 1e-5,
+# gradients included (tests/test_packing.py), and a step at lr 1e-4 within 1e-5.
+WEIGHT_TOLERANCE = 3e-5
 
 
 @pytest.mark.slow
@@ -24,7 +28,7 @@ def test_two_ranks_train_the_same_weights_as_one(tmp_path, tiny_assets, one_rank
     moved = max(float((one_rank["actor"][name] - initial).abs().max())
                 for name, initial in _initial(tiny_assets).items() if name in one_rank["actor"])
     assert gap < WEIGHT_TOLERANCE, gap
-    assert moved > 100 * WEIGHT_TOLERANCE  # the steps changed the weights: the agreement means something
+    assert moved > 30 * WEIGHT_TOLERANCE  # the steps changed the weights: the agreement means something
     assert two["losses"] == pytest.approx(one_rank["losses"], abs=1e-5)
     assert two["buckets"] > 1  # published bucket by bucket
     if zero == 3:  # gathered one bucket (64 KiB here) at a time, never the whole model
@@ -67,17 +71,12 @@ def test_two_ranks_train_episodes_in_parts_as_one_rank_does(tmp_path, tiny_asset
 
 
 @pytest.mark.slow
-def test_two_ranks_packed_as_a_tree_train_the_same_weights_as_one_rank_padded(tmp_path, tiny_assets, one_rank):
-    """ZeRO-3, 2 ranks, learner.packing tree under a budget of 24 packed tokens a pass: each rank's
-    rows dealt in their tokens' order by packed cost, as many passes on both ranks; against 1 rank
-    of padded passes, a minibatch a pass."""
-    two = train_data_parallel(tmp_path, tiny_assets, 3, 2, "learner.packing=tree",
+def test_two_ranks_of_padded_passes_train_the_same_weights_as_one_rank_of_trees(tmp_path, tiny_assets, one_rank):
+    """ZeRO-3, 2 ranks of padded passes (learner.packing none) under a budget of 24 padded tokens a
+    pass, against 1 rank of prefix trees (the default), a minibatch a pass."""
+    two = train_data_parallel(tmp_path, tiny_assets, 3, 2, "learner.packing=none",
                               "learner.max_tokens_per_microbatch=24", "rollout.max_model_len=16")
     gap = max(float((two["actor"][name] - one_rank["actor"][name]).abs().max()) for name in one_rank["actor"])
-    # another attention kernel (SDPA with a 4-D mask) rounds otherwise, and Adam moves a weight by
-    # about lr whatever its gradient's size: measured 1.1e-5 after these 8 steps at lr 1e-3 (1% of
-    # one step). The passes themselves agree within 1e-5, gradients included (tests/test_packing.py),
-    # and a step at lr 1e-4 within 1e-5; rows weighed wrongly move them far more (1.2e-2, above)
-    assert gap < 3 * WEIGHT_TOLERANCE, gap
+    assert gap < WEIGHT_TOLERANCE, gap  # measured 1.1e-5: another attention kernel (above)
     assert two["losses"] == pytest.approx(one_rank["losses"], abs=1e-5)
     assert len(two["passes"]) == len(one_rank["passes"]) == 2 * (1 + 2 * 2)

@@ -12,8 +12,8 @@ import torch
 from common.config import SamplingConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from common.models import ValueModel, disable_dropout
-from common.packing import checked, layout, packed, packed_tokens, prefix_order, prompt_units, refusal
-from common.sequences import SequenceBatch, collate, gather_response
+from common.packing import bins, checked, layout, packed, packed_tokens, prefix_order, prompt_units, refusal
+from common.sequences import SequenceBatch, collate
 from demos.parity import VOCAB as PARITY_VOCAB
 from protocol.samples import Sample
 from training.micro_batches import pass_shares
@@ -88,6 +88,26 @@ def test_pack_lays_rows_one_after_another_each_attending_its_own_past():
     assert lay.position_ids.tolist() == [j for n in lengths for j in range(n)]
 
 
+def test_packed_rows_hold_whole_rows_within_twice_the_longest_and_a_tree_keeps_a_prompts_rows_together():
+    rows = grouped_rows(seed=5, prompts=4, responses=3)
+    batch = collate(samples_of(rows), 0)
+    prompts = batch.response_positions[:, 0] + 1
+    capacity = 2 * int(batch.lengths.max())
+    for packing in ("pack", "tree"):
+        made = bins(batch.input_ids, batch.lengths, prompts, packing)
+        assert sorted(torch.cat(made).tolist()) == list(range(len(rows)))  # every row once
+        assert all(packed_tokens(batch.input_ids[b], batch.lengths[b], packing) <= capacity for b in made)
+        if packing == "tree":  # each prompt's responses in one packed row
+            assert all(any(set(range(3 * p, 3 * p + 3)) <= set(b.tolist()) for b in made) for p in range(4))
+    run = packed(batch, "tree")
+    packed_rows, width = run.input_ids.shape
+    assert width <= capacity and run.attention_mask.shape == (packed_rows, 1, width, width)
+    # the node that scores each response token holds the token before it, in whichever packed row
+    flat = run.input_ids.flatten()
+    for i, (prompt, response) in enumerate(rows):
+        assert flat[run.response_positions[i, :len(response)]].tolist() == (prompt + response)[len(prompt) - 1:-1]
+
+
 def test_pass_shares_and_the_prefix_order_read_what_a_tree_would_save():
     rows = grouped_rows(seed=2, prompts=2, responses=4)
     batch = collate(samples_of(rows), 0)
@@ -157,10 +177,10 @@ def passes(model, critic, batch: SequenceBatch, packing: str):
     critic.zero_grad()
     sampling = SamplingConfig(temperature=0.7)
     run = packed(batch, packing)
-    logits = gather_response(model(**run.model_inputs, use_cache=False).logits, run.response_positions)
+    logits = run.gather(model(**run.model_inputs, use_cache=False).logits)
     logprobs = logprobs_from_logits(logits, batch.response_tokens, sampling)
     entropies = entropy_from_logits(logits, sampling)
-    values = gather_response(critic(**run.model_inputs).logits.squeeze(-1), run.response_positions)
+    values = run.gather(critic(**run.model_inputs).logits.squeeze(-1))
     mask = batch.response_mask
     # a loss of the scale PPO's are (means over tokens), whose gradients are then of order 1
     tokens = mask.sum()
@@ -183,6 +203,7 @@ def test_packed_and_tree_passes_equal_a_padded_one_with_their_gradients(family, 
     assert checked(model, "tree", 64, logging.getLogger("test"), "the actor") == "tree"
     padded = passes(model, critic, batch, "none")
     for packing in ("pack", "tree"):
+        assert len(packed(batch, packing).input_ids) > 1  # several packed rows, padded to the longest
         other = passes(model, critic, batch, packing)
         for name, a, b in zip(("logprobs", "entropies", "values"), padded[:3], other[:3]):
             assert (a - b).abs().max() <= TOLERANCE, (packing, name)

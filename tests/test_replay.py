@@ -1,6 +1,8 @@
 """tether replay: an asynchronous run (k = 2, two rollout engines) recorded and trained again by the
 learner alone, from the start and from a mid-run checkpoint; every step's losses and the final
-weights must come out exactly as the run's (on the CPU, with the run's thread count)."""
+weights must come out exactly as the run's (on the CPU, with the run's thread count). The run's
+learner and scorer pack each pass as a prefix tree (two responses a prompt share it): a packed run
+replays exactly too."""
 
 import json
 
@@ -18,9 +20,12 @@ STEPS = 4
 def recorded_run(tmp_path_factory, tiny_assets):
     tmp_path = tmp_path_factory.mktemp("recorded")
     config = base_config(tmp_path, tiny_assets, buffer={"max_staleness": 2},
-                         rollout={"engines": 2, "max_new_tokens": 6, "prompts_per_generate": 8, "max_model_len": 64},
+                         rollout={"engines": 2, "max_new_tokens": 6, "prompts_per_generate": 8, "max_model_len": 64,
+                                  "samples_per_prompt": 2},
                          learner={"total_steps": STEPS, "batch_size": 16, "minibatch_size": 8, "ppo_epochs": 2,
-                                  "checkpoint_every": 2, "record_batches": True, "actor_lr": 1e-3})
+                                  "checkpoint_every": 2, "record_batches": True, "actor_lr": 1e-3,
+                                  "packing": "tree"},
+                         scorer={"packing": "tree"})
     config["placement"] = dict(TWO_CORES)
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -33,6 +38,11 @@ def recorded_run(tmp_path_factory, tiny_assets):
 def test_replay_from_the_start_reproduces_every_step_and_the_final_weights(recorded_run):
     steps = read_metrics(str(recorded_run), "learner")
     assert max(r["staleness_max"] for r in steps) >= 1  # asynchronous: stale samples were trained
+    # trees that share a prompt, in the learner's passes and the scorer's, which kept the packing
+    assert min(r["prefix_share"] for r in steps) > 0.2
+    assert min(r["prefix_share"] for r in read_metrics(str(recorded_run), "scorer0")) > 0.2
+    logs = {path.name: path.read_text() for path in (recorded_run / "logs").glob("*.log")}
+    assert {"learner.log", "scorer0.log"} <= set(logs) and not any("packing tree is off" in t for t in logs.values())
     engines = {name for name in ("rollout0", "rollout1") if read_metrics(str(recorded_run), name)}
     assert engines == {"rollout0", "rollout1"}
     result = tether("replay", str(recorded_run), "--out", str(recorded_run.parent / "replay"))
