@@ -195,7 +195,9 @@ def main() -> None:
               f"{'met' if ratio >= GOAL else 'NOT met'}", flush=True)
     if not args.memory:
         print("\nthe peak memory of each, in a process of its own (bench/packing.py --memory):", flush=True)
-        subprocess.run([sys.executable, *sys.argv, "--memory"], check=True)
+        ranks = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # this process's, still held
+        subprocess.run([sys.executable, *sys.argv, "--memory"], check=True,
+                       env={key: value for key, value in os.environ.items() if key not in ranks})
 
 
 if __name__ == "__main__":

@@ -103,8 +103,9 @@ class SequenceBatch:
         entries that score each response token. A packed pass's rows hold the B rows' tokens among
         them: its positions index its rows' nodes one after another."""
         if self.position_ids is not None:
-            flat = per_position.reshape(1, -1, *per_position.shape[2:])
-            per_position = flat.expand(len(self.response_positions), *flat.shape[1:])
+            # indexed, not gathered from a view expanded to B rows: the backward of a gather fills a
+            # gradient of its input's shape, B x R x W x V of logits
+            return per_position.reshape(-1, *per_position.shape[2:])[self.response_positions]
         return gather_response(per_position, self.response_positions)
 
     @property

@@ -154,6 +154,8 @@ def packing_taken(config: TetherConfig, engines: list, log) -> TetherConfig:
     for engine, what in zip(engines, ("the actor", "the critic")):
         if engine is not None:
             packing = checked(engine.module, packing, config.rollout.max_model_len, log, what)
+    if parallel.any_rank(packing != config.learner.packing):  # the ranks deal rows alike only with one layout
+        packing = "none"
     if packing == config.learner.packing:
         return config
     return config.model_copy(update={"learner": config.learner.model_copy(update={"packing": packing})})

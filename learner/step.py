@@ -14,7 +14,7 @@ import torch
 
 from common.config import LearnerConfig, SamplingConfig, TetherConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
-from common.packing import Packing, packed, prefix_order, prompt_units
+from common.packing import Packing, for_model, packed, prefix_order, prompt_units
 from common.sequences import SequenceBatch
 from learner import ppo
 from learner.ptx import PtxStream, ptx_token_losses
@@ -222,12 +222,13 @@ def recompute(actor, critic, batch: SequenceBatch, cfg: LearnerConfig,
     with torch.no_grad():  # in micro-batches too: [b, T, V] logits are what memory peaks on
         mine = torch.arange(rows_total, device=device)[parallel.local_rows(rows_total)]
         parts = micro_batches_of(mine, lengths, cfg, parallel.world_size(), batch.input_ids, cfg.packing)
+        runs = list(_passes(batch, parts, cfg.packing, actor))  # laid out once, for the critic too
         old_logprobs = parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
-            logprobs_from_logits(forward_logits(actor, part), part.response_tokens, sampling)
-            for part in _passes(batch, parts, cfg.packing, actor)]), rows_total)
+            logprobs_from_logits(forward_logits(actor, run), run.response_tokens, sampling) for run in runs]),
+            rows_total)
         old_values = (parallel.gather_rows(_in_row_order(mine, parts, mask.shape[1], [
-            forward_values(critic, part) for part in _passes(batch, parts, cfg.packing, critic)]),
-            rows_total) if critic is not None else None)
+            forward_values(critic, for_model(run, critic)) for run in runs]), rows_total)
+                      if critic is not None else None)
     return old_logprobs, old_values
 
 
@@ -292,8 +293,9 @@ def train_epochs(actor, critic, batch: SequenceBatch, targets: Targets, config: 
     of each loss and statistic, the count of optimizer steps, and DeepSpeed's gradient norm of each
     one applied.
 
-    The shuffle is seeded by (seed, version): every rank draws the same minibatches and trains its
-    share of each (rows dealt by length, so the ranks' shares are alike), in micro-batches whose
+    The shuffle is seeded by (seed, version), prompt by prompt (``shuffled``): every rank draws the
+    same minibatches and trains its share of each (``dealt``: by length, or a tree's in runs of like
+    packed cost, so the ranks' shares are alike), in micro-batches whose
     gradients DeepSpeed accumulates until the boundary set at the last; scaling each micro-batch's
     loss makes the gradient DeepSpeed steps with that of the whole minibatch."""
     cfg = config.learner
@@ -368,7 +370,8 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
     share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], cfg.loss_aggregation, world)
     token_share = weight * ppo.data_parallel_scale(mask, targets.mask[all_rows], "token-mean", world)
 
-    logits = forward_logits(actor, packed(minibatch, cfg.packing, actor))
+    run = packed(minibatch, cfg.packing, actor)  # laid out once, for the critic too
+    logits = forward_logits(actor, run)
     logprobs = logprobs_from_logits(logits, minibatch.response_tokens, sampling)
     norm_length = cfg.loss_norm_length or config.rollout.max_new_tokens  # seq-mean-token-sum-norm's constant
     policy_loss, policy_stats = ppo.ppo_policy_loss(logprobs, targets.old_logprobs[cut], targets.advantages[cut],
@@ -397,7 +400,7 @@ def train_micro_batch(actor, critic, batch: SequenceBatch, rows: torch.Tensor, a
 
     value_stats = {}
     if critic is not None:  # its loss is checked before either engine steps
-        values = forward_values(critic, packed(minibatch, cfg.packing, critic))
+        values = forward_values(critic, for_model(run, critic))
         value_loss, value_stats = ppo.value_loss(values, targets.old_values[cut], targets.returns[cut], mask,
                                                  cfg.value_clip, cfg.loss_aggregation, norm_length)
         if parallel.any_rank(not bool(torch.isfinite(value_loss))):

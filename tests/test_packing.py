@@ -214,6 +214,26 @@ def test_packed_and_tree_passes_equal_a_padded_one_with_their_gradients(family, 
     assert float(batch.response_mask.sum()) < batch.response_mask.numel()  # padding (and masks) were there to skip
 
 
+@pytest.mark.parametrize("packing", ["pack", "tree"])
+def test_the_start_up_probe_packs_rows_together_so_that_a_mask_ignored_shows(packing, monkeypatch):
+    """The probe's rows share packed rows (else a family that ignored the mask would pass it), and a
+    family whose rows see each other's tokens is caught: here the mask is dropped before the model."""
+    import common.packing as packing_module
+    from transformers import AutoModelForCausalLM
+
+    made = []
+    original = packing_module.bins
+    monkeypatch.setattr(packing_module, "bins", lambda *a: made.append(original(*a)) or made[-1])
+    model = disable_dropout(AutoModelForCausalLM.from_config(family_config("llama")))
+    assert packing_module.probe_mismatch(model, packing) < 1e-5
+    assert max(len(group) for group in made[-1]) >= 2
+    forward = model.model.forward
+    monkeypatch.setattr(model.model, "forward", lambda **kw: forward(**{
+        **kw, "attention_mask": None if kw["attention_mask"].dim() == 4 else kw["attention_mask"]}))
+    assert packing_module.probe_mismatch(model, packing) > 1e-2
+    assert checked(model, packing, 64, logging.getLogger("test"), "the actor") == "none"
+
+
 def test_a_family_a_4d_mask_cannot_steer_falls_back_to_none_with_a_line(caplog):
     from transformers import AutoModelForCausalLM
 
