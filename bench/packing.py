@@ -31,7 +31,8 @@ import time
 GOAL = 1.5
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
-PACKINGS = ("none", "pack", "tree")
+
+from common.packing import PACKINGS  # noqa: E402 - the repository on the path first
 
 
 def task_samples(task: str, prompts: int, vocab: int, seed: int = 0) -> list:

@@ -62,12 +62,20 @@ def prompt_units(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths:
     least a whole prompt with the row before it (a prompt's responses; an episode's parts, each
     beginning with the one before). Returns each unit's row indices, the units in the order of
     their first rows in the batch (rows that share nothing are then units in the batch's order)."""
+    return [unit for unit, _ in _units(input_ids, lengths, prompt_lengths)]
+
+
+def _units(input_ids: torch.Tensor, lengths: torch.Tensor,
+           prompt_lengths: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``prompt_units``, each with what each of its rows shares with the row before it in the unit
+    (``prefix_order``'s, 0 for its first row)."""
     order, shared = prefix_order(input_ids, lengths)
     prompts = prompt_lengths.cpu()[order]
     joins = shared[1:] >= torch.minimum(prompts[1:], prompts[:-1])
     starts = [0] + (torch.nonzero(~joins).flatten() + 1).tolist()
-    units = [order[a:b] for a, b in zip(starts, starts[1:] + [len(order)])]
-    return sorted(units, key=lambda unit: int(unit.min()))
+    units = [(order[a:b], torch.cat([shared.new_zeros(1), shared[a + 1:b]]))
+             for a, b in zip(starts, starts[1:] + [len(order)])]
+    return sorted(units, key=lambda unit: int(unit[0].min()))
 
 
 @dataclass(frozen=True)
@@ -133,7 +141,7 @@ def packed(batch: SequenceBatch, packing: Packing, model=None) -> SequenceBatch:
         n = len(lay.input_ids)
         ids[r, :n], positions[r, :n], allowed[r, :n, :n] = lay.input_ids, lay.position_ids, lay.allowed
         node[group, :lay.node.shape[1]] = lay.node + r * width
-    if packing == "pack" and _attention(model).startswith("flash"):
+    if packing == "pack" and _attention(getattr(getattr(model, "module", model), "config", None)).startswith("flash"):
         # unmeasured (no GPU was lent to this project's sessions): flash-attn's varlen kernel, which
         # takes no 4-D mask and reads the sequences of one row from its position ids restarting at 0
         # (transformers finds them in a batch of one row only): the packed rows as one; a node's
@@ -163,15 +171,14 @@ def bins(input_ids: torch.Tensor, lengths: torch.Tensor, prompt_lengths: torch.T
         items = [(torch.tensor([row]), int(lengths[row])) for row in range(len(lengths))]
     else:
         items = []
-        for unit in prompt_units(input_ids, lengths, prompt_lengths):
+        for unit, shared in _units(input_ids, lengths, prompt_lengths):
             # in their tokens' order, a run of rows is a tree of its first row and what each adds
-            tokens = [input_ids[row, :int(lengths[row])].tolist() for row in unit.tolist()]
-            added = [len(b) - _common_prefix(a, b) for a, b in zip(tokens, tokens[1:])]
+            sizes, added = lengths[unit].tolist(), (lengths[unit] - shared).tolist()
             start = 0
             while start < len(unit):
-                size, end = len(tokens[start]), start + 1
-                while end < len(unit) and size + added[end - 1] <= capacity:
-                    size, end = size + added[end - 1], end + 1
+                size, end = sizes[start], start + 1
+                while end < len(unit) and size + added[end] <= capacity:
+                    size, end = size + added[end], end + 1
                 items.append((unit[start:end], size))
                 start = end
     rows: list[list[torch.Tensor]] = []
@@ -204,9 +211,8 @@ def for_model(run: SequenceBatch, model) -> SequenceBatch:
     return replace(run, attention_mask=additive(mask == 0, model))
 
 
-def _attention(model) -> str:
-    """The attention implementation ``model`` (a module or a DeepSpeed engine) runs: sdpa, eager..."""
-    config = getattr(getattr(model, "module", model), "config", None)
+def _attention(config) -> str:
+    """The attention implementation a model of ``config`` runs: sdpa, eager, flash_attention_2..."""
     return str(getattr(config, "_attn_implementation", None) or "sdpa")
 
 
@@ -229,7 +235,7 @@ def refusal(model_config, max_length: int | None, packing: Packing = "tree") -> 
     let a token see past it), a model that sees (its image tokens are placed in the padded rows)."""
     text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
     family = getattr(model_config, "model_type", "?")
-    attention = str(getattr(model_config, "_attn_implementation", None) or "sdpa")
+    attention = _attention(model_config)
     if packing == "tree" and attention.startswith("flash"):
         return f"{family} runs {attention}, which takes no tree's mask (sdpa does)"
     if text is not model_config or getattr(model_config, "vision_config", None) is not None:

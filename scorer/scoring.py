@@ -30,8 +30,7 @@ def reference_logprobs(reference: nn.Module, samples: list[Sample], pad_token_id
     out: list[torch.Tensor | None] = [None] * len(samples)
     for rows, run in _passes(reference, batch, packing, max_tokens):
         logits = reference(**run.model_inputs, use_cache=False).logits
-        logprobs = logprobs_from_logits(run.gather(logits), run.response_tokens,
-                                        sampling)
+        logprobs = logprobs_from_logits(run.gather(logits), run.response_tokens, sampling)
         for k, i in enumerate(rows.tolist()):
             out[i] = logprobs[k, :len(samples[i].response_tokens)].float().cpu()
     return out
@@ -103,7 +102,8 @@ def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask:
                last_positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
     """[B] fp32, uncalibrated: the RM's head on the hidden state of each row's last real token
     (``last_positions`` [B]), as the scorer reads it and tether rm trains it; ``inputs``: the image
-    inputs of an RM that sees, a packed pass's position_ids (its one row holds every row's tokens)."""
+    inputs of an RM that sees, a packed pass's position_ids (its packed rows hold every row's tokens,
+    which ``last_positions`` index one packed row after another)."""
     from training.lora import is_lora
 
     model = reward_model.get_base_model() if is_lora(reward_model) else reward_model
