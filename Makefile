@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-stamp
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
-	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,dev,ray,trackers,verifiers]'
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[cpu,dev,ray,trackers,verifiers,agents]'
 	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	# the tests' OpenEnv servers: openenv-core's server API alone (its declared dependencies
 	# bring gradio and the web UI; fastmcp and the rest come with the dev extra)

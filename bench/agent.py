@@ -25,6 +25,11 @@ threads and in a program process; an episode of tether's own tool, of the OpenAI
 and of the verifiers ToolEnv), round after round; with ``--baseline DIR`` (a git worktree of an
 older commit) the same figures of that checkout, measured in turns with this one's.
 
+``--apis``: no run, what a call costs through the endpoint in each API, no engine: the Responses
+API (every item sent again, as the Agents SDK does, or by ``previous_response_id``) against chat
+completions, and Anthropic's SDK over the Messages API against an OpenAI client, both through
+127.0.0.1 (limit: 1.5x the chat call).
+
 ``--verifiers``: the native episodes against the same task as a verifiers ``ToolEnv``
 (``demos.agent_verifiers``: verifiers' own rollout and rubric through the rollout's endpoint), and
 what an episode costs each way with no engine.
@@ -33,6 +38,7 @@ what an episode costs each way with no engine.
                           [-o KEY=VALUE ...]
     python bench/agent.py ... --baseline DIR   (each variant run by an older checkout too, in turns)
     python bench/agent.py --calls [--rounds 3] [--baseline DIR]
+    python bench/agent.py --apis [--rounds 3]
 """
 
 from __future__ import annotations
@@ -73,7 +79,8 @@ def ms_each(one, times: int, warm_up: int) -> tuple[float, float]:
     return (time.perf_counter() - started) / times * 1e3, (time.process_time() - cpu) / times * 1e3
 
 
-def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float, float]:
+def endpoint_ms_per_call(processes: int = 0, episodes: int = 300, program: str = "bench.agent:asks_twice",
+                         row: dict | None = None) -> tuple[float, float]:
     """Milliseconds per chat-completions call of agent episodes through the endpoint, one episode
     after another, each of two calls answered as soon as it arrives (no engine): the program's
     client, the route, the episode's hand-over and back, the program's thread and loop (or its
@@ -84,11 +91,10 @@ def endpoint_ms_per_call(processes: int = 0, episodes: int = 300) -> tuple[float
     from environments.tools import ToolCallParser
 
     tokenizer = build_tokenizer(tempfile.mkdtemp(prefix="tether-bench-tokenizer-"))
-    programs = AgentPrograms("bench.agent:asks_twice", ToolCallParser("hermes", tokenizer, None), 60.0, 60.0,
-                             processes=processes)
+    programs = AgentPrograms(program, ToolCallParser("hermes", tokenizer, None), 60.0, 60.0, processes=processes)
 
     def one_episode() -> None:
-        episode = programs.make({"prompt": "add 1 2 3 + 4 5 6 :"})
+        episode = programs.make({"prompt": "add 1 2 3 + 4 5 6 :", **(row or {})})
         episode.begin_reset().result(timeout=60.0)
         episode.begin_step("5 7 9", []).result(timeout=60.0)
         episode.begin_step("5 7 9", []).result(timeout=60.0)
@@ -169,6 +175,74 @@ async def asks_twice(client, row: dict) -> float:
         reply = (await client.chat.completions.create(model="policy", messages=messages)).choices[0].message
         messages += [reply.model_dump(exclude_none=True), {"role": "user", "content": "again"}]
     return 0.0
+
+
+async def asks_twice_over_http(client, row: dict) -> float:
+    """asks_twice with a client of its own through 127.0.0.1 (HTTP), as Anthropic's client reaches
+    the endpoint (messages_twice): the figure its cost is compared with."""
+    from openai import AsyncOpenAI
+
+    async with AsyncOpenAI(base_url=str(client.base_url), api_key=client.api_key, max_retries=0) as own:
+        return await asks_twice(own, row)
+
+
+async def responds_twice(client, row: dict) -> float:
+    """asks_twice over the Responses API, as the Agents SDK calls it: the second call sends every
+    item again (the SDK's default), or names the first response (``by_id`` in the row)."""
+    asked = [{"role": "user", "content": row["prompt"]}]
+    first = await client.responses.create(model="policy", input=asked)
+    again = [{"role": "user", "content": "again"}]
+    if row.get("by_id"):
+        await client.responses.create(model="policy", input=again, previous_response_id=first.id)
+    else:
+        await client.responses.create(model="policy", input=[*asked, *(item.model_dump(exclude_none=True)
+                                                                       for item in first.output), *again])
+    return 0.0
+
+
+async def messages_twice(client, row: dict) -> float:
+    """asks_twice over the Anthropic Messages API with Anthropic's SDK (through 127.0.0.1)."""
+    import anthropic
+
+    async with anthropic.AsyncAnthropic(base_url=str(client.base_url).removesuffix("/").removesuffix("/v1"),
+                                        api_key=client.api_key, max_retries=0) as claude:
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(2):
+            reply = await claude.messages.create(model="policy", max_tokens=16, messages=messages)
+            messages += [{"role": "assistant", "content": [block.model_dump(exclude_none=True)
+                                                           for block in reply.content]},
+                         {"role": "user", "content": "again"}]
+    return 0.0
+
+
+API_PROGRAMS = {"chat": ("bench.agent:asks_twice", {}), "responses": ("bench.agent:responds_twice", {}),
+                "responses by id": ("bench.agent:responds_twice", {"by_id": True}),
+                "chat over HTTP": ("bench.agent:asks_twice_over_http", {}),
+                "messages over HTTP": ("bench.agent:messages_twice", {})}
+API_LIMIT = 1.5  # an API's call costs at most this many times the chat call it is compared with
+
+
+def compare_apis(rounds: int, episodes: int = 150) -> None:
+    """``--apis``: what a call of each API costs through the endpoint (no engine; the program's SDK,
+    the route, the conversion to a chat request and back), in turns in this process, round after
+    round: the Responses API against chat completions in this process (an async client's own
+    transport), Anthropic's SDK against an OpenAI client of its own, both through 127.0.0.1."""
+    import statistics
+
+    results: dict[str, list[float]] = {name: [] for name in API_PROGRAMS}
+    for round_index in range(rounds):
+        for name, (program, row) in API_PROGRAMS.items():
+            results[name].append(endpoint_ms_per_call(0, episodes, program, row)[0])
+            print(f"round {round_index + 1} {name}: {results[name][-1]:.2f} ms a call", flush=True)
+    median = {name: statistics.median(figures) for name, figures in results.items()}
+    print(f"\nmedian over {rounds} rounds, ms a call (limit: {API_LIMIT}x the chat call compared with):")
+    for name, against in [("chat", None), ("responses", "chat"), ("responses by id", "chat"),
+                          ("chat over HTTP", None), ("messages over HTTP", "chat over HTTP")]:
+        line = f"  {name:20s} {median[name]:6.2f}"
+        if against:
+            ratio = median[name] / median[against]
+            line += f"  {ratio:.2f}x {against} (limit {API_LIMIT}x: {'met' if ratio <= API_LIMIT else 'NOT met'})"
+        print(line)
 
 
 async def sdk_free_agent(client, row: dict) -> float:
@@ -259,6 +333,8 @@ def main() -> None:
                                                                  "verifiers ToolEnv (demos.agent_verifiers)")
     parser.add_argument("--variants", help="a comma-separated subset of the variants to run (default: all)")
     parser.add_argument("--calls", action="store_true", help="no run: an episode's and a call's cost, no engine")
+    parser.add_argument("--apis", action="store_true", help="no run: a call's cost in each API of the endpoint "
+                                                             "(chat, Responses, Anthropic Messages), no engine")
     parser.add_argument("--baseline", help="another tether checkout (a worktree of an older commit): each variant "
                         "again as base-<name>, run by it (with --calls: its figures)")
     parser.add_argument("-o", "--override", action="append", default=[], metavar="KEY=VALUE",
@@ -266,6 +342,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.calls:
         return compare_calls(args.rounds, args.baseline)
+    if args.apis:
+        return compare_apis(args.rounds)
 
     assets = os.path.join(REPO, ".demo", "assets-agent")
     build_assets(assets, log=lambda line: print(line, flush=True))  # cached after the first time

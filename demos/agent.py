@@ -302,7 +302,8 @@ def run_demo(assets: Path, overrides: list[str], openai: bool = False, openenv: 
     """Build the assets (once), run PPO on episodes with the calculator, report held-out exact
     answers of the SFT and the PPO policy (target: +0.3). ``openai``: the episodes are
     ``openai_agent``'s, a program calling the rollout's OpenAI endpoint, instead of tether's own;
-    ``openenv``: the calculator is an OpenEnv server's tool (``openenv_app``, served here)."""
+    ``openenv``: the calculator is an OpenEnv server's tool (``openenv_app``, served here). An
+    agent framework's episodes: ``demos.agent_frameworks.overrides``."""
     from demos.parity import run_and_compare
 
     started = time.monotonic()

@@ -211,16 +211,16 @@ class ProgramProcesses:
 
     def answer(self, call: dict, send: Callable[[dict], None]) -> None:
         """A program's ``call`` message answered by the endpoint, its answer message to ``send``."""
-        from environments.endpoint import InProcess
+        from environments.agent_apis import ROUTES
 
         def reply(status: int, answer: Any, streamed: bool = False) -> None:
             send({"kind": "answer", "key": call["key"], "id": call["id"], "status": status, "answer": answer,
                   "streamed": streamed})
 
-        completion = InProcess.ROUTES.get(call["path"])
-        if completion is None:
+        api = ROUTES.get(call["path"])
+        if api is None:
             return reply(404, {"detail": "Not Found"})
-        self.take(f"Bearer {call['key']}", call["body"].encode(), completion, reply)
+        self.take(call["key"], call["body"].encode(), api, reply)
 
     def close(self) -> None:
         with self.lock:
@@ -334,7 +334,9 @@ class OverConnection(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         number = next(self.ids)
         self.waiting[number] = answer = asyncio.get_running_loop().create_future()
-        key = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        from environments.agent_apis import episode_key
+
+        key = episode_key(request.headers)
         try:
             _send(self.connection, {"kind": "call", "key": key, "id": number, "path": request.url.path,
                                     "body": (await request.aread()).decode()})

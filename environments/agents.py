@@ -234,7 +234,7 @@ class ProgramThread:
         episode's key, or the command."""
         programs = self.programs
         if programs.command:
-            return _run_command(programs.command, programs.endpoint.base_url, environment, programs.deadline_s)
+            return _run_command(programs.command, programs.endpoint, environment, programs.deadline_s)
         own = episode_client(client, environment.key)
         if programs.asynchronous:
             return loop.run_until_complete(_whole(programs.program(own, environment.row), programs.deadline_s))
@@ -254,12 +254,14 @@ def _close_loop(loop: asyncio.AbstractEventLoop) -> None:
     loop.close()
 
 
-def _run_command(command: list[str], base_url: str, environment: "AgentEnvironment", deadline_s: float) -> Any:
-    """An agent program in a process of its own (``rollout.agent_command``), as OpenAI's clients
-    configure themselves: ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (the episode's key) in its
-    environment; the row, a JSON line, on its stdin; its reward on stdout's last line (a number,
+def _run_command(command: list[str], endpoint: Endpoint, environment: "AgentEnvironment", deadline_s: float
+                 ) -> Any:
+    """An agent program in a process of its own (``rollout.agent_command``), as OpenAI's and
+    Anthropic's clients configure themselves: ``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL`` and
+    ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY`` (the episode's key) in its environment; the row, a JSON line, on its stdin; its reward on stdout's last line (a number,
     or a JSON object with ``reward``; earlier lines are its own). The episode's end kills it."""
-    variables = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": environment.key}
+    variables = {**os.environ, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": environment.key,
+                 "ANTHROPIC_BASE_URL": endpoint.root_url, "ANTHROPIC_API_KEY": environment.key}
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                env=variables, text=True, start_new_session=True)
     environment.process = process
@@ -363,6 +365,8 @@ class AgentEnvironment:
         self.call: Call | None = None  # the call the policy's next turn answers
         self.sent: list[dict] = []  # the conversation as the program sent it, with the replies it got
         self.tools: list[dict] | None = None  # the program's tools, as its first call passed them
+        # the conversation through each of its Responses API answers, by response id (previous_response_id)
+        self.conversations: dict[str, list[dict]] = {}
         self.completion: bool | None = None  # its calls are completions (not chat), from its first
         self.text, self.ids = "", []  # a completions episode so far, as the program knows it and as the engine does
         self.unsaid = ""  # the text of the stop token ending self.ids that the last answer's text omits
@@ -378,6 +382,7 @@ class AgentEnvironment:
         refused = refusal(call.request, self.programs.sampling)
         if refused is not None:
             return HTTPError(400, refused)
+        call.sampling = self.programs.sampling
         with self.lock:
             spent = self.spent
         if spent:  # answered at once, with nothing: a program that reads no finish_reason still ends and returns
@@ -492,8 +497,10 @@ class AgentEnvironment:
         reasoning, text = parser.reasoning.split(text) if parser.reasoning is not None else (None, text)
         content, tool_calls, unread = parser.openai_calls(text, call.request)
         answer = _answer(call.request, content, tool_calls, turn, tokenizer, reasoning)
-        call.answer(answer if unread is None else _marked(answer, unread))
         self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
+        if call.api == "responses":  # before the answer: the program's next call may name it at once
+            self.conversations[call.asked.request_id] = list(self.sent)
+        call.answer(answer if unread is None else _marked(answer, unread))
         return tool_calls, [] if unread is None else [ToolError("malformed", None, {}, unread)]
 
     def close(self) -> None:
@@ -760,12 +767,22 @@ def _plain(message: Any) -> dict:
     if message.get("tool_calls"):
         plain["tool_calls"] = [{"id": call["id"], "type": "function",
                                 "function": {"name": call["function"]["name"],
-                                             "arguments": call["function"]["arguments"]}}
+                                             "arguments": _arguments(call["function"]["arguments"])}}
                                for call in (dict(c) for c in message["tool_calls"])]
     for key in ("tool_call_id", "name"):
         if message.get(key):
             plain[key] = message[key]
     return plain
+
+
+def _arguments(arguments: str) -> str:
+    """A tool call's arguments as they compare: JSON written as ``json.dumps`` writes it, as an
+    Anthropic call's ``tool_use`` input comes back (a dict, written again by vLLM's converter), or
+    the text as it is where it is not JSON."""
+    try:
+        return json.dumps(json.loads(arguments))
+    except (TypeError, ValueError):
+        return arguments
 
 
 def _reward(value: Any, others_score: bool) -> tuple[float, dict[str, float]]:

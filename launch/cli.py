@@ -269,6 +269,9 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
                                                  "against the OpenAI API (demos/agent.py openai_agent)"),
          openenv: bool = typer.Option(False, help="with --agent: the calculator is an OpenEnv server's MCP tool "
                                                   "(demos/agent.py openenv_app, served by the demo)"),
+         framework: Optional[str] = typer.Option(None, help="with --agent: the episodes are the task written with "
+                                                            "an agent framework: openai-agents, anthropic, langgraph "
+                                                            "or smolagents (demos/agent_frameworks.py)"),
          vision: bool = typer.Option(False, help="the parity read from an image: a policy that sees "
                                                  "(configs/demo-vision.yaml)"),
          judge: bool = typer.Option(False, help="an LLM judge on vLLM in the scorer in place of the reward "
@@ -277,9 +280,9 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
                                                   "policy's logprobs (configs/demo-distill.yaml)")) -> None:
     """Build the demo's tokenizer, SFT policy and reward model (once), run PPO, report gold reward."""
     if judge or distill:
-        if agent or openai or openenv or long_tail or vision or (judge and distill):
+        if agent or openai or openenv or framework or long_tail or vision or (judge and distill):
             fail(f"tether demo --{'judge' if judge else 'distill'} is a demo of its own: without --agent, --openai, "
-                 "--openenv, --long-tail, --vision, --judge or --distill", ExitCode.CONFIG_ERROR)
+                 "--openenv, --framework, --long-tail, --vision, --judge or --distill", ExitCode.CONFIG_ERROR)
         if judge:
             from demos.judge import run_demo as run_judge_demo
 
@@ -288,16 +291,23 @@ def demo(assets: Path = typer.Option(Path(".demo"), help="where the demo's model
 
         raise typer.Exit(run_distill_demo(assets, override or []))
     if vision:
-        if agent or openai or openenv or long_tail:
-            fail("tether demo --vision is a demo of its own: without --agent, --openai, --openenv or --long-tail",
-                 ExitCode.CONFIG_ERROR)
+        if agent or openai or openenv or framework or long_tail:
+            fail("tether demo --vision is a demo of its own: without --agent, --openai, --openenv, --framework or "
+                 "--long-tail", ExitCode.CONFIG_ERROR)
         from demos.vision import run_demo as run_vision_demo
 
         raise typer.Exit(run_vision_demo(assets, override or []))
-    if agent or openai or openenv:
+    if agent or openai or openenv or framework:
         from demos.agent import run_demo as run_agent_demo
+        from demos.agent_frameworks import FRAMEWORKS, overrides
 
-        raise typer.Exit(run_agent_demo(assets, override or [], openai, openenv))
+        if framework is not None and framework not in FRAMEWORKS:
+            fail(f"--framework {framework}: one of {', '.join(FRAMEWORKS)}", ExitCode.CONFIG_ERROR)
+        if sum(map(bool, (openai, openenv, framework))) > 1:
+            fail("--openai, --openenv and --framework are each the agent demo's episodes another way: one at a time",
+                 ExitCode.CONFIG_ERROR)
+        variant = overrides(framework) if framework else []
+        raise typer.Exit(run_agent_demo(assets, [*variant, *(override or [])], openai, openenv))
     from demos.parity import run_demo
 
     raise typer.Exit(run_demo(assets, override or [], long_tail))

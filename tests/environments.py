@@ -148,6 +148,76 @@ async def asks_twice(client, row: dict) -> dict:
 SEEN: dict[str, dict] = {}  # what calls_add's replies held, by the row's id, for the test to read
 
 
+async def responds_twice(client, row: dict) -> dict:
+    """asks_twice against the Responses API: the second call names the first response
+    (previous_response_id) and adds the call's output alone, or where the row says ``"whole"``
+    sends the whole conversation's items again; streamed where the row says ``"stream"``. What each
+    answer held goes to SEEN."""
+    tool = {"type": "function", **ADD["function"]}
+    stream, seen = bool(row.get("stream")), []
+
+    async def create(**fields):
+        if not stream:
+            response = await client.responses.create(model="policy", tools=[tool], **fields)
+        else:
+            events = await client.responses.create(model="policy", tools=[tool], stream=True, **fields)
+            response = None
+            async for event in events:
+                response = event.response if event.type in ("response.completed", "response.incomplete") else response
+        seen.append({"status": response.status, "text": response.output_text,
+                     "calls": [(item.name, json.loads(item.arguments)) for item in response.output
+                               if item.type == "function_call"]})
+        return response
+
+    asked = [{"role": "user", "content": row["prompt"]}]
+    first = await create(input=asked)
+    outputs = [{"type": "function_call_output", "call_id": item.call_id,
+                "output": str(add(**json.loads(item.arguments)))} for item in first.output if item.type == "function_call"]
+    if row.get("whole"):
+        final = await create(input=[*asked, *(item.model_dump(exclude_none=True) for item in first.output), *outputs])
+    else:
+        final = await create(input=outputs, previous_response_id=first.id)
+    SEEN[row["id"]] = seen
+    return {"reward": 1.0 if final.output_text == "42" else 0.0, "calls": 2}
+
+
+async def claude_asks_twice(client, row: dict) -> dict:
+    """asks_twice written with Anthropic's SDK against the Messages API: a system prompt, the add
+    tool, the tool_use it gets answered with a tool_result; streamed where the row says
+    ``"stream"``. What each answer held goes to SEEN."""
+    import anthropic
+
+    claude = anthropic.AsyncAnthropic(base_url=str(client.base_url).removesuffix("/").removesuffix("/v1"),
+                                      api_key=client.api_key, max_retries=0)
+    tool = {"name": "add", "description": ADD["function"]["description"], "input_schema": ADD["function"]["parameters"]}
+    messages, seen = [{"role": "user", "content": row["prompt"]}], []
+
+    async def create():
+        fields = dict(model="policy", max_tokens=64, system="Add with the tool.", tools=[tool], messages=messages)
+        if row.get("stream"):
+            async with claude.messages.stream(**fields) as events:
+                message = await events.get_final_message()
+        else:
+            message = await claude.messages.create(**fields)
+        seen.append({"stop_reason": message.stop_reason, "blocks": [block.model_dump(exclude_none=True)
+                                                                    for block in message.content]})
+        return message
+
+    try:
+        first = await create()
+        messages.append({"role": "assistant", "content": [block.model_dump(exclude_none=True)
+                                                          for block in first.content]})
+        messages.append({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": block.id, "content": str(add(**block.input))}
+            for block in first.content if block.type == "tool_use"]})
+        final = await create()
+    finally:
+        await claude.close()
+    SEEN[row["id"]] = seen
+    text = "".join(block.text for block in final.content if block.type == "text")
+    return {"reward": 1.0 if text == "42" else 0.0, "calls": 2}
+
+
 async def calls_add(client, row: dict) -> float:
     """Asks once with the add tool and keeps what the reply held."""
     reply = (await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": row["prompt"]}],

@@ -52,6 +52,29 @@ def test_the_agent_task_needs_its_tool():
     assert exact_answer(None, answer, row) == 1.0
 
 
+def test_the_agent_demos_framework_is_one_it_knows_and_one_way_at_a_time(monkeypatch):
+    """`tether demo --agent --framework <name>`: a name it does not know, or a second way of running
+    the episodes, is refused before anything is built; a known one runs the demo with that
+    framework's program (demos.agent_frameworks.FRAMEWORKS)."""
+    from typer.testing import CliRunner
+
+    import demos.agent
+    from demos.agent_frameworks import FRAMEWORKS, overrides
+    from launch.cli import app
+    from launch.exit_codes import ExitCode
+
+    result = CliRunner().invoke(app, ["demo", "--agent", "--framework", "crewai"])
+    assert result.exit_code == ExitCode.CONFIG_ERROR and "--framework crewai: one of openai-agents" in result.output
+    result = CliRunner().invoke(app, ["demo", "--agent", "--openai", "--framework", "langgraph"])
+    assert result.exit_code == ExitCode.CONFIG_ERROR and "one at a time" in result.output
+    ran = []
+    monkeypatch.setattr(demos.agent, "run_demo", lambda *arguments: ran.append(arguments) or 0)
+    assert CliRunner().invoke(app, ["demo", "--agent", "--framework", "openai-agents"]).exit_code == 0
+    assert sorted(FRAMEWORKS) == ["anthropic", "langgraph", "openai-agents", "smolagents"]
+    assert ran[0][1] == overrides("openai-agents") and "rollout.tools=[]" in ran[0][1]
+    assert "rollout.agent=demos.agent_frameworks:openai_agents" in ran[0][1]
+
+
 @pytest.mark.slow
 def test_episodes_at_k0_train_exactly_what_vllm_sampled(tmp_path, agent_assets):
     """k = 0: every step after the first trains episodes generated after an in-place weight update,
@@ -168,16 +191,16 @@ class SeededEpisodes:
         finally:
             programs.close()
 
-    def same_streams(self, theirs, skip: str) -> int:
+    def same_streams(self, theirs, *skip: str) -> int:
         """How many of ``theirs`` were compared with the native episode of their row, and found
-        the same prompt, token stream, mask and logprobs; a native episode whose messages hold
-        ``skip`` is left out (a call the policy wrote wrong, answered differently by each way)."""
+        the same prompt, token stream, mask and logprobs; a native episode whose messages hold one
+        of ``skip`` is left out (a call the policy wrote wrong, answered differently by each way)."""
         import numpy as np
 
         assert len(theirs) == len(self.native)
         compared = multi_turn = 0
         for ours, other in zip(self.native, theirs):
-            if skip in ours.messages:
+            if any(text in ours.messages for text in skip):
                 continue
             compared += 1
             multi_turn += int(ours.loss_mask.min() == 0)
@@ -223,6 +246,26 @@ def test_an_openai_client_program_gives_the_native_episodes_tokens(seeded):
             assert float(theirs.turn_rewards.sum()) == exact_answer(json.loads(ours.messages), "", row)
     for samples in (seeded.native, agent):
         turns_rewarded_in_place(seeded, samples)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("framework", ["openai_agents", "anthropic_messages", "langgraph"])
+def test_an_agent_written_with_its_framework_gives_the_native_episodes_tokens(seeded, framework):
+    """The task written with an agent framework as its docs write one (demos/agent_frameworks.py):
+    the OpenAI Agents SDK over the Responses API, Anthropic's SDK over the Messages API, LangGraph's
+    ReAct agent over chat completions. Through the rollout's endpoint each gives every episode the
+    native episode's prompt, token stream, mask and logprobs, and the framework's own conversation
+    is what was trained: its reward is the exact answer of the native conversation. Episodes where
+    a tool failed or a call was malformed are left out: each framework words a failure its own way."""
+    from demos.agent import exact_answer
+
+    theirs, dropped = seeded.run_programs(seeded.config(f"rollout.agent=demos.agent_frameworks:{framework}"))
+    assert dropped == 0
+    seeded.same_streams(theirs, "malformed tool call", "error")
+    for ours, their in zip(seeded.native, theirs):
+        if "malformed tool call" not in ours.messages and "error" not in ours.messages:
+            row = seeded.rows[ours.data_row]
+            assert float(their.turn_rewards.sum()) == exact_answer(json.loads(ours.messages), "", row)
 
 
 def turn_tokens(response_tokens):

@@ -129,12 +129,14 @@ def test_a_streamed_call_gets_the_whole_turn_as_chunks(programs):
 
 def test_a_command_in_a_process_of_its_own_is_a_program_too(programs):
     """rollout.agent_command: the row on stdin, the endpoint and the episode's key in OPENAI_BASE_URL
-    and OPENAI_API_KEY, the reward on stdout's last line; one that fails says why with its stderr."""
+    and OPENAI_API_KEY (and ANTHROPIC_BASE_URL, ANTHROPIC_API_KEY: Anthropic's client reads them
+    alone), the reward on stdout's last line; one that fails says why with its stderr."""
     agent = programs([sys.executable, os.path.join(os.path.dirname(__file__), "agent_command.py")])
-    episode = agent.make({"prompt": "What is 17 plus 25?"})
-    assert first_of(episode) == [{"role": "user", "content": "What is 17 plus 25?"}]
-    assert step_of(episode, "42", []) == Step(None, 1.0, done=True)
-    assert episode.process.returncode == 0
+    for row in ({}, {"anthropic": True}):
+        episode = agent.make({"prompt": "What is 17 plus 25?", **row})
+        assert first_of(episode) == [{"role": "user", "content": "What is 17 plus 25?"}]
+        assert step_of(episode, "42", []) == Step(None, 1.0, done=True)
+        assert episode.process.returncode == 0
     failing = agent.make({"prompt": "What is 17 plus 25?", "fail": True})
     with pytest.raises(RuntimeError, match="exited with 3; its stderr ends:\nno model to call today"):
         first_of(failing)
@@ -766,3 +768,111 @@ def test_a_call_taken_as_its_episode_ends_is_answered_and_a_call_message_of_the_
                               "tensors": []})
         with pytest.raises(ProtocolError, match=f"program_call: field '{field}' must be"):
             unpack(sent, ("call",))  # nor taken, from a process that sends it anyway
+
+
+def _tool_loop(agent, row: dict) -> list:
+    """An episode of ``agent`` on ``row`` with the turns given by hand (a call of add, then "42"):
+    its first observation, the one after the call (tool_call_id left out: each answer's own),
+    and its end."""
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>'
+    episode = agent.make({"prompt": "What is 17 plus 25?", **row})
+    first = first_of(episode)
+    step = step_of(episode, call, [])
+    assert step.observation[0]["tool_call_id"] == episode.sent[-2]["tool_calls"][0]["id"]  # the call it answers
+    after = [{k: v for k, v in message.items() if k != "tool_call_id"} for message in step.observation]
+    return [first, after, step_of(episode, "42", []), episode.tools]
+
+
+@pytest.mark.parametrize("row, processes", [({"id": "by-id"}, 0), ({"id": "whole", "whole": True}, 0),
+                                           ({"id": "streamed", "stream": True}, 0), ({"id": "in-a-process"}, 1)])
+def test_a_responses_api_program_makes_the_episode_a_chat_program_makes(programs, row, processes):
+    """The Responses API (as the OpenAI Agents SDK calls it): a second call that names the first
+    response (previous_response_id) and adds the call's output, or sends every item again, or
+    streams, or comes from a program process's connection, gives the episode the chat-completions
+    program gives: the same observations, no context restart, the same tools rendered and the same
+    reward; the answers read as the API's."""
+    from tests.environments import SEEN
+
+    assert _tool_loop(programs("tests.environments:responds_twice", processes=processes), row) == _tool_loop(
+        programs("tests.environments:asks_twice"), {})
+    if processes:  # SEEN is the program process's
+        return
+    assert SEEN[row["id"]] == [{"status": "completed", "text": "", "calls": [("add", {"a": 17, "b": 25})]},
+                               {"status": "completed", "text": "42", "calls": []}]
+
+
+@pytest.mark.parametrize("row", [{"id": "claude"}, {"id": "claude-streamed", "stream": True}])
+def test_an_anthropic_sdk_program_makes_the_episode_a_chat_program_makes(programs, row):
+    """The Messages API through Anthropic's SDK (its x-api-key, its base URL without /v1): a system
+    prompt, tool_use answered with tool_result, streamed or not, gives the episode a chat program
+    with the same system message gives, and the answers read as Anthropic's."""
+    from tests.environments import SEEN
+
+    claude, chat = _tool_loop(programs("tests.environments:claude_asks_twice"), row), _tool_loop(
+        programs("tests.environments:asks_twice"), {})
+    assert claude[0] == [{"role": "system", "content": "Add with the tool."}, *chat[0]]
+    assert claude[1:] == chat[1:]
+    first, last = SEEN[row["id"]]
+    assert first["stop_reason"] == "tool_use" and [(b["type"], b["name"], b["input"]) for b in first["blocks"]] == [
+        ("tool_use", "add", {"a": 17, "b": 25})]
+    assert last == {"stop_reason": "end_turn", "blocks": [{"type": "text", "text": "42"}]}
+
+
+RESPONSES_REFUSED = [  # a Responses API call's fields, and what the endpoint says
+    ({"tools": [{"type": "web_search"}]}, "tools of type web_search: an episode's turn calls the program's function"),
+    ({"previous_response_id": "resp_elsewhere"}, "previous_response_id resp_elsewhere: no response of this episode"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format json_object: the run samples each turn as sampling"),
+    ({"temperature": 0.5}, "temperature 0.5: this run samples at sampling.temperature 1.0"),
+    ({"top_logprobs": 2}, "top_logprobs: the engine records the logprob of the token it sampled"),
+    ({"tools": [{"type": "function", **ADD["function"]}], "tool_choice": "required"}, "tool_choice 'required'"),
+    ({"input": 3}, "not a Responses API request"),
+]
+
+
+def test_responses_and_messages_calls_an_episode_may_not_make_are_refused_saying_why(programs):
+    """The new APIs are held to what a chat call is held to (one turn of the run's distribution),
+    and to what they add: built-in tools, another episode's response, formats; a key is read from
+    Anthropic's x-api-key as from OpenAI's Authorization."""
+    import anthropic
+
+    from common.config import SamplingConfig
+
+    agent = programs("tests.environments:asks_twice")
+    agent.sampling = SamplingConfig()
+    key = agent.make({}).key
+    client = openai.OpenAI(base_url=agent.endpoint.base_url, api_key=key, max_retries=0, timeout=10)
+    for asked, refused in RESPONSES_REFUSED:
+        with pytest.raises(openai.BadRequestError, match=re.escape(refused)):
+            client.responses.create(**{"model": "policy", "input": "hi", **asked})
+    claude = anthropic.Anthropic(base_url=agent.endpoint.root_url, api_key=key, max_retries=0, timeout=10)
+    for asked, refused in [({"stop_sequences": ["\n"]}, "stop: the run's turns end where the policy ends them"),
+                           ({"max_tokens": 0}, "max_tokens must be positive"),
+                           ({"tool_choice": {"type": "any"}, "tools": [{"name": "add", "input_schema": {
+                               "type": "object"}}]}, "tool_choice 'required'"),
+                           ({"messages": "hi"}, "not an Anthropic Messages API request")]:
+        with pytest.raises(anthropic.BadRequestError, match=re.escape(refused)):
+            claude.messages.create(**{"model": "policy", "max_tokens": 8, "messages": [
+                {"role": "user", "content": "hi"}], **asked})
+    stranger = anthropic.Anthropic(base_url=agent.endpoint.root_url, api_key="not-a-key", max_retries=0, timeout=10)
+    with pytest.raises(anthropic.AuthenticationError, match="unknown key"):
+        stranger.messages.create(model="policy", max_tokens=8, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_smolagents_agent_rewrites_its_memory_each_step_so_each_call_starts_a_sample(programs):
+    """smolagents' ToolCallingAgent (demos.agent_frameworks.smolagents) sends its memory again as
+    text each step (the turn as "Calling tools: [...]", the tool's output as a user's
+    "Observation:"): each call after the first is a context restart, trained as a sample of its
+    own from the conversation it sent, and the reward comes back with the program's return."""
+    from environments.interface import Restart
+
+    agent = programs("demos.agent_frameworks:smolagents", deadline_s=60.0)
+    episode = agent.make({"prompt": "add 1 2 + 3 4 :", "answer": "46"})
+    first = first_of(episode)
+    assert [message["role"] for message in first] == ["system", "user"] and "adder" in first[0]["content"]
+    step = step_of(episode, '<tool_call>\n{"name": "adder", "arguments": {"expression": "12 + 34"}}\n</tool_call>', [])
+    assert isinstance(step.observation, Restart) and step.tool_calls == 1
+    assert [(m["role"], m["content"].split("\n")[0]) for m in step.observation.first[1:]] == [
+        ("user", "New task:"), ("assistant", "Calling tools:"), ("user", "Observation:")]
+    assert step.observation.first[-1]["content"] == "Observation:\n46"
+    end = step_of(episode, '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "4 6"}}\n</tool_call>', [])
+    assert end.done and end.reward == 1.0

@@ -157,6 +157,38 @@ def test_the_readme_agent_is_answered_through_the_endpoint_and_its_config_holds(
         programs.close()
 
 
+@pytest.mark.parametrize("name", ["my_sdk_agent.py", "my_claude_agent.py"])
+def test_the_docs_framework_agents_are_answered_through_the_endpoint(tmp_path, monkeypatch, name):
+    """docs/guides/agent-frameworks.md's agents (the OpenAI Agents SDK over the Responses API,
+    Anthropic's SDK over the Messages API) as the rollout runs them, the policy's turns given by
+    hand: their first call is the first observation, the tool's result the next, the answer's
+    check the reward."""
+    from environments.agents import AgentPrograms
+    from environments.interface import Step
+    from environments.tools import ToolCallParser
+    from tests.helpers import chatml_tokenizer
+
+    files = doc_files()
+    for each in (name, "my_tools.py"):
+        (tmp_path / each).write_text(files[each])
+    monkeypatch.syspath_prepend(str(tmp_path))
+    block = next(body for body, _ in doc_configs().values() if "my_sdk_agent:solve" in body)
+    assert f"{name.removesuffix('.py')}:solve" in block
+    programs = AgentPrograms(f"{name.removesuffix('.py')}:solve",
+                             ToolCallParser("hermes", chatml_tokenizer(str(tmp_path / "tokenizer")), None), 30.0, 30.0)
+    try:
+        episode = programs.make({"prompt": "What is 17 plus 25?", "answer": "42"})
+        system = "Add with the tool." if name == "my_sdk_agent.py" else None
+        assert first_of(episode) == [*([{"role": "system", "content": system}] if system else []),
+                                     {"role": "user", "content": "What is 17 plus 25?"}]
+        assert [tool["function"]["name"] for tool in episode.tools] == ["add"]
+        step = step_of(episode, '<tool_call>\n{"name": "add", "arguments": {"a": 17, "b": 25}}\n</tool_call>', [])
+        assert [(m["role"], m["content"]) for m in step.observation] == [("tool", "42")]
+        assert step_of(episode, "The answer is 42", []) == Step(None, 1.0, done=True)
+    finally:
+        programs.close()
+
+
 def test_the_readme_command_agent_runs_in_a_process_of_its_own(tmp_path):
     """The docs' my_command_agent.py as rollout.agent_command starts it: its call is the first
     observation, what it prints last its reward."""
