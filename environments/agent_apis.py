@@ -81,11 +81,13 @@ def _responses_as_chat(body: bytes, conversations: dict[str, list[dict]]):
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
         "logit_bias", "seed", "stop", "stop_token_ids", "ignore_eos", "structured_outputs", "parallel_tool_calls")
         if getattr(asked, key) is not None}
-    tool_choice = asked.tool_choice if isinstance(asked.tool_choice, str) else asked.tool_choice.model_dump()
+    if not isinstance(asked.tool_choice, str):  # a named tool, allowed tools, a hosted tool: all force a choice
+        raise Refused(f"tool_choice {asked.tool_choice.type}: the policy calls a tool or not as it samples; only "
+                      "auto (and none) are served")
     chat = ChatCompletionRequest.model_validate({
         **shared, "model": asked.model, "messages": messages,
         "tools": construct_tool_dicts(asked.tools, asked.tool_choice),
-        "tool_choice": tool_choice if asked.tools else None,
+        "tool_choice": asked.tool_choice if asked.tools else None,
         "max_completion_tokens": asked.max_output_tokens,
         "logprobs": "message.output_text.logprobs" in (asked.include or []) or bool(asked.top_logprobs),
         "top_logprobs": asked.top_logprobs or None})

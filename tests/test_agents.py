@@ -825,6 +825,8 @@ RESPONSES_REFUSED = [  # a Responses API call's fields, and what the endpoint sa
     ({"temperature": 0.5}, "temperature 0.5: this run samples at sampling.temperature 1.0"),
     ({"top_logprobs": 2}, "top_logprobs: the engine records the logprob of the token it sampled"),
     ({"tools": [{"type": "function", **ADD["function"]}], "tool_choice": "required"}, "tool_choice 'required'"),
+    ({"tools": [{"type": "function", **ADD["function"]}], "tool_choice": {"type": "function", "name": "add"}},
+     "tool_choice function: the policy calls a tool or not as it samples"),
     ({"input": 3}, "not a Responses API request"),
 ]
 
@@ -876,3 +878,25 @@ def test_a_smolagents_agent_rewrites_its_memory_each_step_so_each_call_starts_a_
     assert step.observation.first[-1]["content"] == "Observation:\n46"
     end = step_of(episode, '<tool_call>\n{"name": "final_answer", "arguments": {"answer": "4 6"}}\n</tool_call>', [])
     assert end.done and end.reward == 1.0
+
+
+def test_an_answer_that_cannot_be_written_in_its_api_fails_the_call_with_500_and_the_endpoint_serves_on(
+        programs, monkeypatch):
+    """Should the answer of a Responses call fail to be written, the program's call gets a 500
+    saying why (it never waits on), its episode ends with the program's error, and the next
+    episode is served."""
+    import environments.agent_apis
+
+    agent = programs("tests.environments:responds_twice")
+    episode = agent.make({"id": "unwritten", "prompt": "What is 17 plus 25?"})
+    first_of(episode)
+
+    def broken(*_):
+        raise RuntimeError("no writer for this answer")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(environments.agent_apis, "answer", broken)
+        with pytest.raises(openai.InternalServerError, match=re.escape(
+                "the rollout could not answer this call (RuntimeError: no writer for this answer)")):
+            step_of(episode, "42", [])
+    assert _tool_loop(agent, {"id": "after"})[2].reward == 1.0
