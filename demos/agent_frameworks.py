@@ -102,8 +102,12 @@ async def langgraph(client, row: dict) -> float:
     from langgraph.errors import GraphRecursionError
     from langgraph.prebuilt import ToolNode, create_react_agent
 
+    # the episode's own client: ChatOpenAI otherwise keeps one async HTTP client per base URL for the
+    # whole process, bound to the event loop of the episode that made it, and each program thread
+    # runs a loop of its own ("bound to a different event loop" in the next thread's episodes)
     model = ChatOpenAI(model="policy", base_url=str(client.base_url), api_key=client.api_key,
-                       max_tokens=MAX_TOKENS, max_retries=0)
+                       root_async_client=client, async_client=client.chat.completions, max_tokens=MAX_TOKENS,
+                       max_retries=0)
     tools = ToolNode([tool(calculator)], handle_tool_errors=tool_error)
     agent = create_react_agent(model, tools)
     try:
