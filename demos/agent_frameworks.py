@@ -46,16 +46,16 @@ def tool_error(error: Exception) -> str:
 async def openai_agents(client, row: dict) -> float:
     """The OpenAI Agents SDK: an Agent with the calculator as a function tool, its model the
     Responses API at the endpoint, run for at most MAX_CALLS turns."""
-    from agents import (Agent, MaxTurnsExceeded, ModelSettings, OpenAIResponsesModel, Runner, function_tool,
-                        set_tracing_disabled)
+    from agents import (Agent, MaxTurnsExceeded, ModelBehaviorError, ModelSettings, OpenAIResponsesModel, Runner,
+                        function_tool, set_tracing_disabled)
 
     set_tracing_disabled(True)  # traces go to OpenAI's platform otherwise
     agent = Agent(name="calculator", tools=[function_tool(calculator, failure_error_function=lambda _, e: tool_error(e))],
                   model=OpenAIResponsesModel("policy", client), model_settings=ModelSettings(max_tokens=MAX_TOKENS))
     try:
         result = await Runner.run(agent, row["prompt"], max_turns=MAX_CALLS)
-    except MaxTurnsExceeded:
-        return 0.0
+    except (MaxTurnsExceeded, ModelBehaviorError):  # the SDK raises for a reply cut at max_tokens ("incomplete")
+        return 0.0  # too: no answer, as the chat program's cut reply gives none
     return exact(result.final_output, row)
 
 
