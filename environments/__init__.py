@@ -11,6 +11,7 @@ of environment behind it.
 - verifiers_envs: a verifiers environment's episodes, as an agent program
 - agents: agent programs, whose calls to the rollout's endpoint are an episode's turns
 - endpoint: the OpenAI-compatible endpoint those calls reach
+- agent_apis: the Responses and Anthropic Messages APIs on it, each call taken as a chat call
 - agent_processes: agent programs in processes of their own, over ``protocol``'s messages
 - program_runs: how a program runs (its client, its deadline), in a thread or a process
 
