@@ -29,8 +29,8 @@ MAX_TOKENS = 20  # each reply's bound, as demos.agent.openai_agent
 def overrides(framework: str) -> list[str]:
     """The agent demo's episodes as the task written with ``framework`` (a key of FRAMEWORKS), as
     ``tether demo --agent --openai``'s are demos.agent.openai_agent's."""
-    return [*OPENAI_AGENT[:1], f"rollout.agent=demos.agent_frameworks:{FRAMEWORKS[framework]}",
-            f"run_dir=runs/demo-agent-{framework}", *OPENAI_AGENT[3:]]
+    return [*(override for override in OPENAI_AGENT if not override.startswith(("rollout.agent=", "run_dir="))),
+            f"rollout.agent=demos.agent_frameworks:{FRAMEWORKS[framework]}", f"run_dir=runs/demo-agent-{framework}"]
 
 
 def exact(text: str | None, row: dict) -> float:
@@ -50,8 +50,9 @@ async def openai_agents(client, row: dict) -> float:
                         function_tool, set_tracing_disabled)
 
     set_tracing_disabled(True)  # traces go to OpenAI's platform otherwise
-    agent = Agent(name="calculator", tools=[function_tool(calculator, failure_error_function=lambda _, e: tool_error(e))],
-                  model=OpenAIResponsesModel("policy", client), model_settings=ModelSettings(max_tokens=MAX_TOKENS))
+    tools = [function_tool(calculator, failure_error_function=lambda _, error: tool_error(error))]
+    agent = Agent(name="calculator", tools=tools, model=OpenAIResponsesModel("policy", client),
+                  model_settings=ModelSettings(max_tokens=MAX_TOKENS))
     try:
         result = await Runner.run(agent, row["prompt"], max_turns=MAX_CALLS)
     except (MaxTurnsExceeded, ModelBehaviorError):  # the SDK raises for a reply cut at max_tokens ("incomplete")

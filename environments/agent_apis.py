@@ -11,8 +11,10 @@ becomes vLLM's ``ResponsesResponse`` or ``AnthropicMessagesResponse``; a streame
 whole turn as that API's events (the turn is generated before it is answered, as for chat).
 
 ``previous_response_id`` names a response of the same episode: the conversation through it is the
-episode's (``AgentEnvironment.conversations``), its function calls included (vLLM's own store keeps
-a response's text alone).
+episode's (``AgentEnvironment.conversations``, kept by ``remember``), its function calls and the
+system messages it sent included; the instructions that response was given alone do not carry over,
+as OpenAI's API says (vLLM's own store keeps a response's text alone, and drops every system
+message).
 """
 
 from __future__ import annotations
@@ -25,8 +27,11 @@ from typing import Any
 # the path of each API's route, and its name in Call.api
 ROUTES = {"/v1/chat/completions": "chat", "/v1/completions": "completions", "/v1/responses": "responses",
           "/v1/messages": "messages"}
-NAMES = {"chat": "a chat-completions", "completions": "a completions", "responses": "a Responses API",
-         "messages": "an Anthropic Messages API"}  # as a refusal names a call of each
+CALL_NAMES = {"chat": "a chat-completions", "completions": "a completions", "responses": "a Responses API",
+              "messages": "an Anthropic Messages API"}  # as a refusal names a call of each
+# a Responses API answer's conversation (its messages through the reply) and the instructions it was
+# given, by response id
+Conversations = dict[str, tuple[list[dict], "str | None"]]
 
 
 class Refused(ValueError):
@@ -40,7 +45,7 @@ def episode_key(headers) -> str:
     return bearer or headers.get("x-api-key", "").strip()
 
 
-def as_chat(api: str, body: bytes, conversations: dict[str, list[dict]]):
+def as_chat(api: str, body: bytes, conversations: Conversations):
     """``body`` of a ``responses`` or ``messages`` call as (vLLM's ``ChatCompletionRequest``, the
     API's own request). ``conversations``: the episode's, by response id. Raises pydantic's or
     vLLM's validation errors, or ``Refused``."""
@@ -53,7 +58,7 @@ def as_chat(api: str, body: bytes, conversations: dict[str, list[dict]]):
     return AnthropicServingMessages.to_chat_completion_request(asked), asked
 
 
-def _responses_as_chat(body: bytes, conversations: dict[str, list[dict]]):
+def _responses_as_chat(body: bytes, conversations: Conversations):
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.entrypoints.openai.responses.protocol import ResponsesRequest
     from vllm.entrypoints.openai.responses.utils import construct_input_messages, construct_tool_dicts
@@ -68,14 +73,16 @@ def _responses_as_chat(body: bytes, conversations: dict[str, list[dict]]):
     if asked.text is not None and asked.text.format is not None and asked.text.format.type != "text":
         raise Refused(f"text.format {asked.text.format.type}: the run samples each turn as sampling says, with "
                       "no formats of a call's own")
-    previous = None
+    history: list[dict] = []
     if asked.previous_response_id is not None:
-        previous = conversations.get(asked.previous_response_id)
-        if previous is None:
+        if asked.previous_response_id not in conversations:
             raise Refused(f"previous_response_id {asked.previous_response_id}: no response of this episode has "
                           "that id (a response is kept for its episode alone)")
-    messages = construct_input_messages(request_instructions=asked.instructions, request_input=asked.input,
-                                        prev_msg=previous)
+        history, instructions = conversations[asked.previous_response_id]
+        if instructions and history[:1] == [{"role": "system", "content": instructions}]:
+            history = history[1:]
+    messages = [*([{"role": "system", "content": asked.instructions}] if asked.instructions else []), *history,
+                *construct_input_messages(request_input=asked.input)]
     # the fields a chat call shares; those left unset keep the chat request's defaults, which refusal reads
     shared = {key: getattr(asked, key) for key in (
         "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty",
@@ -92,6 +99,31 @@ def _responses_as_chat(body: bytes, conversations: dict[str, list[dict]]):
         "logprobs": "message.output_text.logprobs" in (asked.include or []) or bool(asked.top_logprobs),
         "top_logprobs": asked.top_logprobs or None})
     return chat, asked
+
+
+def remember(call, conversations: Conversations, conversation: list[dict]) -> None:
+    """``conversation`` (the messages through ``call``'s answer, as the episode compares them) kept
+    for a later ``previous_response_id`` where ``call`` is a Responses API call; before the answer
+    goes, since the program's next call may name it at once."""
+    if call.api == "responses":
+        conversations[call.asked.request_id] = (list(conversation), call.asked.instructions)
+
+
+def unfit(api: str, tool_calls: list) -> str | None:
+    """Why ``api``'s answer cannot carry a turn's ``tool_calls`` (vLLM's ``ToolCall``s) as calls, or
+    None: an Anthropic ``tool_use`` block's input is a JSON object, where a parser reads any JSON
+    value as a call's arguments. Such a turn is answered as its text, a malformed call."""
+    if api != "messages":
+        return None
+    for call in tool_calls:
+        try:
+            fits = isinstance(json.loads(call.function.arguments), dict)
+        except (TypeError, ValueError):
+            fits = False
+        if not fits:
+            return (f"malformed tool call: the arguments of {call.function.name} are not a JSON object, as a "
+                    "tool_use block's input is")
+    return None
 
 
 def answer(api: str, asked, whole: dict, sampling=None) -> tuple[Any, list[str] | None]:
@@ -126,7 +158,8 @@ def _response(asked, whole: dict, sampling) -> dict:
                                          asked.tools)
     # the run's sampling, as the response reports it (a call cannot change it: refusal); the bound of
     # a turn the call left unbounded is the run's, set after (from_request takes a number)
-    run = SimpleNamespace(temperature=_figure(sampling, asked, "temperature"), top_p=_figure(sampling, asked, "top_p"),
+    run = SimpleNamespace(temperature=_reported(sampling, asked, "temperature"),
+                          top_p=_reported(sampling, asked, "top_p"),
                           max_tokens=asked.max_output_tokens or 0, presence_penalty=0.0, frequency_penalty=0.0,
                           logprobs=asked.top_logprobs)
     figures = ResponseUsage(input_tokens=usage.get("prompt_tokens", 0), output_tokens=usage.get("completion_tokens", 0),
@@ -140,7 +173,7 @@ def _response(asked, whole: dict, sampling) -> dict:
     return response.model_dump(mode="json", exclude_none=True)
 
 
-def _figure(sampling, asked, key: str) -> float:
+def _reported(sampling, asked, key: str) -> float:
     """The run's ``key`` (temperature, top_p), else the call's, else OpenAI's default (1)."""
     for source in (sampling, asked):
         if getattr(source, key, None) is not None:

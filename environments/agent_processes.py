@@ -36,6 +36,7 @@ from typing import Any, Callable
 
 import httpx
 
+from environments.agent_apis import ROUTES, episode_key
 from environments.interface import PastDeadline
 from environments.program_runs import episode_client, within
 from protocol.codec import ProtocolError, decode, encode
@@ -211,8 +212,6 @@ class ProgramProcesses:
 
     def answer(self, call: dict, send: Callable[[dict], None]) -> None:
         """A program's ``call`` message answered by the endpoint, its answer message to ``send``."""
-        from environments.agent_apis import ROUTES
-
         def reply(status: int, answer: Any, streamed: bool = False) -> None:
             send({"kind": "answer", "key": call["key"], "id": call["id"], "status": status, "answer": answer,
                   "streamed": streamed})
@@ -334,8 +333,6 @@ class OverConnection(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         number = next(self.ids)
         self.waiting[number] = answer = asyncio.get_running_loop().create_future()
-        from environments.agent_apis import episode_key
-
         key = episode_key(request.headers)
         try:
             _send(self.connection, {"kind": "call", "key": key, "id": number, "path": request.url.path,

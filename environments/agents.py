@@ -43,7 +43,7 @@ from typing import Any, Callable
 
 from common import verifiers_data
 from common.functions import load_function
-from environments import verifiers_envs
+from environments import agent_apis, verifiers_envs
 from environments.endpoint import Call, Endpoint, HTTPError
 from environments.interface import (BadStep, PastDeadline, Restart, Step, TokenIds, ToolError, Turn, as_step,
                                     check_observation)
@@ -258,9 +258,12 @@ def _run_command(command: list[str], endpoint: Endpoint, environment: "AgentEnvi
                  ) -> Any:
     """An agent program in a process of its own (``rollout.agent_command``), as OpenAI's and
     Anthropic's clients configure themselves: ``OPENAI_BASE_URL``, ``ANTHROPIC_BASE_URL`` and
-    ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY`` (the episode's key) in its environment; the row, a JSON line, on its stdin; its reward on stdout's last line (a number,
-    or a JSON object with ``reward``; earlier lines are its own). The episode's end kills it."""
-    variables = {**os.environ, "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": environment.key,
+    ``OPENAI_API_KEY``, ``ANTHROPIC_API_KEY`` (the episode's key) in its environment; the row, a
+    JSON line, on its stdin; its reward on stdout's last line (a number, or a JSON object with
+    ``reward``; earlier lines are its own). The episode's end kills it."""
+    # an inherited ANTHROPIC_AUTH_TOKEN would be sent before the episode's key by clients that prefer it
+    variables = {**{k: v for k, v in os.environ.items() if k != "ANTHROPIC_AUTH_TOKEN"},
+                 "OPENAI_BASE_URL": endpoint.base_url, "OPENAI_API_KEY": environment.key,
                  "ANTHROPIC_BASE_URL": endpoint.root_url, "ANTHROPIC_API_KEY": environment.key}
     process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                env=variables, text=True, start_new_session=True)
@@ -365,8 +368,8 @@ class AgentEnvironment:
         self.call: Call | None = None  # the call the policy's next turn answers
         self.sent: list[dict] = []  # the conversation as the program sent it, with the replies it got
         self.tools: list[dict] | None = None  # the program's tools, as its first call passed them
-        # the conversation through each of its Responses API answers, by response id (previous_response_id)
-        self.conversations: dict[str, list[dict]] = {}
+        # the conversation through each of its Responses API answers (previous_response_id)
+        self.conversations: agent_apis.Conversations = {}
         self.completion: bool | None = None  # its calls are completions (not chat), from its first
         self.text, self.ids = "", []  # a completions episode so far, as the program knows it and as the engine does
         self.unsaid = ""  # the text of the stop token ending self.ids that the last answer's text omits
@@ -387,8 +390,13 @@ class AgentEnvironment:
             spent = self.spent
         if spent:  # answered at once, with nothing: a program that reads no finish_reason still ends and returns
             tokenizer, nothing = self.programs.parser.tokenizer, Turn(0, [], [], "length")
-            call.answer(_completion_answer(call.request, "", nothing, tokenizer) if call.completion
-                        else _answer(call.request, "", [], nothing, tokenizer))
+            if call.completion:
+                call.answer(_completion_answer(call.request, "", nothing, tokenizer))
+                return None
+            answer = _answer(call.request, "", [], nothing, tokenizer)
+            agent_apis.remember(call, self.conversations, [*map(_plain, call.request.messages), _plain(
+                answer.choices[0].message.model_dump(mode="json", exclude_none=True))])
+            call.answer(answer)
             return None
         with self.lock:
             if self.unanswered:  # two calls at once would be two branches of one token stream
@@ -496,10 +504,12 @@ class AgentEnvironment:
         text = parser.text_of(turn.token_ids) if turn is not None else response
         reasoning, text = parser.reasoning.split(text) if parser.reasoning is not None else (None, text)
         content, tool_calls, unread = parser.openai_calls(text, call.request)
+        unfit = agent_apis.unfit(call.api, tool_calls)
+        if unfit is not None:  # calls the call's API cannot carry: the turn's text, as a malformed call's
+            content, tool_calls, unread = text, [], unfit
         answer = _answer(call.request, content, tool_calls, turn, tokenizer, reasoning)
         self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
-        if call.api == "responses":  # before the answer: the program's next call may name it at once
-            self.conversations[call.asked.request_id] = list(self.sent)
+        agent_apis.remember(call, self.conversations, self.sent)
         call.answer(answer if unread is None else _marked(answer, unread))
         return tool_calls, [] if unread is None else [ToolError("malformed", None, {}, unread)]
 
@@ -535,7 +545,7 @@ class AgentEnvironment:
         if call.completion:
             return self._take_prompt(call)
         messages = [_plain(message) for message in call.request.messages]
-        if messages[:len(self.sent)] != self.sent:  # a rewritten context: the episode's sample starts over
+        if not _same(messages[:len(self.sent)], self.sent):  # a rewritten context: the sample starts over
             self.sent, self.call, self.tools = messages, call, _tools_of(call.request)
             return Restart(messages)
         added, self.sent, self.call = messages[len(self.sent):], messages, call
@@ -767,7 +777,7 @@ def _plain(message: Any) -> dict:
     if message.get("tool_calls"):
         plain["tool_calls"] = [{"id": call["id"], "type": "function",
                                 "function": {"name": call["function"]["name"],
-                                             "arguments": _arguments(call["function"]["arguments"])}}
+                                             "arguments": call["function"]["arguments"]}}
                                for call in (dict(c) for c in message["tool_calls"])]
     for key in ("tool_call_id", "name"):
         if message.get(key):
@@ -775,14 +785,25 @@ def _plain(message: Any) -> dict:
     return plain
 
 
-def _arguments(arguments: str) -> str:
-    """A tool call's arguments as they compare: JSON written as ``json.dumps`` writes it, as an
-    Anthropic call's ``tool_use`` input comes back (a dict, written again by vLLM's converter), or
-    the text as it is where it is not JSON."""
-    try:
-        return json.dumps(json.loads(arguments))
-    except (TypeError, ValueError):
-        return arguments
+def _same(sent: list[dict], before: list[dict]) -> bool:
+    """Whether a call's messages ``sent`` (``_plain``'s) repeat those ``before``, a tool call's
+    arguments compared as the JSON they are: an Anthropic call's ``tool_use`` input comes back as a
+    dict, written again by vLLM's converter, a LangChain program's as LangChain writes it."""
+    return [_compared(message) for message in sent] == [_compared(message) for message in before]
+
+
+def _compared(message: dict) -> dict:
+    """``message`` with each tool call's arguments read as JSON (left as text where they are not)."""
+    if not message.get("tool_calls"):
+        return message
+    calls = []
+    for call in message["tool_calls"]:
+        try:
+            arguments = json.loads(call["function"]["arguments"])
+        except (TypeError, ValueError):
+            arguments = call["function"]["arguments"]
+        calls.append({**call, "function": {**call["function"], "arguments": arguments}})
+    return {**message, "tool_calls": calls}
 
 
 def _reward(value: Any, others_score: bool) -> tuple[float, dict[str, float]]:

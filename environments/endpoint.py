@@ -3,13 +3,14 @@ the Anthropic Messages API on loopback, for agent programs (``rollout.agent``), 
 rollout's own engine (the last two taken as the chat-completions call they amount to:
 ``environments.agent_apis``).
 
-Each call carries its episode's key (``Authorization: Bearer <key>``, or Anthropic's ``x-api-key``);
-a key the rollout did not give, or whose episode has ended, is refused (401, 404), so one episode
+Each call carries its episode's key (``Authorization: Bearer <key>``, or ``x-api-key``); a key the
+rollout did not give, or whose episode has ended, is refused (401, 404), so one episode
 never reads another's tokens. The request is vLLM's own ``ChatCompletionRequest`` (validated as
 vLLM's server validates it; what an episode's call may not ask for is refused with 400,
-``environments.agents.refusal``) and the answer vLLM's ``ChatCompletionResponse``. The handler hands the call to the episode
-(``environments.agents.AgentEnvironment.offer``) and awaits its answer, which the rollout's loop gives
-once the engine has generated the turn, batched with every other request.
+``environments.agents.refusal``) and the answer vLLM's ``ChatCompletionResponse``. The handler
+hands the call to the episode (``environments.agents.AgentEnvironment.offer``) and awaits its
+answer, which the rollout's loop gives once the engine has generated the turn, batched with every
+other request.
 """
 
 # no `from __future__ import annotations`: FastAPI reads the route's annotations at runtime
@@ -24,7 +25,7 @@ from typing import Any, Callable
 import httpx
 
 from environments import agent_apis
-from environments.agent_apis import NAMES, ROUTES, Refused, as_chat, episode_key
+from environments.agent_apis import CALL_NAMES, ROUTES, Refused, as_chat, episode_key
 
 LOG = logging.getLogger(__name__)  # the rollout's log: its root handler
 START_DEADLINE_S = 30.0
@@ -198,7 +199,10 @@ class Endpoint:
         except Refused as refused:
             return None, _error(400, str(refused))
         except (ValidationError, ValueError, VLLMValidationError) as invalid:
-            return None, _error(400, f"not {NAMES[api]} request: {invalid}")
+            return None, _error(400, f"not {CALL_NAMES[api]} request: {invalid}")
+        except Exception as error:  # a converter's own failure on what validated (vLLM's): the call, not the process
+            return None, _error(400, f"{CALL_NAMES[api]} request vLLM's converter could not read "
+                                     f"({type(error).__name__}: {error})")
         call = make(request, asked)
         refused = environment.offer(call)
         return (None, _error(refused.status, refused.message)) if refused is not None else (call, None)

@@ -169,16 +169,31 @@ async def responds_twice(client, row: dict) -> dict:
                                if item.type == "function_call"]})
         return response
 
-    asked = [{"role": "user", "content": row["prompt"]}]
-    first = await create(input=asked)
-    outputs = [{"type": "function_call_output", "call_id": item.call_id,
-                "output": str(add(**json.loads(item.arguments)))} for item in first.output if item.type == "function_call"]
+    asked = [*([{"role": "system", "content": "Add with the tool."}] if row.get("system") else []),
+             {"role": "user", "content": row["prompt"]}]
+    first = await create(input=asked, instructions=row.get("instructions"))
+    outputs = [{"type": "function_call_output", "call_id": item.call_id, "output": str(add(**json.loads(item.arguments)))}
+               for item in first.output if item.type == "function_call"]
     if row.get("whole"):
         final = await create(input=[*asked, *(item.model_dump(exclude_none=True) for item in first.output), *outputs])
     else:
-        final = await create(input=outputs, previous_response_id=first.id)
+        final = await create(input=outputs, previous_response_id=first.id, instructions=row.get("instructions"))
     SEEN[row["id"]] = seen
     return {"reward": 1.0 if final.output_text == "42" else 0.0, "calls": 2}
+
+
+async def claude_calls_once(client, row: dict) -> float:
+    """One Messages API call with the add tool; what the answer held goes to SEEN."""
+    import anthropic
+
+    async with anthropic.AsyncAnthropic(base_url=str(client.base_url).removesuffix("/").removesuffix("/v1"),
+                                        api_key=client.api_key, max_retries=0) as claude:
+        tool = {"name": "add", "input_schema": ADD["function"]["parameters"]}
+        message = await claude.messages.create(model="policy", max_tokens=64, tools=[tool],
+                                               messages=[{"role": "user", "content": row["prompt"]}])
+    SEEN[row["id"]] = {"stop_reason": message.stop_reason,
+                       "blocks": [block.model_dump(exclude_none=True) for block in message.content]}
+    return 1.0
 
 
 async def claude_asks_twice(client, row: dict) -> dict:

@@ -900,3 +900,67 @@ def test_an_answer_that_cannot_be_written_in_its_api_fails_the_call_with_500_and
                 "the rollout could not answer this call (RuntimeError: no writer for this answer)")):
             step_of(episode, "42", [])
     assert _tool_loop(agent, {"id": "after"})[2].reward == 1.0
+
+
+@pytest.mark.parametrize("row", [{"id": "system-item", "system": True},
+                                 {"id": "instructed", "instructions": "Add with the tool."}])
+def test_a_responses_api_chain_by_id_keeps_its_system_item_and_leaves_its_instructions_to_each_call(programs, row):
+    """previous_response_id carries the conversation on with the system message a program sent as
+    an input item (OpenAI's API drops only the instructions a response was given, and a call gives
+    its own): the second call extends the first, no context restart, as a chat program's does."""
+    system = [{"role": "system", "content": "Add with the tool."}]
+    responses, chat = _tool_loop(programs("tests.environments:responds_twice"), row), _tool_loop(
+        programs("tests.environments:asks_twice"), {})
+    assert responses[0] == [*system, *chat[0]] and responses[1:] == chat[1:]
+
+
+def test_a_call_an_anthropic_answer_cannot_carry_is_answered_as_text_and_counted_malformed(programs):
+    """A parser reads any JSON value as a call's arguments; a tool_use block's input is an object:
+    a call whose arguments are not one comes back to an Anthropic program as the turn's text, and
+    the episode counts it a malformed call, as a call the parser cannot read."""
+    from tests.environments import SEEN
+
+    episode = programs("tests.environments:claude_calls_once").make({"id": "not-an-object", "prompt": "17 + 25?"})
+    first_of(episode)
+    turn = '<tool_call>\n{"name": "add", "arguments": "17 and 25"}\n</tool_call>'
+    step = step_of(episode, turn, [])
+    assert step.done and step.reward == 1.0 and [error.kind for error in step.tool_errors] == ["malformed"]
+    assert "are not a JSON object" in step.tool_errors[0].detail
+    assert SEEN["not-an-object"] == {"stop_reason": "end_turn", "blocks": [{"type": "text", "text": turn}]}
+
+
+def test_a_key_in_x_api_key_is_an_episodes_key_as_a_bearer_is():
+    """Anthropic's Messages API sends its key as x-api-key (Anthropic's docs, Claude Code): the
+    endpoint reads it as it reads a Bearer token (a stranger's key 401, an ended episode's 404)."""
+    import httpx
+
+    from environments.endpoint import Endpoint, HTTPError
+
+    class Ended:
+        @staticmethod
+        def offer(call):
+            return HTTPError(404, "this episode has ended")
+
+    endpoint = Endpoint(lambda key: Ended if key == "ended-key" else None)
+    try:
+        body = {"model": "policy", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+        stranger = httpx.post(f"{endpoint.root_url}/v1/messages", json=body, headers={"x-api-key": "who"}, timeout=10)
+        ended = httpx.post(f"{endpoint.root_url}/v1/messages", json=body, headers={"x-api-key": "ended-key"},
+                           timeout=10)
+        assert (stranger.status_code, ended.status_code) == (401, 404) and "ended" in ended.text
+    finally:
+        endpoint.close()
+
+
+def test_tool_call_arguments_compare_as_json_and_render_as_the_program_wrote_them():
+    """A program that writes a call's arguments back in its own spacing (LangChain, Anthropic's
+    converter) extends the episode; the messages keep its text."""
+    from environments.agents import _plain, _same
+
+    def message(arguments: str) -> dict:
+        return _plain({"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": arguments}}]})
+
+    ours, theirs = message('{"a": 17, "b": 25}'), message('{"a":17,"b":25}')
+    assert _same([theirs], [ours]) and theirs["tool_calls"][0]["function"]["arguments"] == '{"a":17,"b":25}'
+    assert not _same([message('{"a": 17, "b": 26}')], [ours]) and not _same([], [ours])
