@@ -763,11 +763,12 @@ def _marked(answer, unread: str) -> dict:
 
 def _plain(message: Any) -> dict:
     """A chat message as the template renders it and as it compares: role, content as text (parts
-    that show images kept as parts, for a policy that sees: ``image_url`` with a ``data:`` URL, or
-    ``{"type": "image", ...}``), and the tool calls or the call answered where there are some."""
+    that show images kept as parts, for a policy that sees: ``image_url`` with a ``data:`` URL, the
+    Responses API's ``input_image`` made one, or ``{"type": "image", ...}``), and the tool calls or
+    the call answered where there are some."""
     message = dict(message)
     content = message.get("content")
-    parts = [dict(part) for part in content if isinstance(part, dict)] if isinstance(content, list) else []
+    parts = [_image_url(dict(part)) for part in content if isinstance(part, dict)] if isinstance(content, list) else []
     if any(part.get("type") in ("image", "image_url") for part in parts):
         content = [part if part.get("type") not in ("text", "input_text") else
                    {"type": "text", "text": part.get("text") or ""} for part in parts]
@@ -783,6 +784,14 @@ def _plain(message: Any) -> dict:
         if message.get(key):
             plain[key] = message[key]
     return plain
+
+
+def _image_url(part: dict) -> dict:
+    """A Responses API ``input_image`` part (its URL in ``image_url``) as chat's ``image_url`` part;
+    any other part as it is."""
+    if part.get("type") != "input_image":
+        return part
+    return {"type": "image_url", "image_url": {"url": part.get("image_url") or ""}}
 
 
 def _same(sent: list[dict], before: list[dict]) -> bool:

@@ -3,6 +3,7 @@ by hand: what a program sends is the episode's observation, what it returns its 
 with a key the rollout did not give, or of an episode that ended, is refused. The program's
 calls through a real engine, token for token as native episodes: tests/test_agent_demo.py."""
 
+import json
 import os
 import re
 import sys
@@ -964,3 +965,17 @@ def test_tool_call_arguments_compare_as_json_and_render_as_the_program_wrote_the
     ours, theirs = message('{"a": 17, "b": 25}'), message('{"a":17,"b":25}')
     assert _same([theirs], [ours]) and theirs["tool_calls"][0]["function"]["arguments"] == '{"a":17,"b":25}'
     assert not _same([message('{"a": 17, "b": 26}')], [ours]) and not _same([], [ours])
+
+
+def test_a_responses_api_image_part_is_kept_as_chats_image_url_part():
+    """A Responses call's ``input_image`` (a policy that sees) reaches the episode as the
+    ``image_url`` part a chat call's image is, beside its text; it is never dropped as textless."""
+    from environments.agent_apis import as_chat
+    from environments.agents import _plain
+
+    url = "data:image/png;base64,iVBORw0KGgo="
+    body = json.dumps({"model": "policy", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "What colour?"}, {"type": "input_image", "image_url": url}]}]}).encode()
+    chat, _ = as_chat("responses", body, {})
+    assert [_plain(message) for message in chat.messages] == [{"role": "user", "content": [
+        {"type": "text", "text": "What colour?"}, {"type": "image_url", "image_url": {"url": url}}]}]
