@@ -6,6 +6,10 @@
   turns of a 16-token tool call, the tool's 6 tokens (masked: the environment's) and a 6-token answer;
 - ``episode``: a 160-token prompt (tool schemas, instructions) and 4 responses of 40 to 150 tokens.
 
+The packings as the learner and the scorer run them (``learner.main.packing_taken``,
+``common.packing.checked``: on SDPA, attention row by row, ``segment_attention``), and ``tree-dense``:
+the tree in packed rows of dense 4-D masks, what a model off SDPA runs.
+
 Each turn times one whole learner step (``learner.step.ppo_step`` on DeepSpeed engines of the same
 Llama actor and critic, one engine pair per packing, the same weights) and one scorer pass (the
 reference's logprobs and the reward model's scores, ``scorer.scoring``) on the task's batch. It
@@ -21,6 +25,7 @@ none in the learner's trained tokens/s on the episode task.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import tempfile
@@ -33,6 +38,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from common.packing import PACKINGS  # noqa: E402 - the repository on the path first
+
+# each packing as the learner and scorer run it (a model on SDPA: ``common.packing.segment_attention``),
+# and a tree of dense 4-D masks (the layout a model off SDPA gets, and tether's before segments)
+VARIANTS = (*PACKINGS, "tree-dense")
+PACKING_OF = {"tree-dense": "tree"}
 
 
 def task_samples(task: str, prompts: int, vocab: int, seed: int = 0) -> list:
@@ -118,6 +128,8 @@ def main() -> None:
     from bench.learner_overhead import build_models
     from common.config import SamplingConfig, load_config
     from common.models import load_causal_lm, load_critic, load_reward_model
+    from common.packing import checked, segmented
+    from learner.main import packing_taken
     from common.sequences import collate
     from demos.parity import VOCAB
     from scorer.scoring import reference_logprobs, reward_scores
@@ -133,19 +145,31 @@ def main() -> None:
               "rollout.max_model_len=512", "learner.actor_lr=1e-5", "learner.critic_lr=1e-5"]
     base = {"run_dir": os.path.join(directory, "run"), "models": {"policy": policy, "reward": rm},
             "data": {"prompts": "/unused"}}
-    configs = {packing: load_config(None, [*common, f"learner.packing={packing}"], base=base) for packing in PACKINGS}
+    log = logging.getLogger("bench")
+    configs = {variant: load_config(None, [*common, f"learner.packing={PACKING_OF.get(variant, variant)}"], base=base)
+               for variant in VARIANTS}
     init_distributed(configs["none"])
-    engines = {packing: (make_deepspeed_engine(load_causal_lm(policy), 1e-5, config),
-                         make_deepspeed_engine(load_critic(rm), 1e-5, config)) for packing, config in configs.items()}
+    engines = {variant: (make_deepspeed_engine(load_causal_lm(policy), 1e-5, config),
+                         make_deepspeed_engine(load_critic(rm), 1e-5, config)) for variant, config in configs.items()}
+    for variant, pair in engines.items():  # as the learner takes its packing
+        configs[variant] = packing_taken(configs[variant], list(pair), log)
+        if variant == "tree-dense":
+            for engine in pair:
+                segmented(engine, False)
     reference = load_causal_lm(policy).eval()
     reward_model = load_reward_model(rm, "float32", None, new_head=False).eval()
+    for model, what in ((reference, "the reference"), (reward_model, "the reward model")):
+        checked(model, "tree", 512, log, what)
     sampling = SamplingConfig()
 
-    def learner_step(packing, samples, batch):
-        actor, critic = engines[packing]
-        learner.step.ppo_step(actor, critic, samples, batch, configs[packing], policy_version=0, kl_coef=0.05)
+    def learner_step(variant, samples, batch):
+        actor, critic = engines[variant]
+        learner.step.ppo_step(actor, critic, samples, batch, configs[variant], policy_version=0, kl_coef=0.05)
 
-    def scorer_pass(packing, samples, batch):
+    def scorer_pass(variant, samples, batch):
+        packing = PACKING_OF.get(variant, variant)
+        for model in (reference, reward_model):
+            segmented(model, variant in ("pack", "tree"))
         reference_logprobs(reference, samples, 0, sampling, packing=packing, max_tokens=4096)
         reward_scores(reward_model, samples, 0, packing=packing, max_tokens=4096)
 
@@ -162,33 +186,33 @@ def main() -> None:
         print(f"\n{task}: {trained} trained tokens, {every} tokens a batch; padding {shares['padding_share']:.0%} of "
               f"padded passes, repeated prefixes {shares['prefix_share']:.0%} of the tokens", flush=True)
         for part, work in (("learner", learner_step), ("scorer", scorer_pass)):
-            for packing in PACKINGS:  # warm-up: the first calls allocate and build DeepSpeed's buffers
-                work(packing, samples, batch)
+            for variant in VARIANTS:  # warm-up: the first calls allocate and build DeepSpeed's buffers
+                work(variant, samples, batch)
             if args.memory:
                 grown = {}
-                for packing in PACKINGS:
+                for variant in VARIANTS:
                     with PeakMemory() as peak:
-                        work(packing, samples, batch)
-                    grown[packing] = peak.grown / 2**20
-                print(f"  {part:<8} peak MiB a step adds: " + ", ".join(f"{p} {grown[p]:.0f}" for p in PACKINGS),
+                        work(variant, samples, batch)
+                    grown[variant] = peak.grown / 2**20
+                print(f"  {part:<8} peak MiB a step adds: " + ", ".join(f"{v} {grown[v]:.0f}" for v in VARIANTS),
                       flush=True)
                 continue
-            times = {packing: [] for packing in PACKINGS}
+            times = {variant: [] for variant in VARIANTS}
             for round_index in range(args.rounds):
-                for packing in PACKINGS if round_index % 2 == 0 else reversed(PACKINGS):
+                for variant in VARIANTS if round_index % 2 == 0 else reversed(VARIANTS):
                     started = time.perf_counter()
-                    work(packing, samples, batch)
-                    times[packing].append(time.perf_counter() - started)
+                    work(variant, samples, batch)
+                    times[variant].append(time.perf_counter() - started)
                 print(f"  {part} round {round_index + 1}: "
-                      + ", ".join(f"{p} {times[p][-1]:.2f}s" for p in PACKINGS), flush=True)
-            results[task, part] = {p: median(times[p]) for p in PACKINGS}
+                      + ", ".join(f"{v} {times[v][-1]:.2f}s" for v in VARIANTS), flush=True)
+            results[task, part] = {v: median(times[v]) for v in VARIANTS}
             tokens = trained if part == "learner" else every
             label = "trained tokens/s" if part == "learner" else "tokens/s"
-            print(f"  {part:<8}{'packing':<8}{'median s':>10}{label:>18}{'of none':>9}")
+            print(f"  {part:<8}{'packing':<11}{'median s':>10}{label:>18}{'of none':>9}")
             none_s = results[task, part]["none"]
-            for packing in PACKINGS:
-                seconds = results[task, part][packing]
-                print(f"  {'':<8}{packing:<8}{seconds:>10.3f}{tokens / seconds:>18,.0f}{none_s / seconds:>8.2f}x",
+            for variant in VARIANTS:
+                seconds = results[task, part][variant]
+                print(f"  {'':<8}{variant:<11}{seconds:>10.3f}{tokens / seconds:>18,.0f}{none_s / seconds:>8.2f}x",
                       flush=True)
     if ("episode", "learner") in results:
         ratio = results["episode", "learner"]["none"] / results["episode", "learner"]["tree"]

@@ -81,14 +81,14 @@ class ValueModel(nn.Module):
         return self.body
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                output_hidden_states: bool = False, position_ids: torch.Tensor | None = None, **images):
-        """``images``: a body that sees images takes their inputs (``SequenceBatch.model_inputs``);
-        ``output_hidden_states``: the body's last hidden states too, as ``hidden_states[-1]``;
-        ``position_ids``: a packed pass's (``common.packing``)."""
+                output_hidden_states: bool = False, position_ids: torch.Tensor | None = None, **inputs):
+        """``inputs``: a body that sees images takes their inputs (``SequenceBatch.model_inputs``), a
+        packed pass its segments; ``output_hidden_states``: the body's last hidden states too, as
+        ``hidden_states[-1]``; ``position_ids``: a packed pass's (``common.packing``)."""
         from transformers.modeling_outputs import TokenClassifierOutput
 
         positions = {} if position_ids is None else {"position_ids": position_ids}
-        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **positions, **images,
+        hidden = self.body(input_ids=input_ids, attention_mask=attention_mask, **positions, **inputs,
                            **self.no_cache).last_hidden_state
         return TokenClassifierOutput(logits=self.head(hidden),
                                      hidden_states=(hidden,) if output_hidden_states else None)

@@ -43,20 +43,26 @@ class SequenceBatch:
     # attention_mask is then [R, 1, W, W] (or None: flash-attn's varlen), and the positions above
     # index the R x W nodes one after another (``gather``)
     position_ids: torch.Tensor | None = None
+    # a packed pass of a model whose attention goes row by row (``common.packing.Segments``): its
+    # nodes are then one row [1, N] with no attention_mask, and each row's attention reads its path
+    segments: Any = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
         return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self)
                                if f.name not in _NOT_TENSORS),
                              images=_each(self.images, lambda tensor: tensor.to(device)), seen=self.seen,
                              image_counts=self.image_counts, blank=self.blank,
-                             position_ids=None if self.position_ids is None else self.position_ids.to(device))
+                             position_ids=None if self.position_ids is None else self.position_ids.to(device),
+                             segments=None if self.segments is None else self.segments.to(device))
 
     @property
-    def model_inputs(self) -> dict[str, torch.Tensor]:
-        """What the model's forward takes: the ids, their mask, a packed pass's positions and any image
-        inputs."""
-        positions = {} if self.position_ids is None else {"position_ids": self.position_ids}
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **positions, **(self.images or {})}
+    def model_inputs(self) -> dict[str, Any]:
+        """What the model's forward takes: the ids, their mask, a packed pass's positions (and
+        segments) and any image inputs."""
+        packed = {} if self.position_ids is None else {"position_ids": self.position_ids}
+        if self.segments is not None:
+            packed["segments"] = self.segments
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, **packed, **(self.images or {})}
 
     def select(self, rows: torch.Tensor) -> "SequenceBatch":
         """The batch of ``rows`` only, its padding trimmed to their longest sequence and response
@@ -114,7 +120,7 @@ class SequenceBatch:
         return self.last_positions + 1
 
 
-_NOT_TENSORS = ("images", "seen", "image_counts", "blank", "position_ids")
+_NOT_TENSORS = ("images", "seen", "image_counts", "blank", "position_ids", "segments")
 
 
 def _row_more(tensor: torch.Tensor) -> torch.Tensor:

@@ -70,8 +70,7 @@ def reward_scores(reward_model: nn.Module, samples: list[Sample], pad_token_id: 
     batch = collate(samples, pad_token_id, processor).to(next(reward_model.parameters()).device)
     scores = torch.zeros(len(samples))
     for rows, run in _passes(reward_model, batch, packing, max_tokens):
-        scores[rows.cpu()] = _pooled_scores(reward_model, run.input_ids, run.attention_mask, run.last_positions,
-                                            run.images, run.position_ids)
+        scores[rows.cpu()] = _pooled_scores(reward_model, run.last_positions, **run.model_inputs)
     return scores
 
 
@@ -81,29 +80,27 @@ def reward_scores_of_tokens(reward_model: nn.Module, rows: list[list[int]]) -> t
     whose vocabulary is not the policy's. Pooled as ``reward_scores``."""
     device = next(reward_model.parameters()).device
     input_ids, attention_mask = pad_rows(rows)
-    return _pooled_scores(reward_model, input_ids.to(device), attention_mask.to(device),
-                          (attention_mask.sum(dim=1) - 1).to(device))
+    return _pooled_scores(reward_model, (attention_mask.sum(dim=1) - 1).to(device), input_ids=input_ids.to(device),
+                          attention_mask=attention_mask.to(device))
 
 
-def _pooled_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                   last_positions: torch.Tensor, images: dict[str, torch.Tensor] | None = None,
-                   position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """input_ids, attention_mask: [B, L] right-padded (or a packed pass's, with its ``position_ids``);
-    last_positions: [B]; ``images``: the rows' image inputs (an RM that sees). Returns [B] on the
-    CPU, calibrated by the offset and scale stored with the RM."""
+def _pooled_scores(reward_model: nn.Module, last_positions: torch.Tensor, input_ids: torch.Tensor,
+                   attention_mask: torch.Tensor | None, **inputs) -> torch.Tensor:
+    """The scores of rows ``input_ids``, ``attention_mask`` [B, L] right-padded (or a packed pass's,
+    ``SequenceBatch.model_inputs``), read at ``last_positions`` [B]; ``inputs``: the rows' image inputs
+    (an RM that sees), a packed pass's positions and segments. Returns [B] on the CPU, calibrated by
+    the offset and scale stored with the RM."""
     offset = float(getattr(reward_model.config, REWARD_OFFSET_KEY, 0.0))
     scale = float(getattr(reward_model.config, REWARD_SCALE_KEY, 1.0))
-    positions = {} if position_ids is None else {"position_ids": position_ids}
-    return ((raw_scores(reward_model, input_ids, attention_mask, last_positions, **positions, **(images or {}))
-             - offset) / scale).cpu()
+    return ((raw_scores(reward_model, input_ids, attention_mask, last_positions, **inputs) - offset) / scale).cpu()
 
 
 def raw_scores(reward_model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                last_positions: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
     """[B] fp32, uncalibrated: the RM's head on the hidden state of each row's last real token
     (``last_positions`` [B]), as the scorer reads it and tether rm trains it; ``inputs``: the image
-    inputs of an RM that sees, a packed pass's position_ids (its packed rows hold every row's tokens,
-    which ``last_positions`` index one packed row after another)."""
+    inputs of an RM that sees, a packed pass's position_ids and segments (its packed rows hold every
+    row's tokens, which ``last_positions`` index one packed row after another)."""
     from training.lora import is_lora
 
     model = reward_model.get_base_model() if is_lora(reward_model) else reward_model

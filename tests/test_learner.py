@@ -1,5 +1,6 @@
 """The learner's PPO step, weight publishing and checkpoints on real DeepSpeed engines (CPU, gloo)."""
 
+import logging
 import os
 
 import numpy as np
@@ -11,6 +12,7 @@ from common.config import SamplingConfig
 from common.config import load_config
 from common.models import load_causal_lm, load_critic
 from common.sequences import collate
+from learner.main import packing_taken
 from learner.publish import publish_weights
 from learner.step import StepCarry, ppo_step
 from protocol.samples import Sample
@@ -269,6 +271,7 @@ def one_step(tmp_path, tiny_assets, samples, *overrides, ptx=None):
     actor = make_deepspeed_engine(load_causal_lm(tiny_assets["policy"], config.models.dtype), config.learner.actor_lr, config)
     critic = (make_deepspeed_engine(load_critic(tiny_assets["reward"], config.models.dtype), config.learner.critic_lr, config)
               if config.learner.advantage_estimator == "gae" and not config.learner.distill_only else None)
+    config = packing_taken(config, [actor, critic], logging.getLogger("test"))  # as the learner starts
     stats = ppo_step(actor, critic, samples, collate(samples, pad_token_id=0), config,
                      policy_version=0, kl_coef=0.05,
                      carry=StepCarry(SkippedSteps(config.learner.max_skipped_steps), ptx=ptx))

@@ -1,7 +1,8 @@
 """Packed and prefix-shared passes (``common.packing``): the layout against a brute-force reading
-of what a tree is, and on every family the tests build, logprobs, entropies, values and their
-gradients of ``pack`` and ``tree`` equal to a padded pass within 1e-5 in float32; then a whole PPO
-step's weights on real DeepSpeed engines, and the scorer's passes."""
+of what a tree is, and the segments (attention row by row) against the dense layout; on every
+family the tests build, logprobs, entropies, values and their gradients of ``pack`` and ``tree``
+(row by row, and in dense packed rows) equal to a padded pass within 1e-5 in float32; then a whole
+PPO step's weights on real DeepSpeed engines, and the scorer's passes."""
 
 import logging
 
@@ -12,7 +13,8 @@ import torch
 from common.config import SamplingConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from common.models import ValueModel, disable_dropout
-from common.packing import bins, checked, layout, packed, packed_tokens, prefix_order, prompt_units, refusal
+from common.packing import (bins, checked, for_model, layout, packed, packed_tokens, prefix_order, probe_mismatch,
+                            prompt_units, refusal, segmented)
 from common.sequences import SequenceBatch, collate
 from demos.parity import VOCAB as PARITY_VOCAB
 from protocol.samples import Sample
@@ -108,6 +110,37 @@ def test_packed_rows_hold_whole_rows_within_twice_the_longest_and_a_tree_keeps_a
         assert flat[run.response_positions[i, :len(response)]].tolist() == (prompt + response)[len(prompt) - 1:-1]
 
 
+def test_segments_attend_what_the_dense_layout_allows_each_node_once_in_groups_of_like_rows():
+    """A model on segment attention gets the rows' nodes as one sequence and each row's attention as
+    its path: read back as node pairs, exactly the dense layout's mask; every node a query once."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    assert segmented(model) and model.config._attn_implementation == "tether_sdpa"
+    batch = collate(samples_of(grouped_rows(seed=4, prompts=4, responses=3)), 0)
+    for packing in ("pack", "tree"):
+        lay = layout(batch.input_ids, batch.lengths, packing)
+        run = packed(batch, packing, model)
+        assert run.attention_mask is None and torch.equal(run.input_ids[0], lay.input_ids)
+        assert torch.equal(run.position_ids[0], lay.position_ids)
+        segments, nodes = run.segments, len(lay.input_ids)
+        seen = torch.zeros((nodes, nodes), dtype=torch.bool)
+        queried = []
+        for queries, keys, allowed, slots in zip(segments.queries, segments.keys, segments.allowed, segments.slots):
+            rows, width_q = queries.shape
+            for slot in slots.tolist():
+                g, q = divmod(slot, width_q)
+                seen[queries[g, q], keys[g][allowed[g, 0, q]]] = True
+                queried.append(int(queries[g, q]))
+        assert torch.equal(seen, lay.allowed), packing
+        assert sorted(queried) == list(range(nodes))  # each node's output computed once
+        assert torch.equal(torch.tensor(queried)[segments.inverse], torch.arange(nodes))
+        assert len(segments.queries) >= 2  # rows of unlike size in groups of their own
+    # a pass laid out row by row runs on a model of segment attention only
+    with pytest.raises(ValueError, match="segment attention"):
+        for_model(packed(batch, "tree", model), AutoModelForCausalLM.from_config(family_config("llama")))
+
+
 def test_pass_shares_and_the_prefix_order_read_what_a_tree_would_save():
     rows = grouped_rows(seed=2, prompts=2, responses=4)
     batch = collate(samples_of(rows), 0)
@@ -170,13 +203,14 @@ def family_config(family):
     }[family]()
 
 
-def passes(model, critic, batch: SequenceBatch, packing: str):
-    """Logprobs, entropies and values [B, T] of ``batch`` laid out as ``packing``, and the gradient of
-    one loss of them all, per parameter, for actor and critic."""
+def passes(model, critic, batch: SequenceBatch, packing: str, laid_for=None):
+    """Logprobs, entropies and values [B, T] of ``batch`` laid out as ``packing`` for ``laid_for``
+    (a model on segment attention: row by row; None: dense packed rows), and the gradient of one
+    loss of them all, per parameter, for actor and critic."""
     model.zero_grad()
     critic.zero_grad()
     sampling = SamplingConfig(temperature=0.7)
-    run = packed(batch, packing)
+    run = packed(batch, packing, laid_for)
     logits = run.gather(model(**run.model_inputs, use_cache=False).logits)
     logprobs = logprobs_from_logits(logits, batch.response_tokens, sampling)
     entropies = entropy_from_logits(logits, sampling)
@@ -201,10 +235,12 @@ def test_packed_and_tree_passes_equal_a_padded_one_with_their_gradients(family, 
     critic = disable_dropout(ValueModel(AutoModel.from_config(config), torch.nn.Linear(64, 1)))
     batch = collate(samples_of(grouped_rows(), masked_environment), 0)
     assert checked(model, "tree", 64, logging.getLogger("test"), "the actor") == "tree"
+    assert segmented(model) and segmented(critic)  # each family takes attention row by row
     padded = passes(model, critic, batch, "none")
-    for packing in ("pack", "tree"):
-        assert len(packed(batch, packing).input_ids) > 1  # several packed rows, padded to the longest
-        other = passes(model, critic, batch, packing)
+    for packing, laid_for in (("pack", model), ("tree", model), ("pack", None), ("tree", None)):
+        if laid_for is None:
+            assert len(packed(batch, packing).input_ids) > 1  # several packed rows, padded to the longest
+        other = passes(model, critic, batch, packing, laid_for)
         for name, a, b in zip(("logprobs", "entropies", "values"), padded[:3], other[:3]):
             assert (a - b).abs().max() <= TOLERANCE, (packing, name)
         assert padded[3].keys() == other[3].keys()
@@ -217,7 +253,9 @@ def test_packed_and_tree_passes_equal_a_padded_one_with_their_gradients(family, 
 @pytest.mark.parametrize("packing", ["pack", "tree"])
 def test_the_start_up_probe_packs_rows_together_so_that_a_mask_ignored_shows(packing, monkeypatch):
     """The probe's rows share packed rows (else a family that ignored the mask would pass it), and a
-    family whose rows see each other's tokens is caught: here the mask is dropped before the model."""
+    family whose rows see each other's tokens is caught: here what steers a packed pass (the
+    segments, then the 4-D mask too) is dropped before the model. Without segments the dense masks
+    are taken; without either, none."""
     import common.packing as packing_module
     from transformers import AutoModelForCausalLM
 
@@ -225,13 +263,23 @@ def test_the_start_up_probe_packs_rows_together_so_that_a_mask_ignored_shows(pac
     original = packing_module.bins
     monkeypatch.setattr(packing_module, "bins", lambda *a: made.append(original(*a)) or made[-1])
     model = disable_dropout(AutoModelForCausalLM.from_config(family_config("llama")))
-    assert packing_module.probe_mismatch(model, packing) < 1e-5
+    assert probe_mismatch(model, packing) < 1e-5
     assert max(len(group) for group in made[-1]) >= 2
+    segmented(model)
+    assert probe_mismatch(model, packing) < 1e-5
     forward = model.model.forward
     monkeypatch.setattr(model.model, "forward", lambda **kw: forward(**{
-        **kw, "attention_mask": None if kw["attention_mask"].dim() == 4 else kw["attention_mask"]}))
-    assert packing_module.probe_mismatch(model, packing) > 1e-2
+        key: value for key, value in kw.items() if key != "segments"}))
+    assert probe_mismatch(model, packing) > 1e-2
+    assert checked(model, packing, 64, logging.getLogger("test"), "the actor") == packing  # dense masks
+    assert model.config._attn_implementation == "sdpa"
+    monkeypatch.setattr(model.model, "forward", lambda **kw: forward(**{
+        **{key: value for key, value in kw.items() if key != "segments"},
+        "attention_mask": None if kw["attention_mask"] is not None and kw["attention_mask"].dim() == 4
+        else kw["attention_mask"]}))
+    assert probe_mismatch(model, packing) > 1e-2
     assert checked(model, packing, 64, logging.getLogger("test"), "the actor") == "none"
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_a_family_a_4d_mask_cannot_steer_falls_back_to_none_with_a_line(caplog):
@@ -281,7 +329,9 @@ def grouped_samples(samples):
     # KL in the reward, a group whose scores differ by 1e-4 divides float noise by their spread)
     ["learner.zero_stage=0", "learner.advantage_estimator=grpo", "rollout.samples_per_prompt=2", "learner.kl_in=loss",
      "learner.minibatch_size=4", "learner.ppo_epochs=2"],
-], ids=["zero0", "zero3-micro-batches", "grpo-minibatches"])
+    # the checkpointed layers computed again in the backward, with the pass's segments
+    ["learner.zero_stage=0", "learner.gradient_checkpointing=true"],
+], ids=["zero0", "zero3-micro-batches", "grpo-minibatches", "checkpointed"])
 def test_a_ppo_step_trains_the_same_weights_packed_and_as_a_tree_as_padded(tmp_path, tiny_assets, grouped_samples,
                                                                             options, restore_environment):
     from tests.test_learner import one_step
@@ -295,7 +345,9 @@ def test_a_ppo_step_trains_the_same_weights_packed_and_as_a_tree_as_padded(tmp_p
                 if name in padded_weights)
     assert moved > 5 * TOLERANCE  # the step changed the weights: the agreement means something
     for packing in ("pack", "tree"):
-        stats, weights, _ = one_step(tmp_path, tiny_assets, grouped_samples, *options, f"learner.packing={packing}")
+        stats, weights, packed_actor = one_step(tmp_path, tiny_assets, grouped_samples, *options,
+                                                f"learner.packing={packing}")
+        assert packed_actor.module.config._attn_implementation == "tether_sdpa"  # attention row by row
         gap = max(float((weights[name] - padded_weights[name]).abs().max()) for name in padded_weights)
         worst = sorted(((float((weights[n] - padded_weights[n]).abs().max()), n) for n in padded_weights))[-3:]
         assert gap <= TOLERANCE, (packing, gap, worst)
@@ -328,8 +380,13 @@ def test_the_scorers_reference_and_reward_passes_packed_equal_padded(tiny_assets
     padded = reference_logprobs(reference, made, 0, sampling)
     scores = reward_scores(rm, made, 0)
     assert len(made) * max(len(s.prompt_tokens) + len(s.response_tokens) for s in made) > 24
-    for packing in ("pack", "tree"):
-        other = reference_logprobs(reference, made, 0, sampling, packing=packing, max_tokens=24)
-        assert all(a.shape == b.shape and (a - b).abs().max() <= TOLERANCE for a, b in zip(padded, other)), packing
-        torch.testing.assert_close(reward_scores(rm, made, 0, packing=packing, max_tokens=24), scores,
-                                   atol=TOLERANCE, rtol=0)
+    for rows_by_rows in (True, False):  # segment attention, as the scorer's check gives it, and dense masks
+        for model, what in ((reference, "the reference"), (rm, "the reward model")):
+            assert checked(model, "tree", 64, logging.getLogger("test"), what) == "tree"
+            segmented(model, rows_by_rows)
+        for packing in ("pack", "tree"):
+            other = reference_logprobs(reference, made, 0, sampling, packing=packing, max_tokens=24)
+            assert all(a.shape == b.shape and (a - b).abs().max() <= TOLERANCE
+                       for a, b in zip(padded, other)), packing
+            torch.testing.assert_close(reward_scores(rm, made, 0, packing=packing, max_tokens=24), scores,
+                                       atol=TOLERANCE, rtol=0)
