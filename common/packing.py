@@ -166,7 +166,8 @@ def segments(node: torch.Tensor, lengths: torch.Tensor, added: torch.Tensor) -> 
     lengths = lengths.cpu()
     new = lengths - added
     groups, group, real = [], [], 0
-    for row in torch.argsort(new, descending=True, stable=True).tolist():
+    # a row with no node of its own (a response the same as another) has no query: no group's
+    for row in [row for row in torch.argsort(new, descending=True, stable=True).tolist() if new[row] > 0]:
         size = int(new[row]) * int(lengths[row])
         if group:
             queries, keys = int(new[group[0]]), max(int(lengths[group].max()), int(lengths[row]))
@@ -226,17 +227,32 @@ def segmented(model, on: bool = True) -> bool:
     family may have its own; flash-attn) keeps it and its packed passes dense 4-D masks. Returns
     whether the model now runs ``segment_attention``."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     config = _config(model)
     implementation = _attention(config)
     if implementation not in ("sdpa", SEGMENTED):
         return False
-    if SEGMENTED not in AttentionInterface._global_mapping:
+    if on and SEGMENTED not in AttentionInterface._global_mapping:
         AttentionInterface.register(SEGMENTED, segment_attention)
-        AttentionMaskInterface.register(SEGMENTED, sdpa_mask)  # a padded pass's mask, as SDPA's
-    config._attn_implementation = SEGMENTED if on else "sdpa"
+        AttentionMaskInterface.register(SEGMENTED, _segments_mask)
+    if on != (implementation == SEGMENTED):  # the setter writes every sub-config: only where it changes
+        config._attn_implementation = SEGMENTED if on else "sdpa"
     return on
+
+
+def segments_on(model) -> bool:
+    """Whether ``model`` (a module, DeepSpeed engine, LoRA or ValueModel) runs ``segment_attention``."""
+    return _attention(_config(model)) == SEGMENTED
+
+
+def _segments_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs):
+    """The mask transformers builds for a model of ``segment_attention``: SDPA's for a padded pass (its
+    2-D mask given), none for a pass of segments (no mask given), which would otherwise be an
+    [N, N] one built from its position ids and left unread."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 def packed(batch: SequenceBatch, packing: Packing, model=None) -> SequenceBatch:
@@ -254,7 +270,7 @@ def packed(batch: SequenceBatch, packing: Packing, model=None) -> SequenceBatch:
         return batch
     device, lengths = batch.input_ids.device, batch.lengths.cpu()
     input_ids = batch.input_ids.cpu()
-    if _attention(_config(model)) == SEGMENTED:  # one sequence of every node, attention row by row
+    if segments_on(model):  # one sequence of every node, attention row by row
         ids, positions, node, added = _nodes(input_ids, lengths, packing)
         return _indexed(replace(batch, input_ids=ids[None].to(device), attention_mask=None,
                                 position_ids=positions[None].to(device),
@@ -345,7 +361,7 @@ def additive(allowed: torch.Tensor, model=None) -> torch.Tensor:
 def for_model(run: SequenceBatch, model) -> SequenceBatch:
     """A packed ``run`` made for one model, for ``model``: the same layout, its mask in ``model``'s
     dtype (the actor's pass read again by the critic)."""
-    if run.segments is not None and _attention(_config(model)) != SEGMENTED:
+    if run.segments is not None and not segments_on(model):
         raise ValueError(f"a pass laid out for segment attention cannot run on a model of "
                          f"{_attention(_config(model))}: lay it out for that model (common.packing.packed)")
     mask = run.attention_mask
@@ -427,22 +443,23 @@ def _outputs(model, batch: SequenceBatch) -> torch.Tensor:
     """The last hidden states [B, L, H] of ``model``'s transformer body, which every head reads
     (a causal LM's, a critic's, a reward model's alike; a LoRA model's through its base)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return inner.base_model(**batch.model_inputs).last_hidden_state.float()
+    # no cache, as the learner's and the scorer's passes (transformers reads packed position ids then)
+    return inner.base_model(**batch.model_inputs, use_cache=False).last_hidden_state.float()
 
 
-def checked(model, packing: Packing, max_length: int | None, log, what: str) -> Packing:
+def checked(model, packing: Packing, max_length: int | None, log, what: str, segments: bool = True) -> Packing:
     """``packing`` for ``model`` (a module: ``what`` names it in the line), or ``none`` with a line
     saying why where the family cannot take it (``refusal``), or where a packed pass of four short
     rows differs from a padded one by more than its dtype's rounding allows, relative to the
     hidden states' largest (a family that builds its own mask whatever it is handed: never silently
     wrong). A model on SDPA is given ``segment_attention`` (``segmented``) where its packed pass
-    passes the probe, else keeps SDPA and dense masks where those pass it."""
+    passes the probe (and ``segments``), else keeps SDPA and dense masks where those pass it."""
     if packing == "none":
         return packing
     config = model.config
     reason = refusal(config, max_length, packing)
     if reason is None:
-        for segment in (True, False) if segmented(model) else (False,):
+        for segment in (True, False) if segments and segmented(model) else (False,):
             segmented(model, segment)
             reason = _probed(model, packing)
             if reason is None:

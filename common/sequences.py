@@ -48,8 +48,9 @@ class SequenceBatch:
     segments: Any = None
 
     def to(self, device: torch.device | str) -> "SequenceBatch":
-        return SequenceBatch(*(getattr(self, f.name).to(device) for f in fields(self)
-                               if f.name not in _NOT_TENSORS),
+        # a packed pass of segments (or flash-attn's) has no attention_mask
+        return SequenceBatch(*(None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                               for f in fields(self) if f.name not in _NOT_TENSORS),
                              images=_each(self.images, lambda tensor: tensor.to(device)), seen=self.seen,
                              image_counts=self.image_counts, blank=self.blank,
                              position_ids=None if self.position_ids is None else self.position_ids.to(device),

@@ -17,7 +17,7 @@ from common import models
 from common.config import ConfigError, TetherConfig
 from common.model_dirs import resolve_models
 from common.models import critic_source
-from common.packing import checked
+from common.packing import checked, segments_on
 from common.processors import banning_placeholder, load_processor, sees_images
 from common.runlog import MetricsWriter, StartupTimeline, metrics_writer, setup_logging
 from common.sequences import SequenceBatch, collate
@@ -149,11 +149,17 @@ def load_engines(config: TetherConfig, timeline: StartupTimeline) -> tuple:
 
 def packing_taken(config: TetherConfig, engines: list, log) -> TetherConfig:
     """``config`` with ``learner.packing`` as both models take it: ``none`` where either cannot
-    (``common.packing.checked`` says why in a line)."""
+    (``common.packing.checked`` says why in a line). A pass is laid out once for both (the
+    critic reads the actor's): where one takes attention row by row and the other not, both
+    take dense masks."""
     packing = config.learner.packing
-    for engine, what in zip(engines, ("the actor", "the critic")):
-        if engine is not None:
-            packing = checked(engine.module, packing, config.rollout.max_model_len, log, what)
+    models = [(engine.module, what) for engine, what in zip(engines, ("the actor", "the critic")) if engine is not None]
+    for segments in (True, False):
+        packing = config.learner.packing
+        for model, what in models:
+            packing = checked(model, packing, config.rollout.max_model_len, log, what, segments)
+        if len({segments_on(model) for model, _ in models}) == 1:
+            break
     if parallel.any_rank(packing != config.learner.packing):  # the ranks deal rows alike only with one layout
         packing = "none"
     if packing == config.learner.packing:

@@ -14,7 +14,7 @@ from common.config import SamplingConfig
 from common.distributions import entropy_from_logits, logprobs_from_logits
 from common.models import ValueModel, disable_dropout
 from common.packing import (bins, checked, for_model, layout, packed, packed_tokens, prefix_order, probe_mismatch,
-                            prompt_units, refusal, segmented)
+                            prompt_units, refusal, segmented, segments_on)
 from common.sequences import SequenceBatch, collate
 from demos.parity import VOCAB as PARITY_VOCAB
 from protocol.samples import Sample
@@ -141,6 +141,52 @@ def test_segments_attend_what_the_dense_layout_allows_each_node_once_in_groups_o
         for_model(packed(batch, "tree", model), AutoModelForCausalLM.from_config(family_config("llama")))
 
 
+def test_a_pass_of_segments_makes_transformers_build_no_mask_of_its_nodes(monkeypatch):
+    """With no cache (the learner's and the scorer's passes), transformers reads packed sequences from
+    the position ids and would build an [N, N] mask that segment attention never reads; a padded
+    pass on the same model still gets SDPA's mask."""
+    import transformers.masking_utils
+    from transformers import AutoModelForCausalLM
+
+    built = []
+    original = transformers.masking_utils.sdpa_mask
+    monkeypatch.setattr(transformers.masking_utils, "sdpa_mask",
+                        lambda *a, **kw: built.append(original(*a, **kw)) or built[-1])
+    model = AutoModelForCausalLM.from_config(family_config("llama"))
+    segmented(model)
+    batch = collate(samples_of(grouped_rows()), 0)
+    model(**packed(batch, "tree", model).model_inputs, use_cache=False)
+    assert built == []
+    model(**batch.model_inputs, use_cache=False)
+    assert len(built) == 1 and built[0].shape[-1] == batch.input_ids.shape[1]
+
+
+def test_an_actor_and_a_critic_of_unlike_attention_both_take_dense_masks(tmp_path, tiny_assets):
+    """The learner lays a pass out once for both models: an actor on SDPA and a critic on eager (which
+    keeps its family's own attention) both take the tree in dense masks, and the critic reads the
+    actor's pass."""
+    from common.config import load_config
+    from learner.main import packing_taken
+    from tests.helpers import base_config
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    actor = AutoModelForCausalLM.from_config(family_config("llama"))
+    eager = family_config("llama")
+    eager._attn_implementation = "eager"
+    critic = ValueModel(AutoModel.from_config(eager), torch.nn.Linear(64, 1))
+    assert critic.config._attn_implementation == "eager"
+    config = load_config(None, ["learner.packing=tree"], base=base_config(tmp_path, tiny_assets))
+    engines = [type("Engine", (), {"module": model})() for model in (actor, critic)]
+    assert packing_taken(config, engines, logging.getLogger("test")).learner.packing == "tree"
+    assert not segments_on(actor) and not segments_on(critic)
+    batch = collate(samples_of(grouped_rows()), 0)
+    run = for_model(packed(batch, "tree", actor), critic)
+    values = run.gather(critic(**run.model_inputs).logits.squeeze(-1))
+    padded = batch.gather(critic(**batch.model_inputs).logits.squeeze(-1))
+    mask = batch.response_mask.bool()
+    assert (values[mask] - padded[mask]).abs().max() <= TOLERANCE
+
+
 def test_pass_shares_and_the_prefix_order_read_what_a_tree_would_save():
     rows = grouped_rows(seed=2, prompts=2, responses=4)
     batch = collate(samples_of(rows), 0)
@@ -254,8 +300,8 @@ def test_packed_and_tree_passes_equal_a_padded_one_with_their_gradients(family, 
 def test_the_start_up_probe_packs_rows_together_so_that_a_mask_ignored_shows(packing, monkeypatch):
     """The probe's rows share packed rows (else a family that ignored the mask would pass it), and a
     family whose rows see each other's tokens is caught: here what steers a packed pass (the
-    segments, then the 4-D mask too) is dropped before the model. Without segments the dense masks
-    are taken; without either, none."""
+    segments, then the 4-D mask and the positions too) is dropped before the model. Without
+    segments the dense masks are taken; without either, none."""
     import common.packing as packing_module
     from transformers import AutoModelForCausalLM
 
@@ -273,8 +319,8 @@ def test_the_start_up_probe_packs_rows_together_so_that_a_mask_ignored_shows(pac
     assert probe_mismatch(model, packing) > 1e-2
     assert checked(model, packing, 64, logging.getLogger("test"), "the actor") == packing  # dense masks
     assert model.config._attn_implementation == "sdpa"
-    monkeypatch.setattr(model.model, "forward", lambda **kw: forward(**{
-        **{key: value for key, value in kw.items() if key != "segments"},
+    monkeypatch.setattr(model.model, "forward", lambda **kw: forward(**{  # nor positions: rows see each other
+        **{key: value for key, value in kw.items() if key not in ("segments", "position_ids")},
         "attention_mask": None if kw["attention_mask"] is not None and kw["attention_mask"].dim() == 4
         else kw["attention_mask"]}))
     assert probe_mismatch(model, packing) > 1e-2
