@@ -459,8 +459,9 @@ def checked(model, packing: Packing, max_length: int | None, log, what: str, seg
     config = model.config
     reason = refusal(config, max_length, packing)
     if reason is None:
-        for segment in (True, False) if segments and segmented(model) else (False,):
-            segmented(model, segment)
+        for segment in (True, False) if segments else (False,):
+            if segmented(model, segment) != segment:
+                continue  # off SDPA: no segment attention to give it
             reason = _probed(model, packing)
             if reason is None:
                 return packing

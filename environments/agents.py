@@ -394,8 +394,7 @@ class AgentEnvironment:
                 call.answer(_completion_answer(call.request, "", nothing, tokenizer))
                 return None
             answer = _answer(call.request, "", [], nothing, tokenizer)
-            agent_apis.remember(call, self.conversations, [*map(_plain, call.request.messages), _plain(
-                answer.choices[0].message.model_dump(mode="json", exclude_none=True))])
+            agent_apis.remember(call, self.conversations, [*map(_plain, call.request.messages), _reply(answer)])
             call.answer(answer)
             return None
         with self.lock:
@@ -508,7 +507,7 @@ class AgentEnvironment:
         if unfit is not None:  # calls the call's API cannot carry: the turn's text, as a malformed call's
             content, tool_calls, unread = text, [], unfit
         answer = _answer(call.request, content, tool_calls, turn, tokenizer, reasoning)
-        self.sent.append(_plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True)))
+        self.sent.append(_reply(answer))
         agent_apis.remember(call, self.conversations, self.sent)
         call.answer(answer if unread is None else _marked(answer, unread))
         return tool_calls, [] if unread is None else [ToolError("malformed", None, {}, unread)]
@@ -784,6 +783,11 @@ def _plain(message: Any) -> dict:
         if message.get(key):
             plain[key] = message[key]
     return plain
+
+
+def _reply(answer) -> dict:
+    """The message of ``answer`` (a ``ChatCompletionResponse``) as the episode keeps it (``_plain``)."""
+    return _plain(answer.choices[0].message.model_dump(mode="json", exclude_none=True))
 
 
 def _image_url(part: dict) -> dict:

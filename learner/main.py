@@ -158,7 +158,7 @@ def packing_taken(config: TetherConfig, engines: list, log) -> TetherConfig:
         packing = config.learner.packing
         for model, what in models:
             packing = checked(model, packing, config.rollout.max_model_len, log, what, segments)
-        if len({segments_on(model) for model, _ in models}) == 1:
+        if packing == "none" or len({segments_on(model) for model, _ in models}) == 1:
             break
     if parallel.any_rank(packing != config.learner.packing):  # the ranks deal rows alike only with one layout
         packing = "none"
